@@ -1,0 +1,3 @@
+"""flowmesh: the shared wire protocol, common types and example models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,178 @@
+"""Turning a ModelSpec into torch modules: on the meta device, seeded on the CPU, or from weights.
+
+Every process that needs a module (partitioner, worker, tests, the demo's reference forward) builds
+it here, so "the same model" means the same code path everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec, check_factory
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise FlowmeshError(Code.BAD_REQUEST, f"unknown dtype {name!r}") from None
+
+
+def resolve_factory(factory: str, allow: Iterable[str] = DEFAULT_ALLOW) -> Callable[..., Any]:
+    check_factory(factory, tuple(allow))
+    module_name, attr = factory.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FlowmeshError(Code.BAD_REQUEST, f"factory module {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise FlowmeshError(Code.BAD_REQUEST, f"factory {factory!r} is not a callable")
+    return fn
+
+
+def _call_factory(spec: ModelSpec, allow: Iterable[str]) -> nn.Module:
+    fn = resolve_factory(spec.factory, allow)
+    try:
+        model = fn(**spec.kwargs)
+    except FlowmeshError:
+        raise
+    except Exception as exc:
+        raise FlowmeshError(
+            Code.BAD_REQUEST, f"factory {spec.factory} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"factory {spec.factory} returned {type(model).__name__}, not a Module",
+        )
+    return model
+
+
+def _cast(model: nn.Module, dtype: str) -> nn.Module:
+    # Only floating tensors take the model dtype; integer buffers (positions, masks) keep theirs.
+    return model.to(torch_dtype(dtype)).eval()
+
+
+def build_meta(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
+    """The model's structure with no memory behind it."""
+    with torch.device("meta"):
+        model = _call_factory(spec, allow)
+    return _cast(model, spec.dtype)
+
+
+def build_seeded(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
+    """The whole model on the CPU with the factory's own initialisation under `spec.init_seed`.
+
+    This is the reference for seeded deployments: a worker holding any stage of the model has
+    exactly the tensors this returns, so tests compare served outputs with its forward.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed)
+        with torch.device("cpu"):
+            model = _call_factory(spec, allow)
+    return _cast(model, spec.dtype)
+
+
+def build_reference(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
+    """The whole model on the CPU as deployed: seeded, or with its weights file loaded."""
+    if spec.weights is None:
+        return build_seeded(spec, allow)
+    model = build_meta(spec, allow)
+    names = {n: n for n in model.state_dict(keep_vars=True)}
+    tensors = read_weights(
+        spec.weights, names, expected=model.state_dict(keep_vars=True), dtype=spec.dtype
+    )
+    model.load_state_dict(tensors, assign=True, strict=True)
+    return model.eval()
+
+
+def read_weights(
+    path: str,
+    names: dict[str, str],
+    expected: dict[str, torch.Tensor],
+    dtype: str,
+) -> dict[str, torch.Tensor]:
+    """Read only the tensors named in `names` (local name -> name in the file).
+
+    A missing tensor or a shape that does not match `expected` is a clear deploy error.
+    """
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except (OSError, FileNotFoundError) as exc:
+        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r}: {exc}") from None
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r} unreadable: {exc}") from None
+    with handle as f:
+        available = set(f.keys())
+        for local, stored in names.items():
+            if stored not in available:
+                raise FlowmeshError(
+                    Code.BAD_REQUEST, f"weights {path!r}: tensor {stored!r} is missing"
+                )
+            tensor = f.get_tensor(stored)
+            want = expected[local]
+            if tuple(tensor.shape) != tuple(want.shape):
+                raise FlowmeshError(
+                    Code.BAD_REQUEST,
+                    f"weights {path!r}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(want.shape)}",
+                )
+            if want.dtype.is_floating_point:
+                tensor = tensor.to(torch_dtype(dtype))
+            else:
+                tensor = tensor.to(want.dtype)
+            out[local] = tensor
+    return out
+
+
+def declared_inputs(spec: ModelSpec, model: nn.Module) -> dict[str, TensorSpec] | None:
+    """The spec's inputs, else what the module declares in `flowmesh_inputs`."""
+    if spec.inputs is not None:
+        return spec.inputs
+    raw = getattr(model, "flowmesh_inputs", None)
+    if raw is None:
+        return None
+    return ModelSpec(name="x", factory="a:b", inputs=raw).inputs
+
+
+def example_inputs(
+    inputs: dict[str, TensorSpec], batch: int, device: str | torch.device = "meta"
+) -> dict[str, torch.Tensor]:
+    """Tensors of the declared shapes (free dims = 1, dim 0 = batch) for shape propagation."""
+    out = {}
+    for name, ts in inputs.items():
+        shape = [batch] + [1 if d == -1 else d for d in ts.shape[1:]]
+        out[name] = torch.zeros(shape, dtype=torch_dtype(ts.dtype), device=device)
+    return out
+
+
+def call_model(model: nn.Module, inputs: dict[str, torch.Tensor] | torch.Tensor) -> Any:
+    """One tensor is passed positionally, whatever its name; several as keyword arguments."""
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if len(inputs) == 1:
+        return model(next(iter(inputs.values())))
+    return model(**inputs)

@@ -1,0 +1,41 @@
+"""Error codes shared by every process, and the one exception type that carries them."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Code(StrEnum):
+    # malformed traffic (answered, never fatal)
+    BAD_MESSAGE = "bad_message"  # not msgpack, truncated, wrong field types
+    BAD_FRAMES = "bad_frames"  # frame count does not match the header
+    BAD_TENSOR = "bad_tensor"  # bytes do not match dtype x shape, unknown dtype
+    UNKNOWN_TYPE = "unknown_type"
+    TOO_LARGE = "too_large"
+    VERSION = "version_mismatch"
+    # requests
+    BAD_REQUEST = "bad_request"
+    NOT_ALLOWED = "not_allowed"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_EXISTS = "model_exists"
+    TOO_BIG = "too_big"  # cannot fit the devices, whatever is evicted
+    UNAVAILABLE = "unavailable"  # no worker / partitioner able to take it now
+    OVERLOADED = "overloaded"  # queue or socket high-water mark reached
+    TIMEOUT = "timeout"
+    WORKER_LOST = "worker_lost"
+    MODEL_ERROR = "model_error"  # the model's own code raised
+    NO_SPACE = "no_space"  # a worker could not place a load (fragmentation)
+    NOT_RESIDENT = "not_resident"
+    NOT_A_CHAIN = "not_a_chain"
+    PLAN_ERROR = "plan_error"
+    DEPLOY_FAILED = "deploy_failed"
+    INTERNAL = "internal"
+
+
+class FlowmeshError(Exception):
+    """An error with a wire code and a readable reason."""
+
+    def __init__(self, code: Code | str, reason: str) -> None:
+        super().__init__(f"[{code}] {reason}")
+        self.code = Code(code) if code in Code._value2member_map_ else code
+        self.reason = reason

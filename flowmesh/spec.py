@@ -1,0 +1,187 @@
+"""What a deployed model is: its spec as plain data, validated, hashable, free of torch.
+
+The broker imports this without torch; `flowmesh.build` turns a spec into modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from flowmesh.errors import Code, FlowmeshError
+
+DTYPES = ("float32", "float16", "bfloat16")
+TENSOR_DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+DEFAULT_ALLOW = ("flowmesh.examples", "torch.nn")
+MAX_STAGES = 64
+MAX_KWARGS_BYTES = 64 * 1024
+
+
+def _bad(reason: str) -> FlowmeshError:
+    return FlowmeshError(Code.BAD_REQUEST, reason)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input: dtype and shape; -1 is a free dimension (dim 0 is the batch)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def check(self, name: str, dtype: str, shape: tuple[int, ...] | list[int]) -> None:
+        if dtype != self.dtype:
+            raise _bad(f"input {name!r}: dtype {dtype}, model expects {self.dtype}")
+        if len(shape) != len(self.shape) or any(
+            want not in (-1, got) for want, got in zip(self.shape, shape, strict=True)
+        ):
+            want = "x".join("N" if d == -1 else str(d) for d in self.shape)
+            got_s = "x".join(str(d) for d in shape)
+            raise _bad(f"input {name!r}: shape {got_s}, model expects {want}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    factory: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    weights: str | None = None
+    seed: int | None = None
+    dtype: str = "float32"
+    stages: int | None = None
+    max_batch_size: int = 8
+    replicas: int | None = None
+    inputs: dict[str, TensorSpec] | None = None
+    slo_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise _bad(f"model name {self.name!r}: use 1-128 letters, digits, '.', '_' or '-'")
+        if not isinstance(self.factory, str) or not FACTORY_RE.match(self.factory):
+            raise _bad(f"factory {self.factory!r}: expected 'package.module:callable'")
+        if not isinstance(self.kwargs, dict) or not all(isinstance(k, str) for k in self.kwargs):
+            raise _bad("kwargs must be a mapping with string keys")
+        try:
+            packed = msgpack.packb(self.kwargs)
+        except (TypeError, ValueError) as exc:
+            raise _bad(
+                f"kwargs must be plain data (numbers, strings, lists, maps): {exc}"
+            ) from None
+        if len(packed) > MAX_KWARGS_BYTES:
+            raise _bad(f"kwargs are {len(packed)} bytes, limit {MAX_KWARGS_BYTES}")
+        if self.weights is not None and self.seed is not None:
+            raise _bad("give either weights or seed, not both")
+        if self.weights is not None and (not isinstance(self.weights, str) or not self.weights):
+            raise _bad("weights must be a path to a .safetensors file")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise _bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.dtype not in DTYPES:
+            raise _bad(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.stages is not None and not (
+            isinstance(self.stages, int) and 1 <= self.stages <= MAX_STAGES
+        ):
+            raise _bad(f"stages must be an integer in 1..{MAX_STAGES} or omitted (automatic)")
+        if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 4096:
+            raise _bad("max_batch_size must be an integer in 1..4096")
+        if self.replicas is not None and not (
+            isinstance(self.replicas, int) and 1 <= self.replicas <= 1024
+        ):
+            raise _bad("replicas must be a positive integer or omitted")
+        if self.slo_ms is not None and not (
+            isinstance(self.slo_ms, int | float) and self.slo_ms > 0
+        ):
+            raise _bad("slo_ms must be a positive number of milliseconds")
+        if self.inputs is not None:
+            object.__setattr__(self, "inputs", _parse_inputs(self.inputs))
+
+    @property
+    def init_seed(self) -> int:
+        """Seed of the random initialisation when no weights file is given."""
+        return 0 if self.seed is None else self.seed
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.inputs is not None:
+            out["inputs"] = {
+                n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in self.inputs.items()
+            }
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelSpec:
+        if not isinstance(data, dict):
+            raise _bad("model spec must be a mapping")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise _bad(f"unknown model spec field(s): {', '.join(map(str, unknown))}")
+        if "name" not in data or "factory" not in data:
+            raise _bad("model spec needs at least 'name' and 'factory'")
+        return cls(**data)
+
+    def digest(self) -> str:
+        """Hash of everything that shapes a plan (not the name, batching or replicas)."""
+        key = {
+            "factory": self.factory,
+            "kwargs": self.kwargs,
+            "dtype": self.dtype,
+            "inputs": self.to_dict()["inputs"],
+        }
+        return hashlib.sha256(msgpack.packb(key, use_bin_type=True)).hexdigest()[:16]
+
+    def factory_module(self) -> str:
+        return self.factory.split(":", 1)[0]
+
+
+def _parse_inputs(raw: Any) -> dict[str, TensorSpec]:
+    if not isinstance(raw, dict) or not raw:
+        raise _bad("inputs must be a non-empty mapping of name -> {dtype, shape}")
+    out: dict[str, TensorSpec] = {}
+    for name, item in raw.items():
+        if isinstance(item, TensorSpec):
+            out[name] = item
+            continue
+        if not isinstance(name, str) or not isinstance(item, dict):
+            raise _bad("inputs must map names to {'dtype': ..., 'shape': [...]}")
+        dtype, shape = item.get("dtype"), item.get("shape")
+        if dtype not in TENSOR_DTYPES:
+            raise _bad(f"input {name!r}: dtype {dtype!r} not one of {', '.join(TENSOR_DTYPES)}")
+        if (
+            not isinstance(shape, list | tuple)
+            or not shape
+            or not all(isinstance(d, int) and d >= -1 for d in shape)
+        ):
+            raise _bad(f"input {name!r}: shape must be a list of sizes, -1 for any")
+        out[name] = TensorSpec(dtype, tuple(shape))
+    return out
+
+
+def factory_allowed(factory: str, allow: tuple[str, ...] | list[str]) -> bool:
+    """A factory may run only if its module is an allowed module or inside one."""
+    module = factory.split(":", 1)[0]
+    return any(module == p or module.startswith(p + ".") for p in allow)
+
+
+def check_factory(factory: str, allow: tuple[str, ...] | list[str]) -> None:
+    if not factory_allowed(factory, allow):
+        raise FlowmeshError(
+            Code.NOT_ALLOWED,
+            f"factory {factory!r} is not in the allow-list ({', '.join(allow)}); "
+            "a factory is code that workers execute, so the broker runs only allowed modules",
+        )
