@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec, check_factory
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec, check_factory, parse_inputs
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -155,7 +155,7 @@ def declared_inputs(spec: ModelSpec, model: nn.Module) -> dict[str, TensorSpec] 
     raw = getattr(model, "flowmesh_inputs", None)
     if raw is None:
         return None
-    return ModelSpec(name="x", factory="a:b", inputs=raw).inputs
+    return parse_inputs(raw)
 
 
 def example_inputs(

@@ -31,6 +31,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DEFAULT_ALLOW = ("flowmesh.examples", "torch.nn")
 MAX_STAGES = 64
+# How a worker lays tensors out in device memory: each tensor at a multiple of TENSOR_ALIGN,
+# each block's range a multiple of BLOCK_ALIGN. Planners leave room for this padding.
+TENSOR_ALIGN = 64
+BLOCK_ALIGN = 256
 MAX_KWARGS_BYTES = 64 * 1024
 
 
@@ -108,7 +112,7 @@ class ModelSpec:
         ):
             raise _bad("slo_ms must be a positive number of milliseconds")
         if self.inputs is not None:
-            object.__setattr__(self, "inputs", _parse_inputs(self.inputs))
+            object.__setattr__(self, "inputs", parse_inputs(self.inputs))
 
     @property
     def init_seed(self) -> int:
@@ -149,7 +153,7 @@ class ModelSpec:
         return self.factory.split(":", 1)[0]
 
 
-def _parse_inputs(raw: Any) -> dict[str, TensorSpec]:
+def parse_inputs(raw: Any) -> dict[str, TensorSpec]:
     if not isinstance(raw, dict) or not raw:
         raise _bad("inputs must be a non-empty mapping of name -> {dtype, shape}")
     out: dict[str, TensorSpec] = {}

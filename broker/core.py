@@ -1,0 +1,1075 @@
+"""The broker's logic: registries, deploys, residency by bytes, batching, order and failover.
+
+`BrokerCore` is a plain class. Each event (a decoded message, a clock tick, a failed send) changes
+its state and appends the messages to send to `self.out`; the process shell (`broker.service`)
+delivers them. Tests drive it in-process with exact expectations, no sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from broker.policy import heart_failed, percentile, pick_victims, place_replicas
+from broker.state import (
+    Batch,
+    Model,
+    ModelState,
+    Peer,
+    Phase,
+    Replica,
+    Request,
+    Residency,
+    StageKey,
+)
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, parse_inputs
+
+log = logging.getLogger("broker.core")
+
+CLIENT, BACKEND = "client", "backend"
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    heartbeat_s: float = 1.0
+    liveness: int = 3
+    allow: tuple[str, ...] = DEFAULT_ALLOW
+    max_queue: int = 4096  # per model; beyond it, OVERLOADED
+    default_timeout_s: float = 60.0
+    deploy_timeout_s: float = 600.0
+    default_replicas: int = 2
+    starvation_s: float = 2.0  # a request waiting this long may evict models with queued work
+    max_retries: int = 1  # re-runs of a request whose worker died
+
+
+@dataclass
+class Call:
+    """A request to a worker or partitioner that awaits its answer."""
+
+    kind: str  # "plan" | "stage" | "load"
+    peer: str
+    deadline: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _fail(code: Code, reason: str) -> FlowmeshError:
+    return FlowmeshError(code, reason)
+
+
+class BrokerCore:
+    def __init__(self, cfg: BrokerConfig | None = None, now: float | None = None) -> None:
+        self.cfg = cfg or BrokerConfig()
+        self.peers: dict[str, Peer] = {}
+        self.by_addr: dict[bytes, str] = {}
+        self.models: dict[str, Model] = {}
+        self.batches: dict[int, Batch] = {}
+        self.calls: dict[int, Call] = {}
+        self.plan_cache: dict[str, dict[str, Any]] = {}
+        self.out: list[tuple[str, bytes, p.Message]] = []
+        self.started = time.monotonic() if now is None else now
+        self._ids = itertools.count(1)
+        self.totals = {"requests": 0, "completed": 0, "errors": 0, "batches": 0}
+
+    # ================================================================== plumbing
+
+    def _send(self, dest: str, addr: bytes, msg: p.Message) -> None:
+        self.out.append((dest, addr, msg))
+
+    def _to_peer(self, name: str, msg: p.Message) -> None:
+        self._send(BACKEND, self.peers[name].addr, msg)
+
+    def _reply_error(self, addr: bytes, ref: int | None, code: Code, reason: str) -> None:
+        self._send(CLIENT, addr, p.Error(id=ref, code=str(code), reason=reason))
+
+    def drain(self) -> list[tuple[str, bytes, p.Message]]:
+        out, self.out = self.out, []
+        return out
+
+    def workers(self, ready_only: bool = True) -> list[Peer]:
+        return [
+            w for w in self.peers.values() if w.role == "worker" and (w.ready or not ready_only)
+        ]
+
+    # ================================================================== client side
+
+    def on_client(self, addr: bytes, msg: p.Message, now: float) -> None:
+        handler: Callable[[bytes, Any, float], None] | None = {
+            p.Infer: self._infer,
+            p.Deploy: self._deploy,
+            p.Undeploy: self._undeploy,
+            p.Status: self._status,
+            p.PlanRequest: self._plan_request,
+        }.get(type(msg))
+        if handler is None:
+            raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a client message")
+        handler(addr, msg, now)
+
+    def _infer(self, addr: bytes, msg: p.Infer, now: float) -> None:
+        model = self.models.get(msg.model)
+        if model is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise _fail(Code.MODEL_NOT_FOUND, f"no model {msg.model!r} (deployed: {known})")
+        if model.state is ModelState.UNAVAILABLE:
+            raise _fail(
+                Code.UNAVAILABLE, f"{msg.model!r} has no live replica; waiting for workers to join"
+            )
+        if model.state is not ModelState.READY:
+            raise _fail(Code.UNAVAILABLE, f"{msg.model!r} is still {model.state.value}")
+        rows, signature = self._check_inputs(model, msg.tensors)
+        if len(model.queue) >= self.cfg.max_queue:
+            raise _fail(
+                Code.OVERLOADED,
+                f"{msg.model!r} has {len(model.queue)} queued requests "
+                f"(limit {self.cfg.max_queue}); retry later",
+            )
+        timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.default_timeout_s
+        req = Request(
+            tag=next(self._ids),
+            client=addr,
+            client_id=msg.id,
+            model=model.name,
+            tensors=msg.tensors,
+            rows=rows,
+            signature=signature,
+            arrived=now,
+            deadline=now + timeout,
+        )
+        model.queue.append(req)
+        model.requests += 1
+        self.totals["requests"] += 1
+        self._pump(now)
+
+    def _check_inputs(
+        self, model: Model, tensors: dict[str, p.TensorRef]
+    ) -> tuple[int, tuple[Any, ...]]:
+        if not tensors:
+            raise _fail(Code.BAD_REQUEST, "infer needs at least one input tensor")
+        declared = model.inputs
+        if declared is not None:
+            if list(tensors) == [""] and len(declared) == 1:
+                ((name, spec),) = declared.items()
+                ref = tensors[""]
+                spec.check(name, ref.dtype, ref.shape)
+            else:
+                if set(tensors) != set(declared):
+                    raise _fail(
+                        Code.BAD_REQUEST,
+                        f"{model.name!r} takes inputs {sorted(declared)}, got {sorted(tensors)}",
+                    )
+                for name, ref in tensors.items():
+                    declared[name].check(name, ref.dtype, ref.shape)
+        rows = {ref.shape[0] if ref.shape else None for ref in tensors.values()}
+        if None in rows or len(rows) != 1:
+            raise _fail(Code.BAD_REQUEST, "inputs must share a leading batch dimension")
+        (n,) = rows
+        if n == 0:
+            raise _fail(Code.BAD_REQUEST, "empty batch (dimension 0 is 0)")
+        signature = tuple(sorted((k, r.dtype, r.shape[1:]) for k, r in tensors.items()))
+        return int(n), signature
+
+    def _deploy(self, addr: bytes, msg: p.Deploy, now: float) -> None:
+        spec = ModelSpec.from_dict(msg.spec)
+        check_factory(spec.factory, self.cfg.allow)
+        if spec.name in self.models:
+            raise _fail(
+                Code.MODEL_EXISTS, f"model {spec.name!r} is already deployed; undeploy it first"
+            )
+        workers = self.workers()
+        if not workers:
+            raise _fail(Code.UNAVAILABLE, "no worker is registered")
+        timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.deploy_timeout_s
+        model = Model(
+            spec=spec,
+            state=ModelState.PLANNING,
+            deploy_client=(addr, msg.id),
+            deploy_deadline=now + timeout,
+        )
+        self.models[spec.name] = model
+        request = {
+            "spec": spec.to_dict(),
+            "kind": "stages",
+            "stages": spec.stages,
+            "mem_cap": min(w.budget for w in workers),
+        }
+        try:
+            self._ask_plan(request, {"for": "deploy", "model": spec.name}, now)
+        except FlowmeshError:
+            del self.models[spec.name]
+            raise
+
+    def _plan_request(self, addr: bytes, msg: p.PlanRequest, now: float) -> None:
+        spec = ModelSpec.from_dict(msg.spec)
+        check_factory(spec.factory, self.cfg.allow)
+        if msg.kind not in ("stages", "chunks"):
+            raise _fail(Code.BAD_REQUEST, f"plan kind {msg.kind!r}: 'stages' or 'chunks'")
+        mem_cap = msg.mem_cap
+        if mem_cap is None and self.workers():
+            mem_cap = min(w.budget for w in self.workers())
+        request = {
+            "spec": spec.to_dict(),
+            "kind": msg.kind,
+            "stages": msg.stages,
+            "mem_cap": mem_cap,
+            "target_bytes": msg.target_bytes,
+            "optimizer": msg.optimizer,
+            "batch": msg.batch,
+            "measure": msg.measure,
+        }
+        self._ask_plan(request, {"for": "client", "addr": addr, "id": msg.id}, now)
+
+    def _undeploy(self, addr: bytes, msg: p.Undeploy, now: float) -> None:
+        model = self.models.pop(msg.model, None)
+        if model is None:
+            raise _fail(Code.MODEL_NOT_FOUND, f"no model {msg.model!r}")
+        for req in model.queue:
+            self._answer_error(req, Code.MODEL_NOT_FOUND, f"{msg.model!r} was undeployed")
+        model.queue.clear()
+        for rep in model.replicas:
+            self._drop_replica(model.name, rep)
+        for cid in [i for i, c in self.calls.items() if c.data.get("model") == msg.model]:
+            del self.calls[cid]
+        self._send(CLIENT, addr, p.Undeployed(id=msg.id, model=msg.model))
+        log.info("undeployed model=%s", msg.model)
+        self._pump(now)
+
+    # ================================================================== planning
+
+    def _ask_plan(self, request: dict[str, Any], then: dict[str, Any], now: float) -> None:
+        key = hashlib.sha256(
+            msgpack.packb(
+                {**request, "spec": ModelSpec.from_dict(request["spec"]).digest()},
+                use_bin_type=True,
+            )
+        ).hexdigest()
+        cached = self.plan_cache.get(key)
+        if cached is not None:
+            self._plan_ready(then, cached, now)
+            return
+        parts = [w for w in self.peers.values() if w.role == "partitioner" and w.ready]
+        if not parts:
+            raise _fail(Code.UNAVAILABLE, "no partitioner is registered")
+        part = min(parts, key=lambda w: (w.inflight_plans, w.name))
+        cid = next(self._ids)
+        deadline = now + self.cfg.deploy_timeout_s
+        if then["for"] == "deploy":
+            deadline = self.models[then["model"]].deploy_deadline
+        self.calls[cid] = Call(
+            "plan",
+            part.name,
+            deadline,
+            {**then, "key": key, "request": request, "model": then.get("model")},
+        )
+        part.inflight_plans += 1
+        self._to_peer(part.name, p.PlanJob(id=cid, request=request))
+
+    def _plan_ready(self, then: dict[str, Any], answer: dict[str, Any], now: float) -> None:
+        if then["for"] == "client":
+            self._send(
+                CLIENT,
+                then["addr"],
+                p.PlanReply(id=then["id"], plan=answer["plan"], inputs=answer["inputs"]),
+            )
+            return
+        model = self.models.get(then["model"])
+        if model is None or model.state is not ModelState.PLANNING:
+            return
+        try:
+            self._place_new_model(model, answer["plan"], answer["inputs"])
+        except FlowmeshError as exc:
+            self._deploy_failed(model, exc.code, exc.reason)
+
+    def _place_new_model(
+        self, model: Model, plan: dict[str, Any], inputs: dict[str, Any] | None
+    ) -> None:
+        stage_bytes = [int(b) for b in plan["range_bytes"]]
+        n = len(stage_bytes)
+        workers = self.workers()
+        if n > len(workers):
+            raise _fail(
+                Code.TOO_BIG,
+                f"{model.name!r} needs {n} stages on distinct devices; "
+                f"{len(workers)} worker(s) are registered",
+            )
+        largest = max(w.budget for w in workers)
+        for i, b in enumerate(stage_bytes):
+            if b > largest:
+                hint = (
+                    "deploy with more stages, or omit stages to choose automatically"
+                    if model.spec.stages
+                    else "no split of its blocks fits"
+                )
+                raise _fail(
+                    Code.TOO_BIG,
+                    f"{model.name!r} stage {i} needs {b} bytes but the "
+                    f"largest device budget is {largest} bytes; {hint}",
+                )
+        want = model.spec.replicas or max(1, min(self.cfg.default_replicas, len(workers) // n))
+        placements = place_replicas(workers, stage_bytes, want)
+        if not placements:
+            raise _fail(Code.TOO_BIG, f"no set of {n} workers can hold {model.name!r}")
+        model.plan, model.stage_bytes = plan, stage_bytes
+        model.inputs = parse_inputs(inputs) if inputs else None
+        model.state = ModelState.DEPLOYING
+        model.desired_replicas = want
+        for workers_of in placements:
+            self._deploy_replica(model, workers_of, model.deploy_deadline)
+
+    def _deploy_replica(self, model: Model, workers_of: list[str], deadline: float) -> Replica:
+        rep = Replica(workers=list(workers_of), ready=[False] * len(workers_of))
+        model.replicas.append(rep)
+        for stage, wname in enumerate(workers_of):
+            cid = next(self._ids)
+            self.calls[cid] = Call(
+                "stage", wname, deadline, {"model": model.name, "stage": stage, "replica": rep}
+            )
+            self.peers[wname].hosted[(model.name, stage)] = model.stage_bytes[stage]
+            self._to_peer(
+                wname,
+                p.DeployStage(
+                    id=cid,
+                    model=model.name,
+                    stage=stage,
+                    spec=model.spec.to_dict(),
+                    plan=model.plan or {},
+                ),
+            )
+        return rep
+
+    def _deploy_failed(self, model: Model, code: Code | str, reason: str) -> None:
+        if model.deploy_client is not None:
+            addr, ref = model.deploy_client
+            self._send(CLIENT, addr, p.Error(id=ref, code=str(code), reason=reason))
+            model.deploy_client = None
+        self.models.pop(model.name, None)
+        for rep in model.replicas:
+            self._drop_replica(model.name, rep)
+        for cid in [i for i, c in self.calls.items() if c.data.get("model") == model.name]:
+            del self.calls[cid]
+        log.warning("deploy failed model=%s code=%s reason=%s", model.name, code, reason)
+
+    def _stage_ready(self, peer: Peer, msg: p.StageReady, now: float) -> None:
+        call = self._pop_call(msg.id, "stage")
+        model = self.models.get(msg.model)
+        rep: Replica = call.data["replica"]
+        if model is None or rep not in model.replicas:
+            self._to_peer(
+                peer.name, p.DropStage(id=next(self._ids), model=msg.model, stage=msg.stage)
+            )
+            peer.hosted.pop((msg.model, msg.stage), None)
+            return
+        if msg.nbytes > peer.budget:
+            self._stage_failed(
+                call,
+                f"stage {msg.stage} takes {msg.nbytes} device bytes on "
+                f"worker {peer.name}, over its budget of {peer.budget}",
+                str(Code.TOO_BIG),
+                now,
+            )
+            return
+        peer.hosted[(msg.model, msg.stage)] = msg.nbytes
+        rep.ready[msg.stage] = True
+        if model.state is ModelState.DEPLOYING and all(r.live for r in model.replicas):
+            model.state = ModelState.READY
+            if model.deploy_client is not None:
+                addr, ref = model.deploy_client
+                self._send(CLIENT, addr, p.Deployed(id=ref, model=self._model_status(model)))
+                model.deploy_client = None
+            log.info(
+                "deployed model=%s stages=%d replicas=%d",
+                model.name,
+                model.n_stages,
+                len(model.replicas),
+            )
+        elif model.state is ModelState.UNAVAILABLE and rep.live:
+            model.state = ModelState.READY
+        self._pump(now)
+
+    # ================================================================== backend side
+
+    def on_backend(self, addr: bytes, msg: p.Message, now: float) -> None:
+        if isinstance(msg, p.Register):
+            self._register(addr, msg, now)
+            return
+        name = self.by_addr.get(addr)
+        if name is None:
+            self._send(BACKEND, addr, p.Disconnect(reason="unknown peer: register first"))
+            return
+        peer = self.peers[name]
+        peer.last_seen = now
+        if isinstance(msg, p.Heartbeat):
+            peer.stats = msg.stats
+            if not peer.ready:
+                peer.ready = True
+                log.info(
+                    "peer ready name=%s role=%s device=%s budget=%d",
+                    peer.name,
+                    peer.role,
+                    peer.device,
+                    peer.budget,
+                )
+                self._reconcile(now)
+                self._pump(now)
+        elif isinstance(msg, p.RunResult):
+            self._run_result(peer, msg, now)
+        elif isinstance(msg, p.Loaded):
+            self._loaded(peer, msg, now)
+        elif isinstance(msg, p.StageReady):
+            self._stage_ready(peer, msg, now)
+        elif isinstance(msg, p.PlanReply):
+            call = self._pop_call(msg.id, "plan")
+            peer.inflight_plans -= 1
+            answer = {"plan": msg.plan, "inputs": msg.inputs}
+            self.plan_cache[call.data["key"]] = answer
+            self._plan_ready(call.data, answer, now)
+        elif isinstance(msg, p.Error):
+            self._backend_error(peer, msg, now)
+        else:
+            raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not expected from a {peer.role}")
+
+    def _register(self, addr: bytes, msg: p.Register, now: float) -> None:
+        if msg.role not in ("worker", "partitioner"):
+            raise _fail(Code.BAD_REQUEST, f"unknown role {msg.role!r}")
+        if msg.role == "worker" and msg.budget_bytes <= 0:
+            raise _fail(Code.BAD_REQUEST, "a worker must report a positive memory budget")
+        old = self.peers.get(msg.name)
+        if old is not None:
+            self._peer_dead(old, now, "re-registered (restarted)")
+        stale = self.by_addr.get(addr)
+        if stale is not None and stale in self.peers:
+            self._peer_dead(self.peers[stale], now, "re-registered under another name")
+        lanes = int(msg.info.get("compute_lanes", 2)) if isinstance(msg.info, dict) else 2
+        self.peers[msg.name] = Peer(
+            name=msg.name,
+            addr=addr,
+            role=msg.role,
+            pid=msg.pid,
+            device=msg.device,
+            kind=msg.kind,
+            budget=msg.budget_bytes,
+            info=msg.info,
+            last_seen=now,
+            max_inflight=2 * max(1, lanes),
+        )
+        self.by_addr[addr] = msg.name
+        self._send(
+            BACKEND,
+            addr,
+            p.RegisterAck(id=msg.id, heartbeat_s=self.cfg.heartbeat_s, liveness=self.cfg.liveness),
+        )
+        log.info("registered name=%s role=%s pid=%d", msg.name, msg.role, msg.pid)
+
+    def _pop_call(self, cid: int, kind: str) -> Call:
+        call = self.calls.pop(cid, None)
+        if call is None or call.kind != kind:
+            if call is not None:
+                self.calls[cid] = call
+            raise _fail(Code.BAD_REQUEST, f"no pending {kind} call {cid}")
+        return call
+
+    def _loaded(self, peer: Peer, msg: p.Loaded, now: float) -> None:
+        self.calls.pop(msg.id, None)
+        res = peer.resident.get((msg.model, msg.stage))
+        if res is not None and res.phase is Phase.LOADING:
+            res.phase = Phase.RESIDENT
+            res.nbytes = msg.nbytes
+            peer.loads += 1
+            peer.flush_next = False
+            model = self.models.get(msg.model)
+            if model is not None:
+                model.loads += 1
+        self._pump(now)
+
+    def _backend_error(self, peer: Peer, msg: p.Error, now: float) -> None:
+        if msg.id in self.batches:
+            self._run_failed(self.batches.pop(msg.id), msg.code, msg.reason, now)
+            return
+        call = self.calls.pop(msg.id, None) if msg.id is not None else None
+        if call is None:
+            log.warning("error from %s: %s %s", peer.name, msg.code, msg.reason)
+            return
+        if call.kind == "plan":
+            peer.inflight_plans -= 1
+            self._plan_failed(call, msg.code, msg.reason)
+        elif call.kind == "stage":
+            self._stage_failed(call, f"worker {peer.name}: {msg.reason}", msg.code, now)
+        elif call.kind == "load":
+            key = (call.data["model"], call.data["stage"])
+            res = peer.resident.get(key)
+            if res is not None and res.phase is Phase.LOADING:
+                del peer.resident[key]
+            if msg.code == Code.NO_SPACE:
+                peer.flush_next = True  # fragmented: next time evict every idle stage
+            log.warning(
+                "load failed worker=%s stage=%s code=%s reason=%s",
+                peer.name,
+                key,
+                msg.code,
+                msg.reason,
+            )
+            self._pump(now)
+
+    def _plan_failed(self, call: Call, code: str, reason: str) -> None:
+        if call.data["for"] == "client":
+            self._send(
+                CLIENT, call.data["addr"], p.Error(id=call.data["id"], code=code, reason=reason)
+            )
+            return
+        model = self.models.get(call.data["model"])
+        if model is not None:
+            self._deploy_failed(model, code, reason)
+
+    def _stage_failed(self, call: Call, reason: str, code: str, now: float) -> None:
+        model = self.models.get(call.data["model"])
+        rep: Replica = call.data["replica"]
+        if model is None or rep not in model.replicas:
+            return
+        if model.state is ModelState.DEPLOYING:
+            self._deploy_failed(model, code, reason)
+            return
+        # A repair failed: give the replica up; reconcile may find another home later.
+        log.warning("replica repair failed model=%s reason=%s", model.name, reason)
+        model.replicas.remove(rep)
+        self._drop_replica(model.name, rep)
+        self._mark_availability(model, reason)
+
+    # ================================================================== runs
+
+    def _run_result(self, peer: Peer, msg: p.RunResult, now: float) -> None:
+        batch = self.batches.pop(msg.id, None)
+        if batch is None:
+            return  # its replica was lost or it timed out; nobody waits for it
+        self._leave_stage(batch, now)
+        model = self.models.get(batch.model)
+        for k in ("compute_s", "wait_s"):
+            batch.info[k] = batch.info.get(k, 0.0) + float(msg.info.get(k, 0.0))
+        if batch.stage < len(batch.replica.workers) - 1:
+            if model is not None and batch.replica in model.replicas:
+                self._advance(model, batch, msg.tensors, now)
+            else:
+                batch.replica.inflight -= 1
+                for req in batch.requests:
+                    self._answer_error(
+                        req, Code.MODEL_NOT_FOUND, f"{batch.model!r} was undeployed while running"
+                    )
+            return
+        batch.replica.inflight -= 1
+        parts: list[dict[str, p.TensorRef]] = [{} for _ in batch.requests]
+        for name, ref in msg.tensors.items():
+            k, _, out = name.partition("/")
+            if k.isdigit() and int(k) < len(parts):
+                parts[int(k)][out] = ref
+        for req, tensors in zip(batch.requests, parts, strict=True):
+            if req.client is None:  # answered already (timed out)
+                continue
+            latency_ms = (now - req.arrived) * 1000
+            info = {
+                "latency_ms": latency_ms,
+                "batch": len(batch.requests),
+                "queue_ms": (batch.started - req.arrived) * 1000,
+                "compute_ms": batch.info.get("compute_s", 0.0) * 1000,
+                "load_wait_ms": batch.info.get("wait_s", 0.0) * 1000,
+                "workers": list(batch.replica.workers),
+            }
+            self._send(CLIENT, req.client, p.Result(id=req.client_id, tensors=tensors, info=info))
+            req.client = None  # type: ignore[assignment]
+            if model is not None:
+                model.completed += 1
+                model.latency_ms.append(latency_ms)
+            self.totals["completed"] += 1
+        self._pump(now)
+
+    def _advance(self, model: Model, batch: Batch, tensors: dict[str, Any], now: float) -> None:
+        """Send a batch's activations on to the next stage's worker (frames, not copies)."""
+        batch.stage += 1
+        batch.worker = batch.replica.workers[batch.stage]
+        batch.run_id = next(self._ids)
+        self._enter_stage(batch, now)
+        self.batches[batch.run_id] = batch
+        self._to_peer(
+            batch.worker,
+            p.Run(
+                id=batch.run_id,
+                model=model.name,
+                stage=batch.stage,
+                parts=[[r.tag, r.rows] for r in batch.requests],
+                tensors=tensors,
+            ),
+        )
+
+    def _enter_stage(self, batch: Batch, now: float) -> None:
+        peer = self.peers[batch.worker]
+        peer.inflight_runs += 1
+        res = peer.resident.get((batch.model, batch.stage))
+        if res is not None:
+            res.inflight += 1
+            res.last_used = now
+
+    def _leave_stage(self, batch: Batch, now: float) -> None:
+        peer = self.peers.get(batch.worker)
+        if peer is None:
+            return
+        peer.inflight_runs -= 1
+        res = peer.resident.get((batch.model, batch.stage))
+        if res is not None:
+            res.inflight -= 1
+            res.last_used = now
+
+    def _run_failed(self, batch: Batch, code: str, reason: str, now: float) -> None:
+        self._leave_stage(batch, now)
+        batch.replica.inflight -= 1
+        model = self.models.get(batch.model)
+        live = [r for r in batch.requests if r.client is not None]
+        if model is not None and code == Code.NOT_RESIDENT:
+            # Its load failed (fragmentation) or was undone: run again, not the client's fault.
+            model.queue.extendleft(reversed(live))
+        elif model is not None and code == Code.MODEL_ERROR and len(live) > 1:
+            for r in live:  # find the request that breaks the model; the others succeed
+                r.solo = True
+            model.queue.extendleft(reversed(live))
+        else:
+            for r in live:
+                self._answer_error(r, code, reason)
+        self._pump(now)
+
+    def _answer_error(self, req: Request, code: Code | str, reason: str) -> None:
+        if req.client is None:
+            return
+        self._send(CLIENT, req.client, p.Error(id=req.client_id, code=str(code), reason=reason))
+        req.client = None  # type: ignore[assignment]
+        model = self.models.get(req.model)
+        if model is not None:
+            model.errors += 1
+        self.totals["errors"] += 1
+
+    # ================================================================== scheduling
+
+    def _pump(self, now: float) -> None:
+        """Start every batch that can start now, oldest waiting model first."""
+        for peer in self.peers.values():
+            owner = self.models.get(peer.reserved_for) if peer.reserved_for else None
+            if peer.reserved_for and (owner is None or not owner.queue):
+                peer.reserved_for = None
+        for _ in range(10_000):  # bounded: each pass either dispatches or stops
+            waiting = [m for m in self.models.values() if m.queue and m.state is ModelState.READY]
+            waiting.sort(key=lambda m: m.queue[0].arrived)
+            if not any(self._dispatch(m, now) for m in waiting):
+                return
+
+    def _placed(self, model: Model, rep: Replica) -> bool:
+        return all((model.name, s) in self.peers[w].resident for s, w in enumerate(rep.workers))
+
+    def _blocked(self, model: Model, rep: Replica) -> bool:
+        for w in rep.workers:
+            peer = self.peers[w]
+            if peer.reserved_for not in (None, model.name):
+                return True
+        return self.peers[rep.workers[0]].inflight_runs >= self.peers[rep.workers[0]].max_inflight
+
+    def _dispatch(self, model: Model, now: float) -> bool:
+        live = [r for r in model.replicas if r.live]
+        if not live:
+            return False
+        depth = model.n_stages + 1  # a pipeline of P stages keeps P batches busy, +1 queued
+        placed = [r for r in live if self._placed(model, r)]
+        ready = [r for r in placed if r.inflight < depth and not self._blocked(model, r)]
+        if ready:
+            self._start_batch(model, min(ready, key=lambda r: r.inflight), now)
+            return True
+        spare = [r for r in live if r not in placed and not self._blocked(model, r)]
+        if placed:
+            # Every placed replica is busy: scale out only into free bytes, never by evicting.
+            for rep in spare:
+                victims = self._victims_for(model, rep, starving=False, free_only=True)
+                if victims is not None:
+                    self._load_replica(model, rep, victims, now)
+                    self._start_batch(model, rep, now)
+                    return True
+            return False
+        starving = now - model.queue[0].arrived >= self.cfg.starvation_s
+        best: tuple[int, Replica, dict[str, list[StageKey]]] | None = None
+        for rep in live:
+            if self._blocked(model, rep) and not starving:
+                continue
+            victims = self._victims_for(model, rep, starving=starving)
+            if victims is None:
+                continue
+            cost = sum(self.peers[w].resident[k].nbytes for w, ks in victims.items() for k in ks)
+            if best is None or cost < best[0]:
+                best = (cost, rep, victims)
+        if best is None:
+            if starving:
+                self._reserve(model, live)
+            return False
+        _, rep, victims = best
+        self._load_replica(model, rep, victims, now)
+        self._start_batch(model, rep, now)
+        return True
+
+    def _victims_for(
+        self, model: Model, rep: Replica, *, starving: bool, free_only: bool = False
+    ) -> dict[str, list[StageKey]] | None:
+        out: dict[str, list[StageKey]] = {}
+        for stage, w in enumerate(rep.workers):
+            peer = self.peers[w]
+            key = (model.name, stage)
+            if key in peer.resident:
+                out[w] = []
+                continue
+            need = peer.hosted.get(key, model.stage_bytes[stage])
+            if free_only:
+                if peer.free < need:
+                    return None
+                out[w] = []
+                continue
+            victims = pick_victims(
+                peer,
+                need,
+                lambda r, peer=peer: self._evictable(peer, r, starving),
+                flush=peer.flush_next,
+            )
+            if victims is None:
+                return None
+            out[w] = victims
+        return out
+
+    def _evictable(self, peer: Peer, res: Residency, starving: bool) -> bool:
+        if res.phase is not Phase.RESIDENT or res.inflight:
+            return False
+        model = self.models.get(res.key[0])
+        if model is None:
+            return True
+        for rep in model.replicas:
+            if (
+                res.key[1] < len(rep.workers)
+                and rep.workers[res.key[1]] == peer.name
+                and rep.inflight
+            ):
+                return False  # a batch is in this replica's pipeline; it will need this stage
+        return not model.queue or starving
+
+    def _reserve(self, model: Model, live: list[Replica]) -> None:
+        """Stop new batches of other models on one replica's workers until this model fits."""
+        rep = min(live, key=lambda r: sum(self.peers[w].inflight_runs for w in r.workers))
+        for w in rep.workers:
+            if self.peers[w].reserved_for is None:
+                self.peers[w].reserved_for = model.name
+                log.info("reserving worker=%s for starving model=%s", w, model.name)
+
+    def _load_replica(
+        self, model: Model, rep: Replica, victims: dict[str, list[StageKey]], now: float
+    ) -> None:
+        for stage, w in enumerate(rep.workers):
+            peer = self.peers[w]
+            for key in victims.get(w, []):
+                self._evict(peer, key)
+            key = (model.name, stage)
+            if key not in peer.resident:
+                cid = next(self._ids)
+                self.calls[cid] = Call(
+                    "load", w, float("inf"), {"model": model.name, "stage": stage}
+                )
+                peer.resident[key] = Residency(key, peer.hosted[key], Phase.LOADING, now)
+                self._to_peer(w, p.Load(id=cid, model=model.name, stage=stage))
+            if peer.reserved_for == model.name:
+                peer.reserved_for = None
+        for peer in self.peers.values():
+            if peer.reserved_for == model.name:
+                peer.reserved_for = None
+
+    def _evict(self, peer: Peer, key: StageKey) -> None:
+        peer.resident.pop(key, None)
+        peer.evictions += 1
+        victim = self.models.get(key[0])
+        if victim is not None:
+            victim.evictions += 1
+        self._to_peer(peer.name, p.Evict(id=next(self._ids), model=key[0], stage=key[1]))
+
+    def _start_batch(self, model: Model, rep: Replica, now: float) -> None:
+        head = model.queue.popleft()
+        requests, rows = [head], head.rows
+        if not head.solo and model.spec.max_batch_size > 1:
+            keep = []
+            while model.queue:
+                r = model.queue.popleft()
+                if (
+                    not r.solo
+                    and r.signature == head.signature
+                    and rows + r.rows <= model.spec.max_batch_size
+                ):
+                    requests.append(r)
+                    rows += r.rows
+                else:
+                    keep.append(r)
+            model.queue.extendleft(reversed(keep))
+        tensors = {
+            f"{k}/{name}": ref for k, r in enumerate(requests) for name, ref in r.tensors.items()
+        }
+        batch = Batch(
+            run_id=next(self._ids),
+            model=model.name,
+            replica=rep,
+            requests=requests,
+            stage=0,
+            worker=rep.workers[0],
+            sent=now,
+            started=now,
+        )
+        rep.inflight += 1
+        self._enter_stage(batch, now)
+        self.batches[batch.run_id] = batch
+        model.batches += 1
+        self.totals["batches"] += 1
+        self._to_peer(
+            batch.worker,
+            p.Run(
+                id=batch.run_id,
+                model=model.name,
+                stage=0,
+                parts=[[r.tag, r.rows] for r in requests],
+                tensors=tensors,
+            ),
+        )
+
+    # ================================================================== liveness
+
+    def tick(self, now: float) -> None:
+        """Heartbeats out, dead peers out, expired requests and deploys answered."""
+        for peer in list(self.peers.values()):
+            if heart_failed(peer.last_seen, now, self.cfg.heartbeat_s, self.cfg.liveness):
+                self._peer_dead(peer, now, "missed heartbeats")
+            else:
+                self._to_peer(peer.name, p.Heartbeat(stats={}))
+        for model in list(self.models.values()):
+            expired = [r for r in model.queue if r.deadline <= now]
+            if expired:
+                model.queue = type(model.queue)(r for r in model.queue if r.deadline > now)
+                for r in expired:
+                    self._answer_error(
+                        r,
+                        Code.TIMEOUT,
+                        f"not served within {r.deadline - r.arrived:.1f} s (queued)",
+                    )
+            if (
+                model.state in (ModelState.PLANNING, ModelState.DEPLOYING)
+                and now >= model.deploy_deadline
+            ):
+                self._deploy_failed(model, Code.TIMEOUT, "deploy did not finish in time")
+        for batch in self.batches.values():
+            for r in batch.requests:
+                if r.client is not None and r.deadline <= now:
+                    self._answer_error(
+                        r,
+                        Code.TIMEOUT,
+                        f"not served within {r.deadline - r.arrived:.1f} s (running)",
+                    )
+        self._pump(now)
+
+    def peer_unreachable(self, addr: bytes, now: float) -> None:
+        name = self.by_addr.get(addr)
+        if name is not None:
+            self._peer_dead(self.peers[name], now, "unreachable")
+
+    def _peer_dead(self, peer: Peer, now: float, why: str) -> None:
+        self.peers.pop(peer.name, None)
+        if self.by_addr.get(peer.addr) == peer.name:
+            del self.by_addr[peer.addr]
+        log.warning("peer lost name=%s role=%s why=%s", peer.name, peer.role, why)
+        for cid, call in list(self.calls.items()):
+            if call.peer != peer.name:
+                continue
+            del self.calls[cid]
+            if call.kind == "plan":
+                self._plan_failed(
+                    call, str(Code.UNAVAILABLE), f"partitioner {peer.name} was lost while planning"
+                )
+            elif call.kind == "stage":
+                self._stage_failed(
+                    call, f"worker {peer.name} was lost while deploying", str(Code.WORKER_LOST), now
+                )
+        if peer.role != "worker":
+            return
+        for model in list(self.models.values()):
+            for rep in [r for r in model.replicas if peer.name in r.workers]:
+                model.replicas.remove(rep)
+                self._drop_replica(model.name, rep, lost=peer.name)
+                self._fail_over(model, rep, peer.name, now)
+        self._reconcile(now)
+        for model in self.models.values():
+            if not model.replicas:
+                self._mark_availability(model, f"lost with worker {peer.name}")
+        self._pump(now)
+
+    def _fail_over(self, model: Model, rep: Replica, lost: str, now: float) -> None:
+        """Requests in flight on a lost replica: run once more elsewhere, or WORKER_LOST."""
+        others = [r for r in model.replicas if r is not rep]
+        for run_id, batch in list(self.batches.items()):
+            if batch.replica is not rep:
+                continue
+            del self.batches[run_id]
+            self._leave_stage(batch, now)
+            for req in reversed(batch.requests):
+                if req.client is None:
+                    continue
+                if others and req.retries < self.cfg.max_retries:
+                    req.retries += 1
+                    model.queue.appendleft(req)
+                else:
+                    self._answer_error(
+                        req, Code.WORKER_LOST, f"worker {lost} was lost while running this request"
+                    )
+
+    def _drop_replica(self, name: str, rep: Replica, lost: str | None = None) -> None:
+        """Free a replica's device and host bytes on its surviving workers."""
+        for stage, w in enumerate(rep.workers):
+            peer = self.peers.get(w)
+            if peer is None or w == lost:
+                continue
+            key = (name, stage)
+            if key in peer.resident:
+                self._evict(peer, key)
+            if peer.hosted.pop(key, None) is not None:
+                self._to_peer(w, p.DropStage(id=next(self._ids), model=name, stage=stage))
+
+    def _reconcile(self, now: float) -> None:
+        """Re-create replicas lost with workers, where live workers can hold them."""
+        for model in self.models.values():
+            if model.state not in (ModelState.READY, ModelState.UNAVAILABLE):
+                continue
+            missing = model.desired_replicas - len(model.replicas)
+            if missing <= 0:
+                continue
+            taken = {(s, w) for r in model.replicas for s, w in enumerate(r.workers)}
+            for workers_of in place_replicas(self.workers(), model.stage_bytes, missing, taken):
+                self._deploy_replica(model, workers_of, now + self.cfg.deploy_timeout_s)
+                log.info("re-creating replica model=%s workers=%s", model.name, workers_of)
+
+    def _mark_availability(self, model: Model, why: str) -> None:
+        if model.replicas or model.state is not ModelState.READY:
+            return
+        model.state = ModelState.UNAVAILABLE
+        for req in model.queue:
+            self._answer_error(req, Code.WORKER_LOST, f"{model.name!r} has no live replica ({why})")
+        model.queue.clear()
+
+    # ================================================================== status
+
+    def _model_status(self, model: Model) -> dict[str, Any]:
+        ranges = (model.plan or {}).get("ranges", [])
+        names = (model.plan or {}).get("block_names", [])
+        stages = []
+        for i, nbytes in enumerate(model.stage_bytes):
+            a, b = ranges[i] if i < len(ranges) else (0, 0)
+            stages.append(
+                {
+                    "index": i,
+                    "bytes": nbytes,
+                    "blocks": [a, b],
+                    "first": names[a] if a < len(names) else "",
+                    "last": names[b - 1] if 0 < b <= len(names) else "",
+                }
+            )
+        resident_on = sorted(
+            {w.name for w in self.peers.values() for k in w.resident if k[0] == model.name}
+        )
+        lat = list(model.latency_ms)
+        return {
+            "name": model.name,
+            "state": model.state.value,
+            "factory": model.spec.factory,
+            "dtype": model.spec.dtype,
+            "bytes": sum(model.stage_bytes),
+            "stages": stages,
+            "replicas": [
+                {"workers": r.workers, "live": r.live, "inflight": r.inflight}
+                for r in model.replicas
+            ],
+            "resident_on": resident_on,
+            "queue": len(model.queue),
+            "requests": model.requests,
+            "completed": model.completed,
+            "errors": model.errors,
+            "loads": model.loads,
+            "evictions": model.evictions,
+            "batches": model.batches,
+            "mean_ms": sum(lat) / len(lat) if lat else 0.0,
+            "p99_ms": percentile(lat, 99),
+        }
+
+    def status(self, now: float) -> dict[str, Any]:
+        workers, partitioners = [], []
+        for peer in sorted(self.peers.values(), key=lambda w: w.name):
+            row = {
+                "name": peer.name,
+                "ready": peer.ready,
+                "pid": peer.pid,
+                "last_seen_s": round(now - peer.last_seen, 3),
+            }
+            if peer.role == "partitioner":
+                partitioners.append({**row, "inflight": peer.inflight_plans})
+                continue
+            workers.append(
+                {
+                    **row,
+                    "device": peer.device,
+                    "kind": peer.kind,
+                    "budget_bytes": peer.budget,
+                    "resident_bytes": peer.used,
+                    "peak_bytes": int(peer.stats.get("peak_bytes", 0)),
+                    "host_bytes": int(peer.stats.get("host_bytes", 0)),
+                    "resident": sorted(f"{k[0]}/{k[1]}" for k in peer.resident),
+                    "loads": peer.loads,
+                    "evictions": peer.evictions,
+                    "inflight": peer.inflight_runs,
+                    "reserved_for": peer.reserved_for,
+                    "stats": peer.stats,
+                }
+            )
+        return {
+            "uptime_s": round(now - self.started, 3),
+            "protocol": p.PROTOCOL_VERSION,
+            "workers": workers,
+            "partitioners": partitioners,
+            "models": [
+                self._model_status(m) for m in sorted(self.models.values(), key=lambda m: m.name)
+            ],
+            "queued": sum(len(m.queue) for m in self.models.values()),
+            "inflight_batches": len(self.batches),
+            **self.totals,
+        }
+
+    def _status(self, addr: bytes, msg: p.Status, now: float) -> None:
+        self._send(CLIENT, addr, p.StatusReply(id=msg.id, status=self.status(now)))
+
+    # ================================================================== send failures
+
+    def send_failed(
+        self, dest: str, addr: bytes, msg: p.Message, exc: FlowmeshError, now: float
+    ) -> None:
+        """The shell could not deliver `msg`: a gone peer is dead; a full one fails the work."""
+        if dest == CLIENT:
+            log.warning("dropped %s to client %r: %s", msg.TYPE, addr, exc.reason)
+            return
+        if exc.code == Code.UNAVAILABLE:  # PeerGone
+            self.peer_unreachable(addr, now)
+            return
+        if isinstance(msg, p.Run) and msg.id in self.batches:
+            self._run_failed(
+                self.batches.pop(msg.id),
+                str(Code.OVERLOADED),
+                f"worker queue full: {exc.reason}",
+                now,
+            )
+        elif isinstance(msg, p.Load):
+            name = self.by_addr.get(addr)
+            if name is not None:
+                self.peers[name].resident.pop((msg.model, msg.stage), None)
+        log.warning("could not send %s to %r: %s", msg.TYPE, addr, exc.reason)

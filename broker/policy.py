@@ -1,0 +1,89 @@
+"""The broker's choices as pure functions over plain state: liveness, eviction, placement.
+
+Kept apart from `BrokerCore` so each rule is tested with exact expectations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from broker.state import Peer, Residency, StageKey
+
+
+def heart_failed(last_seen: float, now: float, period: float, liveness: int) -> bool:
+    """A peer is dead once `liveness` heartbeat periods passed without a word from it."""
+    return now - last_seen > period * liveness
+
+
+def pick_victims(
+    worker: Peer,
+    need: int,
+    evictable: Callable[[Residency], bool],
+    *,
+    flush: bool = False,
+) -> list[StageKey] | None:
+    """Least recently used evictable stages whose bytes make room for `need` more bytes.
+
+    Returns [] when the bytes are already free, None when no choice of victims is enough.
+    `flush` evicts every evictable stage (after a load failed on fragmentation, freeing just
+    enough bytes may still leave no contiguous range).
+    """
+    if need > worker.budget:
+        return None
+    free = worker.free
+    if free >= need and not flush:
+        return []
+    chosen: list[StageKey] = []
+    for r in sorted(worker.resident.values(), key=lambda r: (r.last_used, r.key)):
+        if free >= need and not flush:
+            break
+        if evictable(r):
+            chosen.append(r.key)
+            free += r.nbytes
+    return chosen if free >= need else None
+
+
+def place_replicas(
+    workers: Iterable[Peer],
+    stage_bytes: list[int],
+    replicas: int,
+    taken: set[tuple[int, str]] | None = None,
+) -> list[list[str]]:
+    """Up to `replicas` placements; in each, stage i goes to a distinct worker that can hold it
+    and does not already hold stage i of this model (`taken`: (stage, worker) pairs in use).
+
+    Stages are placed largest first on the worker with the least hosted bytes (ties by name), so
+    host memory and device traffic spread evenly. Returns fewer placements when workers run out.
+    """
+    taken = set(taken or ())
+    pool = sorted(workers, key=lambda w: w.name)
+    hosted = {w.name: sum(w.hosted.values()) for w in pool}
+    out: list[list[str]] = []
+    order = sorted(range(len(stage_bytes)), key=lambda i: -stage_bytes[i])
+    for _ in range(replicas):
+        chosen: dict[int, str] = {}
+        for i in order:
+            fits = [
+                w
+                for w in pool
+                if w.budget >= stage_bytes[i]
+                and w.name not in chosen.values()
+                and (i, w.name) not in taken
+            ]
+            if not fits:
+                return out
+            best = min(fits, key=lambda w: (hosted[w.name], w.name))
+            chosen[i] = best.name
+            hosted[best.name] += stage_bytes[i]
+        out.append([chosen[i] for i in range(len(stage_bytes))])
+        taken.update(chosen.items())
+    return out
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
+    xs = sorted(values)
+    if not xs:
+        return 0.0
+    rank = max(1, min(len(xs), -(-len(xs) * q // 100)))
+    return xs[int(rank) - 1]

@@ -1,0 +1,150 @@
+"""The broker's state as plain data: peers, models, replicas, residency, requests and batches.
+
+Nothing here talks to sockets or reads clocks; `BrokerCore` changes it in response to events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from flowmesh.protocol import TensorRef
+from flowmesh.spec import ModelSpec, TensorSpec
+
+StageKey = tuple[str, int]  # (model name, stage index)
+
+
+class Phase(Enum):
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+@dataclass
+class Residency:
+    """A stage that occupies (or is about to occupy) device bytes on a worker."""
+
+    key: StageKey
+    nbytes: int
+    phase: Phase
+    last_used: float
+    inflight: int = 0  # batches sent to this worker for this stage and not answered
+
+
+@dataclass
+class Peer:
+    """A registered worker or partitioner."""
+
+    name: str
+    addr: bytes  # ZeroMQ routing id
+    role: str
+    pid: int
+    device: str = ""
+    kind: str = ""
+    budget: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    ready: bool = False  # set by the first heartbeat after registration
+    last_seen: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    # workers only
+    hosted: dict[StageKey, int] = field(default_factory=dict)  # stage -> device bytes
+    resident: dict[StageKey, Residency] = field(default_factory=dict)
+    inflight_runs: int = 0
+    max_inflight: int = 4
+    loads: int = 0
+    evictions: int = 0
+    flush_next: bool = False  # a load failed on fragmentation: evict all idle stages next time
+    reserved_for: str | None = None  # draining for a starving model
+    # partitioners only
+    inflight_plans: int = 0
+
+    @property
+    def used(self) -> int:
+        return sum(r.nbytes for r in self.resident.values())
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used
+
+
+@dataclass
+class Replica:
+    """One copy of a model: stage i lives on worker `workers[i]` (distinct workers)."""
+
+    workers: list[str]
+    ready: list[bool]
+    inflight: int = 0  # batches anywhere in this replica's pipeline
+
+    @property
+    def live(self) -> bool:
+        return all(self.ready)
+
+
+@dataclass
+class Request:
+    tag: int  # broker-wide request number
+    client: bytes
+    client_id: int
+    model: str
+    tensors: dict[str, TensorRef]
+    rows: int
+    signature: tuple[Any, ...]  # requests with equal signatures can share a batch
+    arrived: float
+    deadline: float
+    retries: int = 0
+    solo: bool = False  # a batch it was in failed on model code: run it alone
+
+
+@dataclass
+class Batch:
+    """Requests travelling together through a replica's stages."""
+
+    run_id: int
+    model: str
+    replica: Replica
+    requests: list[Request]
+    stage: int
+    worker: str
+    sent: float
+    started: float
+    info: dict[str, float] = field(default_factory=dict)
+
+
+class ModelState(Enum):
+    PLANNING = "planning"
+    DEPLOYING = "deploying"
+    READY = "ready"
+    UNAVAILABLE = "unavailable"  # every replica lost, none repairable
+
+
+@dataclass
+class Model:
+    spec: ModelSpec
+    state: ModelState
+    inputs: dict[str, TensorSpec] | None = None
+    plan: dict[str, Any] | None = None
+    stage_bytes: list[int] = field(default_factory=list)  # device bytes per stage
+    replicas: list[Replica] = field(default_factory=list)
+    desired_replicas: int = 1
+    queue: deque[Request] = field(default_factory=deque)
+    deploy_client: tuple[bytes, int] | None = None
+    deploy_deadline: float = 0.0
+    pending_stages: dict[int, tuple[int, str, int]] = field(default_factory=dict)  # call id
+    # counters for status
+    requests: int = 0
+    completed: int = 0
+    errors: int = 0
+    loads: int = 0
+    evictions: int = 0
+    batches: int = 0
+    latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    starving_since: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_bytes)

@@ -1,0 +1,84 @@
+"""Typed exceptions for the broker's error codes. Each carries the code and the broker's reason."""
+
+from __future__ import annotations
+
+from flowmesh.errors import Code, FlowmeshError
+
+
+class ClientError(FlowmeshError):
+    """Base of every error the SDK raises for a failed call."""
+
+
+class BadRequest(ClientError):
+    pass
+
+
+class NotAllowed(ClientError):
+    pass
+
+
+class ModelNotFound(ClientError):
+    pass
+
+
+class ModelExists(ClientError):
+    pass
+
+
+class TooBig(ClientError):
+    pass
+
+
+class Unavailable(ClientError):
+    pass
+
+
+class Overloaded(ClientError):
+    pass
+
+
+class Timeout(ClientError):
+    pass
+
+
+class WorkerLost(ClientError):
+    pass
+
+
+class ModelError(ClientError):
+    """The model's own code raised while running the request."""
+
+
+class ProtocolError(ClientError):
+    """A message was malformed or spoke another protocol version."""
+
+
+class InternalError(ClientError):
+    pass
+
+
+_BY_CODE: dict[str, type[ClientError]] = {
+    Code.BAD_REQUEST: BadRequest,
+    Code.NOT_ALLOWED: NotAllowed,
+    Code.MODEL_NOT_FOUND: ModelNotFound,
+    Code.MODEL_EXISTS: ModelExists,
+    Code.TOO_BIG: TooBig,
+    Code.UNAVAILABLE: Unavailable,
+    Code.OVERLOADED: Overloaded,
+    Code.TIMEOUT: Timeout,
+    Code.WORKER_LOST: WorkerLost,
+    Code.MODEL_ERROR: ModelError,
+    Code.NOT_A_CHAIN: BadRequest,
+    Code.PLAN_ERROR: BadRequest,
+    Code.DEPLOY_FAILED: BadRequest,
+    Code.BAD_MESSAGE: ProtocolError,
+    Code.BAD_FRAMES: ProtocolError,
+    Code.BAD_TENSOR: ProtocolError,
+    Code.UNKNOWN_TYPE: ProtocolError,
+    Code.TOO_LARGE: ProtocolError,
+    Code.VERSION: ProtocolError,
+}
+
+
+def error_from(code: str, reason: str) -> ClientError:
+    return _BY_CODE.get(code, InternalError)(code, reason)

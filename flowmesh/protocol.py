@@ -1,0 +1,572 @@
+"""The wire protocol: every message type flowmesh sends, and the one codec for all of them.
+
+A message is a multipart ZeroMQ message: routing frames (added and removed by the sockets), one
+msgpack header, then one raw frame per tensor. The header carries the protocol version `v`, the
+message type `t`, the message's fields, and `tensors`: `[name, dtype, shape]` for each tensor
+frame, in frame order. Tensor bytes are never copied into the header; they are sent with
+`copy=False` and read back with `torch.frombuffer`, so a decoded tensor shares the received frame's
+memory. Processes that only forward tensors (the broker) never build tensors at all: they pass the
+received frames on as `TensorRef`s.
+
+Decoding validates everything (sizes, version, type, fields and their types, frame count, bytes
+versus dtype x shape) and raises `DecodeError` with a code; the receiver answers with `Error` and
+keeps running. No pickle anywhere.
+
+This module does not import torch at import time, so the broker can stay free of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+from flowmesh.errors import Code, FlowmeshError
+
+PROTOCOL_VERSION = 1
+
+# Bytes per element of every dtype that may travel.
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Explicit bounds on what a process accepts; anything beyond gets a TOO_LARGE error."""
+
+    max_message_bytes: int = 1 << 30
+    max_header_bytes: int = 1 << 20
+    max_tensors: int = 1024
+    max_dims: int = 16
+    max_str_len: int = 1 << 20
+    max_container_len: int = 1 << 16
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class DecodeError(FlowmeshError):
+    """A received message that cannot be accepted; `ref` is its id when one could be read."""
+
+    def __init__(self, code: Code, reason: str, ref: int | None = None) -> None:
+        super().__init__(code, reason)
+        self.ref = ref
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class TensorRef:
+    """A received tensor frame: dtype and shape known, bytes untouched until `tensor()`."""
+
+    __slots__ = ("dtype", "frame", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], frame: Any) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.frame = frame
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * ITEMSIZE[self.dtype]
+
+    def tensor(self) -> Any:
+        """A torch tensor over the frame's memory (no copy). Treat it as read-only."""
+        import torch
+
+        from flowmesh.build import torch_dtype
+
+        dtype = torch_dtype(self.dtype)
+        if prod(self.shape) == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        buf = self.frame.buffer if hasattr(self.frame, "buffer") else memoryview(self.frame)
+        with warnings.catch_warnings():
+            # bytes objects are read-only; torch warns once and shares the memory anyway
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.dtype}, {list(self.shape)})"
+
+
+def tensor_frame(t: Any) -> tuple[str, tuple[int, ...], Any]:
+    """(dtype, shape, buffer) for a torch tensor or a TensorRef; the buffer is not a copy
+    when the tensor is already contiguous on the CPU."""
+    if isinstance(t, TensorRef):
+        return t.dtype, t.shape, t.frame
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise FlowmeshError(Code.BAD_REQUEST, f"expected a tensor, got {type(t).__name__}")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in ITEMSIZE:
+        raise FlowmeshError(Code.BAD_TENSOR, f"dtype {dtype} cannot travel")
+    shape = tuple(t.shape)
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    # A uint8 view gives numpy a byte buffer for every dtype, bfloat16 and bool included.
+    return dtype, shape, flat.view(torch.uint8).numpy()
+
+
+# --------------------------------------------------------------------------- messages
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass
+class Message:
+    """Base of all message types. `TYPE` is the wire name; `tensors` travel as frames."""
+
+    TYPE: ClassVar[str] = ""
+    HAS_TENSORS: ClassVar[bool] = False
+
+
+def message(type_name: str) -> Any:
+    """Declare a message type: a dataclass registered under its wire name."""
+
+    def wrap(cls: type) -> type:
+        if type_name in _REGISTRY:
+            raise TypeError(f"message type {type_name!r} declared twice")
+        cls.TYPE = type_name
+        cls.HAS_TENSORS = "tensors" in cls.__annotations__
+        dc = dataclass(cls)
+        _REGISTRY[type_name] = dc
+        return dc
+
+    return wrap
+
+
+# -- client <-> broker
+
+
+@message("deploy")
+class Deploy(Message):
+    id: int
+    spec: dict[str, Any]
+    timeout_ms: int | None = None
+
+
+@message("deployed")
+class Deployed(Message):
+    id: int
+    model: dict[str, Any]
+
+
+@message("undeploy")
+class Undeploy(Message):
+    id: int
+    model: str
+
+
+@message("undeployed")
+class Undeployed(Message):
+    id: int
+    model: str
+
+
+@message("infer")
+class Infer(Message):
+    id: int
+    model: str
+    tensors: dict[str, Any] = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+
+@message("result")
+class Result(Message):
+    id: int
+    tensors: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@message("status")
+class Status(Message):
+    id: int
+
+
+@message("status_reply")
+class StatusReply(Message):
+    id: int
+    status: dict[str, Any]
+
+
+@message("plan")
+class PlanRequest(Message):
+    """Ask for a plan. kind 'stages' (serving) or 'chunks' (training sub-models)."""
+
+    id: int
+    spec: dict[str, Any]
+    kind: str = "stages"
+    stages: int | None = None
+    mem_cap: int | None = None
+    target_bytes: int | None = None
+    optimizer: str = "adam"
+    batch: int = 1
+    measure: bool = False
+    timeout_ms: int | None = None
+
+
+@message("plan_reply")
+class PlanReply(Message):
+    """A plan, and the model's declared inputs (dtype, shape) when it has any."""
+
+    id: int
+    plan: dict[str, Any]
+    inputs: dict[str, Any] | None = None
+
+
+@message("error")
+class Error(Message):
+    id: int | None
+    code: str
+    reason: str
+
+
+# -- workers / services <-> broker
+
+
+@message("register")
+class Register(Message):
+    id: int
+    role: str  # "worker" | "partitioner"
+    name: str
+    pid: int
+    device: str = ""
+    kind: str = ""  # "cuda" | "cpu"
+    budget_bytes: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@message("register_ack")
+class RegisterAck(Message):
+    id: int
+    heartbeat_s: float
+    liveness: int
+
+
+@message("heartbeat")
+class Heartbeat(Message):
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@message("disconnect")
+class Disconnect(Message):
+    reason: str
+
+
+@message("deploy_stage")
+class DeployStage(Message):
+    id: int
+    model: str
+    stage: int
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+
+
+@message("stage_ready")
+class StageReady(Message):
+    id: int
+    model: str
+    stage: int
+    nbytes: int
+    seconds: float
+
+
+@message("drop_stage")
+class DropStage(Message):
+    id: int
+    model: str
+    stage: int
+
+
+@message("load")
+class Load(Message):
+    id: int
+    model: str
+    stage: int
+
+
+@message("loaded")
+class Loaded(Message):
+    id: int
+    model: str
+    stage: int
+    nbytes: int
+    seconds: float
+
+
+@message("evict")
+class Evict(Message):
+    id: int
+    model: str
+    stage: int
+
+
+@message("run")
+class Run(Message):
+    """Run one batch through a stage. `parts` is [[request tag, rows], ...] in batch order;
+    part k's tensors are named 'k/<input name>'."""
+
+    id: int
+    model: str
+    stage: int
+    parts: list[list[int]]
+    tensors: dict[str, Any] = field(default_factory=dict)
+
+
+@message("run_result")
+class RunResult(Message):
+    id: int
+    model: str
+    stage: int
+    tensors: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@message("plan_job")
+class PlanJob(Message):
+    """The broker asks a partitioner to plan; same fields as PlanRequest."""
+
+    id: int
+    request: dict[str, Any]
+
+
+def message_types() -> dict[str, type[Message]]:
+    return dict(_REGISTRY)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_type(value: Any, tp: Any, where: str) -> None:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                _check_type(value, arm, where)
+                return
+            except _FieldError:
+                continue
+        raise _FieldError(f"{where}: unexpected {type(value).__name__}")
+    if tp is type(None):
+        if value is not None:
+            raise _FieldError(f"{where}: expected nothing, got {type(value).__name__}")
+        return
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _FieldError(f"{where}: expected a number, got {type(value).__name__}")
+        return
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _FieldError(f"{where}: expected an integer, got {type(value).__name__}")
+        return
+    if origin is list:
+        if not isinstance(value, list):
+            raise _FieldError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        for i, v in enumerate(value):
+            _check_type(v, item, f"{where}[{i}]")
+        return
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _FieldError(f"{where}: expected a map, got {type(value).__name__}")
+        key_tp, val_tp = typing.get_args(tp)
+        for k, v in value.items():
+            _check_type(k, key_tp, f"{where} key")
+            _check_type(v, val_tp, f"{where}[{k!r}]")
+        return
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise _FieldError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+
+
+class _FieldError(Exception):
+    pass
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type[Message]) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = {
+            f.name: typing.get_type_hints(cls)[f.name]
+            for f in dataclasses.fields(cls)
+            if f.name != "tensors"
+        }
+        _HINTS[cls] = hints
+    return hints
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for `msg`: the msgpack header, then one buffer per tensor (not copied)."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
+    frames: list[Any] = [b""]
+    for name in _hints(type(msg)):
+        header[name] = getattr(msg, name)
+    if msg.HAS_TENSORS:
+        meta = []
+        for name, t in msg.tensors.items():  # type: ignore[attr-defined]
+            dtype, shape, buf = tensor_frame(t)
+            meta.append([name, dtype, list(shape)])
+            frames.append(buf)
+        header["tensors"] = meta
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def _frame_len(frame: Any) -> int:
+    if hasattr(frame, "buffer"):  # zmq.Frame: len() would copy nothing but be explicit
+        return frame.buffer.nbytes
+    return memoryview(frame).nbytes
+
+
+def _frame_bytes(frame: Any) -> bytes | memoryview:
+    if hasattr(frame, "buffer"):
+        return frame.buffer
+    return frame
+
+
+def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode the frames after the routing envelope. Raises DecodeError."""
+    if not frames:
+        raise DecodeError(Code.BAD_MESSAGE, "empty message")
+    sizes = [_frame_len(f) for f in frames]
+    total = sum(sizes)
+    if total > limits.max_message_bytes:
+        raise DecodeError(
+            Code.TOO_LARGE, f"message is {total} bytes, limit {limits.max_message_bytes}"
+        )
+    if sizes[0] > limits.max_header_bytes:
+        raise DecodeError(
+            Code.TOO_LARGE, f"header is {sizes[0]} bytes, limit {limits.max_header_bytes}"
+        )
+    try:
+        header = msgpack.unpackb(
+            _frame_bytes(frames[0]),
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_str_len,
+            max_array_len=limits.max_container_len,
+            max_map_len=limits.max_container_len,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise DecodeError(
+            Code.BAD_MESSAGE, f"header is not a valid msgpack map: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(header, dict):
+        raise DecodeError(Code.BAD_MESSAGE, f"header is a {type(header).__name__}, not a map")
+    ref = header.get("id") if isinstance(header.get("id"), int) else None
+    version = header.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(
+            Code.VERSION,
+            f"protocol version {version!r}, this process speaks {PROTOCOL_VERSION}",
+            ref,
+        )
+    type_name = header.pop("t", None)
+    cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise DecodeError(Code.UNKNOWN_TYPE, f"unknown message type {type_name!r}", ref)
+    meta = header.pop("tensors", [])
+    tensors = _decode_tensors(meta, frames[1:], sizes[1:], cls, limits, ref)
+    hints = _hints(cls)
+    unknown = sorted(set(header) - set(hints), key=str)
+    if unknown:
+        raise DecodeError(
+            Code.BAD_MESSAGE, f"{type_name}: unknown field(s) {', '.join(map(str, unknown))}", ref
+        )
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    missing = sorted(required - set(header) - {"tensors"})
+    if missing:
+        raise DecodeError(
+            Code.BAD_MESSAGE, f"{type_name}: missing field(s) {', '.join(missing)}", ref
+        )
+    for name, value in header.items():
+        try:
+            _check_type(value, hints[name], f"{type_name}.{name}")
+        except _FieldError as exc:
+            raise DecodeError(Code.BAD_MESSAGE, str(exc), ref) from None
+    if cls.HAS_TENSORS:
+        header["tensors"] = tensors
+    return cls(**header)
+
+
+def _decode_tensors(
+    meta: Any,
+    frames: list[Any],
+    sizes: list[int],
+    cls: type[Message],
+    limits: Limits,
+    ref: int | None,
+) -> dict[str, TensorRef]:
+    if not isinstance(meta, list):
+        raise DecodeError(Code.BAD_MESSAGE, "'tensors' must be a list", ref)
+    if meta and not cls.HAS_TENSORS:
+        raise DecodeError(Code.BAD_FRAMES, f"{cls.TYPE} carries no tensors", ref)
+    if len(meta) > limits.max_tensors:
+        raise DecodeError(Code.TOO_LARGE, f"{len(meta)} tensors, limit {limits.max_tensors}", ref)
+    if len(meta) != len(frames):
+        raise DecodeError(
+            Code.BAD_FRAMES,
+            f"header names {len(meta)} tensor(s) but {len(frames)} tensor frame(s) arrived",
+            ref,
+        )
+    out: dict[str, TensorRef] = {}
+    for i, item in enumerate(meta):
+        if not (isinstance(item, list) and len(item) == 3):
+            raise DecodeError(Code.BAD_TENSOR, f"tensor {i}: expected [name, dtype, shape]", ref)
+        name, dtype, shape = item
+        if not isinstance(name, str) or name in out:
+            raise DecodeError(Code.BAD_TENSOR, f"tensor {i}: bad or repeated name {name!r}", ref)
+        if dtype not in ITEMSIZE:
+            raise DecodeError(Code.BAD_TENSOR, f"tensor {name!r}: unknown dtype {dtype!r}", ref)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > limits.max_dims
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise DecodeError(Code.BAD_TENSOR, f"tensor {name!r}: bad shape {shape!r}", ref)
+        want = prod(shape) * ITEMSIZE[dtype]
+        if sizes[i] != want:
+            raise DecodeError(
+                Code.BAD_TENSOR,
+                f"tensor {name!r}: {sizes[i]} bytes, but {dtype} x {shape} needs {want}",
+                ref,
+            )
+        out[name] = TensorRef(dtype, tuple(shape), frames[i])
+    return out
+
+
+def error_for(exc: BaseException, ref: int | None = None) -> Error:
+    """The Error reply for an exception: its code and reason when it has them."""
+    if isinstance(exc, FlowmeshError):
+        ref = getattr(exc, "ref", None) if ref is None else ref
+        return Error(id=ref, code=str(exc.code), reason=exc.reason)
+    return Error(id=ref, code=str(Code.INTERNAL), reason=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,139 @@
+"""ZeroMQ plumbing shared by every process: sockets with deliberate options, sends that make
+back-pressure visible, and the one reader loop per socket that validates and answers.
+
+Pitfalls handled here once (see STYLE.md): ROUTER_MANDATORY so mail to a vanished peer raises
+instead of being dropped; ROUTER_HANDOVER so a restarted worker can reuse its identity; a short
+LINGER so closing never hangs; every send is non-blocking, so a full high-water mark becomes an
+OVERLOADED error for the sender of the request rather than a stalled event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.protocol import (
+    DEFAULT_LIMITS,
+    DecodeError,
+    Limits,
+    Message,
+    decode,
+    encode,
+    error_for,
+)
+
+LINGER_MS = 200
+
+
+class PeerGone(FlowmeshError):
+    """The peer an address names is not connected (ROUTER_MANDATORY)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(Code.UNAVAILABLE, reason)
+
+
+def _common(sock: zmq.Socket, limits: Limits, hwm: int) -> None:
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    # Hard cap: a frame beyond twice the soft limit drops the peer before it fills memory;
+    # below that, decode() answers TOO_LARGE with an error reply.
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_bytes)
+
+
+def bind_router(
+    ctx: zmq.asyncio.Context, endpoint: str, limits: Limits = DEFAULT_LIMITS, hwm: int = 10_000
+) -> tuple[zmq.asyncio.Socket, str]:
+    """A bound ROUTER and the endpoint it really got (port 0 / '*' picks a free port)."""
+    sock = ctx.socket(zmq.ROUTER)
+    _common(sock, limits, hwm)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-2] + ":*"
+    sock.bind(endpoint)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect_dealer(
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    identity: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    hwm: int = 10_000,
+) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    _common(sock, limits, hwm)
+    if identity:
+        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+    sock.connect(endpoint)
+    return sock
+
+
+def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = None) -> None:
+    """Send now or raise: OVERLOADED when the peer's queue is full, PeerGone when it is gone."""
+    frames = [*(envelope or []), *encode(msg)]
+    fut = sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+    exc = fut.exception() if fut.done() else None
+    if exc is None:
+        return
+    if isinstance(exc, zmq.Again):
+        raise FlowmeshError(Code.OVERLOADED, "peer queue full (high-water mark reached)")
+    if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+        raise PeerGone("peer is not connected")
+    raise exc
+
+
+Handler = Callable[[bytes | None, Message], Awaitable[None] | None]
+
+
+async def pump(
+    sock: zmq.asyncio.Socket,
+    handle: Handler,
+    *,
+    routed: bool,
+    log: logging.Logger,
+    limits: Limits = DEFAULT_LIMITS,
+) -> None:
+    """The socket's only reader: decode, validate, dispatch; answer every failure, never die.
+
+    `routed` sockets (ROUTER) carry the sender's identity as the first frame; replies go back to
+    it. A handler may be sync (preferred: the broker's state changes are) or a coroutine.
+    """
+    while True:
+        frames = await sock.recv_multipart(copy=False)
+        if routed:
+            if len(frames) < 1:
+                continue
+            envelope, body = frames[:1], frames[1:]
+            peer: bytes | None = envelope[0].bytes
+        else:
+            envelope, body, peer = [], frames, None
+        try:
+            msg = decode(body, limits)
+        except DecodeError as exc:
+            log.warning("rejected message from %r: %s", peer, exc)
+            _answer(sock, envelope, error_for(exc), log)
+            continue
+        try:
+            result = handle(peer, msg)
+            if result is not None:
+                await result
+        except Exception as exc:
+            if not isinstance(exc, FlowmeshError):
+                log.exception("handler failed on %s from %r", msg.TYPE, peer)
+            _answer(sock, envelope, error_for(exc, getattr(msg, "id", None)), log)
+
+
+def _answer(
+    sock: zmq.asyncio.Socket, envelope: list[Any], reply: Message, log: logging.Logger
+) -> None:
+    try:
+        send(sock, reply, envelope)
+    except FlowmeshError as exc:
+        log.warning("could not answer %r: %s", envelope, exc)

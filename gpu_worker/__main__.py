@@ -1,0 +1,55 @@
+"""`python -m gpu_worker`: one worker process for one device."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import torch
+import uvloop
+
+from flowmesh import logs
+from flowmesh.protocol import Limits
+from flowmesh.spec import DEFAULT_ALLOW
+from flowmesh.units import parse_size
+from gpu_worker.device import open_device
+from gpu_worker.service import WorkerService
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m gpu_worker", description="flowmesh GPU worker")
+    ap.add_argument("--broker", default="tcp://127.0.0.1:5556", help="broker backend endpoint")
+    ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a stand-in device")
+    ap.add_argument(
+        "--memory-budget",
+        default=None,
+        help="device bytes for resident stages (e.g. 2GiB); required for cpu, "
+        "default 80%% of free memory on CUDA",
+    )
+    ap.add_argument("--name", default=None, help="worker name (default host-device)")
+    ap.add_argument("--compute-lanes", type=int, default=2, help="concurrent runs")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--allow", action="append", default=None, help="allowed factory modules")
+    ap.add_argument("--max-message", default="1GiB", help="largest accepted message")
+    ap.add_argument("--log-level", default=None)
+    args = ap.parse_args(argv)
+    logs.setup("worker", args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    device = open_device(args.device, budget)
+    name = args.name or f"{socket.gethostname()}-{args.device.replace(':', '')}"
+    service = WorkerService(
+        name,
+        args.broker,
+        device,
+        compute_lanes=args.compute_lanes,
+        allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
+        limits=Limits(max_message_bytes=parse_size(args.max_message)),
+        threads=args.threads,
+    )
+    uvloop.run(service.serve())
+
+
+if __name__ == "__main__":
+    main()

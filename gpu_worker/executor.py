@@ -1,0 +1,352 @@
+"""The worker's executor: loads, evictions and runs of many stages, concurrently, on one device.
+
+Plain class, no sockets: the worker process feeds it commands in arrival order and sends what its
+futures return; tests drive it in-process.
+
+- `load` takes arena ranges at once (in command order, so an EVICT that precedes a LOAD has
+  already freed its bytes) and queues the block-by-block copy on the copy lane.
+- `run` queues a batch on a compute lane. The lane waits for each block's copy just before it
+  computes that block, so a cold request starts computing while later blocks are still in flight.
+- `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
+  next owner waits on their markers (stream order), never on a global synchronisation.
+
+Torch work and copies never run on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowmesh.build import call_model
+from flowmesh.errors import Code, FlowmeshError
+from gpu_worker.device import Device
+from gpu_worker.host_tier import ALIGN, HostStage, view_of
+from gpu_worker.memory import Arena, Extent, OutOfSpace
+
+StageKey = tuple[str, int]
+
+
+class State(Enum):
+    HOST = "host"
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+@dataclass
+class LoadInfo:
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class RunOutput:
+    parts: list[dict[str, torch.Tensor]]
+    compute_s: float
+    wait_s: float
+    rows: int
+
+
+@dataclass
+class Stage:
+    key: StageKey
+    blocks: list[nn.Module]
+    host: HostStage
+    state: State = State.HOST
+    extents: list[Extent | None] = field(default_factory=list)
+    ready: list[Any] = field(default_factory=list)  # one marker per block: its copy is done
+    users: list[Any] = field(default_factory=list)  # markers of runs since the load
+    inflight: int = 0
+    loading: asyncio.Future[LoadInfo] | None = None
+    generation: int = 0
+
+
+class Executor:
+    def __init__(self, device: Device, compute_lanes: int = 2) -> None:
+        self.device = device
+        self.arena = Arena(device.budget_bytes, ALIGN)
+        self.stages: dict[StageKey, Stage] = {}
+        self._copy = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="copy-wait")
+        self._compute = ThreadPoolExecutor(compute_lanes, thread_name_prefix="compute")
+        self.compute_lanes = compute_lanes
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.counters = {
+            "loads": 0,
+            "evictions": 0,
+            "runs": 0,
+            "run_errors": 0,
+            "bytes_loaded": 0,
+            "rows": 0,
+        }
+
+    # ------------------------------------------------------------------ stages
+
+    def add_stage(self, key: StageKey, blocks: list[nn.Module], host: HostStage) -> None:
+        if key in self.stages:
+            self.drop_stage(key)
+        self.stages[key] = Stage(key, blocks, host)
+
+    def drop_stage(self, key: StageKey) -> None:
+        if key in self.stages:
+            self.evict(key)
+            del self.stages[key]
+
+    def _stage(self, key: StageKey) -> Stage:
+        try:
+            return self.stages[key]
+        except KeyError:
+            raise FlowmeshError(
+                Code.MODEL_NOT_FOUND, f"stage {key[1]} of {key[0]!r} is not on this worker"
+            ) from None
+
+    # ------------------------------------------------------------------ load / evict
+
+    def load(self, key: StageKey) -> asyncio.Future[LoadInfo]:
+        """Start copying a stage in; the future resolves when all its bytes are on the device."""
+        st = self._stage(key)
+        if st.state is not State.HOST:
+            assert st.loading is not None
+            return st.loading
+        sizes = [r.size for r in st.host.regions if r.size]
+        try:
+            got = iter(self.arena.alloc_many(sizes))
+        except OutOfSpace as exc:
+            raise FlowmeshError(Code.NO_SPACE, f"cannot place {key[0]!r}/{key[1]}: {exc}") from None
+        st.extents = [next(got) if r.size else None for r in st.host.regions]
+        st.ready = [
+            self.device.new_marker() if r.slots else self.device.done_marker()
+            for r in st.host.regions
+        ]
+        st.users = []
+        st.state = State.LOADING
+        st.generation += 1
+        loop = asyncio.get_running_loop()
+        st.loading = loop.create_future()
+        self._start_copy(st, st.generation, time.perf_counter())
+        return st.loading
+
+    def _start_copy(self, st: Stage, generation: int, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        extents, ready = list(st.extents), list(st.ready)
+        copied = loop.run_in_executor(self._copy, self._copy_blocks, st, extents, ready)
+
+        async def finish() -> None:
+            try:
+                await copied
+                await loop.run_in_executor(self._waiter, _wait_all, ready)
+            except Exception as exc:  # a failed copy fails the load, not the worker
+                self._finish_load(st, generation, exc, t0)
+            else:
+                self._finish_load(st, generation, None, t0)
+
+        task = loop.create_task(finish())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _copy_blocks(self, st: Stage, extents: list[Extent | None], ready: list[Any]) -> None:
+        arena = self.device.arena
+        for i, (region, ext) in enumerate(zip(st.host.regions, extents, strict=True)):
+            if not region.slots:
+                continue
+            views = {}
+            for s in region.slots:
+                if s.alias is None:
+                    assert ext is not None
+                    views[s.name] = view_of(arena, ext.offset + s.offset, s)
+                else:  # tied to a tensor of an earlier block: share its bytes
+                    ab, ai = s.alias
+                    first, owner = st.host.regions[ab].slots[ai], extents[ab]
+                    assert owner is not None
+                    views[s.name] = view_of(arena, owner.offset + first.offset, first)
+            # Bind before the copy: a run waiting on `ready[i]` finds block i wired to its bytes.
+            st.blocks[i].load_state_dict(views, assign=True, strict=True)
+            if ext is None:
+                self.device.copy_in(None, None, [], ready[i])  # only aliases: nothing to move
+            else:
+                dst = arena[ext.offset : ext.offset + region.size]
+                self.device.copy_in(dst, st.host.region_bytes(i), ext.after, ready[i])
+
+    def _finish_load(
+        self, st: Stage, generation: int, exc: BaseException | None, t0: float
+    ) -> None:
+        fut = st.loading
+        if fut is None or fut.done():
+            return
+        if exc is not None:
+            if st.generation == generation and st.state is State.LOADING:
+                self.evict(st.key)
+            fut.set_exception(FlowmeshError(Code.INTERNAL, f"load failed: {exc}"))
+            return
+        if st.generation == generation and st.state is State.LOADING:
+            st.state = State.RESIDENT
+            self.counters["loads"] += 1
+            self.counters["bytes_loaded"] += st.host.nbytes
+        fut.set_result(LoadInfo(st.host.nbytes, time.perf_counter() - t0))
+
+    def evict(self, key: StageKey) -> int:
+        """Give the stage's device bytes back now; their next owner waits for its last users."""
+        st = self._stage(key)
+        if st.state is State.HOST:
+            return 0
+        after = [*st.ready, *st.users]
+        freed = 0
+        for ext in st.extents:
+            if ext is not None:
+                freed += ext.size
+                self.arena.free(ext, after)
+        st.state, st.extents, st.users = State.HOST, [], []
+        st.generation += 1
+        if st.loading is not None and not st.loading.done():
+            st.loading.set_exception(FlowmeshError(Code.NOT_RESIDENT, "evicted while loading"))
+            st.loading.exception()  # mark retrieved: nobody may be waiting on it
+        self.counters["evictions"] += 1
+        return freed
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, key: StageKey, parts: list[Mapping[str, Any]]) -> asyncio.Future[RunOutput]:
+        """Run one batch (the parts are concatenated along dim 0) through a loaded stage."""
+        st = self._stage(key)
+        if st.state is State.HOST:
+            raise FlowmeshError(Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded")
+        st.inflight += 1
+        done = self.device.new_marker()
+        st.users.append(done)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._compute, self._run_blocks, st, list(st.ready), parts, done)
+
+        def settle(f: asyncio.Future[RunOutput]) -> None:
+            st.inflight -= 1
+            self.counters["runs"] += 1
+            if f.cancelled() or f.exception() is not None:
+                self.counters["run_errors"] += 1
+            else:
+                self.counters["rows"] += f.result().rows
+
+        fut.add_done_callback(settle)
+        return fut
+
+    def _run_blocks(
+        self, st: Stage, ready: list[Any], parts: list[Mapping[str, Any]], done: Any
+    ) -> RunOutput:
+        dev = self.device
+        try:
+            with torch.inference_mode(), dev.compute():
+                inputs, rows = _batch(parts, dev.torch_device)
+                t0 = time.perf_counter()
+                wait_s = 0.0
+                x: Any = inputs
+                for i, block in enumerate(st.blocks):
+                    tw = time.perf_counter()
+                    ready[i].order_current()
+                    wait_s += time.perf_counter() - tw
+                    try:
+                        x = call_model(block, x) if i == 0 else block(x)
+                    except Exception as exc:
+                        where = traceback.extract_tb(exc.__traceback__)[-1]
+                        raise FlowmeshError(
+                            Code.MODEL_ERROR,
+                            f"{st.key[0]}: block {i} raised {type(exc).__name__}: {exc} "
+                            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
+                        ) from None
+                outputs = self._to_host(_named_outputs(x))
+                compute_s = time.perf_counter() - t0 - wait_s
+                return RunOutput(_split(outputs, rows), compute_s, wait_s, sum(rows))
+        finally:
+            # Whatever happened, this run no longer reads the stage's bytes once its queued
+            # device work is done: later owners of those bytes order after this marker.
+            dev.mark_done(done)
+
+    def _to_host(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        arena_ptr = self.device.arena.untyped_storage().data_ptr()
+        out = {}
+        for name, t in outputs.items():
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            elif t.untyped_storage().data_ptr() == arena_ptr:
+                t = t.clone()  # never send arena bytes that an eviction may hand to others
+            out[name] = t
+        return out
+
+    # ------------------------------------------------------------------ introspection
+
+    def resident(self) -> list[StageKey]:
+        return [k for k, s in self.stages.items() if s.state is not State.HOST]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "budget_bytes": self.arena.capacity,
+            "resident_bytes": self.arena.in_use,
+            "peak_bytes": self.arena.peak,
+            "largest_free": self.arena.largest_free,
+            "host_bytes": sum(s.host.nbytes for s in self.stages.values()),
+            "inflight": sum(s.inflight for s in self.stages.values()),
+            "stages": {f"{k[0]}/{k[1]}": s.state.value for k, s in self.stages.items()},
+        }
+
+    def close(self) -> None:
+        for pool in (self._compute, self._copy, self._waiter):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _wait_all(markers: list[Any]) -> None:
+    for m in markers:
+        m.wait()
+
+
+def _batch(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
+    """Concatenate the parts' inputs along dim 0; returns the inputs and rows per part."""
+    tensors = [
+        {n: (t.tensor() if hasattr(t, "tensor") else t) for n, t in p.items()} for p in parts
+    ]
+    names = list(tensors[0])
+    for p in tensors[1:]:
+        if list(p) != names:
+            raise FlowmeshError(Code.BAD_REQUEST, "parts of a batch name different inputs")
+    rows = [int(p[names[0]].shape[0]) if p[names[0]].dim() else 1 for p in tensors]
+    merged = {}
+    for n in names:
+        ts = [p[n] for p in tensors]
+        t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+        merged[n] = t.to(device, non_blocking=False) if t.device != device else t
+    return merged, rows
+
+
+def _named_outputs(x: Any) -> dict[str, torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return {"": x}
+    if isinstance(x, Mapping):
+        out = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
+        if out:
+            return out
+    raise FlowmeshError(
+        Code.MODEL_ERROR, f"model returned {type(x).__name__}; expected a tensor or a dict of them"
+    )
+
+
+def _split(outputs: dict[str, torch.Tensor], rows: list[int]) -> list[dict[str, torch.Tensor]]:
+    if len(rows) == 1:
+        return [outputs]
+    total = sum(rows)
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in rows]
+    for name, t in outputs.items():
+        if t.dim() == 0 or t.shape[0] != total:
+            raise FlowmeshError(
+                Code.MODEL_ERROR,
+                f"output {name!r} has shape {tuple(t.shape)}, not batch-first over {total} rows; "
+                "deploy this model with max_batch_size=1",
+            )
+        for i, piece in enumerate(torch.split(t, rows, dim=0)):
+            parts[i][name] = piece
+    return parts

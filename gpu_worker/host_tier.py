@@ -1,0 +1,99 @@
+"""The host tier: each stage's tensors in one flat host buffer (pinned on CUDA), block by block.
+
+A stage is kept as a list of block regions so that a load can copy block by block and a run can
+start on block 0 while later blocks are still in flight. Within a region, tensors sit at aligned
+offsets, so the device copy of a region is one contiguous copy and every tensor is a view of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flowmesh.spec import BLOCK_ALIGN, TENSOR_ALIGN
+
+ALIGN = BLOCK_ALIGN  # every block range starts and ends on this boundary
+
+
+def _aligned(n: int, to: int = TENSOR_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str  # the tensor's name in its block's state_dict
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # within the block region
+    nbytes: int
+    # A tensor tied to one stored earlier in the stage (GPT-2's lm_head and wte) is not stored
+    # twice: it names (block index, slot index) of the first one and shares its bytes.
+    alias: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class BlockRegion:
+    offset: int  # within the stage's host buffer
+    size: int  # device bytes of the block, a multiple of BLOCK_ALIGN (0 without tensors)
+    slots: tuple[Slot, ...]
+
+
+class HostStage:
+    """A stage's tensors in host memory, laid out for block-by-block copies."""
+
+    def __init__(self, buffer: torch.Tensor, regions: list[BlockRegion]) -> None:
+        self.buffer = buffer
+        self.regions = regions
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the stage takes when resident."""
+        return sum(r.size for r in self.regions)
+
+    @classmethod
+    def build(
+        cls,
+        blocks: list[dict[str, torch.Tensor]],
+        allocate: Callable[[int], torch.Tensor] | None = None,
+    ) -> HostStage:
+        """Lay out `blocks` (per block: state_dict name -> CPU tensor) in one host buffer."""
+        regions: list[BlockRegion] = []
+        offset = 0
+        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], tuple[int, int]] = {}
+        for b, tensors in enumerate(blocks):
+            slots: list[Slot] = []
+            inner = 0
+            for name, t in tensors.items():
+                nbytes = t.numel() * t.element_size()
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+                if nbytes and key in seen:
+                    slots.append(Slot(name, t.dtype, tuple(t.shape), 0, 0, alias=seen[key]))
+                    continue
+                if nbytes:
+                    seen[key] = (b, len(slots))
+                slots.append(Slot(name, t.dtype, tuple(t.shape), inner, nbytes))
+                inner += _aligned(nbytes)
+            inner = _aligned(inner, BLOCK_ALIGN)
+            regions.append(BlockRegion(offset, inner, tuple(slots)))
+            offset += inner
+        alloc = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        buffer = alloc(max(offset, 1))
+        for region, tensors in zip(regions, blocks, strict=True):
+            for slot in region.slots:
+                if slot.alias is None:
+                    view_of(buffer, region.offset + slot.offset, slot).copy_(tensors[slot.name])
+        return cls(buffer, regions)
+
+    def region_bytes(self, index: int) -> torch.Tensor:
+        r = self.regions[index]
+        return self.buffer[r.offset : r.offset + r.size]
+
+
+def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
+    """The tensor `slot` describes, as a view of a flat uint8 buffer at `offset`."""
+    raw = buffer[offset : offset + slot.nbytes]
+    if slot.nbytes == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype, device=buffer.device)
+    return raw.view(slot.dtype).reshape(slot.shape)

@@ -1,0 +1,119 @@
+"""The partitioner process: plans on request, as a peer of the broker.
+
+Stateless: each PlanJob is profiled (on the meta device, or timed when asked) and planned on a
+worker thread, so heartbeats and other requests keep flowing while a large model is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.peer import MeshPeer
+from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, TENSOR_ALIGN, ModelSpec
+from partitioner.plan import chunk_plan, stage_plan
+from partitioner.profile import profile
+
+
+def plan_for(
+    request: dict[str, Any],
+    allow: tuple[str, ...] = DEFAULT_ALLOW,
+    measure_device: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(plan as data, declared inputs) for a PlanJob request. Pure apart from torch on meta."""
+    spec = ModelSpec.from_dict(request["spec"])
+    kind = request.get("kind", "stages")
+    batch = int(request.get("batch") or 1)
+    prof = profile(
+        spec,
+        batch=batch,
+        allow=allow,
+        measure_device=measure_device if request.get("measure") else None,
+    )
+    if kind == "stages":
+        mem_cap = request.get("mem_cap")
+        if mem_cap is not None:
+            # Leave room for the worker's padding (per tensor and per block), so that a stage
+            # planned under the cap still fits the device once laid out.
+            n_tensors = len(prof.tensor_bytes) or sum(len(b.tensors) for b in prof.blocks)
+            mem_cap = int(mem_cap) - TENSOR_ALIGN * n_tensors - BLOCK_ALIGN * len(prof.blocks)
+            if mem_cap <= 0:
+                raise FlowmeshError(
+                    Code.TOO_BIG,
+                    "the device budget cannot hold even the padding of this model's tensors",
+                )
+        plan = stage_plan(prof, request.get("stages"), mem_cap)
+    elif kind == "chunks":
+        target = request.get("target_bytes") or request.get("mem_cap")
+        if not target:
+            raise FlowmeshError(Code.BAD_REQUEST, "a chunk plan needs target_bytes")
+        plan = chunk_plan(prof, int(target), request.get("optimizer") or "adam", batch)
+    else:
+        raise FlowmeshError(Code.BAD_REQUEST, f"unknown plan kind {kind!r}")
+    return plan.to_dict(), prof.inputs
+
+
+class PartitionerService(MeshPeer):
+    role = "partitioner"
+
+    def __init__(
+        self,
+        name: str,
+        broker: str,
+        *,
+        allow: tuple[str, ...] = DEFAULT_ALLOW,
+        threads: int = 2,
+        measure_device: str = "cpu",
+        limits: p.Limits = p.DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(name, broker, limits=limits)
+        self.allow = allow
+        self.measure_device = measure_device
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plan")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.planned = 0
+        self.failed = 0
+
+    def registration(self) -> p.Register:
+        return p.Register(
+            id=1,
+            role="partitioner",
+            name=self.name,
+            pid=os.getpid(),
+            info={"measure_device": self.measure_device},
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {"planned": self.planned, "failed": self.failed, "inflight": len(self._tasks)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.PlanJob):
+            task = asyncio.get_running_loop().create_task(self._plan(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(msg, p.Error):
+            self.log.warning("broker answered %s: %s %s", msg.id, msg.code, msg.reason)
+        else:
+            raise FlowmeshError(Code.BAD_REQUEST, f"a partitioner does not take {msg.TYPE}")
+
+    async def _plan(self, msg: p.PlanJob) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            plan, inputs = await loop.run_in_executor(
+                self._pool, plan_for, msg.request, self.allow, self.measure_device
+            )
+        except Exception as exc:
+            self.failed += 1
+            if not isinstance(exc, FlowmeshError):
+                self.log.exception("planning failed")
+            self.send(p.error_for(exc, msg.id))
+            return
+        self.planned += 1
+        self.send(p.PlanReply(id=msg.id, plan=plan, inputs=inputs))

@@ -1,0 +1,349 @@
+"""BrokerCore in-process: exact messages out for each event in, on a fake clock, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+
+MIB = 1 << 20
+CLIENT_A, CLIENT_B = b"client-a", b"client-b"
+
+
+def ref(*shape: int, dtype: str = "float32") -> p.TensorRef:
+    n = 1
+    for d in shape:
+        n *= d
+    return p.TensorRef(dtype, tuple(shape), bytes(n * p.ITEMSIZE[dtype]))
+
+
+class Harness:
+    def __init__(self, **cfg: Any) -> None:
+        self.now = 0.0
+        self.core = BrokerCore(BrokerConfig(heartbeat_s=1.0, liveness=3, **cfg), now=0.0)
+        self.ids = iter(range(1000, 10**6))
+
+    def out(self) -> list[tuple[str, bytes, p.Message]]:
+        return self.core.drain()
+
+    def backend(self, addr: bytes, msg: p.Message) -> list[tuple[str, bytes, p.Message]]:
+        self.core.on_backend(addr, msg, self.now)
+        return self.out()
+
+    def client(self, addr: bytes, msg: p.Message) -> list[tuple[str, bytes, p.Message]]:
+        self.core.on_client(addr, msg, self.now)
+        return self.out()
+
+    def worker(self, name: str, budget: int = 100 * MIB) -> bytes:
+        addr = name.encode()
+        self.backend(addr, p.Register(id=1, role="worker", name=name, pid=1, device="cpu",
+                                      kind="cpu", budget_bytes=budget))
+        self.backend(addr, p.Heartbeat(stats={}))
+        return addr
+
+    def partitioner(self) -> bytes:
+        self.backend(b"part", p.Register(id=1, role="partitioner", name="part", pid=2))
+        self.backend(b"part", p.Heartbeat(stats={}))
+        return b"part"
+
+    def deploy(self, name: str, stage_bytes: list[int], *, replicas: int | None = None,
+               max_batch: int = 8, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        spec = {"name": name, "factory": "flowmesh.examples:mlp", "kwargs": {"depth": next(self.ids)},
+                "max_batch_size": max_batch, "replicas": replicas, "seed": 0}
+        out = self.client(CLIENT_A, p.Deploy(id=next(self.ids), spec=spec))
+        (_, part, job), = out
+        assert isinstance(job, p.PlanJob)
+        n = len(stage_bytes)
+        plan = {"ranges": [[i, i + 1] for i in range(n)], "range_bytes": stage_bytes,
+                "block_names": [f"b{i}" for i in range(n)]}
+        out = self.backend(part, p.PlanReply(id=job.id, plan=plan,
+                                             inputs=inputs or {"x": {"dtype": "float32",
+                                                                     "shape": [-1, 4]}}))
+        deploys = [m for _, _, m in out if isinstance(m, p.DeployStage)]
+        assert deploys, out
+        final = []
+        for dest, addr, m in out:
+            assert dest == BACKEND
+            final += self.backend(addr, p.StageReady(id=m.id, model=m.model, stage=m.stage,
+                                                     nbytes=stage_bytes[m.stage], seconds=0.1))
+        (_, _, done), = [o for o in final if o[0] == CLIENT]
+        assert isinstance(done, p.Deployed), done
+        return done.model
+
+    def infer(self, model: str, client: bytes = CLIENT_A, rows: int = 1,
+              timeout_ms: int | None = None) -> tuple[int, list[tuple[str, bytes, p.Message]]]:
+        rid = next(self.ids)
+        return rid, self.client(client, p.Infer(id=rid, model=model, tensors={"": ref(rows, 4)},
+                                                timeout_ms=timeout_ms))
+
+    def finish(self, addr: bytes, run: p.Run) -> list[tuple[str, bytes, p.Message]]:
+        tensors = {f"{k}/": ref(rows, 4) for k, (_tag, rows) in enumerate(run.parts)}
+        return self.backend(addr, p.RunResult(id=run.id, model=run.model, stage=run.stage,
+                                              tensors=tensors, info={"compute_s": 0.01}))
+
+
+def kinds(out: list[tuple[str, bytes, p.Message]]) -> list[tuple[bytes, str]]:
+    return [(addr, m.TYPE) for _, addr, m in out]
+
+
+def only(out: list[tuple[str, bytes, p.Message]], cls: type) -> list[Any]:
+    return [m for _, _, m in out if isinstance(m, cls)]
+
+
+def test_worker_is_ready_only_after_its_first_heartbeat() -> None:
+    h = Harness()
+    out = h.backend(b"w0", p.Register(id=7, role="worker", name="w0", pid=1, device="cpu",
+                                      kind="cpu", budget_bytes=MIB))
+    assert kinds(out) == [(b"w0", "register_ack")] and out[0][2].id == 7
+    assert h.core.status(0)["workers"][0]["ready"] is False
+    h.backend(b"w0", p.Heartbeat(stats={"peak_bytes": 5}))
+    w = h.core.status(0)["workers"][0]
+    assert w["ready"] is True and w["peak_bytes"] == 5
+
+
+def test_unknown_peer_is_told_to_register() -> None:
+    h = Harness()
+    out = h.backend(b"stranger", p.Heartbeat(stats={}))
+    assert kinds(out) == [(b"stranger", "disconnect")]
+
+
+def test_deploy_plans_places_and_answers() -> None:
+    h = Harness()
+    h.partitioner()
+    h.worker("w0")
+    h.worker("w1")
+    model = h.deploy("m", [10 * MIB], replicas=2)
+    assert model["state"] == "ready"
+    assert sorted(r["workers"][0] for r in model["replicas"]) == ["w0", "w1"]
+
+
+def test_deploy_refuses_factories_outside_the_allow_list() -> None:
+    h = Harness()
+    h.partitioner()
+    h.worker("w0")
+    with pytest.raises(FlowmeshError) as info:
+        h.client(CLIENT_A, p.Deploy(id=1, spec={"name": "x", "factory": "os:system"}))
+    assert info.value.code is Code.NOT_ALLOWED
+
+
+def test_deploy_refuses_a_stage_larger_than_any_device() -> None:
+    h = Harness()
+    part = h.partitioner()
+    h.worker("w0", budget=10 * MIB)
+    out = h.client(CLIENT_A, p.Deploy(id=5, spec={"name": "big", "stages": 1, "seed": 0,
+                                                  "factory": "flowmesh.examples:mlp"}))
+    job = only(out, p.PlanJob)[0]
+    out = h.backend(part, p.PlanReply(id=job.id, plan={"ranges": [[0, 2]],
+                                                       "range_bytes": [20 * MIB],
+                                                       "block_names": ["a", "b"]}))
+    (err,) = only(out, p.Error)
+    assert err.id == 5 and err.code == Code.TOO_BIG and "more stages" in err.reason
+    assert "big" not in h.core.models
+
+
+def test_cold_request_loads_then_runs_and_result_reaches_its_client() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [10 * MIB], replicas=1)
+    rid, out = h.infer("m")
+    assert kinds(out) == [(w0, "load"), (w0, "run")]
+    run = only(out, p.Run)[0]
+    assert run.parts[0][1] == 1 and list(run.tensors) == ["0/"]
+    out = h.finish(w0, run)
+    (res,) = only(out, p.Result)
+    assert out[0][1] == CLIENT_A and res.id == rid and list(res.tensors) == [""]
+
+
+def test_residency_evicts_least_recently_used_idle_model() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0", budget=100 * MIB)
+    for name in ("a", "b", "c"):
+        h.deploy(name, [40 * MIB], replicas=1)
+    for name in ("a", "b"):
+        _, out = h.infer(name)
+        h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0,
+                               nbytes=40 * MIB, seconds=0.1))
+        h.now += 1
+        h.finish(w0, only(out, p.Run)[0])
+    h.now += 1
+    _, out = h.infer("a")  # a is now more recently used than b
+    h.finish(w0, only(out, p.Run)[0])
+    _, out = h.infer("c")
+    assert [(m.TYPE, m.model) for m in only(out, p.Evict | p.Load)] == [("evict", "b"),
+                                                                           ("load", "c")]
+    st = h.core.status(h.now)
+    assert st["workers"][0]["resident_bytes"] <= 100 * MIB
+    assert st["workers"][0]["resident"] == ["a/0", "c/0"]
+
+
+def test_never_evicts_a_model_with_running_or_queued_work() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0", budget=50 * MIB)
+    h.deploy("a", [40 * MIB], replicas=1)
+    h.deploy("b", [40 * MIB], replicas=1)
+    _, out = h.infer("a")
+    run_a = only(out, p.Run)[0]
+    h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB,
+                           seconds=0.1))
+    _, out = h.infer("b")
+    assert out == []  # a is running: b waits
+    out = h.finish(w0, run_a)
+    assert [m.TYPE for m in only(out, p.Evict | p.Load | p.Run)] == ["evict", "load", "run"]
+
+
+def test_queued_requests_for_one_model_run_as_one_batch() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [10 * MIB], replicas=1, max_batch=4)
+    _, out = h.infer("m")
+    first = only(out, p.Run)[0]
+    _, out = h.infer("m")  # a pipeline of one stage keeps 2 batches in flight
+    second = only(out, p.Run)[0]
+    waiting = [h.infer("m", client=CLIENT_B)[0] for _ in range(5)]
+    out = h.finish(w0, first)
+    (batch,) = only(out, p.Run)
+    assert [rows for _, rows in batch.parts] == [1, 1, 1, 1]  # capped by max_batch_size
+    assert sorted(batch.tensors) == ["0/", "1/", "2/", "3/"]
+    out = h.finish(w0, batch)
+    assert sorted(r.id for r in only(out, p.Result)) == waiting[:4]
+    assert all(addr == CLIENT_B for _, addr, m in out if isinstance(m, p.Result))
+    assert second.parts[0][1] == 1
+
+
+def test_wrong_inputs_and_unknown_models_are_refused() -> None:
+    h = Harness()
+    h.partitioner()
+    h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    with pytest.raises(FlowmeshError) as info:
+        h.client(CLIENT_A, p.Infer(id=1, model="nope", tensors={"": ref(1, 4)}))
+    assert info.value.code is Code.MODEL_NOT_FOUND and "deployed: m" in info.value.reason
+    with pytest.raises(FlowmeshError) as info:
+        h.client(CLIENT_A, p.Infer(id=2, model="m", tensors={"": ref(1, 5)}))
+    assert info.value.code is Code.BAD_REQUEST and "expects Nx4" in info.value.reason
+    with pytest.raises(FlowmeshError) as info:
+        h.client(CLIENT_A, p.Infer(id=3, model="m", tensors={"": ref(1, 4, dtype="int64")}))
+    assert info.value.code is Code.BAD_REQUEST and "float32" in info.value.reason
+
+
+def test_queued_request_past_its_deadline_gets_timeout() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0", budget=50 * MIB)
+    h.deploy("a", [40 * MIB], replicas=1)
+    h.deploy("b", [40 * MIB], replicas=1)
+    _, out = h.infer("a")
+    h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB,
+                           seconds=0.1))
+    rid, _ = h.infer("b", timeout_ms=500)
+    h.now = 0.6
+    h.backend(w0, p.Heartbeat(stats={}))
+    h.core.tick(h.now)
+    (err,) = only(h.out(), p.Error)
+    assert err.id == rid and err.code == Code.TIMEOUT
+
+
+def test_dead_worker_requests_retry_on_another_replica() -> None:
+    h = Harness()
+    h.partitioner()
+    w0, w1 = h.worker("w0"), h.worker("w1")
+    h.deploy("m", [MIB], replicas=2)
+    rid, out = h.infer("m")
+    (run,) = only(out, p.Run)
+    dead = [a for _, a, m in out if isinstance(m, p.Run)][0]
+    alive = w1 if dead == w0 else w0
+    h.now = 3.5  # the dead one stops beating; the other keeps going
+    h.backend(alive, p.Heartbeat(stats={}))
+    h.backend(b"part", p.Heartbeat(stats={}))
+    h.core.tick(h.now)
+    out = h.out()
+    retried = [(a, m) for _, a, m in out if isinstance(m, p.Run)]
+    assert len(retried) == 1 and retried[0][0] == alive
+    res = only(h.finish(alive, retried[0][1]), p.Result)
+    assert [r.id for r in res] == [rid]
+
+
+def test_dead_worker_without_another_replica_answers_worker_lost() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    rid, _ = h.infer("m")
+    h.now = 3.5
+    h.backend(b"part", p.Heartbeat(stats={}))
+    h.core.tick(h.now)
+    errs = only(h.out(), p.Error)
+    assert [(e.id, e.code) for e in errs] == [(rid, Code.WORKER_LOST)]
+    assert "w0" in errs[0].reason
+    assert w0 not in h.core.by_addr
+
+
+def test_two_stage_model_relays_activations_between_workers() -> None:
+    h = Harness()
+    h.partitioner()
+    w0, w1 = h.worker("w0"), h.worker("w1")
+    h.deploy("m", [MIB, MIB], replicas=1)
+    rid, out = h.infer("m")
+    loads = [(a, m.stage) for _, a, m in out if isinstance(m, p.Load)]
+    assert sorted(loads) == [(w0, 0), (w1, 1)] or sorted(loads) == [(w0, 1), (w1, 0)]
+    (run0,) = only(out, p.Run)
+    first = [a for _, a, m in out if isinstance(m, p.Run)][0]
+    out = h.finish(first, run0)
+    (run1,) = only(out, p.Run)
+    assert run1.stage == 1 and out[0][1] != first
+    out = h.finish(out[0][1], run1)
+    assert [r.id for r in only(out, p.Result)] == [rid]
+
+
+def test_load_that_failed_on_fragmentation_is_retried_after_flushing() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0", budget=100 * MIB)
+    h.deploy("a", [30 * MIB], replicas=1)
+    h.deploy("b", [30 * MIB], replicas=1)
+    h.deploy("c", [30 * MIB], replicas=1)
+    for name in ("a", "b"):
+        _, out = h.infer(name)
+        h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0,
+                               nbytes=30 * MIB, seconds=0.1))
+        h.finish(w0, only(out, p.Run)[0])
+    _, out = h.infer("c")
+    load, run = only(out, p.Load)[0], only(out, p.Run)[0]
+    assert only(out, p.Evict) == []  # 40 MiB free: fits by bytes
+    h.backend(w0, p.Error(id=load.id, code=str(Code.NO_SPACE), reason="fragmented"))
+    out = h.backend(w0, p.Error(id=run.id, code=str(Code.NOT_RESIDENT), reason="not loaded"))
+    assert sorted(m.model for m in only(out, p.Evict)) == ["a", "b"]
+    assert [m.model for m in only(out, p.Load)] == ["c"]
+
+
+def test_starving_request_may_evict_a_model_with_queued_work() -> None:
+    h = Harness(starvation_s=2.0)
+    h.partitioner()
+    w0 = h.worker("w0", budget=50 * MIB)
+    h.deploy("hot", [40 * MIB], replicas=1, max_batch=1)
+    h.deploy("cold", [40 * MIB], replicas=1)
+    _, out = h.infer("hot")
+    h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model="hot", stage=0, nbytes=40 * MIB,
+                           seconds=0.1))
+    runs = only(out, p.Run)
+    runs += only(h.infer("hot")[1], p.Run)
+    h.now = 0.1
+    h.infer("cold")
+    h.now = 0.2
+    for _ in range(5):  # hot keeps a queue at all times
+        h.infer("hot")
+    h.now = 2.5
+    # Hot is drained (no new batches start) until cold gets its turn.
+    out = h.finish(w0, runs[0])
+    assert only(out, p.Run) == []
+    out = h.finish(w0, runs[1])
+    assert [(m.TYPE, m.model) for m in only(out, p.Evict | p.Load | p.Run)] == [
+        ("evict", "hot"), ("load", "cold"), ("run", "cold")]
