@@ -77,7 +77,7 @@ class BrokerCore:
         self.out: list[tuple[str, bytes, p.Message]] = []
         self.started = time.monotonic() if now is None else now
         self._ids = itertools.count(1)
-        self.totals = {"requests": 0, "completed": 0, "errors": 0, "batches": 0}
+        self.totals = {"requests": 0, "completed": 0, "errors": 0, "batches": 0, "retried": 0}
 
     # ================================================================== plumbing
 
@@ -921,6 +921,7 @@ class BrokerCore:
                     continue
                 if others and req.retries < self.cfg.max_retries:
                     req.retries += 1
+                    self.totals["retried"] += 1
                     model.queue.appendleft(req)
                 else:
                     self._answer_error(

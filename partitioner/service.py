@@ -46,7 +46,23 @@ def plan_for(
                     Code.TOO_BIG,
                     "the device budget cannot hold even the padding of this model's tensors",
                 )
-        plan = stage_plan(prof, request.get("stages"), mem_cap)
+        try:
+            plan = stage_plan(prof, request.get("stages"), mem_cap)
+        except FlowmeshError as exc:
+            if mem_cap is None or exc.code != Code.PLAN_ERROR:
+                raise
+            # Would it plan without the devices' cap? Then the model is too big, not malformed.
+            try:
+                stage_plan(prof, request.get("stages") or 1, None)
+            except FlowmeshError:
+                raise exc from None
+            splittable = max(b.resident_bytes for b in prof.blocks) <= mem_cap
+            hint = (
+                " (omit stages to choose automatically)"
+                if (request.get("stages") and splittable)
+                else ""
+            )
+            raise FlowmeshError(Code.TOO_BIG, f"{exc.reason}{hint}") from None
     elif kind == "chunks":
         target = request.get("target_bytes") or request.get("mem_cap")
         if not target:

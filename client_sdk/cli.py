@@ -1,0 +1,376 @@
+"""The `flowmesh` command: run the mesh, look at it, deploy, infer and plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+from client_sdk.client import DEFAULT_ADDRESS, Client
+from client_sdk.errors import ClientError
+from flowmesh.errors import FlowmeshError
+from flowmesh.units import fmt_bytes, parse_size
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header, *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    out = [
+        f"broker up {st['uptime_s']:.0f} s  protocol v{st['protocol']}  "
+        f"requests {st['requests']}  completed {st['completed']}  errors {st['errors']}  "
+        f"queued {st['queued']}  running batches {st['inflight_batches']}",
+        "",
+    ]
+    rows = [
+        [
+            w["name"],
+            w["device"],
+            "ready" if w["ready"] else "joining",
+            fmt_bytes(w["budget_bytes"]),
+            fmt_bytes(w["resident_bytes"]),
+            fmt_bytes(w["peak_bytes"]),
+            fmt_bytes(w["host_bytes"]),
+            w["loads"],
+            w["evictions"],
+            w["inflight"],
+            ", ".join(w["resident"]) or "-",
+        ]
+        for w in st["workers"]
+    ]
+    out.append(
+        table(
+            rows,
+            [
+                "worker",
+                "device",
+                "state",
+                "budget",
+                "resident",
+                "peak",
+                "host",
+                "loads",
+                "evictions",
+                "running",
+                "resident stages",
+            ],
+        )
+    )
+    parts = (
+        ", ".join(
+            f"{p['name']} ({'ready' if p['ready'] else 'joining'})" for p in st["partitioners"]
+        )
+        or "none"
+    )
+    out += ["", f"partitioners: {parts}", ""]
+    rows = []
+    for m in st["models"]:
+        stages = " | ".join(
+            f"{s['blocks'][0]}-{s['blocks'][1] - 1}:{fmt_bytes(s['bytes'])}" for s in m["stages"]
+        )
+        reps = "; ".join(
+            "+".join(r["workers"]) + ("" if r["live"] else " (deploying)") for r in m["replicas"]
+        )
+        rows.append(
+            [
+                m["name"],
+                m["state"],
+                fmt_bytes(m["bytes"]),
+                stages,
+                reps,
+                m["queue"],
+                m["requests"],
+                m["errors"],
+                m["loads"],
+                m["evictions"],
+                f"{m['mean_ms']:.1f}",
+                f"{m['p99_ms']:.1f}",
+            ]
+        )
+    out.append(
+        table(
+            rows,
+            [
+                "model",
+                "state",
+                "bytes",
+                "stages (blocks:bytes)",
+                "replicas",
+                "queue",
+                "requests",
+                "errors",
+                "loads",
+                "evictions",
+                "mean ms",
+                "p99 ms",
+            ],
+        )
+    )
+    return "\n".join(out)
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    from partitioner.plan import Plan
+
+    return Plan.from_dict(plan).table()
+
+
+def _kwargs(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--kwargs is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SystemExit("--kwargs must be a JSON object")
+    return value
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from client_sdk.mesh import LocalMesh
+    from gpu_worker.device import discover_gpus
+
+    gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
+    host, _, port = args.listen.rpartition(":")
+    mesh = LocalMesh(
+        cpu_workers=args.cpu_workers or 2,
+        memory_budget=args.memory_budget,
+        gpus=gpus or None,
+        gpu_budget=args.memory_budget if gpus else None,
+        host=host or "127.0.0.1",
+        frontend_port=int(port or 5555),
+        backend_port=int(port or 5555) + 1,
+        heartbeat_s=args.heartbeat,
+        threads_per_worker=args.threads,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with mesh:
+        kind = (
+            f"{len(gpus)} GPU worker(s)"
+            if gpus
+            else f"{mesh.cpu_workers} CPU stand-in worker(s) of {args.memory_budget}"
+        )
+        print(
+            f"flowmesh up: broker {mesh.frontend} (workers join at {mesh.backend}), {kind}, "
+            f"partitioner; logs in {mesh.run_dir}. Ctrl-C stops everything.",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            dead = [c.name for c in mesh.children if c.proc.poll() is not None]
+            if dead:
+                print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+                break
+    print("flowmesh stopped")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with Client(args.broker) as c:
+        st = c.status(timeout=args.timeout)
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    with Client(args.broker) as c:
+        info = c.deploy(
+            args.name,
+            args.factory,
+            kwargs=_kwargs(args.kwargs),
+            seed=args.seed,
+            weights=args.weights,
+            dtype=args.dtype,
+            stages=args.stages,
+            max_batch_size=args.max_batch,
+            replicas=args.replicas,
+            timeout=args.timeout,
+        )
+    stages = ", ".join(
+        f"stage {s['index']}: blocks {s['blocks'][0]}-{s['blocks'][1] - 1} "
+        f"({fmt_bytes(s['bytes'])})"
+        for s in info["stages"]
+    )
+    reps = "; ".join("+".join(r["workers"]) for r in info["replicas"])
+    print(f"deployed {info['name']}: {fmt_bytes(info['bytes'])}, {stages}; replicas: {reps}")
+    return 0
+
+
+def cmd_undeploy(args: argparse.Namespace) -> int:
+    with Client(args.broker) as c:
+        c.undeploy(args.name, timeout=args.timeout)
+    print(f"undeployed {args.name}")
+    return 0
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    import torch
+
+    from flowmesh.build import torch_dtype
+
+    with Client(args.broker) as c:
+        if args.input:
+            from safetensors.torch import load_file
+
+            inputs: Any = load_file(args.input)
+        else:
+            st = c.status(timeout=args.timeout)
+            model = next((m for m in st["models"] if m["name"] == args.name), None)
+            if model is None:
+                raise SystemExit(f"no model {args.name!r}")
+            declared = model.get("inputs")
+            if not declared:
+                raise SystemExit(f"{args.name!r} declares no inputs: give --input file")
+            inputs = {}
+            for name, spec in declared.items():
+                shape = [args.batch] + [args.seq if d == -1 else d for d in spec["shape"][1:]]
+                dtype = torch_dtype(spec["dtype"])
+                inputs[name] = (
+                    torch.randn(shape).to(dtype)
+                    if dtype.is_floating_point
+                    else torch.randint(0, 2, shape).to(dtype)
+                )
+        out, info = c.infer_with_info(args.name, inputs, timeout=args.timeout)
+    outs = out if isinstance(out, dict) else {"output": out}
+    for name, t in outs.items():
+        print(
+            f"{name or 'output'}: {t.dtype} {list(t.shape)} mean {t.float().mean():.6f} "
+            f"std {t.float().std():.6f}"
+        )
+    print(
+        f"latency {info['latency_ms']:.1f} ms (queue {info['queue_ms']:.1f}, compute "
+        f"{info['compute_ms']:.1f}, waiting for weights {info['load_wait_ms']:.1f}), batch "
+        f"{info['batch']}, workers {', '.join(info['workers'])}"
+    )
+    if args.output:
+        from safetensors.torch import save_file
+
+        save_file({k or "output": v.contiguous() for k, v in outs.items()}, args.output)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    kind = "chunks" if args.target else "stages"
+    with Client(args.broker) as c:
+        plan = c.plan(
+            args.factory,
+            kwargs=_kwargs(args.kwargs),
+            dtype=args.dtype,
+            kind=kind,
+            stages=args.stages,
+            mem_cap=parse_size(args.mem_cap) if args.mem_cap else None,
+            target_bytes=parse_size(args.target) if args.target else None,
+            optimizer=args.optimizer,
+            batch=args.batch,
+            measure=args.measure,
+            timeout=args.timeout,
+        )
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from client_sdk.demo import main as demo
+
+    return demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flowmesh", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def client_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument(
+            "--broker", default=DEFAULT_ADDRESS, help="broker client endpoint (env FLOWMESH_BROKER)"
+        )
+        p.add_argument("--timeout", type=float, default=60.0, help="seconds")
+        return p
+
+    p = sub.add_parser("up", help="run broker, partitioner and workers on this machine")
+    p.add_argument(
+        "--cpu-workers",
+        type=int,
+        default=0,
+        help="CPU stand-in workers instead of one worker per GPU",
+    )
+    p.add_argument("--memory-budget", default="1GiB", help="device budget per worker")
+    p.add_argument(
+        "--listen", default="127.0.0.1:5555", help="host:port for clients; workers join on port+1"
+    )
+    p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.set_defaults(fn=cmd_up)
+
+    p = client_cmd("status", "show workers, models and queues")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+
+    p = client_cmd("deploy", "deploy a model")
+    p.add_argument("name")
+    p.add_argument("factory", help="module:callable from the broker's allow-list")
+    p.add_argument("--kwargs", help="factory keyword arguments as JSON")
+    p.add_argument("--seed", type=int, default=None, help="seeded random weights")
+    p.add_argument("--weights", default=None, help="safetensors file the workers can read")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: auto)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=None)
+    p.set_defaults(fn=cmd_deploy, timeout=600.0)
+
+    p = client_cmd("undeploy", "remove a model")
+    p.add_argument("name")
+    p.set_defaults(fn=cmd_undeploy)
+
+    p = client_cmd("infer", "run one request (random inputs of the declared shape by default)")
+    p.add_argument("name")
+    p.add_argument("--input", help="safetensors file of named input tensors")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=16, help="size of free dimensions")
+    p.add_argument("--output", help="write the outputs to this safetensors file")
+    p.set_defaults(fn=cmd_infer)
+
+    p = client_cmd("plan", "plan pipeline stages or training chunks for a model")
+    p.add_argument("factory")
+    p.add_argument("--kwargs")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--mem-cap", default=None, help="bytes per stage (default: smallest worker)")
+    p.add_argument("--target", default=None, help="training chunk target bytes (chunk plan)")
+    p.add_argument("--optimizer", default="adam", help="sgd | momentum | adam | adamw")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--measure", action="store_true", help="time each block")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan, timeout=120.0)
+
+    p = sub.add_parser("demo", help="the main job: embedded mesh serving many models")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--memory-budget", default="48MiB")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (ClientError, FlowmeshError) as exc:
+        print(f"flowmesh {args.cmd}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

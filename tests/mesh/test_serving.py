@@ -1,0 +1,175 @@
+"""Serving end to end on a real mesh: exact outputs, oversubscription, concurrency, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from client_sdk import errors
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh.spec import ModelSpec
+from tests.mesh.conftest import deploy, mlp_spec, reference
+
+
+def test_infer_equals_direct_forward_bit_for_bit(mesh: LocalMesh) -> None:
+    mlp = mlp_spec("exact-mlp", seed=3)
+    gpt = ModelSpec(
+        name="exact-gpt",
+        factory="flowmesh.examples:tiny_gpt",
+        seed=4,
+        kwargs={"vocab": 256, "d_model": 64, "n_layers": 2, "n_heads": 4},
+    )
+    with mesh.client() as c:
+        deploy(c, mlp)
+        deploy(c, gpt)
+        for _ in range(3):
+            x = torch.randn(2, 256)
+            assert torch.equal(c.infer("exact-mlp", x), reference(mlp)(x))
+            ids = torch.randint(0, 256, (2, 12))
+            assert torch.equal(c.infer("exact-gpt", ids), reference(gpt)(ids))
+
+
+def test_weights_from_safetensors_are_served(mesh: LocalMesh, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    seeded = mlp_spec("from-file", seed=11)
+    path = tmp_path / "w.safetensors"
+    save_file(reference(seeded).state_dict(), str(path))
+    spec = ModelSpec(
+        name="from-file", factory=seeded.factory, kwargs=seeded.kwargs, weights=str(path)
+    )
+    with mesh.client() as c:
+        deploy(c, spec)
+        x = torch.randn(1, 256)
+        assert torch.equal(c.infer("from-file", x), reference(seeded)(x))
+
+
+def test_weights_missing_a_tensor_is_a_clear_deploy_error(mesh: LocalMesh, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    state = reference(mlp_spec("x", seed=1)).state_dict()
+    state.pop("2.weight")
+    path = tmp_path / "partial.safetensors"
+    save_file(state, str(path))
+    with mesh.client() as c, pytest.raises(errors.BadRequest, match="2.weight"):
+        c.deploy(
+            "partial", "flowmesh.examples:mlp", kwargs={"width": 256, "depth": 3}, weights=str(path)
+        )
+    with mesh.client() as c:
+        assert "partial" not in [m["name"] for m in c.status()["models"]]
+
+
+def test_models_three_times_the_budget_are_all_served(mesh: LocalMesh) -> None:
+    # 8 MiB per worker, 16 MiB in all; twelve models of 2.3 MiB x 2 replicas... and 4.2 MiB each.
+    specs = [mlp_spec(f"over-{i}", width=512, depth=3, seed=i) for i in range(12)]
+    with mesh.client() as c:
+        for s in specs:
+            deploy(c, s)
+        total = sum(m["bytes"] for m in c.status()["models"] if m["name"].startswith("over-"))
+        budget = sum(w["budget_bytes"] for w in c.status()["workers"])
+        assert total >= 3 * budget
+        refs = {s.name: reference(s) for s in specs}
+        for round_ in range(2):
+            for s in specs:
+                x = torch.randn(1 + round_, 512)
+                assert torch.equal(c.infer(s.name, x), refs[s.name](x))
+        st = c.status()
+    models = {m["name"]: m for m in st["models"]}
+    assert all(models[s.name]["loads"] >= 1 for s in specs)
+    assert sum(models[s.name]["evictions"] for s in specs) > 0
+    for w in st["workers"]:
+        assert w["resident_bytes"] <= w["budget_bytes"]
+        assert 0 < w["peak_bytes"] <= w["budget_bytes"], w
+
+
+def test_concurrent_clients_each_get_their_own_answers(mesh: LocalMesh) -> None:
+    specs = [mlp_spec(f"conc-{i}", width=128, depth=2, seed=20 + i) for i in range(3)]
+    with mesh.client() as c:
+        for s in specs:
+            deploy(c, s)
+    refs = {s.name: reference(s) for s in specs}
+
+    async def client_task(k: int) -> int:
+        ok = 0
+        async with AsyncClient(mesh.frontend, timeout=60) as client:
+            for j in range(12):
+                spec = specs[(k + j) % len(specs)]
+                # Unique per client and call: a swapped answer would be far off.
+                x = torch.randn(1, 128, generator=torch.Generator().manual_seed(k * 1000 + j))
+                out = await client.infer(spec.name, x)
+                # Batched with other clients' rows, so equal up to matmul blocking.
+                torch.testing.assert_close(out, refs[spec.name](x), rtol=1e-4, atol=1e-5)
+                ok += 1
+        return ok
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(client_task(k) for k in range(10)))
+
+    assert asyncio.run(main()) == [12] * 10
+
+
+def test_bad_requests_get_clear_errors_and_nothing_hangs(mesh: LocalMesh) -> None:
+    with mesh.client(timeout=20) as c:
+        with pytest.raises(errors.NotAllowed, match="allow-list"):
+            c.deploy("evil", "os:system", kwargs={"command": "true"})
+        with pytest.raises(errors.ModelNotFound, match="no model 'ghost'"):
+            c.infer("ghost", torch.randn(1, 4))
+        deploy(c, mlp_spec("shape-check", width=64, depth=1))
+        with pytest.raises(errors.BadRequest, match="expects Nx64"):
+            c.infer("shape-check", torch.randn(2, 65))
+        with pytest.raises(errors.BadRequest, match="float32"):
+            c.infer("shape-check", torch.randn(2, 64).double())
+        with pytest.raises(errors.BadRequest, match="factory"):
+            c.deploy("nope", "flowmesh.examples:does_not_exist")
+        with pytest.raises(errors.BadRequest, match="width"):
+            c.deploy("bad-kwargs", "flowmesh.examples:mlp", kwargs={"width": -3})
+        with pytest.raises(errors.ModelExists):
+            deploy(c, mlp_spec("shape-check", width=64, depth=1))
+        with pytest.raises(errors.TooBig, match="at least 7 parts"):
+            c.deploy(
+                "huge",
+                "flowmesh.examples:mlp",
+                kwargs={"width": 1024, "depth": 6},
+                seed=0,
+                stages=1,
+            )
+        with pytest.raises(errors.TooBig, match="no partition can hold it"):
+            c.deploy("huge", "flowmesh.examples:mlp", kwargs={"width": 2048, "depth": 2}, seed=0)
+        # The mesh is still healthy afterwards.
+        x = torch.randn(1, 64)
+        assert c.infer("shape-check", x).shape == (1, 64)
+
+
+def test_undeploy_frees_the_model(mesh: LocalMesh) -> None:
+    with mesh.client() as c:
+        deploy(c, mlp_spec("short-lived", width=64, depth=1))
+        c.infer("short-lived", torch.randn(1, 64))
+        c.undeploy("short-lived")
+        with pytest.raises(errors.ModelNotFound):
+            c.infer("short-lived", torch.randn(1, 64))
+        st = c.status()
+    assert all(not any(r.startswith("short-lived/") for r in w["resident"]) for w in st["workers"])
+
+
+def test_sync_client_is_safe_across_threads(mesh: LocalMesh) -> None:
+    spec = mlp_spec("threads", width=64, depth=1, seed=5)
+    ref = reference(spec)
+    failures: list[BaseException] = []
+    with mesh.client() as c:
+        deploy(c, spec)
+
+        def worker(k: int) -> None:
+            try:
+                for _ in range(5):
+                    x = torch.randn(1, 64) + k
+                    torch.testing.assert_close(c.infer("threads", x), ref(x))
+            except BaseException as exc:  # collected and re-raised in the main thread
+                failures.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not failures, failures
