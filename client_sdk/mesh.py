@@ -118,10 +118,10 @@ class LocalMesh:
                 *self.broker_args,
             ],
         )
-        endpoints = self._wait(
+        endpoints = self.wait_until(
             lambda: json.loads(ready.read_text()) if ready.exists() else None,
             "the broker to bind its sockets",
-            [broker],
+            watch=[broker],
         )
         self.frontend, self.backend = endpoints["frontend"], endpoints["backend"]
         if self.partitioner:
@@ -171,14 +171,21 @@ class LocalMesh:
                     return st
                 return None
 
-            return self._wait(
+            return self.wait_until(
                 probe,
                 f"{self.n_workers} worker(s) and the partitioner to register",
-                self.children,
                 timeout,
+                watch=self.children,
             )
 
-    def _wait(self, probe: Any, what: str, watch: list[Child], timeout: float | None = None) -> Any:
+    def wait_until(
+        self, probe: Any, what: str, timeout: float | None = None, watch: list[Child] | None = None
+    ) -> Any:
+        """Poll `probe` until it returns something other than None. Fails early if a watched
+        child dies (by default those alive now), and after `timeout` seconds with `what` in the
+        message."""
+        if watch is None:
+            watch = [c for c in self.children if c.proc.poll() is None]
         deadline = time.monotonic() + (timeout or self.ready_timeout_s)
         while time.monotonic() < deadline:
             for child in watch:

@@ -62,6 +62,17 @@ def test_worker_killed_during_traffic(tmp_path) -> None:  # type: ignore[no-unty
             assert sorted(w["name"] for w in st["workers"]) == ["worker-0", "worker-2"]
             # Requests were in flight on the killed worker: retried elsewhere or answered lost.
             assert st["retried"] + outcomes.count("lost") > 0, st
+
+            # Replicas lost with the worker are re-created on the survivors.
+            def repaired() -> list | None:
+                models = c.status()["models"]
+                return (
+                    models
+                    if all(sum(r["live"] for r in m["replicas"]) == 2 for m in models)
+                    else None
+                )
+
+            mesh.wait_until(repaired, "lost replicas to be re-created", timeout=30)
             for s in specs:  # the survivors still serve every model
                 x = torch.randn(2, 768)
                 torch.testing.assert_close(

@@ -52,7 +52,7 @@ def test_weights_missing_a_tensor_is_a_clear_deploy_error(mesh: LocalMesh, tmp_p
     state.pop("2.weight")
     path = tmp_path / "partial.safetensors"
     save_file(state, str(path))
-    with mesh.client() as c, pytest.raises(errors.BadRequest, match="2.weight"):
+    with mesh.client() as c, pytest.raises(errors.BadRequest, match=r"2\.weight"):
         c.deploy(
             "partial", "flowmesh.examples:mlp", kwargs={"width": 256, "depth": 3}, weights=str(path)
         )
