@@ -40,8 +40,12 @@ class Harness:
 
     def worker(self, name: str, budget: int = 100 * MIB) -> bytes:
         addr = name.encode()
-        self.backend(addr, p.Register(id=1, role="worker", name=name, pid=1, device="cpu",
-                                      kind="cpu", budget_bytes=budget))
+        self.backend(
+            addr,
+            p.Register(
+                id=1, role="worker", name=name, pid=1, device="cpu", kind="cpu", budget_bytes=budget
+            ),
+        )
         self.backend(addr, p.Heartbeat(stats={}))
         return addr
 
@@ -50,40 +54,73 @@ class Harness:
         self.backend(b"part", p.Heartbeat(stats={}))
         return b"part"
 
-    def deploy(self, name: str, stage_bytes: list[int], *, replicas: int | None = None,
-               max_batch: int = 8, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
-        spec = {"name": name, "factory": "flowmesh.examples:mlp", "kwargs": {"depth": next(self.ids)},
-                "max_batch_size": max_batch, "replicas": replicas, "seed": 0}
+    def deploy(
+        self,
+        name: str,
+        stage_bytes: list[int],
+        *,
+        replicas: int | None = None,
+        max_batch: int = 8,
+        inputs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        spec = {
+            "name": name,
+            "factory": "flowmesh.examples:mlp",
+            "kwargs": {"depth": next(self.ids)},
+            "max_batch_size": max_batch,
+            "replicas": replicas,
+            "seed": 0,
+        }
         out = self.client(CLIENT_A, p.Deploy(id=next(self.ids), spec=spec))
-        (_, part, job), = out
+        ((_, part, job),) = out
         assert isinstance(job, p.PlanJob)
         n = len(stage_bytes)
-        plan = {"ranges": [[i, i + 1] for i in range(n)], "range_bytes": stage_bytes,
-                "block_names": [f"b{i}" for i in range(n)]}
-        out = self.backend(part, p.PlanReply(id=job.id, plan=plan,
-                                             inputs=inputs or {"x": {"dtype": "float32",
-                                                                     "shape": [-1, 4]}}))
+        plan = {
+            "ranges": [[i, i + 1] for i in range(n)],
+            "range_bytes": stage_bytes,
+            "block_names": [f"b{i}" for i in range(n)],
+        }
+        out = self.backend(
+            part,
+            p.PlanReply(
+                id=job.id, plan=plan, inputs=inputs or {"x": {"dtype": "float32", "shape": [-1, 4]}}
+            ),
+        )
         deploys = [m for _, _, m in out if isinstance(m, p.DeployStage)]
         assert deploys, out
         final = []
         for dest, addr, m in out:
             assert dest == BACKEND
-            final += self.backend(addr, p.StageReady(id=m.id, model=m.model, stage=m.stage,
-                                                     nbytes=stage_bytes[m.stage], seconds=0.1))
-        (_, _, done), = [o for o in final if o[0] == CLIENT]
+            final += self.backend(
+                addr,
+                p.StageReady(
+                    id=m.id, model=m.model, stage=m.stage, nbytes=stage_bytes[m.stage], seconds=0.1
+                ),
+            )
+        ((_, _, done),) = [o for o in final if o[0] == CLIENT]
         assert isinstance(done, p.Deployed), done
         return done.model
 
-    def infer(self, model: str, client: bytes = CLIENT_A, rows: int = 1,
-              timeout_ms: int | None = None) -> tuple[int, list[tuple[str, bytes, p.Message]]]:
+    def infer(
+        self, model: str, client: bytes = CLIENT_A, rows: int = 1, timeout_ms: int | None = None
+    ) -> tuple[int, list[tuple[str, bytes, p.Message]]]:
         rid = next(self.ids)
-        return rid, self.client(client, p.Infer(id=rid, model=model, tensors={"": ref(rows, 4)},
-                                                timeout_ms=timeout_ms))
+        return rid, self.client(
+            client, p.Infer(id=rid, model=model, tensors={"": ref(rows, 4)}, timeout_ms=timeout_ms)
+        )
 
     def finish(self, addr: bytes, run: p.Run) -> list[tuple[str, bytes, p.Message]]:
         tensors = {f"{k}/": ref(rows, 4) for k, (_tag, rows) in enumerate(run.parts)}
-        return self.backend(addr, p.RunResult(id=run.id, model=run.model, stage=run.stage,
-                                              tensors=tensors, info={"compute_s": 0.01}))
+        return self.backend(
+            addr,
+            p.RunResult(
+                id=run.id,
+                model=run.model,
+                stage=run.stage,
+                tensors=tensors,
+                info={"compute_s": 0.01},
+            ),
+        )
 
 
 def kinds(out: list[tuple[str, bytes, p.Message]]) -> list[tuple[bytes, str]]:
@@ -96,8 +133,12 @@ def only(out: list[tuple[str, bytes, p.Message]], cls: type) -> list[Any]:
 
 def test_worker_is_ready_only_after_its_first_heartbeat() -> None:
     h = Harness()
-    out = h.backend(b"w0", p.Register(id=7, role="worker", name="w0", pid=1, device="cpu",
-                                      kind="cpu", budget_bytes=MIB))
+    out = h.backend(
+        b"w0",
+        p.Register(
+            id=7, role="worker", name="w0", pid=1, device="cpu", kind="cpu", budget_bytes=MIB
+        ),
+    )
     assert kinds(out) == [(b"w0", "register_ack")] and out[0][2].id == 7
     assert h.core.status(0)["workers"][0]["ready"] is False
     h.backend(b"w0", p.Heartbeat(stats={"peak_bytes": 5}))
@@ -134,12 +175,20 @@ def test_deploy_refuses_a_stage_larger_than_any_device() -> None:
     h = Harness()
     part = h.partitioner()
     h.worker("w0", budget=10 * MIB)
-    out = h.client(CLIENT_A, p.Deploy(id=5, spec={"name": "big", "stages": 1, "seed": 0,
-                                                  "factory": "flowmesh.examples:mlp"}))
+    out = h.client(
+        CLIENT_A,
+        p.Deploy(
+            id=5, spec={"name": "big", "stages": 1, "seed": 0, "factory": "flowmesh.examples:mlp"}
+        ),
+    )
     job = only(out, p.PlanJob)[0]
-    out = h.backend(part, p.PlanReply(id=job.id, plan={"ranges": [[0, 2]],
-                                                       "range_bytes": [20 * MIB],
-                                                       "block_names": ["a", "b"]}))
+    out = h.backend(
+        part,
+        p.PlanReply(
+            id=job.id,
+            plan={"ranges": [[0, 2]], "range_bytes": [20 * MIB], "block_names": ["a", "b"]},
+        ),
+    )
     (err,) = only(out, p.Error)
     assert err.id == 5 and err.code == Code.TOO_BIG and "more stages" in err.reason
     assert "big" not in h.core.models
@@ -167,16 +216,20 @@ def test_residency_evicts_least_recently_used_idle_model() -> None:
         h.deploy(name, [40 * MIB], replicas=1)
     for name in ("a", "b"):
         _, out = h.infer(name)
-        h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0,
-                               nbytes=40 * MIB, seconds=0.1))
+        h.backend(
+            w0,
+            p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0, nbytes=40 * MIB, seconds=0.1),
+        )
         h.now += 1
         h.finish(w0, only(out, p.Run)[0])
     h.now += 1
     _, out = h.infer("a")  # a is now more recently used than b
     h.finish(w0, only(out, p.Run)[0])
     _, out = h.infer("c")
-    assert [(m.TYPE, m.model) for m in only(out, p.Evict | p.Load)] == [("evict", "b"),
-                                                                           ("load", "c")]
+    assert [(m.TYPE, m.model) for m in only(out, p.Evict | p.Load)] == [
+        ("evict", "b"),
+        ("load", "c"),
+    ]
     st = h.core.status(h.now)
     assert st["workers"][0]["resident_bytes"] <= 100 * MIB
     assert st["workers"][0]["resident"] == ["a/0", "c/0"]
@@ -190,8 +243,9 @@ def test_never_evicts_a_model_with_running_or_queued_work() -> None:
     h.deploy("b", [40 * MIB], replicas=1)
     _, out = h.infer("a")
     run_a = only(out, p.Run)[0]
-    h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB,
-                           seconds=0.1))
+    h.backend(
+        w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB, seconds=0.1)
+    )
     _, out = h.infer("b")
     assert out == []  # a is running: b waits
     out = h.finish(w0, run_a)
@@ -241,8 +295,9 @@ def test_queued_request_past_its_deadline_gets_timeout() -> None:
     h.deploy("a", [40 * MIB], replicas=1)
     h.deploy("b", [40 * MIB], replicas=1)
     _, out = h.infer("a")
-    h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB,
-                           seconds=0.1))
+    h.backend(
+        w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB, seconds=0.1)
+    )
     rid, _ = h.infer("b", timeout_ms=500)
     h.now = 0.6
     h.backend(w0, p.Heartbeat(stats={}))
@@ -257,8 +312,7 @@ def test_dead_worker_requests_retry_on_another_replica() -> None:
     w0, w1 = h.worker("w0"), h.worker("w1")
     h.deploy("m", [MIB], replicas=2)
     rid, out = h.infer("m")
-    (run,) = only(out, p.Run)
-    dead = [a for _, a, m in out if isinstance(m, p.Run)][0]
+    (dead,) = [a for _, a, m in out if isinstance(m, p.Run)]
     alive = w1 if dead == w0 else w0
     h.now = 3.5  # the dead one stops beating; the other keeps going
     h.backend(alive, p.Heartbeat(stats={}))
@@ -295,7 +349,7 @@ def test_two_stage_model_relays_activations_between_workers() -> None:
     loads = [(a, m.stage) for _, a, m in out if isinstance(m, p.Load)]
     assert sorted(loads) == [(w0, 0), (w1, 1)] or sorted(loads) == [(w0, 1), (w1, 0)]
     (run0,) = only(out, p.Run)
-    first = [a for _, a, m in out if isinstance(m, p.Run)][0]
+    (first,) = [a for _, a, m in out if isinstance(m, p.Run)]
     out = h.finish(first, run0)
     (run1,) = only(out, p.Run)
     assert run1.stage == 1 and out[0][1] != first
@@ -312,8 +366,10 @@ def test_load_that_failed_on_fragmentation_is_retried_after_flushing() -> None:
     h.deploy("c", [30 * MIB], replicas=1)
     for name in ("a", "b"):
         _, out = h.infer(name)
-        h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0,
-                               nbytes=30 * MIB, seconds=0.1))
+        h.backend(
+            w0,
+            p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0, nbytes=30 * MIB, seconds=0.1),
+        )
         h.finish(w0, only(out, p.Run)[0])
     _, out = h.infer("c")
     load, run = only(out, p.Load)[0], only(out, p.Run)[0]
@@ -331,8 +387,9 @@ def test_starving_request_may_evict_a_model_with_queued_work() -> None:
     h.deploy("hot", [40 * MIB], replicas=1, max_batch=1)
     h.deploy("cold", [40 * MIB], replicas=1)
     _, out = h.infer("hot")
-    h.backend(w0, p.Loaded(id=only(out, p.Load)[0].id, model="hot", stage=0, nbytes=40 * MIB,
-                           seconds=0.1))
+    h.backend(
+        w0, p.Loaded(id=only(out, p.Load)[0].id, model="hot", stage=0, nbytes=40 * MIB, seconds=0.1)
+    )
     runs = only(out, p.Run)
     runs += only(h.infer("hot")[1], p.Run)
     h.now = 0.1
@@ -346,4 +403,7 @@ def test_starving_request_may_evict_a_model_with_queued_work() -> None:
     assert only(out, p.Run) == []
     out = h.finish(w0, runs[1])
     assert [(m.TYPE, m.model) for m in only(out, p.Evict | p.Load | p.Run)] == [
-        ("evict", "hot"), ("load", "cold"), ("run", "cold")]
+        ("evict", "hot"),
+        ("load", "cold"),
+        ("run", "cold"),
+    ]

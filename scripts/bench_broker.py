@@ -1,0 +1,174 @@
+"""Broker overhead: flowmesh round trips against raw ZeroMQ round trips, measured in the same run.
+
+A request through flowmesh travels client -> broker -> worker -> broker -> client: two hops each
+way, validation at every hop, a (tiny) model run on the worker. The references, in separate
+processes like the mesh's, are (1) a raw DEALER->ROUTER echo and (2) a raw relay in front of an
+echo, i.e. the same four hops with no flowmesh logic. Sequential latency (one request at a time)
+and pipelined throughput (many outstanding) are both reported, as ratios.
+
+    python scripts/bench_broker.py [--requests 2000] [--concurrency 32] [--out bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh import protocol as p
+
+
+def echo_server(endpoint: str, envelope: int, ready: Any) -> None:
+    """ROUTER that decodes each message and answers with its tensors (like a worker would).
+    `envelope` routing frames precede the message (2 behind a relay: relay's and client's)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port(endpoint)
+    ready.put(port)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        msg = p.decode(frames[envelope:])
+        reply = p.Result(id=msg.id, tensors=msg.tensors)  # type: ignore[attr-defined]
+        sock.send_multipart([*frames[:envelope], *p.encode(reply)], copy=False)
+
+
+def relay_server(endpoint: str, upstream: str, ready: Any) -> None:
+    """ROUTER in front, DEALER behind: forwards frames both ways without decoding (zmq.proxy)."""
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.ROUTER)
+    port = front.bind_to_random_port(endpoint)
+    back = ctx.socket(zmq.DEALER)
+    back.connect(upstream)
+    ready.put(port)
+    zmq.proxy(front, back)
+
+
+async def run_raw(endpoint: str, n: int, concurrency: int, x: torch.Tensor) -> dict[str, float]:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    waiting: dict[int, asyncio.Future[None]] = {}
+
+    async def reader() -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            msg = p.decode(frames)
+            waiting.pop(msg.id).set_result(None)  # type: ignore[attr-defined]
+
+    task = asyncio.create_task(reader())
+    ids = iter(range(1, 10**9))
+
+    async def one() -> None:
+        i = next(ids)
+        fut = asyncio.get_running_loop().create_future()
+        waiting[i] = fut
+        await sock.send_multipart(p.encode(p.Infer(id=i, model="m", tensors={"": x})), copy=False)
+        await fut
+
+    out = await measure(one, n, concurrency)
+    task.cancel()
+    sock.close(0)
+    ctx.term()
+    return out
+
+
+async def run_mesh(endpoint: str, n: int, concurrency: int, x: torch.Tensor) -> dict[str, float]:
+    async with AsyncClient(endpoint) as client:
+        async def one() -> None:
+            await client.infer("tiny", x)
+
+        return await measure(one, n, concurrency)
+
+
+async def measure(one: Any, n: int, concurrency: int) -> dict[str, float]:
+    for _ in range(50):  # warm up connections and code paths
+        await one()
+    lat = []
+    for _ in range(n // 4):
+        t = time.perf_counter()
+        await one()
+        lat.append((time.perf_counter() - t) * 1e6)
+    t = time.perf_counter()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def bounded() -> None:
+        async with sem:
+            await one()
+
+    await asyncio.gather(*(bounded() for _ in range(n)))
+    wall = time.perf_counter() - t
+    return {"p50_us": statistics.median(lat), "mean_us": statistics.fmean(lat),
+            "msgs_per_s": n / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--width", type=int, default=16, help="tiny model width (payload floats)")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    procs = []
+
+    def start(target: Any, *a: Any) -> str:
+        proc = ctx.Process(target=target, args=(*a, q), daemon=True)
+        proc.start()
+        procs.append(proc)
+        return f"tcp://127.0.0.1:{q.get(timeout=30)}"
+
+    echo_ep = start(echo_server, "tcp://127.0.0.1", 1)
+    relay_ep = start(relay_server, "tcp://127.0.0.1", start(echo_server, "tcp://127.0.0.1", 2))
+    x = torch.randn(1, args.width)
+    results: dict[str, dict[str, float]] = {}
+    with LocalMesh(cpu_workers=1, memory_budget="64MiB", partitioner=True,
+                   threads_per_worker=1) as mesh:
+        with mesh.client() as c:
+            c.deploy("tiny", "flowmesh.examples:mlp", kwargs={"width": args.width, "depth": 1},
+                     seed=0, max_batch_size=1)
+        # Interleave the three so machine noise hits them alike.
+        for rnd in range(2):
+            for name, fn, ep in (("raw echo (1 hop each way)", run_raw, echo_ep),
+                                 ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
+                                 ("flowmesh infer", run_mesh, mesh.frontend)):
+                r = asyncio.run(fn(ep, args.requests, args.concurrency, x))
+                if rnd:
+                    results[name] = r
+    for proc in procs:
+        proc.kill()
+    base = results["raw echo (1 hop each way)"]
+    relay_r = results["raw relay + echo (2 hops each way)"]
+    print(f"{'path':38} {'p50 us':>8} {'msgs/s':>9} {'latency x':>10} {'throughput x':>13}")
+    for name, r in results.items():
+        print(f"{name:38} {r['p50_us']:8.0f} {r['msgs_per_s']:9.0f} "
+              f"{r['p50_us'] / base['p50_us']:10.2f} {r['msgs_per_s'] / base['msgs_per_s']:13.2f}")
+    mesh_r = results["flowmesh infer"]
+    summary = {
+        "results": results,
+        "latency_vs_raw_echo": mesh_r["p50_us"] / base["p50_us"],
+        "latency_vs_raw_relay": mesh_r["p50_us"] / relay_r["p50_us"],
+        "throughput_vs_raw_echo": mesh_r["msgs_per_s"] / base["msgs_per_s"],
+        "throughput_vs_raw_relay": mesh_r["msgs_per_s"] / relay_r["msgs_per_s"],
+        "requests": args.requests, "concurrency": args.concurrency, "width": args.width,
+    }
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    (out / "broker.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nflowmesh p50 latency = {summary['latency_vs_raw_relay']:.2f}x a raw 2-hop relay, "
+          f"throughput = {summary['throughput_vs_raw_relay']:.2f}x; written {out / 'broker.json'}")
+
+
+if __name__ == "__main__":
+    main()
