@@ -1015,7 +1015,7 @@ class BrokerCore:
                 "last_seen_s": round(now - peer.last_seen, 3),
             }
             if peer.role == "partitioner":
-                partitioners.append({**row, "inflight": peer.inflight_plans})
+                partitioners.append({**row, "inflight": peer.inflight_plans, "stats": peer.stats})
                 continue
             workers.append(
                 {

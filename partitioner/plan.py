@@ -197,7 +197,7 @@ class Plan:
     def table(self) -> str:
         """A readable table: one row per stage/chunk, then the balance."""
         unit = "stage" if self.kind == "stages" else "chunk"
-        header = [unit, "blocks", "bytes"]
+        header = [unit, "blocks", "names", "bytes"]
         if self.range_footprint is not None:
             header.append("footprint")
         if self.range_time_s is not None:
@@ -210,7 +210,7 @@ class Plan:
             names = self.block_names[a:b]
             span = f"{a}" if b - a == 1 else f"{a}-{b - 1}"
             label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            row = [str(i), f"{span}  {label}", human_bytes(self.range_bytes[i])]
+            row = [str(i), span, label, human_bytes(self.range_bytes[i])]
             if self.range_footprint is not None:
                 row.append(human_bytes(self.range_footprint[i]))
             if self.range_time_s is not None:

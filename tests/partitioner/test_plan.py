@@ -29,9 +29,9 @@ def stage_plan_example() -> Plan:
 def test_table_exact():
     assert stage_plan_example().table() == "\n".join(
         [
-            "stage  blocks             bytes    fwd time  share",
-            "0      0-1  embed .. h.0  3.0 KiB  2.00 ms   44.4%",
-            "1      2-3  h.1 .. head   3.0 KiB  2.50 ms   55.6%",
+            "stage  blocks  names         bytes    fwd time  share",
+            "0      0-1     embed .. h.0  3.0 KiB  2.00 ms   44.4%",
+            "1      2-3     h.1 .. head   3.0 KiB  2.50 ms   55.6%",
             "2 stages over 4 blocks; balance 1.111 (largest / mean time)",
         ]
     )
@@ -47,9 +47,9 @@ def test_table_exact():
     )
     assert chunked.table() == "\n".join(
         [
-            "chunk  blocks       bytes  footprint  share",
-            "0      0  a         10 B   100 B      25.0%",
-            "1      1-2  b .. c  50 B   300 B      75.0%",
+            "chunk  blocks  names   bytes  footprint  share",
+            "0      0       a       10 B   100 B      25.0%",
+            "1      1-2     b .. c  50 B   300 B      75.0%",
             "2 chunks over 3 blocks; balance 1.500 (largest / mean training footprint)",
         ]
     )

@@ -1,0 +1,133 @@
+"""The partitioner as a service on a real mesh: plans shown by `flowmesh plan`, cached by the
+broker, never blocking it; models deployed as several stages and served exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import torch
+
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh.build import build_seeded
+from flowmesh.spec import ModelSpec
+
+
+def flowmesh_cli(mesh: LocalMesh, *args: str) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "client_sdk.cli", *args, "--broker", mesh.frontend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_flowmesh_plan_shows_plans_from_the_running_service(mesh: LocalMesh) -> None:
+    out = flowmesh_cli(
+        mesh,
+        "plan",
+        "flowmesh.examples:hf_opt",
+        "--stages",
+        "3",
+        "--kwargs",
+        '{"num_hidden_layers": 4, "hidden_size": 64}',
+    )
+    lines = out.splitlines()
+    assert lines[0].split() == ["stage", "blocks", "names", "bytes", "share"]
+    assert [ln.split()[0] for ln in lines[1:4]] == ["0", "1", "2"]
+    assert "3 stages over 6 blocks" in lines[-1]  # embed, 4 decoder layers, head
+    out = flowmesh_cli(mesh, "plan", "flowmesh.examples:small_resnet", "--stages", "2", "--measure")
+    assert "fwd time" in out.splitlines()[0] and "2 stages over" in out
+    out = flowmesh_cli(
+        mesh,
+        "plan",
+        "flowmesh.examples:tiny_gpt",
+        "--target",
+        "8MiB",
+        "--batch",
+        "4",
+        "--optimizer",
+        "adamw",
+    )
+    assert out.splitlines()[0].split()[:5] == ["chunk", "blocks", "names", "bytes", "footprint"]
+    assert "training footprint" in out.splitlines()[-1]
+
+
+def test_plans_are_cached_by_spec(mesh: LocalMesh) -> None:
+    with mesh.client() as c:
+
+        def planned() -> int:
+            return sum(p["stats"].get("planned", 0) for p in c.status()["partitioners"])
+
+        first = c.plan("flowmesh.examples:mlp", kwargs={"width": 96, "depth": 5}, stages=2)
+        mesh.wait_until(lambda: planned() or None, "the partitioner to report its plan")
+        before = planned()
+        again = c.plan("flowmesh.examples:mlp", kwargs={"width": 96, "depth": 5}, stages=2)
+        assert again == first
+        assert planned() == before  # served from the broker's cache
+        other = c.plan("flowmesh.examples:mlp", kwargs={"width": 96, "depth": 5}, stages=3)
+        assert len(other["ranges"]) == 3
+
+
+def test_a_slow_plan_does_not_block_the_broker(mesh: LocalMesh) -> None:
+    async def main() -> None:
+        async with AsyncClient(mesh.frontend, timeout=120) as client:
+            slow = asyncio.create_task(
+                client.plan(
+                    "flowmesh.examples:hf_gpt2",
+                    kwargs={"n_layer": 6, "n_embd": 128},
+                    stages=2,
+                    measure=True,
+                )
+            )
+            answered = 0
+            while not slow.done():
+                await client.status(timeout=5)  # answered while the plan is being made
+                answered += 1
+            plan = await slow
+            assert len(plan["ranges"]) == 2 and plan["range_time_s"] is not None
+            assert answered >= 1
+
+    asyncio.run(main())
+
+
+def test_hf_decoder_in_two_stages_serves_exact_logits(mesh: LocalMesh) -> None:
+    spec = ModelSpec(
+        name="opt-2",
+        factory="flowmesh.examples:hf_opt",
+        seed=7,
+        stages=2,
+        kwargs={"num_hidden_layers": 3, "hidden_size": 64, "vocab_size": 500},
+    )
+    with mesh.client() as c:
+        info = c.deploy(spec.name, spec.factory, kwargs=spec.kwargs, seed=spec.seed, stages=2)
+        assert [s["index"] for s in info["stages"]] == [0, 1]
+        assert all(s["bytes"] > 0 for s in info["stages"])
+        (replica,) = info["replicas"]
+        assert len(set(replica["workers"])) == 2  # stages on distinct devices
+        ids = torch.randint(0, 500, (2, 10))
+        want = build_seeded(spec)(input_ids=ids).logits
+        assert torch.equal(c.infer("opt-2", ids), want)
+        shown = next(m for m in c.status()["models"] if m["name"] == "opt-2")
+        assert [s["bytes"] for s in shown["stages"]] == [s["bytes"] for s in info["stages"]]
+
+
+def test_a_model_larger_than_any_device_deploys_as_stages(mesh: LocalMesh) -> None:
+    # 8 MiB per worker; this GPT is about 8.4 MiB: automatic planning cuts it in two.
+    spec = ModelSpec(
+        name="big-gpt",
+        factory="flowmesh.examples:tiny_gpt",
+        seed=8,
+        kwargs={"vocab": 2048, "d_model": 192, "n_layers": 3, "n_heads": 4},
+    )
+    with mesh.client() as c:
+        info = c.deploy(spec.name, spec.factory, kwargs=spec.kwargs, seed=spec.seed)
+        budget = min(w["budget_bytes"] for w in c.status()["workers"])
+        assert info["bytes"] > budget and len(info["stages"]) == 2
+        assert all(s["bytes"] <= budget for s in info["stages"])
+        ids = torch.randint(0, 2048, (1, 16))
+        assert torch.equal(c.infer("big-gpt", ids), build_seeded(spec)(ids))
