@@ -987,6 +987,10 @@ class BrokerCore:
             "state": model.state.value,
             "factory": model.spec.factory,
             "dtype": model.spec.dtype,
+            "inputs": {
+                n: {"dtype": t.dtype, "shape": list(t.shape)}
+                for n, t in (model.inputs or {}).items()
+            },
             "bytes": sum(model.stage_bytes),
             "stages": stages,
             "replicas": [

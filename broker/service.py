@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import zmq.asyncio
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
 from flowmesh import protocol as p
 from flowmesh.errors import FlowmeshError
+from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
 from flowmesh.transport import bind_router, pump, send
 
@@ -93,10 +93,6 @@ class BrokerService:
         ctx = zmq.asyncio.Context()
         self.socks[CLIENT], front = bind_router(ctx, self.frontend_ep, self.limits)
         self.socks[BACKEND], back = bind_router(ctx, self.backend_ep, self.limits)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._stop.set)
         tasks = [
             asyncio.create_task(
                 pump(self.socks[CLIENT], self._on_client, routed=True, log=log, limits=self.limits)
@@ -111,13 +107,7 @@ class BrokerService:
         self._write_ready({"frontend": front, "backend": back, "pid": os.getpid()})
         log.info("serving frontend=%s backend=%s", front, back)
         notify("READY=1")
-        stop = asyncio.create_task(self._stop.wait())
-        done, _ = await asyncio.wait({*tasks, stop}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (*tasks, stop):
-            t.cancel()
-        for t in done:
-            if t is not stop and not t.cancelled() and t.exception():
-                log.error("stopping on error: %r", t.exception())
+        await run_until_stopped(tasks, self._stop, log)
         for s in self.socks.values():
             s.close(linger=0)
         ctx.term()

@@ -22,6 +22,7 @@ from typing import Any
 
 from client_sdk.client import Client
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.lifecycle import PARENT_ENV
 
 
 @dataclass
@@ -35,6 +36,28 @@ class Child:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def wait_until(probe: Any, what: str, timeout: float, watch: list[Child] | None = None) -> Any:
+    """Poll `probe` until it returns something other than None; fail early if a watched child
+    dies, and after `timeout` seconds with `what` in the message."""
+    watch = watch or []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in watch:
+            if child.proc.poll() is not None:
+                raise FlowmeshError(
+                    Code.UNAVAILABLE,
+                    f"{child.name} exited with {child.proc.returncode} while "
+                    f"waiting for {what}; its log:\n{child.tail()}",
+                )
+        with contextlib.suppress(ValueError, OSError):
+            got = probe()
+            if got is not None:
+                return got
+        time.sleep(0.05)
+    logs = "\n".join(f"--- {c.name}\n{c.tail(10)}" for c in watch)
+    raise FlowmeshError(Code.TIMEOUT, f"timed out waiting for {what}\n{logs}")
 
 
 @dataclass
@@ -81,7 +104,12 @@ class LocalMesh:
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         assert self.run_dir is not None
         log = self.run_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            PARENT_ENV: str(os.getpid()),
+            **self.env,
+        }
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
@@ -186,22 +214,7 @@ class LocalMesh:
         message."""
         if watch is None:
             watch = [c for c in self.children if c.proc.poll() is None]
-        deadline = time.monotonic() + (timeout or self.ready_timeout_s)
-        while time.monotonic() < deadline:
-            for child in watch:
-                if child.proc.poll() is not None:
-                    raise FlowmeshError(
-                        Code.UNAVAILABLE,
-                        f"{child.name} exited with {child.proc.returncode} while "
-                        f"waiting for {what}; its log:\n{child.tail()}",
-                    )
-            with contextlib.suppress(ValueError, OSError):
-                got = probe()
-                if got is not None:
-                    return got
-            time.sleep(0.05)
-        logs = "\n".join(f"--- {c.name}\n{c.tail(10)}" for c in watch)
-        raise FlowmeshError(Code.TIMEOUT, f"timed out waiting for {what}\n{logs}")
+        return wait_until(probe, what, timeout or self.ready_timeout_s, watch)
 
     def client(self, timeout: float = 60.0) -> Client:
         return Client(self.frontend, timeout=timeout)

@@ -30,6 +30,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return TORCH_DTYPES[name]
@@ -149,13 +152,20 @@ def read_weights(
 
 
 def declared_inputs(spec: ModelSpec, model: nn.Module) -> dict[str, TensorSpec] | None:
-    """The spec's inputs, else what the module declares in `flowmesh_inputs`."""
+    """The spec's inputs, else what the module declares in `flowmesh_inputs`.
+
+    A module declares its floating inputs for float32; deployed in another dtype, it takes
+    them in that dtype (integer inputs such as token ids keep theirs).
+    """
     if spec.inputs is not None:
         return spec.inputs
     raw = getattr(model, "flowmesh_inputs", None)
     if raw is None:
         return None
-    return parse_inputs(raw)
+    return {
+        name: TensorSpec(spec.dtype, t.shape) if t.dtype in FLOAT_DTYPES else t
+        for name, t in parse_inputs(raw).items()
+    }
 
 
 def example_inputs(

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from typing import Any
 
@@ -21,6 +20,8 @@ import zmq.asyncio
 
 from flowmesh import protocol as p
 from flowmesh.errors import FlowmeshError
+from flowmesh.lifecycle import run_until_stopped
+from flowmesh.sdnotify import notify
 from flowmesh.transport import connect_dealer, pump, send
 
 
@@ -82,6 +83,7 @@ class MeshPeer:
             self.registrations += 1
             self._acked.set()
             self.on_registered(again)
+            notify("READY=1")
             self.send(p.Heartbeat(stats=self.stats()))  # the broker marks us ready on it
         elif isinstance(msg, p.Heartbeat):
             pass
@@ -121,22 +123,14 @@ class MeshPeer:
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()
         self.sock = connect_dealer(ctx, self.broker, identity=self.name, limits=self.limits)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._stop.set)
-        reader = asyncio.create_task(
-            pump(self.sock, self._on_message, routed=False, log=self.log, limits=self.limits)
-        )
-        beats = asyncio.create_task(self._heartbeats())
+        tasks = [
+            asyncio.create_task(
+                pump(self.sock, self._on_message, routed=False, log=self.log, limits=self.limits)
+            ),
+            asyncio.create_task(self._heartbeats()),
+        ]
         self.log.info("started name=%s broker=%s pid=%d", self.name, self.broker, os.getpid())
-        stop = asyncio.create_task(self._stop.wait())
-        done, _ = await asyncio.wait({reader, beats, stop}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (reader, beats, stop):
-            task.cancel()
-        for task in done:
-            if task is not stop and not task.cancelled() and task.exception():
-                self.log.error("stopping on error: %r", task.exception())
+        await run_until_stopped(tasks, self._stop, self.log)
         self.close()
         self.sock.close(linger=0)
         ctx.term()

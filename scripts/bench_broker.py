@@ -85,6 +85,7 @@ async def run_raw(endpoint: str, n: int, concurrency: int, x: torch.Tensor) -> d
 
 async def run_mesh(endpoint: str, n: int, concurrency: int, x: torch.Tensor) -> dict[str, float]:
     async with AsyncClient(endpoint) as client:
+
         async def one() -> None:
             await client.infer("tiny", x)
 
@@ -108,8 +109,11 @@ async def measure(one: Any, n: int, concurrency: int) -> dict[str, float]:
 
     await asyncio.gather(*(bounded() for _ in range(n)))
     wall = time.perf_counter() - t
-    return {"p50_us": statistics.median(lat), "mean_us": statistics.fmean(lat),
-            "msgs_per_s": n / wall}
+    return {
+        "p50_us": statistics.median(lat),
+        "mean_us": statistics.fmean(lat),
+        "msgs_per_s": n / wall,
+    }
 
 
 def main() -> None:
@@ -133,16 +137,24 @@ def main() -> None:
     relay_ep = start(relay_server, "tcp://127.0.0.1", start(echo_server, "tcp://127.0.0.1", 2))
     x = torch.randn(1, args.width)
     results: dict[str, dict[str, float]] = {}
-    with LocalMesh(cpu_workers=1, memory_budget="64MiB", partitioner=True,
-                   threads_per_worker=1) as mesh:
+    with LocalMesh(
+        cpu_workers=1, memory_budget="64MiB", partitioner=True, threads_per_worker=1
+    ) as mesh:
         with mesh.client() as c:
-            c.deploy("tiny", "flowmesh.examples:mlp", kwargs={"width": args.width, "depth": 1},
-                     seed=0, max_batch_size=1)
+            c.deploy(
+                "tiny",
+                "flowmesh.examples:mlp",
+                kwargs={"width": args.width, "depth": 1},
+                seed=0,
+                max_batch_size=1,
+            )
         # Interleave the three so machine noise hits them alike.
         for rnd in range(2):
-            for name, fn, ep in (("raw echo (1 hop each way)", run_raw, echo_ep),
-                                 ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
-                                 ("flowmesh infer", run_mesh, mesh.frontend)):
+            for name, fn, ep in (
+                ("raw echo (1 hop each way)", run_raw, echo_ep),
+                ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
+                ("flowmesh infer", run_mesh, mesh.frontend),
+            ):
                 r = asyncio.run(fn(ep, args.requests, args.concurrency, x))
                 if rnd:
                     results[name] = r
@@ -152,8 +164,10 @@ def main() -> None:
     relay_r = results["raw relay + echo (2 hops each way)"]
     print(f"{'path':38} {'p50 us':>8} {'msgs/s':>9} {'latency x':>10} {'throughput x':>13}")
     for name, r in results.items():
-        print(f"{name:38} {r['p50_us']:8.0f} {r['msgs_per_s']:9.0f} "
-              f"{r['p50_us'] / base['p50_us']:10.2f} {r['msgs_per_s'] / base['msgs_per_s']:13.2f}")
+        print(
+            f"{name:38} {r['p50_us']:8.0f} {r['msgs_per_s']:9.0f} "
+            f"{r['p50_us'] / base['p50_us']:10.2f} {r['msgs_per_s'] / base['msgs_per_s']:13.2f}"
+        )
     mesh_r = results["flowmesh infer"]
     summary = {
         "results": results,
@@ -161,13 +175,17 @@ def main() -> None:
         "latency_vs_raw_relay": mesh_r["p50_us"] / relay_r["p50_us"],
         "throughput_vs_raw_echo": mesh_r["msgs_per_s"] / base["msgs_per_s"],
         "throughput_vs_raw_relay": mesh_r["msgs_per_s"] / relay_r["msgs_per_s"],
-        "requests": args.requests, "concurrency": args.concurrency, "width": args.width,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "width": args.width,
     }
     out = Path(args.out)
     out.mkdir(exist_ok=True)
     (out / "broker.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nflowmesh p50 latency = {summary['latency_vs_raw_relay']:.2f}x a raw 2-hop relay, "
-          f"throughput = {summary['throughput_vs_raw_relay']:.2f}x; written {out / 'broker.json'}")
+    print(
+        f"\nflowmesh p50 latency = {summary['latency_vs_raw_relay']:.2f}x a raw 2-hop relay, "
+        f"throughput = {summary['throughput_vs_raw_relay']:.2f}x; written {out / 'broker.json'}"
+    )
 
 
 if __name__ == "__main__":

@@ -103,21 +103,40 @@ def header(**fields: object) -> bytes:
         ([header(t="status", id=1, evil=True)], Code.BAD_MESSAGE),  # unknown field
         ([header(t="infer", id=1, model="m", tensors=[["x", "float32", [2]]])], Code.BAD_FRAMES),
         ([header(t="infer", id=1, model="m", tensors=[]), b"1234"], Code.BAD_FRAMES),
-        ([header(t="infer", id=1, model="m", tensors=[["x", "float32", [2]]]), b"123"],
-         Code.BAD_TENSOR),
-        ([header(t="infer", id=1, model="m", tensors=[["x", "complex", [1]]]), b"12345678"],
-         Code.BAD_TENSOR),
-        ([header(t="infer", id=1, model="m", tensors=[["x", "float32", [-1]]]), b""],
-         Code.BAD_TENSOR),
+        (
+            [header(t="infer", id=1, model="m", tensors=[["x", "float32", [2]]]), b"123"],
+            Code.BAD_TENSOR,
+        ),
+        (
+            [header(t="infer", id=1, model="m", tensors=[["x", "complex", [1]]]), b"12345678"],
+            Code.BAD_TENSOR,
+        ),
+        (
+            [header(t="infer", id=1, model="m", tensors=[["x", "float32", [-1]]]), b""],
+            Code.BAD_TENSOR,
+        ),
         ([header(t="status", id=1, tensors=[["x", "float32", [1]]]), b"1234"], Code.BAD_FRAMES),
         ([], Code.BAD_MESSAGE),
     ],
-    ids=["garbage", "truncated", "not-a-map", "unknown-type", "version", "missing-field",
-         "wrong-type", "unknown-field", "missing-frame", "extra-frame", "short-bytes",
-         "bad-dtype", "negative-dim", "tensors-on-status", "empty"],
+    ids=[
+        "garbage",
+        "truncated",
+        "not-a-map",
+        "unknown-type",
+        "version",
+        "missing-field",
+        "wrong-type",
+        "unknown-field",
+        "missing-frame",
+        "extra-frame",
+        "short-bytes",
+        "bad-dtype",
+        "negative-dim",
+        "tensors-on-status",
+        "empty",
+    ],
 )
-def test_malformed_messages_raise_decode_errors_with_codes(frames: list[bytes],
-                                                           code: Code) -> None:
+def test_malformed_messages_raise_decode_errors_with_codes(frames: list[bytes], code: Code) -> None:
     with pytest.raises(p.DecodeError) as info:
         p.decode(frames)
     assert info.value.code is code

@@ -173,3 +173,22 @@ def test_sync_client_is_safe_across_threads(mesh: LocalMesh) -> None:
         for t in threads:
             t.join(60)
     assert not failures, failures
+
+
+def test_half_precision_deployment_takes_and_returns_its_dtype(mesh: LocalMesh) -> None:
+    spec = ModelSpec(
+        name="bf16-mlp",
+        factory="flowmesh.examples:mlp",
+        seed=6,
+        dtype="bfloat16",
+        kwargs={"width": 128, "depth": 2},
+    )
+    with mesh.client() as c:
+        deploy(c, spec, dtype="bfloat16")
+        shown = next(m for m in c.status()["models"] if m["name"] == "bf16-mlp")
+        assert shown["inputs"] == {"x": {"dtype": "bfloat16", "shape": [-1, 128]}}
+        x = torch.randn(2, 128).bfloat16()
+        out = c.infer("bf16-mlp", x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, reference(spec)(x))
+        with pytest.raises(errors.BadRequest, match="bfloat16"):
+            c.infer("bf16-mlp", torch.randn(2, 128))
