@@ -678,7 +678,10 @@ class BrokerCore:
         live = [r for r in model.replicas if r.live]
         if not live:
             return False
-        depth = model.n_stages + 1  # a pipeline of P stages keeps P batches busy, +1 queued
+        # A pipeline of P stages keeps P batches busy, +1 on its way. Holding the rest here lets
+        # them batch; a model that cannot batch gains nothing from waiting here, so it may fill
+        # the worker's own queue.
+        depth = model.n_stages + 1 if model.spec.max_batch_size > 1 else 1 << 30
         placed = [r for r in live if self._placed(model, r)]
         ready = [r for r in placed if r.inflight < depth and not self._blocked(model, r)]
         if ready:

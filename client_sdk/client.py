@@ -18,6 +18,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 import torch
+import uvloop
 import zmq
 import zmq.asyncio
 
@@ -254,7 +255,7 @@ class Client:
         timeout: float = 60.0,
         limits: p.Limits = p.DEFAULT_LIMITS,
     ) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="flowmesh-client", daemon=True
         )

@@ -96,10 +96,11 @@ class TensorRef:
         if prod(self.shape) == 0:
             return torch.empty(self.shape, dtype=dtype)
         buf = self.frame.buffer if hasattr(self.frame, "buffer") else memoryview(self.frame)
-        with warnings.catch_warnings():
-            # bytes objects are read-only; torch warns once and shares the memory anyway
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
+        if buf.readonly:  # bytes (tests, in-process use): torch warns, then shares the memory
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
+        return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
         return f"TensorRef({self.dtype}, {list(self.shape)})"
@@ -118,9 +119,12 @@ def tensor_frame(t: Any) -> tuple[str, tuple[int, ...], Any]:
     if dtype not in ITEMSIZE:
         raise FlowmeshError(Code.BAD_TENSOR, f"dtype {dtype} cannot travel")
     shape = tuple(t.shape)
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    # A uint8 view gives numpy a byte buffer for every dtype, bfloat16 and bool included.
-    return dtype, shape, flat.view(torch.uint8).numpy()
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    if t.dtype is torch.bfloat16:  # numpy has no bfloat16: send its bits
+        t = t.view(torch.int16)
+    return dtype, shape, t.numpy()
 
 
 # --------------------------------------------------------------------------- messages

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 
 import torch
 import uvloop
@@ -31,11 +32,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--allow", action="append", default=None, help="allowed factory modules")
     ap.add_argument("--max-message", default="1GiB", help="largest accepted message")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=2e-4,
+        help="seconds a thread may hold the GIL while others wait",
+    )
     ap.add_argument("--log-level", default=None)
     args = ap.parse_args(argv)
     logs.setup("worker", args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The event loop, the copy lane and the compute lanes share the GIL; with the default 5 ms
+    # switch interval a lane finishing a torch op can wait that long to get it back.
+    sys.setswitchinterval(args.switch_interval)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     device = open_device(args.device, budget)
     name = args.name or f"{socket.gethostname()}-{args.device.replace(':', '')}"

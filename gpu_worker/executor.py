@@ -30,7 +30,7 @@ from torch import nn
 from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.device import Device
-from gpu_worker.host_tier import ALIGN, HostStage, view_of
+from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
 from gpu_worker.memory import Arena, Extent, OutOfSpace
 
 StageKey = tuple[str, int]
@@ -68,11 +68,65 @@ class Stage:
     inflight: int = 0
     loading: asyncio.Future[LoadInfo] | None = None
     generation: int = 0
+    copies: list[CopyRun] = field(default_factory=list)
+
+
+@dataclass
+class CopyRun:
+    """One host->device copy carrying consecutive blocks (contiguous on both sides)."""
+
+    blocks: list[int]
+    dst: int
+    src: int
+    nbytes: int
+    after: list[Any] = field(default_factory=list)
+    marker: Any = None
+
+
+def plan_copies(
+    regions: list[BlockRegion], extents: list[Extent | None], chunk_bytes: int
+) -> list[CopyRun]:
+    """Group the blocks of a load into as few copies as contiguity and `chunk_bytes` allow.
+
+    Each copy has a fixed cost (a CUDA memcpy call, or waking the CPU copy's helper threads), so
+    small blocks travel together; copies stay at most `chunk_bytes` long so that a run can start
+    on the first blocks while the rest are in flight.
+    """
+    runs: list[CopyRun] = []
+    for i, (region, ext) in enumerate(zip(regions, extents, strict=True)):
+        if not region.slots:
+            continue
+        run = runs[-1] if runs else None
+        if ext is None:  # only tied tensors: nothing to copy, ready with the copy before it
+            if run is None:
+                runs.append(CopyRun([i], 0, 0, 0))
+            else:
+                run.blocks.append(i)
+            continue
+        if (
+            run is not None
+            and (
+                run.nbytes == 0
+                or (run.dst + run.nbytes == ext.offset and run.src + run.nbytes == region.offset)
+            )
+            and run.nbytes + region.size <= chunk_bytes
+        ):
+            if run.nbytes == 0:
+                run.dst, run.src = ext.offset, region.offset
+            run.blocks.append(i)
+            run.nbytes += region.size
+            run.after.extend(ext.after)
+        else:
+            runs.append(CopyRun([i], ext.offset, region.offset, region.size, list(ext.after)))
+    return runs
 
 
 class Executor:
-    def __init__(self, device: Device, compute_lanes: int = 2) -> None:
+    def __init__(
+        self, device: Device, compute_lanes: int = 2, copy_chunk_bytes: int | None = None
+    ) -> None:
         self.device = device
+        self.copy_chunk_bytes = copy_chunk_bytes or device.copy_chunk_bytes
         self.arena = Arena(device.budget_bytes, ALIGN)
         self.stages: dict[StageKey, Stage] = {}
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="copy")
@@ -123,10 +177,12 @@ class Executor:
         except OutOfSpace as exc:
             raise FlowmeshError(Code.NO_SPACE, f"cannot place {key[0]!r}/{key[1]}: {exc}") from None
         st.extents = [next(got) if r.size else None for r in st.host.regions]
-        st.ready = [
-            self.device.new_marker() if r.slots else self.device.done_marker()
-            for r in st.host.regions
-        ]
+        st.copies = plan_copies(st.host.regions, st.extents, self.copy_chunk_bytes)
+        st.ready = [self.device.done_marker() for _ in st.host.regions]
+        for run in st.copies:
+            run.marker = self.device.new_marker()
+            for i in run.blocks:
+                st.ready[i] = run.marker  # a block is ready when the copy carrying it is
         st.users = []
         st.state = State.LOADING
         st.generation += 1
@@ -138,7 +194,7 @@ class Executor:
     def _start_copy(self, st: Stage, generation: int, t0: float) -> None:
         loop = asyncio.get_running_loop()
         extents, ready = list(st.extents), list(st.ready)
-        copied = loop.run_in_executor(self._copy, self._copy_blocks, st, extents, ready)
+        copied = loop.run_in_executor(self._copy, self._copy_blocks, st, extents, st.copies)
 
         async def finish() -> None:
             try:
@@ -153,28 +209,29 @@ class Executor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _copy_blocks(self, st: Stage, extents: list[Extent | None], ready: list[Any]) -> None:
-        arena = self.device.arena
-        for i, (region, ext) in enumerate(zip(st.host.regions, extents, strict=True)):
-            if not region.slots:
-                continue
-            views = {}
-            for s in region.slots:
-                if s.alias is None:
-                    assert ext is not None
-                    views[s.name] = view_of(arena, ext.offset + s.offset, s)
-                else:  # tied to a tensor of an earlier block: share its bytes
-                    ab, ai = s.alias
-                    first, owner = st.host.regions[ab].slots[ai], extents[ab]
-                    assert owner is not None
-                    views[s.name] = view_of(arena, owner.offset + first.offset, first)
-            # Bind before the copy: a run waiting on `ready[i]` finds block i wired to its bytes.
-            st.blocks[i].load_state_dict(views, assign=True, strict=True)
-            if ext is None:
-                self.device.copy_in(None, None, [], ready[i])  # only aliases: nothing to move
+    def _copy_blocks(self, st: Stage, extents: list[Extent | None], runs: list[CopyRun]) -> None:
+        arena, host = self.device.arena, st.host
+        for run in runs:
+            for i in run.blocks:
+                views = {}
+                for s in host.regions[i].slots:
+                    if s.alias is None:
+                        ext = extents[i]
+                        assert ext is not None
+                        views[s.name] = view_of(arena, ext.offset + s.offset, s)
+                    else:  # tied to a tensor of an earlier block: share its bytes
+                        ab, ai = s.alias
+                        first, owner = host.regions[ab].slots[ai], extents[ab]
+                        assert owner is not None
+                        views[s.name] = view_of(arena, owner.offset + first.offset, first)
+                # Bind before the copy: a run waiting on block i's marker finds it wired.
+                st.blocks[i].load_state_dict(views, assign=True, strict=True)
+            if run.nbytes == 0:
+                self.device.copy_in(None, None, [], run.marker)  # aliases only: nothing to move
             else:
-                dst = arena[ext.offset : ext.offset + region.size]
-                self.device.copy_in(dst, st.host.region_bytes(i), ext.after, ready[i])
+                dst = arena[run.dst : run.dst + run.nbytes]
+                src = host.buffer[run.src : run.src + run.nbytes]
+                self.device.copy_in(dst, src, run.after, run.marker)
 
     def _finish_load(
         self, st: Stage, generation: int, exc: BaseException | None, t0: float

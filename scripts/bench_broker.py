@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import uvloop
 import zmq
 import zmq.asyncio
 
@@ -155,7 +156,7 @@ def main() -> None:
                 ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
                 ("flowmesh infer", run_mesh, mesh.frontend),
             ):
-                r = asyncio.run(fn(ep, args.requests, args.concurrency, x))
+                r = uvloop.run(fn(ep, args.requests, args.concurrency, x))
                 if rnd:
                     results[name] = r
     for proc in procs:

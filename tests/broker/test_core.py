@@ -384,7 +384,7 @@ def test_starving_request_may_evict_a_model_with_queued_work() -> None:
     h = Harness(starvation_s=2.0)
     h.partitioner()
     w0 = h.worker("w0", budget=50 * MIB)
-    h.deploy("hot", [40 * MIB], replicas=1, max_batch=1)
+    h.deploy("hot", [40 * MIB], replicas=1, max_batch=2)
     h.deploy("cold", [40 * MIB], replicas=1)
     _, out = h.infer("hot")
     h.backend(

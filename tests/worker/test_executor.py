@@ -147,3 +147,17 @@ async def test_model_error_fails_the_run_not_the_executor() -> None:
     assert torch.equal((await ex.run(("a", 0), [{"x": x}])).parts[0][""], ref(x))
     assert ex.counters["run_errors"] == 1
     ex.close()
+
+
+async def test_run_during_a_block_by_block_load_is_exact() -> None:
+    # One copy per block: the run computes each block as soon as that block has landed.
+    ex = Executor(CpuStandIn(8 * MIB), copy_chunk_bytes=1)
+    blocks, host, ref = stage_of(mlp("a", depth=6))
+    ex.add_stage(("a", 0), blocks, host)
+    loading = ex.load(("a", 0))
+    assert len(ex.stages[("a", 0)].copies) == sum(1 for r in host.regions if r.size)
+    x = torch.randn(2, 256)
+    out = await ex.run(("a", 0), [{"x": x}])
+    await loading
+    assert torch.equal(out.parts[0][""], ref(x))
+    ex.close()
