@@ -9,12 +9,13 @@ import uvloop
 from broker.core import BrokerConfig
 from broker.service import BrokerService
 from flowmesh import logs
+from flowmesh.config import apply_config
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
 from flowmesh.units import parse_size
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m broker", description="flowmesh broker")
     ap.add_argument("--frontend", default="tcp://127.0.0.1:5555", help="client endpoint")
     ap.add_argument("--backend", default="tcp://127.0.0.1:5556", help="worker endpoint")
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--ready-file", help="write the bound endpoints here (JSON) once serving")
     ap.add_argument("--log-level", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = apply_config(parser(), argv, "broker")
     logs.setup("broker", args.log_level)
     cfg = BrokerConfig(
         heartbeat_s=args.heartbeat,

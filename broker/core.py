@@ -612,13 +612,14 @@ class BrokerCore:
         if res is not None:
             res.inflight += 1
             res.last_used = now
+        batch.counted_on = (peer, res)
 
     def _leave_stage(self, batch: Batch, now: float) -> None:
-        peer = self.peers.get(batch.worker)
-        if peer is None:
+        if batch.counted_on is None:
             return
+        peer, res = batch.counted_on
+        batch.counted_on = None
         peer.inflight_runs -= 1
-        res = peer.resident.get((batch.model, batch.stage))
         if res is not None:
             res.inflight -= 1
             res.last_used = now

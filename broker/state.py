@@ -109,6 +109,9 @@ class Batch:
     sent: float
     started: float
     info: dict[str, float] = field(default_factory=dict)
+    # Where the batch is counted as running: the very objects, so that leaving never touches
+    # a residency (or peer) that replaced them meanwhile.
+    counted_on: tuple[Peer, Residency | None] | None = None
 
 
 class ModelState(Enum):

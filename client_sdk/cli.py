@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from client_sdk.client import DEFAULT_ADDRESS, Client
-from client_sdk.errors import ClientError
+from client_sdk.errors import ClientError, Timeout
 from flowmesh.errors import FlowmeshError
 from flowmesh.units import fmt_bytes, parse_size
 
@@ -135,6 +135,24 @@ def _kwargs(text: str | None) -> dict[str, Any]:
     return value
 
 
+def connect(args: argparse.Namespace) -> Client:
+    """A client whose broker answered a status request: a wrong address fails in seconds,
+    not after a long deploy timeout."""
+    client = Client(args.broker)
+    try:
+        client.status(timeout=min(5.0, args.timeout))
+    except Timeout:
+        client.close()
+        raise SystemExit(
+            f"flowmesh {args.cmd}: no broker answers at {args.broker} "
+            "(is 'flowmesh up' running? see --broker / FLOWMESH_BROKER)"
+        ) from None
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from client_sdk.mesh import LocalMesh
     from gpu_worker.device import discover_gpus
@@ -176,14 +194,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with Client(args.broker) as c:
+    with connect(args) as c:
         st = c.status(timeout=args.timeout)
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    with Client(args.broker) as c:
+    with connect(args) as c:
         info = c.deploy(
             args.name,
             args.factory,
@@ -207,7 +225,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_undeploy(args: argparse.Namespace) -> int:
-    with Client(args.broker) as c:
+    with connect(args) as c:
         c.undeploy(args.name, timeout=args.timeout)
     print(f"undeployed {args.name}")
     return 0
@@ -218,7 +236,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     from flowmesh.build import torch_dtype
 
-    with Client(args.broker) as c:
+    with connect(args) as c:
         if args.input:
             from safetensors.torch import load_file
 
@@ -261,7 +279,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     kind = "chunks" if args.target else "stages"
-    with Client(args.broker) as c:
+    with connect(args) as c:
         plan = c.plan(
             args.factory,
             kwargs=_kwargs(args.kwargs),

@@ -14,14 +14,14 @@ import asyncio
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from broker.policy import percentile
 from client_sdk.client import AsyncClient
-from client_sdk.errors import ClientError
+from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
@@ -47,9 +47,9 @@ CATALOGUE: list[tuple[str, str, dict[str, Any]]] = [
 
 
 @dataclass
-class Tally:
-    latencies: list[float] = field(default_factory=list)
-    errors: dict[str, int] = field(default_factory=dict)
+class Checked:
+    """How served outputs compared with a direct forward of the same model."""
+
     exact: int = 0
     close: int = 0
     wrong: int = 0
@@ -64,68 +64,22 @@ def make_input(spec: ModelSpec, rng: random.Random) -> torch.Tensor:
     return torch.randn(rows, spec.kwargs["width"], generator=g)
 
 
-async def client_loop(
-    i: int,
-    address: str,
-    plan: list[tuple[float, str]],
-    specs: dict[str, ModelSpec],
-    refs: dict[str, torch.nn.Module],
-    tallies: dict[str, Tally],
-    seed: int,
-) -> None:
-    rng = random.Random(seed * 1000 + i)
-    t0 = time.perf_counter()
-    async with AsyncClient(address, timeout=120.0) as client:
-        pending = []
-        for at, name in plan:
-            delay = at - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            x = make_input(specs[name], rng)
-            pending.append(asyncio.create_task(one(client, name, x, refs[name], tallies[name])))
-        await asyncio.gather(*pending)
+def checker(
+    refs: dict[str, torch.nn.Module], checked: dict[str, Checked]
+) -> Callable[[str, torch.Tensor, torch.Tensor], None]:
+    def check(model: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        with torch.inference_mode():
+            want = refs[model](x)
+        c = checked[model]
+        if torch.equal(out, want):
+            c.exact += 1
+        elif torch.allclose(out, want, rtol=1e-4, atol=1e-5):
+            c.close += 1  # batched with other requests: matmul blocking differs in the last bits
+        else:
+            c.wrong += 1
+        c.max_diff = max(c.max_diff, float((out - want).abs().max()))
 
-
-async def one(
-    client: AsyncClient, name: str, x: torch.Tensor, ref: torch.nn.Module, tally: Tally
-) -> None:
-    t = time.perf_counter()
-    try:
-        out = await client.infer(name, x)
-    except ClientError as exc:
-        tally.errors[str(exc.code)] = tally.errors.get(str(exc.code), 0) + 1
-        return
-    tally.latencies.append((time.perf_counter() - t) * 1000)
-    # The reference runs in a worker thread so it never stalls the clients' event loop.
-    want = await asyncio.to_thread(_forward, ref, x)
-    assert isinstance(out, torch.Tensor)
-    if torch.equal(out, want):
-        tally.exact += 1
-    elif torch.allclose(out, want, rtol=1e-4, atol=1e-5):
-        tally.close += 1  # batched with other requests: matmul blocking differs in the last bits
-    else:
-        tally.wrong += 1
-    tally.max_diff = max(tally.max_diff, float((out - want).abs().max()))
-
-
-def _forward(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(x)
-
-
-def traffic(models: list[str], n: int, clients: int, seed: int) -> list[list[tuple[float, str]]]:
-    """Zipf popularity (a few hot models, a long tail) with Gamma inter-arrivals of CV 2."""
-    rng = random.Random(seed)
-    weights = [1 / (k + 1) ** 1.1 for k in range(len(models))]
-    order = models[:]
-    rng.shuffle(order)
-    per_client: list[list[tuple[float, str]]] = [[] for _ in range(clients)]
-    t = 0.0
-    shape = 0.25  # CV = 1/sqrt(shape) = 2: bursty
-    for k in range(n):
-        t += rng.gammavariate(shape, 0.012 / shape)
-        per_client[k % clients].append((t, rng.choices(order, weights)[0]))
-    return per_client
+    return check
 
 
 def main(args: argparse.Namespace | None = None) -> int:
@@ -169,13 +123,23 @@ def main(args: argparse.Namespace | None = None) -> int:
                     f"{len(m['stages'])} pipeline stages on "
                     f"{' + '.join(m['replicas'][0]['workers'])}"
                 )
-        plan = traffic(list(specs), args.requests, args.clients, args.seed)
-        tallies = {n: Tally() for n in specs}
-        t0 = time.perf_counter()
-        asyncio.run(run_clients(mesh.frontend, plan, specs, refs, tallies, args.seed))
-        wall = time.perf_counter() - t0
+        rng = random.Random(args.seed)
+        # Bursty (Gamma arrivals, CV 2) and skewed (Zipf 1.1): a few hot models, a long tail.
+        times = arrival_times(args.requests, rate=80.0, cv=2.0, rng=rng)
+        trace = list(zip(times, zipf_choices(list(specs), args.requests, 1.1, rng), strict=True))
+        checked = {n: Checked() for n in specs}
+        tallies, wall = asyncio.run(
+            run_trace(
+                mesh.frontend,
+                trace,
+                lambda m: make_input(specs[m], rng),
+                clients=args.clients,
+                timeout=120.0,
+                check=checker(refs, checked),
+            )
+        )
         status = asyncio.run(fetch_status(mesh.frontend))
-    return report(status, tallies, wall, budget, args.workers)
+    return report(status, tallies, checked, wall)
 
 
 async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, dict[str, Any]]:
@@ -191,48 +155,35 @@ async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, dic
     return {i["name"]: i for i in infos}
 
 
-async def run_clients(
-    address: str,
-    plan: list[list[tuple[float, str]]],
-    specs: dict[str, ModelSpec],
-    refs: dict[str, torch.nn.Module],
-    tallies: dict[str, Tally],
-    seed: int,
-) -> None:
-    await asyncio.gather(
-        *(client_loop(i, address, p, specs, refs, tallies, seed) for i, p in enumerate(plan))
-    )
-
-
 async def fetch_status(address: str) -> dict[str, Any]:
     async with AsyncClient(address) as client:
         return await client.status()
 
 
 def report(
-    status: dict[str, Any], tallies: dict[str, Tally], wall: float, budget: int, workers: int
+    status: dict[str, Any], tallies: dict[str, Tally], checked: dict[str, Checked], wall: float
 ) -> int:
     from client_sdk.cli import table
 
-    by_name = {m["name"]: m for m in status["models"]}
     rows, done, bad = [], 0, 0
-    for name, t in sorted(tallies.items(), key=lambda kv: -len(kv[1].latencies)):
-        m = by_name[name]
+    for m in sorted(status["models"], key=lambda m: -m["requests"]):
+        t, c = tallies.get(m["name"], Tally()), checked[m["name"]]
+        r = t.row()
         n_err = sum(t.errors.values())
-        done += len(t.latencies)
-        bad += n_err + t.wrong
+        done += r["ok"]
+        bad += n_err + c.wrong
         rows.append(
             [
-                name,
+                m["name"],
                 fmt_bytes(m["bytes"]),
                 len(m["stages"]),
-                len(t.latencies) + n_err,
-                f"{sum(t.latencies) / max(1, len(t.latencies)):.1f}",
-                f"{percentile(t.latencies, 99):.1f}",
+                r["ok"] + n_err,
+                f"{r['mean_ms']:.1f}",
+                f"{r['p99_ms']:.1f}",
                 m["loads"],
                 m["evictions"],
                 m["batches"],
-                f"{t.exact}/{t.close}/{t.wrong}",
+                f"{c.exact}/{c.close}/{c.wrong}",
                 ", ".join(f"{k}:{v}" for k, v in t.errors.items()) or "-",
             ]
         )

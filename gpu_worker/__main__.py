@@ -10,6 +10,7 @@ import torch
 import uvloop
 
 from flowmesh import logs
+from flowmesh.config import apply_config
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
 from flowmesh.units import parse_size
@@ -17,7 +18,7 @@ from gpu_worker.device import open_device
 from gpu_worker.service import WorkerService
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description="flowmesh GPU worker")
     ap.add_argument("--broker", default="tcp://127.0.0.1:5556", help="broker backend endpoint")
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a stand-in device")
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds a thread may hold the GIL while others wait",
     )
     ap.add_argument("--log-level", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = apply_config(parser(), argv, "worker")
     logs.setup("worker", args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,11 +8,12 @@ import socket
 import uvloop
 
 from flowmesh import logs
+from flowmesh.config import apply_config
 from flowmesh.spec import DEFAULT_ALLOW
 from partitioner.service import PartitionerService
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m partitioner", description="flowmesh partitioner")
     ap.add_argument("--broker", default="tcp://127.0.0.1:5556", help="broker backend endpoint")
     ap.add_argument("--name", default=None, help="service name (default host-partitioner)")
@@ -20,7 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--measure-device", default="cpu", help="where to time blocks when asked")
     ap.add_argument("--allow", action="append", default=None, help="allowed factory modules")
     ap.add_argument("--log-level", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = apply_config(parser(), argv, "partitioner")
     logs.setup("partitioner", args.log_level)
     service = PartitionerService(
         args.name or f"{socket.gethostname()}-partitioner",

@@ -407,3 +407,44 @@ def test_starving_request_may_evict_a_model_with_queued_work() -> None:
         ("load", "cold"),
         ("run", "cold"),
     ]
+
+
+def test_a_failed_load_retried_at_once_keeps_exact_running_counts() -> None:
+    # The load fails, the broker loads again at once (a new residency) and only then hears that
+    # the first run failed: that failure must not be counted against the new residency, or the
+    # stage would look busy forever and never be evicted.
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0", budget=100 * MIB)
+    h.deploy("a", [60 * MIB], replicas=1)
+    h.deploy("b", [60 * MIB], replicas=1)
+    _, out = h.infer("a")
+    load, run = only(out, p.Load)[0], only(out, p.Run)[0]
+    out = h.backend(w0, p.Error(id=load.id, code=str(Code.NO_SPACE), reason="fragmented"))
+    h.infer("a")  # dispatched again: new load, new run
+    (res,) = h.core.peers["w0"].resident.values()
+    assert res.inflight == 1
+    h.backend(w0, p.Error(id=run.id, code=str(Code.NOT_RESIDENT), reason="not loaded"))
+    # The late failure left the old residency's count alone; its request runs again here.
+    assert res.inflight == 2
+    retry_runs = [b for b in h.core.batches.values() if b.model == "a"]
+    for b in retry_runs:
+        h.finish(
+            w0,
+            p.Run(
+                id=b.run_id,
+                model="a",
+                stage=0,
+                parts=[[r.tag, r.rows] for r in b.requests],
+                tensors={},
+            ),
+        )
+    h.backend(
+        w0, p.Loaded(id=next(iter(h.core.calls)), model="a", stage=0, nbytes=60 * MIB, seconds=0.1)
+    )
+    assert res.inflight == 0 and h.core.peers["w0"].inflight_runs == 0
+    _, out = h.infer("b")  # a is idle: it must be evictable
+    assert [(m.TYPE, m.model) for m in only(out, p.Evict | p.Load)] == [
+        ("evict", "a"),
+        ("load", "b"),
+    ]
