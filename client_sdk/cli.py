@@ -161,7 +161,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     host, _, port = args.listen.rpartition(":")
     mesh = LocalMesh(
         cpu_workers=args.cpu_workers or 2,
-        memory_budget=args.memory_budget,
+        memory_budget=args.memory_budget or "1GiB",
         gpus=gpus or None,
         gpu_budget=args.memory_budget if gpus else None,
         host=host or "127.0.0.1",
@@ -177,7 +177,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         kind = (
             f"{len(gpus)} GPU worker(s)"
             if gpus
-            else f"{mesh.cpu_workers} CPU stand-in worker(s) of {args.memory_budget}"
+            else f"{mesh.cpu_workers} CPU stand-in worker(s) of {mesh.memory_budget}"
         )
         print(
             f"flowmesh up: broker {mesh.frontend} (workers join at {mesh.backend}), {kind}, "
@@ -322,7 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="CPU stand-in workers instead of one worker per GPU",
     )
-    p.add_argument("--memory-budget", default="1GiB", help="device budget per worker")
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="device budget per worker (CPU stand-ins: 1GiB; GPUs: 80%% of free)",
+    )
     p.add_argument(
         "--listen", default="127.0.0.1:5555", help="host:port for clients; workers join on port+1"
     )

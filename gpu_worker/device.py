@@ -197,46 +197,64 @@ class CudaDevice(Device):
         return gpu_info(self.index)
 
 
-def gpu_info(index: int) -> dict[str, Any]:
-    """Memory and utilisation from NVML; empty when NVML is not usable."""
+_nvml_ready: bool | None = None
+
+
+def _nvml() -> object | None:
+    """The pynvml module once initialised; None without a driver (figures are optional)."""
+    global _nvml_ready
     try:
         import pynvml
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return {
-            "gpu_name": name.decode() if isinstance(name, bytes) else name,
-            "gpu_total_bytes": int(mem.total),
-            "gpu_used_bytes": int(mem.used),
-            "gpu_util_pct": int(util.gpu),
-        }
-    except Exception:  # no driver, no NVML: figures are optional
+        if _nvml_ready is None:
+            pynvml.nvmlInit()
+            _nvml_ready = True
+        return pynvml if _nvml_ready else None
+    except Exception:
+        _nvml_ready = False
+        return None
+
+
+def gpu_info(index: int) -> dict[str, Any]:
+    """Memory and utilisation from NVML; empty when NVML is not usable."""
+    nvml: Any = _nvml()
+    if nvml is None:
         return {}
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        util = nvml.nvmlDeviceGetUtilizationRates(handle)
+        name = nvml.nvmlDeviceGetName(handle)
+    except Exception:
+        return {}
+    return {
+        "gpu_name": name.decode() if isinstance(name, bytes) else name,
+        "gpu_total_bytes": int(mem.total),
+        "gpu_used_bytes": int(mem.used),
+        "gpu_util_pct": int(util.gpu),
+    }
 
 
 def discover_gpus() -> list[dict[str, Any]]:
     """GPUs visible through NVML (index, name, total bytes); [] without GPUs or driver."""
+    nvml: Any = _nvml()
+    if nvml is None:
+        return []
+    out = []
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = nvml.nvmlDeviceGetName(h)
             out.append(
                 {
                     "index": i,
                     "name": name.decode() if isinstance(name, bytes) else name,
-                    "total_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                    "total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total),
                 }
             )
-        return out
     except Exception:
-        return []
+        return out
+    return out
 
 
 def open_device(spec: str, budget_bytes: int | None) -> Device:
