@@ -102,22 +102,29 @@ def build_reference(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn
         return build_seeded(spec, allow)
     model = build_meta(spec, allow)
     names = {n: n for n in model.state_dict(keep_vars=True)}
-    tensors = read_weights(
-        spec.weights, names, expected=model.state_dict(keep_vars=True), dtype=spec.dtype
-    )
+    tensors = read_weights(spec.weights, names, expected=model.state_dict(keep_vars=True))
     model.load_state_dict(tensors, assign=True, strict=True)
     return model.eval()
 
 
-def read_weights(
-    path: str,
-    names: dict[str, str],
-    expected: dict[str, torch.Tensor],
-    dtype: str,
-) -> dict[str, torch.Tensor]:
-    """Read only the tensors named in `names` (local name -> name in the file).
+def conform(tensor: torch.Tensor, want: torch.Tensor, where: str) -> torch.Tensor:
+    """`tensor` checked against `want`'s shape and cast to `want`'s dtype (the deployment's,
+    for floating tensors); `where` names the tensor in the error."""
+    if tuple(tensor.shape) != tuple(want.shape):
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"{where} has shape {tuple(tensor.shape)}, the model expects {tuple(want.shape)}",
+        )
+    return tensor if tensor.dtype == want.dtype else tensor.to(want.dtype)
 
-    A missing tensor or a shape that does not match `expected` is a clear deploy error.
+
+def read_weights(
+    path: str, names: dict[str, str], expected: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Read only the tensors named in `names` (local name -> name in the file), each conformed
+    to `expected` (meta tensors of the model's shapes and dtypes).
+
+    A missing tensor or a shape that does not match is a clear deploy error.
     """
     from safetensors import safe_open
 
@@ -135,19 +142,9 @@ def read_weights(
                 raise FlowmeshError(
                     Code.BAD_REQUEST, f"weights {path!r}: tensor {stored!r} is missing"
                 )
-            tensor = f.get_tensor(stored)
-            want = expected[local]
-            if tuple(tensor.shape) != tuple(want.shape):
-                raise FlowmeshError(
-                    Code.BAD_REQUEST,
-                    f"weights {path!r}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(want.shape)}",
-                )
-            if want.dtype.is_floating_point:
-                tensor = tensor.to(torch_dtype(dtype))
-            else:
-                tensor = tensor.to(want.dtype)
-            out[local] = tensor
+            out[local] = conform(
+                f.get_tensor(stored), expected[local], f"weights {path!r}: tensor {stored!r}"
+            )
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowmesh.build import build_meta, build_seeded, declared_inputs, read_weights
+from flowmesh.build import build_meta, build_seeded, conform, declared_inputs, read_weights
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 from partitioner.chain import Block, chain_of
@@ -119,7 +119,7 @@ def materialize_stage(
     if source is None:
         source = spec.weights if spec.weights is not None else build_seeded(spec, allow)
     if isinstance(source, str):
-        values = read_weights(source, {n: n for n in wanted}, expected=wanted, dtype=spec.dtype)
+        values = read_weights(source, {n: n for n in wanted}, expected=wanted)
     else:
         values = _take(source, wanted)
     _assign(stage, values, torch.device(device))
@@ -132,16 +132,7 @@ def _take(model: nn.Module, wanted: dict[str, torch.Tensor]) -> dict[str, torch.
     for name, want in wanted.items():
         if name not in state:
             raise FlowmeshError(Code.BAD_REQUEST, f"the source model has no tensor {name!r}")
-        tensor = state[name]
-        if tuple(tensor.shape) != tuple(want.shape):
-            raise FlowmeshError(
-                Code.BAD_REQUEST,
-                f"the source model's tensor {name!r} has shape {tuple(tensor.shape)}, the stage "
-                f"expects {tuple(want.shape)}",
-            )
-        if tensor.is_floating_point() and tensor.dtype != want.dtype:
-            tensor = tensor.to(want.dtype)
-        out[name] = tensor
+        out[name] = conform(state[name], want, f"the source model's tensor {name!r}")
     return out
 
 
