@@ -87,9 +87,6 @@ class BrokerCore:
     def _to_peer(self, name: str, msg: p.Message) -> None:
         self._send(BACKEND, self.peers[name].addr, msg)
 
-    def _reply_error(self, addr: bytes, ref: int | None, code: Code, reason: str) -> None:
-        self._send(CLIENT, addr, p.Error(id=ref, code=str(code), reason=reason))
-
     def drain(self) -> list[tuple[str, bytes, p.Message]]:
         out, self.out = self.out, []
         return out
@@ -824,7 +821,6 @@ class BrokerCore:
             requests=requests,
             stage=0,
             worker=rep.workers[0],
-            sent=now,
             started=now,
         )
         rep.inflight += 1

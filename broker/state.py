@@ -106,7 +106,6 @@ class Batch:
     requests: list[Request]
     stage: int
     worker: str
-    sent: float
     started: float
     info: dict[str, float] = field(default_factory=dict)
     # Where the batch is counted as running: the very objects, so that leaving never touches
@@ -133,7 +132,6 @@ class Model:
     queue: deque[Request] = field(default_factory=deque)
     deploy_client: tuple[bytes, int] | None = None
     deploy_deadline: float = 0.0
-    pending_stages: dict[int, tuple[int, str, int]] = field(default_factory=dict)  # call id
     # counters for status
     requests: int = 0
     completed: int = 0
@@ -142,7 +140,6 @@ class Model:
     evictions: int = 0
     batches: int = 0
     latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    starving_since: float | None = None
 
     @property
     def name(self) -> str:

@@ -17,12 +17,3 @@ def setup(service: str, level: str | None = None) -> logging.Logger:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     return logging.getLogger(service)
-
-
-def kv(**fields: object) -> str:
-    """`key=value` pairs for a log line; values with spaces are quoted."""
-    parts = []
-    for k, v in fields.items():
-        s = str(v)
-        parts.append(f"{k}={s!r}" if " " in s else f"{k}={s}")
-    return " ".join(parts)

@@ -149,9 +149,6 @@ class ModelSpec:
         }
         return hashlib.sha256(msgpack.packb(key, use_bin_type=True)).hexdigest()[:16]
 
-    def factory_module(self) -> str:
-        return self.factory.split(":", 1)[0]
-
 
 def parse_inputs(raw: Any) -> dict[str, TensorSpec]:
     if not isinstance(raw, dict) or not raw:

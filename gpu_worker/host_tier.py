@@ -86,10 +86,6 @@ class HostStage:
                     view_of(buffer, region.offset + slot.offset, slot).copy_(tensors[slot.name])
         return cls(buffer, regions)
 
-    def region_bytes(self, index: int) -> torch.Tensor:
-        r = self.regions[index]
-        return self.buffer[r.offset : r.offset + r.size]
-
 
 def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
     """The tensor `slot` describes, as a view of a flat uint8 buffer at `offset`."""

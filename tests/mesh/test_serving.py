@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
+from flowmesh.build import build_reference
 from flowmesh.spec import ModelSpec
 from tests.mesh.conftest import deploy, mlp_spec, reference
 
@@ -44,7 +45,9 @@ def test_weights_from_safetensors_are_served(mesh: LocalMesh, tmp_path) -> None:
     with mesh.client() as c:
         deploy(c, spec)
         x = torch.randn(1, 256)
-        assert torch.equal(c.infer("from-file", x), reference(seeded)(x))
+        from_file = build_reference(spec)  # the whole model as deployed, read from the file
+        assert torch.equal(from_file(x), reference(seeded)(x))
+        assert torch.equal(c.infer("from-file", x), from_file(x))
 
 
 def test_weights_missing_a_tensor_is_a_clear_deploy_error(mesh: LocalMesh, tmp_path) -> None:  # type: ignore[no-untyped-def]
