@@ -10,16 +10,19 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.peer import MeshPeer
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 from gpu_worker.device import Device
-from gpu_worker.executor import Executor, RunOutput
+from gpu_worker.executor import Executor, LoadInfo, RunOutput
 from gpu_worker.stage_loader import prepare_stage
+
+T = TypeVar("T")
 
 
 class WorkerService(MeshPeer):
@@ -78,6 +81,19 @@ class WorkerService(MeshPeer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _answer_when_done(
+        self, fut: asyncio.Future[T], ref: int, reply: Callable[[T], p.Message]
+    ) -> None:
+        """Send `reply(result)` once `fut` settles, or an error naming command `ref`."""
+
+        def done(f: asyncio.Future[T]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._fail(ref, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
+            else:
+                self.send(reply(f.result()))
+
+        fut.add_done_callback(done)
+
     def _fail(self, ref: int, exc: BaseException) -> None:
         if not isinstance(exc, FlowmeshError):
             self.log.error("command %d failed: %r", ref, exc)
@@ -128,22 +144,16 @@ class WorkerService(MeshPeer):
             self._fail(msg.id, exc)
             return
 
-        def done(f: asyncio.Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                self._fail(msg.id, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
-                return
-            info = f.result()
-            self.send(
-                p.Loaded(
-                    id=msg.id,
-                    model=msg.model,
-                    stage=msg.stage,
-                    nbytes=info.nbytes,
-                    seconds=info.seconds,
-                )
+        def loaded(info: LoadInfo) -> p.Message:
+            return p.Loaded(
+                id=msg.id,
+                model=msg.model,
+                stage=msg.stage,
+                nbytes=info.nbytes,
+                seconds=info.seconds,
             )
 
-        fut.add_done_callback(done)
+        self._answer_when_done(fut, msg.id, loaded)
 
     def _run(self, msg: p.Run) -> None:
         parts: list[dict[str, Any]] = [{} for _ in msg.parts]
@@ -156,22 +166,16 @@ class WorkerService(MeshPeer):
             raise FlowmeshError(Code.BAD_REQUEST, "every part of a run needs its tensors")
         fut = self.executor.run((msg.model, msg.stage), parts)
 
-        def done(f: asyncio.Future[RunOutput]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                self._fail(msg.id, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
-                return
-            out = f.result()
+        def result(out: RunOutput) -> p.Message:
             tensors = {
                 f"{k}/{name}": t for k, part in enumerate(out.parts) for name, t in part.items()
             }
-            self.send(
-                p.RunResult(
-                    id=msg.id,
-                    model=msg.model,
-                    stage=msg.stage,
-                    tensors=tensors,
-                    info={"compute_s": out.compute_s, "wait_s": out.wait_s},
-                )
+            return p.RunResult(
+                id=msg.id,
+                model=msg.model,
+                stage=msg.stage,
+                tensors=tensors,
+                info={"compute_s": out.compute_s, "wait_s": out.wait_s},
             )
 
-        fut.add_done_callback(done)
+        self._answer_when_done(fut, msg.id, result)
