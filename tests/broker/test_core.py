@@ -109,6 +109,14 @@ class Harness:
             client, p.Infer(id=rid, model=model, tensors={"": ref(rows, 4)}, timeout_ms=timeout_ms)
         )
 
+    def loaded(self, addr: bytes, out: list[tuple[str, bytes, p.Message]], nbytes: int) -> None:
+        """The worker confirms the load that `out` asked it for."""
+        (load,) = only(out, p.Load)
+        self.backend(
+            addr,
+            p.Loaded(id=load.id, model=load.model, stage=load.stage, nbytes=nbytes, seconds=0.1),
+        )
+
     def finish(self, addr: bytes, run: p.Run) -> list[tuple[str, bytes, p.Message]]:
         tensors = {f"{k}/": ref(rows, 4) for k, (_tag, rows) in enumerate(run.parts)}
         return self.backend(
@@ -216,10 +224,7 @@ def test_residency_evicts_least_recently_used_idle_model() -> None:
         h.deploy(name, [40 * MIB], replicas=1)
     for name in ("a", "b"):
         _, out = h.infer(name)
-        h.backend(
-            w0,
-            p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0, nbytes=40 * MIB, seconds=0.1),
-        )
+        h.loaded(w0, out, 40 * MIB)
         h.now += 1
         h.finish(w0, only(out, p.Run)[0])
     h.now += 1
@@ -243,9 +248,7 @@ def test_never_evicts_a_model_with_running_or_queued_work() -> None:
     h.deploy("b", [40 * MIB], replicas=1)
     _, out = h.infer("a")
     run_a = only(out, p.Run)[0]
-    h.backend(
-        w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB, seconds=0.1)
-    )
+    h.loaded(w0, out, 40 * MIB)
     _, out = h.infer("b")
     assert out == []  # a is running: b waits
     out = h.finish(w0, run_a)
@@ -295,9 +298,7 @@ def test_queued_request_past_its_deadline_gets_timeout() -> None:
     h.deploy("a", [40 * MIB], replicas=1)
     h.deploy("b", [40 * MIB], replicas=1)
     _, out = h.infer("a")
-    h.backend(
-        w0, p.Loaded(id=only(out, p.Load)[0].id, model="a", stage=0, nbytes=40 * MIB, seconds=0.1)
-    )
+    h.loaded(w0, out, 40 * MIB)
     rid, _ = h.infer("b", timeout_ms=500)
     h.now = 0.6
     h.backend(w0, p.Heartbeat(stats={}))
@@ -366,10 +367,7 @@ def test_load_that_failed_on_fragmentation_is_retried_after_flushing() -> None:
     h.deploy("c", [30 * MIB], replicas=1)
     for name in ("a", "b"):
         _, out = h.infer(name)
-        h.backend(
-            w0,
-            p.Loaded(id=only(out, p.Load)[0].id, model=name, stage=0, nbytes=30 * MIB, seconds=0.1),
-        )
+        h.loaded(w0, out, 30 * MIB)
         h.finish(w0, only(out, p.Run)[0])
     _, out = h.infer("c")
     load, run = only(out, p.Load)[0], only(out, p.Run)[0]
@@ -387,9 +385,7 @@ def test_starving_request_may_evict_a_model_with_queued_work() -> None:
     h.deploy("hot", [40 * MIB], replicas=1, max_batch=2)
     h.deploy("cold", [40 * MIB], replicas=1)
     _, out = h.infer("hot")
-    h.backend(
-        w0, p.Loaded(id=only(out, p.Load)[0].id, model="hot", stage=0, nbytes=40 * MIB, seconds=0.1)
-    )
+    h.loaded(w0, out, 40 * MIB)
     runs = only(out, p.Run)
     runs += only(h.infer("hot")[1], p.Run)
     h.now = 0.1
