@@ -49,11 +49,17 @@ class BrokerConfig:
     default_replicas: int = 2
     starvation_s: float = 2.0  # a request waiting this long may evict models with queued work
     max_retries: int = 1  # re-runs of a request whose worker died
+    # Every call to a peer has a deadline, so a lost or never-sent answer cannot leave state
+    # waiting forever: a load not confirmed in time is dropped; a stage that does not answer a
+    # run in time has hung, and its replica is re-created (elsewhere when possible).
+    load_timeout_s: float = 120.0
+    run_timeout_s: float = 120.0
+    repair_backoff_s: float = 5.0  # after a failed replica repair, before trying again
 
 
 @dataclass
 class Call:
-    """A request to a worker or partitioner that awaits its answer."""
+    """A request to a worker or partitioner that awaits its answer (until `deadline`)."""
 
     kind: str  # "plan" | "stage" | "load"
     peer: str
@@ -63,6 +69,69 @@ class Call:
 
 def _fail(code: Code, reason: str) -> FlowmeshError:
     return FlowmeshError(code, reason)
+
+
+MAX_STATS_ITEMS = 256
+MAX_STATS_DEPTH = 3
+
+
+def check_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """Heartbeat stats as a peer may report them: plain scalars, lists and maps of them, bounded.
+
+    They are stored and shown by status() to every client, so a bad value is refused on receipt
+    rather than breaking every later status call.
+    """
+    count = 0
+
+    def walk(value: Any, where: str, depth: int) -> None:
+        nonlocal count
+        count += 1
+        if count > MAX_STATS_ITEMS:
+            raise _fail(Code.BAD_REQUEST, f"heartbeat stats: more than {MAX_STATS_ITEMS} values")
+        if value is None or isinstance(value, bool | str):
+            return
+        if isinstance(value, int | float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise _fail(Code.BAD_REQUEST, f"heartbeat stats {where}: not a finite number")
+            return
+        if depth >= MAX_STATS_DEPTH or not isinstance(value, list | dict):
+            raise _fail(
+                Code.BAD_REQUEST,
+                f"heartbeat stats {where}: {type(value).__name__} is not allowed here",
+            )
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            walk(v, f"{where}.{k}", depth + 1)
+
+    for key, value in stats.items():
+        walk(value, key, 1)
+    for key in ("peak_bytes", "host_bytes"):
+        v = stats.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _fail(Code.BAD_REQUEST, f"heartbeat stats {key}: expected a byte count")
+    return stats
+
+
+def check_plan(plan: dict[str, Any]) -> list[int]:
+    """The stage sizes of a partitioner's plan, or BAD_REQUEST naming what is wrong with it."""
+    sizes = plan.get("range_bytes")
+    ranges = plan.get("ranges", [])
+    if (
+        not isinstance(sizes, list)
+        or not sizes
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in sizes)
+    ):
+        raise _fail(Code.PLAN_ERROR, "plan: range_bytes must be a non-empty list of byte counts")
+    if not isinstance(ranges, list) or (ranges and len(ranges) != len(sizes)):
+        raise _fail(Code.PLAN_ERROR, "plan: ranges must give one [first, end) per stage")
+    return [int(b) for b in sizes]
+
+
+def _seconds(info: dict[str, Any], key: str) -> float:
+    v = info.get(key, 0.0)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
+        raise _fail(Code.BAD_REQUEST, f"run_result info {key}: expected seconds, got {v!r}")
+    return float(v)
 
 
 class BrokerCore:
@@ -77,7 +146,16 @@ class BrokerCore:
         self.out: list[tuple[str, bytes, p.Message]] = []
         self.started = time.monotonic() if now is None else now
         self._ids = itertools.count(1)
-        self.totals = {"requests": 0, "completed": 0, "errors": 0, "batches": 0, "retried": 0}
+        self.totals = {
+            "requests": 0,
+            "completed": 0,
+            "errors": 0,
+            "batches": 0,
+            "retried": 0,
+            "hung_runs": 0,
+            "expired_calls": 0,
+            "dropped_sends": 0,
+        }
 
     # ================================================================== plumbing
 
@@ -221,7 +299,8 @@ class BrokerCore:
             "batch": msg.batch,
             "measure": msg.measure,
         }
-        self._ask_plan(request, {"for": "client", "addr": addr, "id": msg.id}, now)
+        timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.deploy_timeout_s
+        self._ask_plan(request, {"for": "client", "addr": addr, "id": msg.id}, now, now + timeout)
 
     def _undeploy(self, addr: bytes, msg: p.Undeploy, now: float) -> None:
         model = self.models.pop(msg.model, None)
@@ -240,7 +319,13 @@ class BrokerCore:
 
     # ================================================================== planning
 
-    def _ask_plan(self, request: dict[str, Any], then: dict[str, Any], now: float) -> None:
+    def _ask_plan(
+        self,
+        request: dict[str, Any],
+        then: dict[str, Any],
+        now: float,
+        deadline: float | None = None,
+    ) -> None:
         key = hashlib.sha256(
             msgpack.packb(
                 {**request, "spec": ModelSpec.from_dict(request["spec"]).digest()},
@@ -256,9 +341,10 @@ class BrokerCore:
             raise _fail(Code.UNAVAILABLE, "no partitioner is registered")
         part = min(parts, key=lambda w: (w.inflight_plans, w.name))
         cid = next(self._ids)
-        deadline = now + self.cfg.deploy_timeout_s
         if then["for"] == "deploy":
             deadline = self.models[then["model"]].deploy_deadline
+        elif deadline is None:
+            deadline = now + self.cfg.deploy_timeout_s
         self.calls[cid] = Call(
             "plan",
             part.name,
@@ -283,11 +369,14 @@ class BrokerCore:
             self._place_new_model(model, answer["plan"], answer["inputs"])
         except FlowmeshError as exc:
             self._deploy_failed(model, exc.code, exc.reason)
+        except Exception as exc:  # a plan that passed check_plan but still cannot be placed
+            log.exception("placing model=%s failed", model.name)
+            self._deploy_failed(model, Code.PLAN_ERROR, f"{type(exc).__name__}: {exc}")
 
     def _place_new_model(
         self, model: Model, plan: dict[str, Any], inputs: dict[str, Any] | None
     ) -> None:
-        stage_bytes = [int(b) for b in plan["range_bytes"]]
+        stage_bytes = check_plan(plan)
         n = len(stage_bytes)
         workers = self.workers()
         if n > len(workers):
@@ -354,7 +443,7 @@ class BrokerCore:
         log.warning("deploy failed model=%s code=%s reason=%s", model.name, code, reason)
 
     def _stage_ready(self, peer: Peer, msg: p.StageReady, now: float) -> None:
-        call = self._pop_call(msg.id, "stage")
+        call = self._pop_call(msg.id, "stage", peer)
         model = self.models.get(msg.model)
         rep: Replica = call.data["replica"]
         if model is None or rep not in model.replicas:
@@ -403,7 +492,7 @@ class BrokerCore:
         peer = self.peers[name]
         peer.last_seen = now
         if isinstance(msg, p.Heartbeat):
-            peer.stats = msg.stats
+            peer.stats = check_stats(msg.stats)
             if not peer.ready:
                 peer.ready = True
                 log.info(
@@ -422,8 +511,13 @@ class BrokerCore:
         elif isinstance(msg, p.StageReady):
             self._stage_ready(peer, msg, now)
         elif isinstance(msg, p.PlanReply):
-            call = self._pop_call(msg.id, "plan")
+            call = self._pop_call(msg.id, "plan", peer)
             peer.inflight_plans -= 1
+            try:
+                check_plan(msg.plan)
+            except FlowmeshError as exc:
+                self._plan_failed(call, str(exc.code), f"partitioner {peer.name}: {exc.reason}")
+                return
             answer = {"plan": msg.plan, "inputs": msg.inputs}
             self.plan_cache[call.data["key"]] = answer
             self._plan_ready(call.data, answer, now)
@@ -437,13 +531,39 @@ class BrokerCore:
             raise _fail(Code.BAD_REQUEST, f"unknown role {msg.role!r}")
         if msg.role == "worker" and msg.budget_bytes <= 0:
             raise _fail(Code.BAD_REQUEST, "a worker must report a positive memory budget")
+        if not msg.name:
+            raise _fail(Code.BAD_REQUEST, "a peer needs a name")
+        lanes = msg.info.get("compute_lanes", 2)
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 1024:
+            raise _fail(Code.BAD_REQUEST, f"register info compute_lanes: bad value {lanes!r}")
         old = self.peers.get(msg.name)
+        if (
+            old is not None
+            and (old.role, old.pid, old.budget) == (msg.role, msg.pid, msg.budget_bytes)
+            and self.by_addr.get(addr) in (None, msg.name)
+        ):
+            # The same process registering again (it missed our heartbeats, or opened a fresh
+            # socket): it still holds what it held, so keep its state and work in flight.
+            if old.addr != addr:
+                self.by_addr.pop(old.addr, None)
+                old.addr = addr
+            self.by_addr[addr] = old.name
+            old.last_seen = now
+            old.registrations += 1
+            self._send(BACKEND, addr, self._ack(msg.id, kept=True))
+            log.info(
+                "registered again name=%s role=%s pid=%d (state kept, %d registrations)",
+                msg.name,
+                msg.role,
+                msg.pid,
+                old.registrations,
+            )
+            return
         if old is not None:
             self._peer_dead(old, now, "re-registered (restarted)")
         stale = self.by_addr.get(addr)
         if stale is not None and stale in self.peers:
             self._peer_dead(self.peers[stale], now, "re-registered under another name")
-        lanes = int(msg.info.get("compute_lanes", 2)) if isinstance(msg.info, dict) else 2
         self.peers[msg.name] = Peer(
             name=msg.name,
             addr=addr,
@@ -457,23 +577,34 @@ class BrokerCore:
             max_inflight=2 * max(1, lanes),
         )
         self.by_addr[addr] = msg.name
-        self._send(
-            BACKEND,
-            addr,
-            p.RegisterAck(id=msg.id, heartbeat_s=self.cfg.heartbeat_s, liveness=self.cfg.liveness),
-        )
+        self._send(BACKEND, addr, self._ack(msg.id, kept=False))
         log.info("registered name=%s role=%s pid=%d", msg.name, msg.role, msg.pid)
 
-    def _pop_call(self, cid: int, kind: str) -> Call:
-        call = self.calls.pop(cid, None)
-        if call is None or call.kind != kind:
-            if call is not None:
-                self.calls[cid] = call
-            raise _fail(Code.BAD_REQUEST, f"no pending {kind} call {cid}")
+    def _ack(self, ref: int, *, kept: bool) -> p.RegisterAck:
+        return p.RegisterAck(
+            id=ref, heartbeat_s=self.cfg.heartbeat_s, liveness=self.cfg.liveness, kept=kept
+        )
+
+    def _pop_call(self, cid: int, kind: str, peer: Peer) -> Call:
+        """The pending call `cid`, only if it is a `kind` call sent to `peer` (nobody else may
+        answer it); it stays pending otherwise."""
+        call = self.calls.get(cid)
+        if call is None or call.kind != kind or call.peer != peer.name:
+            raise _fail(Code.BAD_REQUEST, f"no pending {kind} call {cid} for {peer.name}")
+        del self.calls[cid]
         return call
 
     def _loaded(self, peer: Peer, msg: p.Loaded, now: float) -> None:
-        self.calls.pop(msg.id, None)
+        call = self.calls.get(msg.id)
+        if call is None:
+            return  # expired: the residency was dropped and an Evict sent after the load
+        if (
+            call.kind != "load"
+            or call.peer != peer.name
+            or ((call.data["model"], call.data["stage"]) != (msg.model, msg.stage))
+        ):
+            raise _fail(Code.BAD_REQUEST, f"no pending load {msg.id} of that stage for {peer.name}")
+        del self.calls[msg.id]
         res = peer.resident.get((msg.model, msg.stage))
         if res is not None and res.phase is Phase.LOADING:
             res.phase = Phase.RESIDENT
@@ -486,13 +617,17 @@ class BrokerCore:
         self._pump(now)
 
     def _backend_error(self, peer: Peer, msg: p.Error, now: float) -> None:
-        if msg.id in self.batches:
-            self._run_failed(self.batches.pop(msg.id), msg.code, msg.reason, now)
+        batch = self.batches.get(msg.id) if msg.id is not None else None
+        if batch is not None and batch.worker == peer.name:
+            del self.batches[msg.id]  # type: ignore[arg-type]
+            self._run_failed(batch, msg.code, msg.reason, now)
             return
-        call = self.calls.pop(msg.id, None) if msg.id is not None else None
-        if call is None:
-            log.warning("error from %s: %s %s", peer.name, msg.code, msg.reason)
+        call = self.calls.get(msg.id) if msg.id is not None else None
+        if call is None or call.peer != peer.name:
+            # Not an answer to anything we asked this peer (a late one, or a forged one).
+            log.warning("error from %s: %s %s (id %s)", peer.name, msg.code, msg.reason, msg.id)
             return
+        del self.calls[msg.id]  # type: ignore[arg-type]
         if call.kind == "plan":
             peer.inflight_plans -= 1
             self._plan_failed(call, msg.code, msg.reason)
@@ -532,8 +667,9 @@ class BrokerCore:
         if model.state is ModelState.DEPLOYING:
             self._deploy_failed(model, code, reason)
             return
-        # A repair failed: give the replica up; reconcile may find another home later.
+        # A repair failed: give the replica up; reconcile tries again after a pause.
         log.warning("replica repair failed model=%s reason=%s", model.name, reason)
+        model.repair_after = now + self.cfg.repair_backoff_s
         model.replicas.remove(rep)
         self._drop_replica(model.name, rep)
         self._mark_availability(model, reason)
@@ -541,29 +677,45 @@ class BrokerCore:
     # ================================================================== runs
 
     def _run_result(self, peer: Peer, msg: p.RunResult, now: float) -> None:
-        batch = self.batches.pop(msg.id, None)
+        batch = self.batches.get(msg.id)
         if batch is None:
             return  # its replica was lost or it timed out; nobody waits for it
+        # Only the worker a batch was sent to may answer it; anyone else is refused and the
+        # batch is untouched.
+        if batch.worker != peer.name or (msg.model, msg.stage) != (batch.model, batch.stage):
+            raise _fail(
+                Code.BAD_REQUEST,
+                f"run {msg.id} ({msg.model}/{msg.stage}) was not sent to {peer.name}",
+            )
+        last = batch.stage == len(batch.replica.workers) - 1
+        try:  # checked before anything changes, so a bad answer fails its batch cleanly
+            seconds = {k: _seconds(msg.info, k) for k in ("compute_s", "wait_s")}
+            parts = self._result_parts(batch, msg.tensors, last)
+        except FlowmeshError as exc:
+            del self.batches[msg.id]
+            log.warning("bad run_result from %s: %s", peer.name, exc.reason)
+            self._run_failed(batch, str(Code.INTERNAL), f"worker {peer.name}: {exc.reason}", now)
+            return
+        del self.batches[msg.id]
         self._leave_stage(batch, now)
         model = self.models.get(batch.model)
-        for k in ("compute_s", "wait_s"):
-            batch.info[k] = batch.info.get(k, 0.0) + float(msg.info.get(k, 0.0))
-        if batch.stage < len(batch.replica.workers) - 1:
+        for k, v in seconds.items():
+            batch.info[k] = batch.info.get(k, 0.0) + v
+        if not last:
             if model is not None and batch.replica in model.replicas:
                 self._advance(model, batch, msg.tensors, now)
-            else:
-                batch.replica.inflight -= 1
+                return
+            batch.replica.inflight -= 1
+            if model is None:
                 for req in batch.requests:
                     self._answer_error(
                         req, Code.MODEL_NOT_FOUND, f"{batch.model!r} was undeployed while running"
                     )
+            else:  # its replica was given up midway: start again on another one
+                model.queue.extendleft(r for r in reversed(batch.requests) if r.client is not None)
+            self._pump(now)
             return
         batch.replica.inflight -= 1
-        parts: list[dict[str, p.TensorRef]] = [{} for _ in batch.requests]
-        for name, ref in msg.tensors.items():
-            k, _, out = name.partition("/")
-            if k.isdigit() and int(k) < len(parts):
-                parts[int(k)][out] = ref
         for req, tensors in zip(batch.requests, parts, strict=True):
             if req.client is None:  # answered already (timed out)
                 continue
@@ -584,6 +736,21 @@ class BrokerCore:
             self.totals["completed"] += 1
         self._pump(now)
 
+    @staticmethod
+    def _result_parts(
+        batch: Batch, tensors: dict[str, p.TensorRef], last: bool
+    ) -> list[dict[str, p.TensorRef]]:
+        """A stage's output tensors, split by request ('k/name'); every request needs some."""
+        parts: list[dict[str, p.TensorRef]] = [{} for _ in batch.requests]
+        for name, ref in tensors.items():
+            k, _, out = name.partition("/")
+            if not (k.isdigit() and int(k) < len(parts)):
+                raise _fail(Code.BAD_REQUEST, f"run_result tensor {name!r}: expected 'k/name'")
+            parts[int(k)][out] = ref
+        if last and not all(parts):
+            raise _fail(Code.BAD_REQUEST, "run_result: a request of the batch has no output")
+        return parts
+
     def _advance(self, model: Model, batch: Batch, tensors: dict[str, Any], now: float) -> None:
         """Send a batch's activations on to the next stage's worker (frames, not copies)."""
         batch.stage += 1
@@ -603,6 +770,10 @@ class BrokerCore:
         )
 
     def _enter_stage(self, batch: Batch, now: float) -> None:
+        # A stage that has not answered by the later of the run timeout and its requests'
+        # deadlines has hung (see _run_hung): nobody's timeout is cut short by it.
+        latest = max((r.deadline for r in batch.requests), default=now)
+        batch.deadline = max(now + self.cfg.run_timeout_s, latest)
         peer = self.peers[batch.worker]
         peer.inflight_runs += 1
         res = peer.resident.get((batch.model, batch.stage))
@@ -776,7 +947,7 @@ class BrokerCore:
             if key not in peer.resident:
                 cid = next(self._ids)
                 self.calls[cid] = Call(
-                    "load", w, float("inf"), {"model": model.name, "stage": stage}
+                    "load", w, now + self.cfg.load_timeout_s, {"model": model.name, "stage": stage}
                 )
                 peer.resident[key] = Residency(key, peer.hosted[key], Phase.LOADING, now)
                 self._to_peer(w, p.Load(id=cid, model=model.name, stage=stage))
@@ -871,7 +1042,70 @@ class BrokerCore:
                         Code.TIMEOUT,
                         f"not served within {r.deadline - r.arrived:.1f} s (running)",
                     )
+        for run_id, batch in list(self.batches.items()):
+            if batch.deadline <= now and self.batches.get(run_id) is batch:
+                del self.batches[run_id]
+                self._run_hung(batch, now)
+        for cid, call in list(self.calls.items()):
+            if call.deadline <= now and self.calls.get(cid) is call:
+                del self.calls[cid]
+                self._call_expired(call, now)
+        self._reconcile(now)
         self._pump(now)
+
+    def _call_expired(self, call: Call, now: float, undelivered: str | None = None) -> None:
+        """A call got no answer in time (or could not be sent: `undelivered` says why): fail
+        what waited on it and repair the state."""
+        peer = self.peers.get(call.peer)
+        code = str(Code.OVERLOADED if undelivered else Code.TIMEOUT)
+        if undelivered is None:
+            self.totals["expired_calls"] += 1
+            log.warning(
+                "call expired kind=%s peer=%s model=%s",
+                call.kind,
+                call.peer,
+                call.data.get("model"),
+            )
+        if call.kind == "plan":
+            if peer is not None:
+                peer.inflight_plans -= 1
+            why = undelivered or f"partitioner {call.peer} did not answer in time"
+            self._plan_failed(call, code, why)
+        elif call.kind == "stage":
+            why = undelivered or (
+                f"worker {call.peer} did not prepare stage {call.data['stage']} in time"
+            )
+            self._stage_failed(call, why, code, now)
+        elif call.kind == "load" and peer is not None:
+            key = (call.data["model"], call.data["stage"])
+            res = peer.resident.get(key)
+            if res is not None and res.phase is Phase.LOADING:
+                # The worker may still finish it: the Evict, ordered after the Load, frees it.
+                self._evict(peer, key)
+
+    def _run_hung(self, batch: Batch, now: float) -> None:
+        """A stage did not answer a run by its deadline while its worker still heartbeats.
+
+        Its requests are answered, its counts released, and the replica is given up and
+        re-created, away from that worker where another can hold the stage.
+        """
+        self._leave_stage(batch, now)
+        batch.replica.inflight -= 1
+        reason = (
+            f"worker {batch.worker} did not finish stage {batch.stage} of {batch.model!r} "
+            f"within {self.cfg.run_timeout_s:.0f} s; its replica is being re-created"
+        )
+        self.totals["hung_runs"] += 1
+        log.warning("run hung run=%d %s", batch.run_id, reason)
+        for r in batch.requests:
+            self._answer_error(r, Code.TIMEOUT, reason)
+        model = self.models.get(batch.model)
+        if model is None or batch.replica not in model.replicas:
+            return
+        model.avoid.add(batch.worker)
+        model.replicas.remove(batch.replica)
+        self._drop_replica(model.name, batch.replica)
+        self._mark_availability(model, reason)
 
     def peer_unreachable(self, addr: bytes, now: float) -> None:
         name = self.by_addr.get(addr)
@@ -946,10 +1180,15 @@ class BrokerCore:
             if model.state not in (ModelState.READY, ModelState.UNAVAILABLE):
                 continue
             missing = model.desired_replicas - len(model.replicas)
-            if missing <= 0:
+            if missing <= 0 or now < model.repair_after:
                 continue
             taken = {(s, w) for r in model.replicas for s, w in enumerate(r.workers)}
-            for workers_of in place_replicas(self.workers(), model.stage_bytes, missing, taken):
+            # Away from workers where this model's runs hung, unless no other can hold it.
+            trusted = [w for w in self.workers() if w.name not in model.avoid]
+            places = place_replicas(trusted, model.stage_bytes, missing, taken) or place_replicas(
+                self.workers(), model.stage_bytes, missing, taken
+            )
+            for workers_of in places:
                 self._deploy_replica(model, workers_of, now + self.cfg.deploy_timeout_s)
                 log.info("re-creating replica model=%s workers=%s", model.name, workers_of)
 
@@ -1016,6 +1255,7 @@ class BrokerCore:
                 "name": peer.name,
                 "ready": peer.ready,
                 "pid": peer.pid,
+                "registrations": peer.registrations,
                 "last_seen_s": round(now - peer.last_seen, 3),
             }
             if peer.role == "partitioner":
@@ -1059,22 +1299,26 @@ class BrokerCore:
     def send_failed(
         self, dest: str, addr: bytes, msg: p.Message, exc: FlowmeshError, now: float
     ) -> None:
-        """The shell could not deliver `msg`: a gone peer is dead; a full one fails the work."""
+        """The shell could not deliver `msg`: a gone peer is dead; a full one fails the work
+        that waited on the message, so no state is left expecting an answer to it."""
+        self.totals["dropped_sends"] += 1
+        log.warning("could not send %s to %s %r: %s", msg.TYPE, dest, addr, exc.reason)
         if dest == CLIENT:
-            log.warning("dropped %s to client %r: %s", msg.TYPE, addr, exc.reason)
-            return
+            return  # the client's own timeout answers it
         if exc.code == Code.UNAVAILABLE:  # PeerGone
             self.peer_unreachable(addr, now)
             return
-        if isinstance(msg, p.Run) and msg.id in self.batches:
-            self._run_failed(
-                self.batches.pop(msg.id),
-                str(Code.OVERLOADED),
-                f"worker queue full: {exc.reason}",
-                now,
-            )
-        elif isinstance(msg, p.Load):
+        ref = getattr(msg, "id", None)
+        reason = f"could not reach {self.by_addr.get(addr, addr)!r}: {exc.reason}"
+        if isinstance(msg, p.Run) and ref in self.batches:
+            self._run_failed(self.batches.pop(ref), str(Code.OVERLOADED), reason, now)
+            return
+        call = self.calls.pop(ref, None) if isinstance(ref, int) else None
+        if call is not None:
+            self._call_expired(call, now, reason)
+        elif isinstance(msg, p.Evict | p.DropStage):
+            # The worker still holds bytes we count as free; its next load there may fail
+            # NO_SPACE, which evicts everything idle there (flush) and retries.
             name = self.by_addr.get(addr)
-            if name is not None:
-                self.peers[name].resident.pop((msg.model, msg.stage), None)
-        log.warning("could not send %s to %r: %s", msg.TYPE, addr, exc.reason)
+            if name is not None and name in self.peers:
+                self.peers[name].flush_next = True

@@ -56,6 +56,7 @@ class Peer:
     evictions: int = 0
     flush_next: bool = False  # a load failed on fragmentation: evict all idle stages next time
     reserved_for: str | None = None  # draining for a starving model
+    registrations: int = 1  # registrations of this same process (a re-register keeps state)
     # partitioners only
     inflight_plans: int = 0
 
@@ -107,6 +108,7 @@ class Batch:
     stage: int
     worker: str
     started: float
+    deadline: float = float("inf")  # the current stage must answer by then, or it hung
     info: dict[str, float] = field(default_factory=dict)
     # Where the batch is counted as running: the very objects, so that leaving never touches
     # a residency (or peer) that replaced them meanwhile.
@@ -132,6 +134,8 @@ class Model:
     queue: deque[Request] = field(default_factory=deque)
     deploy_client: tuple[bytes, int] | None = None
     deploy_deadline: float = 0.0
+    repair_after: float = 0.0  # a failed replica repair is not tried again before this
+    avoid: set[str] = field(default_factory=set)  # workers where a run of this model hung
     # counters for status
     requests: int = 0
     completed: int = 0

@@ -444,3 +444,285 @@ def test_a_failed_load_retried_at_once_keeps_exact_running_counts() -> None:
         ("evict", "a"),
         ("load", "b"),
     ]
+
+
+# ---------------------------------------------------------------- nothing waits forever
+
+
+def live_until(h: Harness, until: float) -> list[tuple[str, bytes, p.Message]]:
+    """Every registered peer keeps heartbeating while the clock moves on to `until`; the
+    broker ticks once a second. Returns everything the broker sent meanwhile."""
+    out = []
+    while h.now < until:
+        h.now = min(until, h.now + 1.0)
+        for peer in list(h.core.peers.values()):
+            out += h.backend(peer.addr, p.Heartbeat(stats={}))
+        h.core.tick(h.now)
+        out += h.out()
+    return out
+
+
+def test_a_lost_run_result_times_out_and_the_replica_is_recreated_elsewhere() -> None:
+    h = Harness(run_timeout_s=10.0)
+    h.partitioner()
+    w0, w1 = h.worker("w0"), h.worker("w1")
+    h.deploy("m", [MIB], replicas=1)
+    (rep,) = h.core.models["m"].replicas
+    hung = rep.workers[0].encode()
+    rid, out = h.infer("m", timeout_ms=5000)
+    h.loaded(hung, out, MIB)
+    out = live_until(h, 5.0)  # the request's own deadline: answered, the batch still pending
+    assert [(e.id, e.code) for e in only(out, p.Error)] == [(rid, Code.TIMEOUT)]
+    assert "running" in only(out, p.Error)[0].reason
+    assert len(h.core.batches) == 1
+    out = live_until(h, 11.0)  # the run's deadline: the stage hung
+    assert h.core.batches == {} and h.core.totals["hung_runs"] == 1
+    assert [(a, m.TYPE) for a, m in [(a, m) for _, a, m in out] if m.TYPE != "heartbeat"] == [
+        (hung, "evict"),
+        (hung, "drop_stage"),
+        (w1 if hung == w0 else w0, "deploy_stage"),
+    ]
+    peer = h.core.peers[hung.decode()]
+    assert peer.inflight_runs == 0 and peer.resident == {} and peer.hosted == {}
+    # The new replica lives on the other worker and serves.
+    (deploy,) = only(out, p.DeployStage)
+    other = w1 if hung == w0 else w0
+    h.backend(other, p.StageReady(id=deploy.id, model="m", stage=0, nbytes=MIB, seconds=0.1))
+    rid, out = h.infer("m")
+    assert [a for _, a, m in out if isinstance(m, p.Run)] == [other]
+    (res,) = only(h.finish(other, only(out, p.Run)[0]), p.Result)
+    assert res.id == rid
+
+
+def test_a_late_result_of_a_hung_run_is_dropped() -> None:
+    h = Harness(run_timeout_s=10.0)
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    _, out = h.infer("m", timeout_ms=1000)
+    run = only(out, p.Run)[0]
+    live_until(h, 11.0)
+    assert h.finish(w0, run) == []
+
+
+def test_a_lost_loaded_drops_the_loading_residency_and_the_next_request_loads_again() -> None:
+    h = Harness(load_timeout_s=10.0, run_timeout_s=100.0)
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    _, out = h.infer("m")
+    (load,) = only(out, p.Load)
+    h.finish(w0, only(out, p.Run)[0])  # the run itself went through; its Loaded was lost
+    assert h.core.peers["w0"].resident[("m", 0)].phase.value == "loading"
+    out = live_until(h, 11.0)
+    assert [(m.TYPE, m.model) for m in only(out, p.Evict)] == [("evict", "m")]
+    assert h.core.peers["w0"].resident == {} and h.core.calls == {}
+    # A Loaded that arrives after its call expired changes nothing.
+    h.backend(w0, p.Loaded(id=load.id, model="m", stage=0, nbytes=MIB, seconds=0.1))
+    assert h.core.peers["w0"].resident == {}
+    _, out = h.infer("m")
+    assert [m.TYPE for m in only(out, p.Load | p.Run)] == ["load", "run"]
+
+
+def test_a_lost_stage_ready_fails_the_deploy_at_its_deadline() -> None:
+    h = Harness()
+    part = h.partitioner()
+    h.worker("w0")
+    out = h.client(
+        CLIENT_A,
+        p.Deploy(
+            id=9,
+            spec={"name": "m", "factory": "flowmesh.examples:mlp", "seed": 0},
+            timeout_ms=20_000,
+        ),
+    )
+    job = only(out, p.PlanJob)[0]
+    plan = {"ranges": [[0, 1]], "range_bytes": [MIB], "block_names": ["a"]}
+    out = h.backend(part, p.PlanReply(id=job.id, plan=plan))
+    assert len(only(out, p.DeployStage)) == 1  # ...and its StageReady never comes
+    out = live_until(h, 21.0)
+    errs = only(out, p.Error)
+    assert [(e.id, e.code) for e in errs] == [(9, Code.TIMEOUT)]
+    assert "m" not in h.core.models and h.core.calls == {}
+    assert [m.TYPE for m in only(out, p.DropStage)] == ["drop_stage"]
+
+
+def test_a_lost_stage_ready_of_a_repair_gives_it_up_and_tries_again_later() -> None:
+    h = Harness(deploy_timeout_s=10.0, repair_backoff_s=5.0)
+    h.partitioner()
+    w0, w1 = h.worker("w0"), h.worker("w1")
+    h.deploy("m", [MIB], replicas=2)
+    h.worker("w2")
+    # w1 dies; its replica is re-created on w2, whose StageReady is lost.
+    h.now = 3.5
+    for a in (w0, b"part", b"w2"):
+        h.backend(a, p.Heartbeat(stats={}))
+    h.core.tick(h.now)
+    (first,) = only(h.out(), p.DeployStage)
+    assert h.core.calls[first.id].peer == "w2"
+    out = live_until(h, 14.0)
+    assert [m.TYPE for m in only(out, p.DropStage)] == ["drop_stage"]
+    assert len(h.core.models["m"].replicas) == 1
+    assert only(out, p.DeployStage) == []  # not again before the back-off
+    out = live_until(h, 20.0)
+    (again,) = only(out, p.DeployStage)
+    assert again.id != first.id
+    assert w1 not in h.core.by_addr
+
+
+def test_a_lost_plan_reply_answers_the_client_and_frees_the_partitioner() -> None:
+    h = Harness()
+    h.partitioner()
+    h.worker("w0")
+    spec = {"name": "plan", "factory": "flowmesh.examples:mlp"}
+    h.client(CLIENT_A, p.PlanRequest(id=4, spec=spec, timeout_ms=3000))
+    assert h.core.peers["part"].inflight_plans == 1
+    out = live_until(h, 4.0)
+    assert [(e.id, e.code) for e in only(out, p.Error)] == [(4, Code.TIMEOUT)]
+    assert h.core.peers["part"].inflight_plans == 0 and h.core.calls == {}
+
+
+def test_a_malformed_plan_fails_the_deploy_and_is_not_cached() -> None:
+    h = Harness()
+    part = h.partitioner()
+    h.worker("w0")
+    spec = {"name": "m", "factory": "flowmesh.examples:mlp", "seed": 0}
+    job = only(h.client(CLIENT_A, p.Deploy(id=3, spec=spec)), p.PlanJob)[0]
+    out = h.backend(part, p.PlanReply(id=job.id, plan={"range_bytes": ["lots"]}))
+    assert [(e.id, e.code) for e in only(out, p.Error)] == [(3, Code.PLAN_ERROR)]
+    assert h.core.plan_cache == {} and "m" not in h.core.models
+
+
+def test_bad_info_in_a_run_result_fails_its_batch_instead_of_orphaning_it() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    rid, out = h.infer("m")
+    run = only(out, p.Run)[0]
+    out = h.backend(
+        w0,
+        p.RunResult(
+            id=run.id, model="m", stage=0, tensors={"0/": ref(1, 4)}, info={"compute_s": "x"}
+        ),
+    )
+    (err,) = only(out, p.Error)
+    assert err.id == rid and err.code == Code.INTERNAL and "compute_s" in err.reason
+    assert h.core.batches == {} and h.core.peers["w0"].inflight_runs == 0
+    assert h.core.models["m"].replicas[0].inflight == 0
+
+
+def test_results_and_errors_are_accepted_only_from_the_worker_the_run_was_sent_to() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    forger = h.worker("forger")
+    h.deploy("m", [MIB], replicas=1)
+    (rep,) = h.core.models["m"].replicas
+    real = rep.workers[0].encode()
+    other = forger if real == w0 else w0
+    rid, out = h.infer("m")
+    run = only(out, p.Run)[0]
+    with pytest.raises(FlowmeshError) as info:
+        h.finish(other, run)
+    assert info.value.code is Code.BAD_REQUEST
+    assert h.backend(other, p.Error(id=run.id, code="model_error", reason="forged")) == []
+    assert run.id in h.core.batches  # untouched by either
+    (res,) = only(h.finish(real, run), p.Result)
+    assert res.id == rid
+
+
+def test_calls_are_answered_only_by_the_peer_they_were_sent_to() -> None:
+    h = Harness()
+    part = h.partitioner()
+    h.backend(b"p2", p.Register(id=1, role="partitioner", name="p2", pid=3))
+    h.worker("w0")
+    spec = {"name": "m", "factory": "flowmesh.examples:mlp", "seed": 0}
+    (job_to,) = [(a, m) for _, a, m in h.client(CLIENT_A, p.Deploy(id=3, spec=spec))]
+    addr, job = job_to
+    other = b"p2" if addr == part else part
+    plan = {"ranges": [[0, 1]], "range_bytes": [MIB], "block_names": ["a"]}
+    with pytest.raises(FlowmeshError):
+        h.backend(other, p.PlanReply(id=job.id, plan=plan))
+    assert job.id in h.core.calls
+    out = h.backend(addr, p.PlanReply(id=job.id, plan=plan))
+    (stage,) = only(out, p.DeployStage)
+    with pytest.raises(FlowmeshError):
+        h.backend(other, p.StageReady(id=stage.id, model="m", stage=0, nbytes=MIB, seconds=0))
+    assert h.core.models["m"].state.value == "deploying"
+
+
+def test_bad_heartbeat_stats_are_refused_and_status_keeps_working() -> None:
+    h = Harness()
+    w0 = h.worker("w0")
+    h.backend(w0, p.Heartbeat(stats={"peak_bytes": 7, "lanes": [1, 2], "x": {"y": 1.5}}))
+    for bad in (
+        {"peak_bytes": "lots"},
+        {"host_bytes": -1},
+        {"deep": {"a": {"b": {"c": 1}}}},
+        {"n": float("nan")},
+        {"many": list(range(1000))},
+    ):
+        with pytest.raises(FlowmeshError) as info:
+            h.backend(w0, p.Heartbeat(stats=bad))
+        assert info.value.code is Code.BAD_REQUEST
+    (w,) = h.core.status(h.now)["workers"]
+    assert w["peak_bytes"] == 7 and w["stats"]["lanes"] == [1, 2]
+
+
+def test_the_same_process_registering_again_keeps_its_state() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    rid, out = h.infer("m")
+    h.loaded(w0, out, MIB)
+    run = only(out, p.Run)[0]
+    reg = p.Register(
+        id=2, role="worker", name="w0", pid=1, device="cpu", kind="cpu", budget_bytes=100 * MIB
+    )
+    out = h.backend(w0, reg)
+    assert kinds(out) == [(w0, "register_ack")]
+    assert out[0][2].kept is True
+    assert [e for e in only(out, p.Error)] == []
+    st = h.core.status(h.now)
+    assert st["workers"][0]["registrations"] == 2 and st["workers"][0]["resident"] == ["m/0"]
+    (res,) = only(h.finish(w0, run), p.Result)
+    assert res.id == rid
+    # Another process under that name (it restarted): what the old one held is gone.
+    rid, out = h.infer("m")
+    out = h.backend(w0, p.Register(**{**reg.__dict__, "pid": 99}))
+    assert (rid, Code.WORKER_LOST) in [(e.id, e.code) for e in only(out, p.Error)]
+    assert out[-1][2].TYPE == "register_ack" and out[-1][2].kept is False
+    assert h.core.status(h.now)["workers"][0]["resident"] == []
+
+
+def test_a_bad_registration_changes_nothing() -> None:
+    h = Harness()
+    h.worker("w0")
+    bad = p.Register(
+        id=2,
+        role="worker",
+        name="w0",
+        pid=5,
+        kind="cpu",
+        budget_bytes=MIB,
+        info={"compute_lanes": "many"},
+    )
+    with pytest.raises(FlowmeshError):
+        h.backend(b"w0", bad)
+    (w,) = h.core.status(h.now)["workers"]
+    assert w["pid"] == 1 and w["ready"] is True
+
+
+def test_a_load_that_cannot_be_sent_drops_its_call_and_residency() -> None:
+    h = Harness()
+    h.partitioner()
+    w0 = h.worker("w0")
+    h.deploy("m", [MIB], replicas=1)
+    _, out = h.infer("m")
+    (load,) = only(out, p.Load)
+    h.core.send_failed(BACKEND, w0, load, FlowmeshError(Code.OVERLOADED, "full"), h.now)
+    assert load.id not in h.core.calls
+    assert ("m", 0) not in h.core.peers["w0"].resident
+    assert h.core.totals["dropped_sends"] == 1
