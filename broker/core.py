@@ -71,7 +71,7 @@ def _fail(code: Code, reason: str) -> FlowmeshError:
     return FlowmeshError(code, reason)
 
 
-MAX_STATS_ITEMS = 256
+MAX_STATS_ITEMS = 16_384  # a worker lists each stage it holds
 MAX_STATS_DEPTH = 3
 
 
