@@ -4,17 +4,23 @@ One reader task owns the socket and resolves a `call id -> Future` map; a call t
 forgotten (a late answer is dropped), never cancelled on the socket. Tensors go out as zero-copy
 frames and come back as tensors over the received frames (treat them as read-only; `.clone()` to
 own them).
+
+Nothing waits for the timeout when the answer cannot come: a request over the client's own
+`limits` raises `TooLarge` before it is sent, and if the reader stops, every call in flight fails
+at once with the cause (the next call connects again on a fresh socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import threading
 from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +28,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from client_sdk.errors import ClientError, Overloaded, Timeout, error_from
+from client_sdk.errors import ClientError, Timeout, TooLarge, Unavailable, error_from
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, send
@@ -34,6 +40,12 @@ DEFAULT_ADDRESS = os.environ.get("FLOWMESH_BROKER", "tcp://127.0.0.1:5555")
 # The broker answers TIMEOUT itself at the deadline; the client waits this much longer before
 # concluding that the broker is not answering at all.
 GRACE_S = 1.0
+
+
+@dataclass
+class _Pending:
+    fut: asyncio.Future[p.Message]
+    nbytes: int  # the request's encoded size: what an answer without an id is matched by
 
 
 class AsyncClient:
@@ -50,7 +62,7 @@ class AsyncClient:
         self.timeout = timeout
         self.limits = limits
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[p.Message]] = {}
+        self._pending: dict[int, _Pending] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -63,39 +75,178 @@ class AsyncClient:
 
     def _connect(self) -> zmq.asyncio.Socket:
         if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
-            self._sock = connect_dealer(self._ctx, self.address, limits=self.limits)
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            sock = connect_dealer(self._ctx, self.address, limits=self.limits)
+            reader = asyncio.get_running_loop().create_task(
+                self._read(sock), name="flowmesh-client-reader"
+            )
+            reader.add_done_callback(functools.partial(self._reader_done, sock))
+            self._sock, self._reader = sock, reader
         return self._sock
 
-    async def _read(self) -> None:
-        assert self._sock is not None
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        """The socket's only reader. Only a failing socket ends it: one answer it cannot handle
+        is logged and skipped, as every other call on the socket still waits on it."""
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
             try:
-                msg = p.decode(frames, self.limits)
-            except p.DecodeError as exc:
-                log.warning("dropped a malformed answer from the broker: %s", exc)
-                continue
-            fut = self._pending.pop(getattr(msg, "id", None) or -1, None)
-            if fut is None or fut.done():
-                continue  # answer to a call that already timed out
+                frames = await sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling() == 0:
+                    # Nobody cancelled the reader: its recv was, which is what closing the socket
+                    # under it does. Say so instead of looking like an orderly close().
+                    raise Unavailable(
+                        Code.UNAVAILABLE,
+                        f"its socket stopped receiving (socket closed: {sock.closed})",
+                    ) from None
+                raise
+            try:
+                self._dispatch(frames)
+            except Exception:
+                log.exception("could not handle an answer from the broker at %s", self.address)
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        try:
+            msg = p.decode(frames, self.limits)
+        except p.DecodeError as exc:
+            # An answer this client refuses (over its own limits, say) still ends its call now.
+            call = self._pending.pop(exc.ref, None) if exc.ref is not None else None
+            log.warning("refused an answer from the broker: %s", exc)
+            if call is not None and not call.fut.done():
+                call.fut.set_exception(
+                    error_from(exc.code, f"the broker's answer was refused: {exc.reason}")
+                )
+            return
+        ref = getattr(msg, "id", None)
+        if ref is None:
             if isinstance(msg, p.Error):
-                fut.set_exception(error_from(msg.code, msg.reason))
+                self._unmatched_error(msg)
             else:
-                fut.set_result(msg)
+                log.debug("ignored %s from the broker: it answers no call", msg.TYPE)
+            return
+        call = self._pending.pop(ref, None)
+        if call is None or call.fut.done():
+            return  # answer to a call that already timed out
+        if isinstance(msg, p.Error):
+            call.fut.set_exception(error_from(msg.code, msg.reason))
+        else:
+            call.fut.set_result(msg)
+
+    def _unmatched_error(self, msg: p.Error) -> None:
+        """An error the broker could not give an id: it could not read the header of one of our
+        messages. Our headers are well formed, so in practice the message was over a size limit
+        of the broker's that the client's own `limits` did not catch.
+
+        The broker answers each unreadable message once, so this fails exactly one call: the one
+        with the largest message in flight (the oldest of equals), as size is what gets a
+        well-formed message refused unread. Failing every call in flight would take innocent
+        ones down with it, and failing none leaves the culprit to its timeout. Should the guess
+        be wrong, one call fails early and the culprit still ends at its timeout.
+        """
+        live = [(cid, c) for cid, c in self._pending.items() if not c.fut.done()]
+        if not live:
+            log.warning(
+                "the broker answered %s with no id and no call is in flight: %s",
+                msg.code,
+                msg.reason,
+            )
+            return
+        cid, call = max(live, key=lambda item: (item[1].nbytes, -item[0]))
+        del self._pending[cid]
+        log.warning(
+            "the broker answered %s with no id (%s); failing call %d, the largest in flight "
+            "(%d bytes)",
+            msg.code,
+            msg.reason,
+            cid,
+            call.nbytes,
+        )
+        call.fut.set_exception(
+            error_from(
+                msg.code,
+                f"{msg.reason} (the broker could not read the request's id; this call, the "
+                f"largest in flight at {call.nbytes} bytes, is taken to be the one)",
+            )
+        )
+
+    def _reader_done(self, sock: zmq.asyncio.Socket, task: asyncio.Task[None]) -> None:
+        if self._reader is not task:
+            return  # close() stopped it, and answers the calls in flight itself
+        if task.cancelled():
+            cause = "it was cancelled"
+        else:
+            exc = task.exception()
+            cause = exc.reason if isinstance(exc, ClientError) else repr(exc)
+        log.error(
+            "the reader of the connection to %s stopped: %s; failing %d call(s) in flight",
+            self.address,
+            cause,
+            len(self._pending),
+        )
+        # A fresh socket on the next call, rather than failing every later call for good: a
+        # long-lived client (a web server's, say) recovers by itself, and if the cause persists,
+        # the next reader stops at once too, so the next call still fails fast, not at its
+        # timeout. The calls in flight cannot be saved: their answers went to this socket.
+        self._reader = None
+        self._sock = None
+        sock.close(linger=0)
+        self._fail_pending(
+            Unavailable(
+                Code.UNAVAILABLE,
+                f"the connection to the broker at {self.address} broke: its reader stopped "
+                f"({cause}); the call may or may not have run",
+            )
+        )
+
+    def _fail_pending(self, exc: ClientError) -> None:
+        pending, self._pending = self._pending, {}
+        for call in pending.values():
+            if not call.fut.done():  # one instance each: a raised exception collects a traceback
+                call.fut.set_exception(type(exc)(exc.code, exc.reason))
+
+    def _encoded_size(self, msg: p.Message) -> int:
+        """The bytes `msg` takes on the wire; TooLarge if over the client's own limits.
+
+        Checked before sending because the broker's socket drops a connection that carries a
+        message over twice its limit, answer-less: the call would wait for its full timeout.
+        Encoding twice (here, and in send) costs a small msgpack header: tensors are not copied.
+        """
+        try:
+            frames = p.encode(msg)
+        except FlowmeshError as exc:  # a tensor of a dtype that cannot travel, say
+            raise error_from(exc.code, exc.reason) from None
+        header = memoryview(frames[0]).nbytes
+        total = sum(memoryview(f).nbytes for f in frames)
+        if header > self.limits.max_header_bytes:
+            raise TooLarge(
+                Code.TOO_LARGE,
+                f"{msg.TYPE} not sent: its header is {header} bytes, over the client's limit "
+                f"of {self.limits.max_header_bytes} (Limits.max_header_bytes)",
+            )
+        if total > self.limits.max_message_bytes:
+            raise TooLarge(
+                Code.TOO_LARGE,
+                f"{msg.TYPE} not sent: it is {total} bytes, over the client's limit of "
+                f"{self.limits.max_message_bytes} (Limits.max_message_bytes); send fewer rows "
+                f"per call, or raise the limit on the client and the broker (--max-message)",
+            )
+        return total
 
     async def _call(self, msg: p.Message, timeout: float | None) -> p.Message:
+        nbytes = self._encoded_size(msg)
         sock = self._connect()
+        ref: int = msg.id  # type: ignore[attr-defined]
         fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
-        self._pending[msg.id] = fut  # type: ignore[attr-defined]
+        self._pending[ref] = _Pending(fut, nbytes)
         try:
             send(sock, msg)
         except FlowmeshError as exc:
-            self._pending.pop(msg.id, None)  # type: ignore[attr-defined]
-            raise Overloaded(
-                Code.OVERLOADED, f"cannot send to {self.address}: {exc.reason}"
-            ) from None
+            self._pending.pop(ref, None)
+            raise error_from(exc.code, f"cannot send to {self.address}: {exc.reason}") from None
+        except zmq.ZMQError as exc:  # the socket failed under the reader, which is ending
+            self._pending.pop(ref, None)
+            raise Unavailable(Code.UNAVAILABLE, f"cannot send to {self.address}: {exc}") from None
         limit = self.timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(fut, limit + GRACE_S)
@@ -104,7 +255,7 @@ class AsyncClient:
                 Code.TIMEOUT, f"no answer from the broker at {self.address} within {limit:.1f} s"
             ) from None
         finally:
-            self._pending.pop(msg.id, None)  # type: ignore[attr-defined]
+            self._pending.pop(ref, None)
 
     def _ms(self, timeout: float | None) -> int:
         return int(1000 * (self.timeout if timeout is None else timeout))
@@ -170,6 +321,9 @@ class AsyncClient:
     ) -> tuple[torch.Tensor | dict[str, torch.Tensor], dict[str, Any]]:
         """Like `infer`, plus the broker's account: latency, queueing, batch size, workers."""
         tensors = {"": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
+        # Made contiguous once here: the message is encoded twice (size check, then send), and
+        # a tensor that is not would be copied each time.
+        tensors = {k: _sendable(t) for k, t in tensors.items()}
         msg = p.Infer(
             id=next(self._ids), model=model, tensors=tensors, timeout_ms=self._ms(timeout)
         )
@@ -226,20 +380,23 @@ class AsyncClient:
         return reply.plan
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(ClientError(Code.UNAVAILABLE, "client closed"))
-        self._pending.clear()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        reader, self._reader = self._reader, None  # tells _reader_done that this is no failure
+        sock, self._sock = self._sock, None
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        self._fail_pending(ClientError(Code.UNAVAILABLE, "client closed"))
+        if sock is not None:
+            sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+
+def _sendable(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and (t.device.type != "cpu" or not t.is_contiguous()):
+        return t.detach().to("cpu").contiguous()
+    return t
 
 
 class Client:

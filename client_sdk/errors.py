@@ -53,6 +53,13 @@ class ProtocolError(ClientError):
     """A message was malformed or spoke another protocol version."""
 
 
+class TooLarge(ProtocolError):
+    """A message over a size limit (`flowmesh.protocol.Limits`): raised before sending when a
+    request is over the client's own limits, or answered by the broker when it is over the
+    broker's. Not to be confused with `TooBig` (a model that cannot fit the devices). A
+    `ProtocolError`, so code that caught oversized messages as protocol errors still does."""
+
+
 class InternalError(ClientError):
     pass
 
@@ -75,7 +82,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
     Code.BAD_FRAMES: ProtocolError,
     Code.BAD_TENSOR: ProtocolError,
     Code.UNKNOWN_TYPE: ProtocolError,
-    Code.TOO_LARGE: ProtocolError,
+    Code.TOO_LARGE: TooLarge,
     Code.VERSION: ProtocolError,
 }
 

@@ -3,7 +3,8 @@ notice a silent broker and register again.
 
 A worker or partitioner subclasses `MeshPeer`, says who it is (`registration`), what it reports
 (`stats`), and handles its commands (`handle`). Registration is confirmed by the broker's ack; the
-broker counts the peer as ready once its first heartbeat follows.
+broker counts the peer as ready once its first heartbeat follows. A registration left unanswered,
+or a broker silent past its liveness, gets a fresh socket under the same identity.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from flowmesh import protocol as p
-from flowmesh.errors import FlowmeshError
+from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
 from flowmesh.transport import connect_dealer, pump, send
@@ -27,6 +28,7 @@ from flowmesh.transport import connect_dealer, pump, send
 
 class MeshPeer:
     role = "peer"
+    send_hwm = 10_000  # messages queued to the broker before sends are dropped
 
     def __init__(
         self,
@@ -45,6 +47,9 @@ class MeshPeer:
         self.liveness = 3
         self.last_heard = 0.0
         self.registrations = 0
+        self.dropped_sends = 0
+        self.reconnects = 0
+        self._drop_run = 0  # drops since the last send that went out
         self._acked = asyncio.Event()
         self._stop = asyncio.Event()
         self.sock: zmq.asyncio.Socket | None = None
@@ -68,26 +73,71 @@ class MeshPeer:
 
     # -- plumbing
 
-    def send(self, msg: p.Message) -> None:
-        assert self.sock is not None
-        try:
-            send(self.sock, msg)
-        except FlowmeshError as exc:
-            self.log.warning("could not send %s to the broker: %s", msg.TYPE, exc.reason)
+    def peer_stats(self) -> dict[str, Any]:
+        """What every peer reports with its heartbeats, next to its own `stats()`."""
+        return {"dropped_sends": self.dropped_sends, "reconnects": self.reconnects}
+
+    def _heartbeat(self) -> p.Heartbeat:
+        return p.Heartbeat(stats={**self.stats(), **self.peer_stats()})
+
+    def send(self, msg: p.Message) -> bool:
+        """Send `msg` now; False when it was dropped: the queue to the broker is full, or there
+        is no connection (between sockets, or stopping). A drop is counted (`dropped_sends`)
+        and logged once per run of drops.
+
+        Never raises, as callers are often a future's done-callback, which must run to its end
+        for their own state to stay right. Nothing is retried: a dropped reply ends, on the
+        broker's side, at the deadline it puts on every call. A reply that cannot be encoded
+        (a result of a dtype that cannot travel, say) is answered with an Error for its id
+        instead, so that the broker fails the call now.
+        """
+        sock = self.sock
+        if sock is None:
+            reason = "not connected"
+        else:
+            try:
+                send(sock, msg)
+            except FlowmeshError as exc:
+                reason = exc.reason
+                ref = getattr(msg, "id", None)
+                unencodable = exc.code not in (Code.OVERLOADED, Code.UNAVAILABLE)
+                if unencodable and ref is not None and not isinstance(msg, p.Error):
+                    self.log.warning("cannot send %s %s: %s", msg.TYPE, ref, exc.reason)
+                    return self.send(p.error_for(exc, ref))
+            except zmq.ZMQError as exc:  # a socket closed under us
+                reason = str(exc)
+            else:
+                if self._drop_run:
+                    self.log.info("sending again after %d dropped message(s)", self._drop_run)
+                    self._drop_run = 0
+                return True
+        self.dropped_sends += 1
+        self._drop_run += 1
+        if self._drop_run == 1:  # a full queue stays full: one line per run, not per message
+            self.log.warning(
+                "dropped %s to the broker: %s (further drops counted, not logged)",
+                msg.TYPE,
+                reason,
+            )
+        return False
 
     def _on_message(self, _peer: bytes | None, msg: p.Message) -> None:
         self.last_heard = time.monotonic()
         if isinstance(msg, p.RegisterAck):
             self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
-            again = self.registrations > 0
+            # A fresh socket of the same process finds its state kept by the broker; dropping
+            # what we hold then would leave the broker counting on stages that are gone.
+            again = self.registrations > 0 and not msg.kept
             self.registrations += 1
             self._acked.set()
             self.on_registered(again)
             notify("READY=1")
-            self.send(p.Heartbeat(stats=self.stats()))  # the broker marks us ready on it
+            self.send(self._heartbeat())  # the broker marks us ready on it
         elif isinstance(msg, p.Heartbeat):
             pass
         elif isinstance(msg, p.Disconnect):
+            # The broker is there and reading this socket, it just does not know us: register
+            # again on the same socket.
             self.log.warning("broker asked to register again: %s", msg.reason)
             self._acked.clear()
         elif isinstance(msg, p.Error) and msg.id is None:
@@ -95,44 +145,85 @@ class MeshPeer:
         else:
             self.handle(msg)
 
-    async def _register(self) -> None:
-        while not self._stop.is_set():
-            self._acked.clear()
-            self.send(self.registration())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._acked.wait(), self.register_timeout_s)
-                return
-            self.log.warning("no answer from broker %s; registering again", self.broker)
+    async def _register(self) -> bool:
+        """Send our registration once; True when the broker acked it in time."""
+        self._acked.clear()
+        self.send(self.registration())
+        try:
+            await asyncio.wait_for(self._acked.wait(), self.register_timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
-    async def _heartbeats(self) -> None:
+    async def _session(self) -> str:
+        """Register, then heartbeat, on the current socket, until the broker stops answering
+        on it. Returns why the socket is given up."""
         while not self._stop.is_set():
             if not self._acked.is_set():
-                await self._register()
+                if not await self._register():
+                    return f"no answer to registration within {self.register_timeout_s:.1f} s"
                 continue
-            self.send(p.Heartbeat(stats=self.stats()))
-            if time.monotonic() - self.last_heard > self.heartbeat_s * self.liveness:
-                self.log.warning(
-                    "broker silent for %.1f s; registering again",
-                    time.monotonic() - self.last_heard,
-                )
-                self._acked.clear()
-                continue
+            self.send(self._heartbeat())
+            silent = time.monotonic() - self.last_heard
+            if silent > self.heartbeat_s * self.liveness:
+                return f"broker silent for {silent:.1f} s"
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.heartbeat_s)
+        return "stopping"
+
+    async def _connection(self, ctx: zmq.asyncio.Context) -> None:
+        """Owns the socket to the broker: one socket and its one reader at a time.
+
+        A broker that stops answering gets a fresh socket, not more messages on the old one:
+        the old connection may be dead in a way ZeroMQ never reports. When another socket takes
+        our routing id (ROUTER_HANDOVER), the broker's end of our connection stays open but
+        unread and unanswered forever; only a new connection takes the id back.
+        """
+        while not self._stop.is_set():
+            self._acked.clear()
+            sock = connect_dealer(
+                ctx, self.broker, identity=self.name, limits=self.limits, hwm=self.send_hwm
+            )
+            reader = asyncio.create_task(
+                pump(sock, self._on_message, routed=False, log=self.log, limits=self.limits),
+                name=f"{self.role}-reader",
+            )
+            session = asyncio.create_task(self._session(), name=f"{self.role}-session")
+            self.sock = sock
+            try:
+                await asyncio.wait({reader, session}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # The old reader is gone before its socket closes and before the next one
+                # starts: never two readers, never a reader on a closed socket.
+                self.sock = None
+                session.cancel()
+                reader.cancel()
+                await asyncio.gather(session, reader, return_exceptions=True)
+                sock.close(linger=0)
+            if not reader.cancelled():
+                # Only a failing socket ends the reader: stop the process (exit status 1)
+                # rather than paper over it.
+                exc = reader.exception()
+                raise exc or FlowmeshError(Code.INTERNAL, "the reader ended")
+            why = session.result() if not session.cancelled() else "stopping"
+            if self._stop.is_set():
+                return
+            self.reconnects += 1
+            self.log.warning(
+                "%s; connecting again to %s on a fresh socket (reconnect %d)",
+                why,
+                self.broker,
+                self.reconnects,
+            )
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()
-        self.sock = connect_dealer(ctx, self.broker, identity=self.name, limits=self.limits)
-        tasks = [
-            asyncio.create_task(
-                pump(self.sock, self._on_message, routed=False, log=self.log, limits=self.limits)
-            ),
-            asyncio.create_task(self._heartbeats()),
-        ]
+        tasks = [asyncio.create_task(self._connection(ctx), name=f"{self.role}-connection")]
         self.log.info("started name=%s broker=%s pid=%d", self.name, self.broker, os.getpid())
         await run_until_stopped(tasks, self._stop, self.log)
+        # The connection closes its socket as it ends; ctx.term() would wait for it forever.
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.close()
-        self.sock.close(linger=0)
         ctx.term()
         self.log.info("stopped name=%s", self.name)
 
