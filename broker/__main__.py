@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-import uvloop
-
 from broker.core import BrokerConfig
 from broker.service import BrokerService
 from flowmesh import logs
 from flowmesh.config import apply_config
+from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
 from flowmesh.units import parse_size
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     service = BrokerService(
         cfg, args.frontend, args.backend, limits=limits, ready_file=args.ready_file
     )
-    uvloop.run(service.serve())
+    run_process(service.serve())  # exits non-zero when a task failed
 
 
 if __name__ == "__main__":

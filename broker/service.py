@@ -22,12 +22,15 @@ import zmq.asyncio
 
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
 from flowmesh import protocol as p
-from flowmesh.errors import FlowmeshError
+from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
 from flowmesh.transport import bind_router, pump, send
 
 log = logging.getLogger("broker")
+
+# Consecutive failed ticks after which the broker stops (non-zero) rather than limp on.
+MAX_TICK_FAILURES = 3
 
 
 class BrokerService:
@@ -49,6 +52,8 @@ class BrokerService:
         self.socks: dict[str, zmq.asyncio.Socket] = {}
 
     def _flush(self) -> None:
+        """Send what the core queued. Called after every message and tick, so an answer never
+        waits for the next one; one message that cannot go out never holds back the others."""
         now = time.monotonic()
         for _ in range(1000):  # send failures may queue answers of their own
             out = self.core.drain()
@@ -58,7 +63,25 @@ class BrokerService:
                 try:
                     send(self.socks[dest], msg, [addr])
                 except FlowmeshError as exc:
-                    self.core.send_failed(dest, addr, msg, exc, now)
+                    self._send_failed(dest, addr, msg, exc, now)
+                except Exception as exc:  # e.g. a value msgpack cannot pack: a bug, not fatal
+                    log.exception("could not encode %s for %r", msg.TYPE, addr)
+                    failure = FlowmeshError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+                    self._send_failed(dest, addr, msg, failure, now)
+        log.error("send failures kept queueing answers; the rest go out on the next flush")
+
+    def _send_failed(
+        self, dest: str, addr: bytes, msg: p.Message, exc: FlowmeshError, now: float
+    ) -> None:
+        ref = getattr(msg, "id", None)
+        if dest == CLIENT and exc.code == Code.INTERNAL and isinstance(ref, int):
+            # The client still waits for this call: tell it, rather than let it time out.
+            with contextlib.suppress(Exception):
+                send(self.socks[dest], p.error_for(exc, ref), [addr])
+        try:
+            self.core.send_failed(dest, addr, msg, exc, now)
+        except Exception:
+            log.exception("handling a failed send of %s to %r", msg.TYPE, addr)
 
     def _on_client(self, addr: bytes | None, msg: p.Message) -> None:
         assert addr is not None
@@ -75,11 +98,30 @@ class BrokerService:
             self._flush()
 
     async def _ticks(self) -> None:
+        """Heartbeats out, dead peers and expired deadlines out, every `heartbeat_s`.
+
+        Runs on its own task, on a fixed cadence, whatever the readers are doing. A tick that
+        raises is logged and the next one tried; only a tick that keeps failing stops the
+        broker (exit status 1, so that systemd restarts it): a broker that can no longer tell
+        live peers from dead ones must not pretend to serve."""
+        failures = 0
+        next_at = time.monotonic()
         while not self._stop.is_set():
-            self.core.tick(time.monotonic())
-            self._flush()
+            try:
+                self.core.tick(time.monotonic())
+                failures = 0
+            except Exception:
+                failures += 1
+                log.exception("tick failed (%d in a row)", failures)
+                if failures >= MAX_TICK_FAILURES:
+                    raise
+            finally:
+                self._flush()
+            next_at += self.cfg.heartbeat_s
+            if next_at <= time.monotonic():  # late (a long tick, a busy loop): skip, not catch up
+                next_at = time.monotonic() + self.cfg.heartbeat_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.cfg.heartbeat_s)
+                await asyncio.wait_for(self._stop.wait(), next_at - time.monotonic())
 
     def _write_ready(self, endpoints: dict[str, Any]) -> None:
         if not self.ready_file:

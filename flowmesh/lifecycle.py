@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, NoReturn
 
 PARENT_ENV = "FLOWMESH_PARENT_PID"
 log = logging.getLogger("flowmesh.lifecycle")
@@ -35,10 +37,31 @@ async def _watchdog(interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+# Why the process stopped: set by `run_until_stopped` when a task failed, read by `exit_status`
+# once the event loop is gone (the services' `serve()` return nothing a `main()` could read).
+_failure: list[str] = []
+
+
+def exit_status() -> int:
+    """The process's exit status: 1 when it stopped because a task failed, else 0. A stop asked
+    for (SIGINT, SIGTERM, the launcher's death) is a success, so systemd's Restart=on-failure
+    restarts exactly the processes that broke."""
+    return 1 if _failure else 0
+
+
+def run_process(main: Coroutine[Any, Any, object]) -> NoReturn:
+    """Run a process's `serve()` on uvloop and exit with `exit_status()`."""
+    import uvloop
+
+    uvloop.run(main)
+    sys.exit(exit_status())
+
+
 async def run_until_stopped(
     tasks: list[asyncio.Task[object]], stop: asyncio.Event, log: logging.Logger
-) -> None:
-    """Run a process's tasks until SIGINT/SIGTERM, the launcher's death, or one task failing.
+) -> bool:
+    """Run a process's tasks until SIGINT/SIGTERM, the launcher's death, or one task failing
+    (or ending, which they never should). Returns True when it stopped because a task did.
 
     Also pings the systemd watchdog from the event loop when systemd asked for one, so a loop
     that stops turning gets the process restarted.
@@ -60,6 +83,12 @@ async def run_until_stopped(
     done, _ = await asyncio.wait({*tasks, stopped}, return_when=asyncio.FIRST_COMPLETED)
     for task in (*tasks, *helpers, stopped):
         task.cancel()
-    for task in done:
-        if task is not stopped and not task.cancelled() and task.exception():
-            log.error("stopping on error: %r", task.exception())
+    failed = False
+    if stopped not in done:  # tasks end only when stopped; anything else is a failure
+        for task in done:
+            exc = None if task.cancelled() else task.exception()
+            reason = repr(exc) if exc is not None else "ended unexpectedly"
+            log.error("stopping on error: task %s %s", task.get_name(), reason, exc_info=exc)
+            _failure.append(reason)
+            failed = True
+    return failed

@@ -18,6 +18,7 @@ This module does not import torch at import time, so the broker can stay free of
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 import warnings
@@ -261,6 +262,9 @@ class RegisterAck(Message):
     id: int
     heartbeat_s: float
     liveness: int
+    # True when the broker already knew this very process and kept what it holds (it only
+    # re-registered); False when the broker starts afresh with it, so it must drop its stages.
+    kept: bool = False
 
 
 @message("heartbeat")
@@ -394,7 +398,7 @@ def _check_type(value: Any, tp: Any, where: str) -> None:
         key_tp, val_tp = typing.get_args(tp)
         for k, v in value.items():
             _check_type(k, key_tp, f"{where} key")
-            _check_type(v, val_tp, f"{where}[{k!r}]")
+            _check_type(v, val_tp, f"{where}[{_short(k)}]")
         return
     if isinstance(tp, type) and not isinstance(value, tp):
         raise _FieldError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
@@ -451,57 +455,81 @@ def _frame_bytes(frame: Any) -> bytes | memoryview:
     return frame
 
 
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; a `true` id or dim must not pass as 1 (an error reply carrying
+    # `id: true` cannot be decoded by the receiver).
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 40, 40, 6, 6
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of a value read from a peer: reasons must stay small, whatever arrived."""
+    return _REPR.repr(value)
+
+
+def _unpack_header(frame: Any, limits: Limits) -> Any:
+    return msgpack.unpackb(
+        _frame_bytes(frame),
+        raw=False,
+        strict_map_key=True,
+        max_str_len=limits.max_str_len,
+        max_bin_len=limits.max_str_len,
+        max_array_len=limits.max_container_len,
+        max_map_len=limits.max_container_len,
+        max_ext_len=0,
+    )
+
+
 def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Validate and decode the frames after the routing envelope. Raises DecodeError."""
+    """Validate and decode the frames after the routing envelope. Raises DecodeError only:
+    every value read from the header is type-checked before it is used."""
     if not frames:
         raise DecodeError(Code.BAD_MESSAGE, "empty message")
     sizes = [_frame_len(f) for f in frames]
-    total = sum(sizes)
-    if total > limits.max_message_bytes:
-        raise DecodeError(
-            Code.TOO_LARGE, f"message is {total} bytes, limit {limits.max_message_bytes}"
-        )
     if sizes[0] > limits.max_header_bytes:
         raise DecodeError(
             Code.TOO_LARGE, f"header is {sizes[0]} bytes, limit {limits.max_header_bytes}"
         )
+    # The header is read before the total size is judged, so that a TOO_LARGE answer can carry
+    # the request's id and the sender can match it to its call; the header itself is bounded.
+    header: Any = None
+    unpack_error = ""
     try:
-        header = msgpack.unpackb(
-            _frame_bytes(frames[0]),
-            raw=False,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_str_len,
-            max_array_len=limits.max_container_len,
-            max_map_len=limits.max_container_len,
-            max_ext_len=0,
-        )
+        header = _unpack_header(frames[0], limits)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
+        unpack_error = f"{type(exc).__name__}: {_short(str(exc))}"
+    ref = header.get("id") if isinstance(header, dict) else None
+    ref = ref if _is_int(ref) else None
+    total = sum(sizes)
+    if total > limits.max_message_bytes:
         raise DecodeError(
-            Code.BAD_MESSAGE, f"header is not a valid msgpack map: {type(exc).__name__}: {exc}"
-        ) from None
+            Code.TOO_LARGE, f"message is {total} bytes, limit {limits.max_message_bytes}", ref
+        )
+    if unpack_error:
+        raise DecodeError(Code.BAD_MESSAGE, f"header is not a valid msgpack map: {unpack_error}")
     if not isinstance(header, dict):
         raise DecodeError(Code.BAD_MESSAGE, f"header is a {type(header).__name__}, not a map")
-    ref = header.get("id") if isinstance(header.get("id"), int) else None
     version = header.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if not _is_int(version) or version != PROTOCOL_VERSION:
         raise DecodeError(
             Code.VERSION,
-            f"protocol version {version!r}, this process speaks {PROTOCOL_VERSION}",
+            f"protocol version {_short(version)}, this process speaks {PROTOCOL_VERSION}",
             ref,
         )
     type_name = header.pop("t", None)
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
-        raise DecodeError(Code.UNKNOWN_TYPE, f"unknown message type {type_name!r}", ref)
+        raise DecodeError(Code.UNKNOWN_TYPE, f"unknown message type {_short(type_name)}", ref)
     meta = header.pop("tensors", [])
     tensors = _decode_tensors(meta, frames[1:], sizes[1:], cls, limits, ref)
     hints = _hints(cls)
     unknown = sorted(set(header) - set(hints), key=str)
     if unknown:
-        raise DecodeError(
-            Code.BAD_MESSAGE, f"{type_name}: unknown field(s) {', '.join(map(str, unknown))}", ref
-        )
+        names = ", ".join(_short(k) for k in unknown[:5])
+        raise DecodeError(Code.BAD_MESSAGE, f"{cls.TYPE}: unknown field(s) {names}", ref)
     required = {
         f.name
         for f in dataclasses.fields(cls)
@@ -510,11 +538,11 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     missing = sorted(required - set(header) - {"tensors"})
     if missing:
         raise DecodeError(
-            Code.BAD_MESSAGE, f"{type_name}: missing field(s) {', '.join(missing)}", ref
+            Code.BAD_MESSAGE, f"{cls.TYPE}: missing field(s) {', '.join(missing)}", ref
         )
     for name, value in header.items():
         try:
-            _check_type(value, hints[name], f"{type_name}.{name}")
+            _check_type(value, hints[name], f"{cls.TYPE}.{name}")
         except _FieldError as exc:
             raise DecodeError(Code.BAD_MESSAGE, str(exc), ref) from None
     if cls.HAS_TENSORS:
@@ -547,21 +575,30 @@ def _decode_tensors(
         if not (isinstance(item, list) and len(item) == 3):
             raise DecodeError(Code.BAD_TENSOR, f"tensor {i}: expected [name, dtype, shape]", ref)
         name, dtype, shape = item
+        # Each check guards the next use: a list as a name or dtype is unhashable, and a
+        # float or bool as a dim would make prod() lie about the bytes.
         if not isinstance(name, str) or name in out:
-            raise DecodeError(Code.BAD_TENSOR, f"tensor {i}: bad or repeated name {name!r}", ref)
-        if dtype not in ITEMSIZE:
-            raise DecodeError(Code.BAD_TENSOR, f"tensor {name!r}: unknown dtype {dtype!r}", ref)
+            raise DecodeError(
+                Code.BAD_TENSOR, f"tensor {i}: bad or repeated name {_short(name)}", ref
+            )
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise DecodeError(
+                Code.BAD_TENSOR, f"tensor {_short(name)}: unknown dtype {_short(dtype)}", ref
+            )
         if (
             not isinstance(shape, list)
             or len(shape) > limits.max_dims
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            or not all(_is_int(d) and d >= 0 for d in shape)
         ):
-            raise DecodeError(Code.BAD_TENSOR, f"tensor {name!r}: bad shape {shape!r}", ref)
+            raise DecodeError(
+                Code.BAD_TENSOR, f"tensor {_short(name)}: bad shape {_short(shape)}", ref
+            )
         want = prod(shape) * ITEMSIZE[dtype]
         if sizes[i] != want:
             raise DecodeError(
                 Code.BAD_TENSOR,
-                f"tensor {name!r}: {sizes[i]} bytes, but {dtype} x {shape} needs {want}",
+                f"tensor {_short(name)}: {sizes[i]} bytes, but {dtype} x {_short(shape)} "
+                f"needs {want}",
                 ref,
             )
         out[name] = TensorRef(dtype, tuple(shape), frames[i])
@@ -570,7 +607,10 @@ def _decode_tensors(
 
 def error_for(exc: BaseException, ref: int | None = None) -> Error:
     """The Error reply for an exception: its code and reason when it has them."""
+    if ref is None:
+        ref = getattr(exc, "ref", None)
+    if not _is_int(ref):  # an Error must always be decodable by the one it answers
+        ref = None
     if isinstance(exc, FlowmeshError):
-        ref = getattr(exc, "ref", None) if ref is None else ref
         return Error(id=ref, code=str(exc.code), reason=exc.reason)
-    return Error(id=ref, code=str(Code.INTERNAL), reason=f"{type(exc).__name__}: {exc}")
+    return Error(id=ref, code=str(Code.INTERNAL), reason=f"{type(exc).__name__}: {exc}"[:500])

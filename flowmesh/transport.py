@@ -9,7 +9,9 @@ OVERLOADED error for the sender of the request rather than a stalled event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +22,7 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.protocol import (
     DEFAULT_LIMITS,
     DecodeError,
+    Error,
     Limits,
     Message,
     decode,
@@ -91,6 +94,34 @@ def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = No
 
 Handler = Callable[[bytes | None, Message], Awaitable[None] | None]
 
+# A recv on a socket with queued messages completes without yielding to the event loop, so a
+# reader fed faster than it handles would starve every other task (timers, heartbeats, the
+# other socket's reader). It lets the loop turn after this many messages.
+YIELD_EVERY = 32
+
+
+class LogThrottle:
+    """At most `burst` log lines per `period` seconds; the rest are counted and summarised, so
+    that a flood of bad messages cannot turn into a flood of log lines."""
+
+    def __init__(self, log: logging.Logger, burst: int = 20, period: float = 1.0) -> None:
+        self.log, self.burst, self.period = log, burst, period
+        self.window = 0.0
+        self.count = 0
+        self.suppressed = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        if now - self.window >= self.period:
+            if self.suppressed:
+                self.log.warning("%d more refused message(s) not logged", self.suppressed)
+            self.window, self.count, self.suppressed = now, 0, 0
+        self.count += 1
+        if self.count > self.burst:
+            self.suppressed += 1
+            return False
+        return True
+
 
 async def pump(
     sock: zmq.asyncio.Socket,
@@ -103,31 +134,71 @@ async def pump(
     """The socket's only reader: decode, validate, dispatch; answer every failure, never die.
 
     `routed` sockets (ROUTER) carry the sender's identity as the first frame; replies go back to
-    it. A handler may be sync (preferred: the broker's state changes are) or a coroutine.
+    it. A handler may be sync (preferred: the broker's state changes are) or a coroutine. Only a
+    failing socket ends the reader; whatever one message does is answered and logged.
     """
+    throttle = LogThrottle(log)
+    since_yield = 0
     while True:
         frames = await sock.recv_multipart(copy=False)
-        if routed:
-            if len(frames) < 1:
-                continue
-            envelope, body = frames[:1], frames[1:]
-            peer: bytes | None = envelope[0].bytes
-        else:
-            envelope, body, peer = [], frames, None
-        try:
-            msg = decode(body, limits)
-        except DecodeError as exc:
+        await handle_one(
+            sock, frames, handle, routed=routed, log=log, limits=limits, throttle=throttle
+        )
+        since_yield += 1
+        if since_yield >= YIELD_EVERY:
+            since_yield = 0
+            await asyncio.sleep(0)
+
+
+async def handle_one(
+    sock: zmq.asyncio.Socket,
+    frames: list[Any],
+    handle: Handler,
+    *,
+    routed: bool,
+    log: logging.Logger,
+    limits: Limits = DEFAULT_LIMITS,
+    throttle: LogThrottle | None = None,
+) -> None:
+    """Decode and dispatch one received message; answer any failure with an Error. Never
+    raises (except cancellation): one message must not end its socket's reader."""
+    throttle = throttle or LogThrottle(log)
+    if routed:
+        if not frames:
+            return
+        envelope, body = frames[:1], frames[1:]
+        peer: bytes | None = envelope[0].bytes if hasattr(envelope[0], "bytes") else envelope[0]
+    else:
+        envelope, body, peer = [], frames, None
+    try:
+        msg = decode(body, limits)
+    except DecodeError as exc:
+        if throttle.allow():
             log.warning("rejected message from %r: %s", peer, exc)
-            _answer(sock, envelope, error_for(exc), log)
-            continue
-        try:
-            result = handle(peer, msg)
-            if result is not None:
-                await result
-        except Exception as exc:
-            if not isinstance(exc, FlowmeshError):
-                log.exception("handler failed on %s from %r", msg.TYPE, peer)
-            _answer(sock, envelope, error_for(exc, getattr(msg, "id", None)), log)
+        _answer(sock, envelope, error_for(exc), log)
+        return
+    except Exception as exc:  # a decoder bug: the message is still the sender's fault
+        if throttle.allow():
+            log.exception("could not decode a message from %r", peer)
+        reason = f"undecodable message: {type(exc).__name__}"
+        _answer(sock, envelope, Error(id=None, code=str(Code.BAD_MESSAGE), reason=reason), log)
+        return
+    try:
+        result = handle(peer, msg)
+        if result is not None:
+            await result
+    except Exception as exc:
+        # Throttled: a refusal (OVERLOADED under a flood) or a handler bug a peer can trigger
+        # at will must not turn into a log line per message.
+        if not throttle.allow():
+            pass
+        elif isinstance(exc, FlowmeshError):
+            log.info("refused %s from %r: %s", msg.TYPE, peer, exc)
+        else:
+            log.exception("handler failed on %s from %r", msg.TYPE, peer)
+        if isinstance(msg, Error):
+            return  # never answer an error with an error: two peers would bounce it forever
+        _answer(sock, envelope, error_for(exc, getattr(msg, "id", None)), log)
 
 
 def _answer(
@@ -136,4 +207,6 @@ def _answer(
     try:
         send(sock, reply, envelope)
     except FlowmeshError as exc:
-        log.warning("could not answer %r: %s", envelope, exc)
+        log.warning("could not answer %r: %s", envelope, exc.reason)
+    except Exception:  # an answer that cannot go out must not take the reader down with it
+        log.exception("could not answer %r", envelope)

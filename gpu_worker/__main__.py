@@ -7,10 +7,10 @@ import socket
 import sys
 
 import torch
-import uvloop
 
 from flowmesh import logs
 from flowmesh.config import apply_config
+from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
 from flowmesh.units import parse_size
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         limits=Limits(max_message_bytes=parse_size(args.max_message)),
         threads=args.threads,
     )
-    uvloop.run(service.serve())
+    run_process(service.serve())  # exits non-zero when a task failed
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import socket
 
-import uvloop
-
 from flowmesh import logs
 from flowmesh.config import apply_config
+from flowmesh.lifecycle import run_process
 from flowmesh.spec import DEFAULT_ALLOW
 from partitioner.service import PartitionerService
 
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         measure_device=args.measure_device,
     )
-    uvloop.run(service.serve())
+    run_process(service.serve())  # exits non-zero when a task failed
 
 
 if __name__ == "__main__":

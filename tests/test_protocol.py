@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
+import logging
 
 import msgpack
 import numpy as np
 import pytest
 import torch
 import zmq
+import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flowmesh import protocol as p
+from flowmesh import transport
 from flowmesh.errors import Code
 
 
@@ -182,3 +189,253 @@ def test_every_message_type_roundtrips() -> None:
             kwargs[f.name] = sample
         msg = cls(**kwargs)
         assert roundtrip(msg) == msg, name
+
+
+# --------------------------------------------------------------------------- hostile input
+
+# The reproduction from issue 6: a list where the dtype should be. It used to raise TypeError
+# (unhashable list) past the transport's `except DecodeError`, which ended the broker.
+ISSUE_6_FRAMES = [
+    msgpack.packb(
+        {"v": 1, "t": "infer", "id": 1, "model": "m", "tensors": [["x", ["float32"], [4]]]}
+    ),
+    b"\0" * 16,
+]
+
+
+def test_a_list_as_dtype_is_a_decode_error_not_a_crash() -> None:
+    with pytest.raises(p.DecodeError) as info:
+        p.decode(ISSUE_6_FRAMES)
+    assert info.value.code is Code.BAD_TENSOR and info.value.ref == 1
+    reply = p.decode(p.encode(p.error_for(info.value)))
+    assert isinstance(reply, p.Error) and reply.id == 1 and reply.code == "bad_tensor"
+
+
+def infer_header(tensors: object, **fields: object) -> bytes:
+    return header(t="infer", id=3, model="m", tensors=tensors, **fields)
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        (ISSUE_6_FRAMES, Code.BAD_TENSOR),
+        ([infer_header([[["x"], "float32", [4]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", {"a": 1}, [4]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", None, [4]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", "float32", [4.0]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", "float32", [True, 4]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", "float32", [[4]]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", "float32", {"0": 4}]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", "float32", "4"]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header([["x", "float32"]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header(["x"]), b"\0" * 16], Code.BAD_TENSOR),
+        ([infer_header({"x": 1}), b"\0" * 16], Code.BAD_MESSAGE),
+        ([infer_header([["x", "float32", [2**62, 2**62]]]), b"\0" * 16], Code.BAD_TENSOR),
+        ([header(t=["infer"], id=1)], Code.UNKNOWN_TYPE),
+        ([header(t={"x": 1}, id=1)], Code.UNKNOWN_TYPE),
+        ([header(t=None, id=1)], Code.UNKNOWN_TYPE),
+        ([header(t="status", id={"a": 1})], Code.BAD_MESSAGE),
+        ([header(t="status", id=[1])], Code.BAD_MESSAGE),
+        ([header(t="status", id=True)], Code.BAD_MESSAGE),
+        ([header(t="status", id=1.0)], Code.BAD_MESSAGE),
+        ([msgpack.packb({"v": [1], "t": "status", "id": 1})], Code.VERSION),
+        ([msgpack.packb({"v": True, "t": "status", "id": 1})], Code.VERSION),
+        ([msgpack.packb({"v": 1.0, "t": "status", "id": 1})], Code.VERSION),
+        ([msgpack.packb({"v": 1, "t": "status", "id": 1, b"id": 2})], Code.BAD_MESSAGE),
+        ([msgpack.packb({"v": 1, "t": "status", "id": 1, "x" * 5000: 1})], Code.BAD_MESSAGE),
+        ([header(t="run", id=1, model="m", stage=0, parts=[[1, True]])], Code.BAD_MESSAGE),
+        ([header(t="run", id=1, model="m", stage=0, parts=[1])], Code.BAD_MESSAGE),
+        ([header(t="heartbeat", stats={1: 2})], Code.BAD_MESSAGE),
+        ([header(t="heartbeat", stats={b"k": 2})], Code.BAD_MESSAGE),
+        ([header(t="register_ack", id=1, heartbeat_s=True, liveness=3)], Code.BAD_MESSAGE),
+        ([header(t="error", id=None, code=["x"], reason="r")], Code.BAD_MESSAGE),
+        ([b"\x91" * 100_000 + b"\x01"], Code.BAD_MESSAGE),  # nested past msgpack's stack
+        ([b""], Code.BAD_MESSAGE),
+    ],
+)
+def test_every_wrong_type_is_a_decode_error(frames: list[bytes], code: Code) -> None:
+    with pytest.raises(p.DecodeError) as info:
+        p.decode(frames)
+    assert info.value.code is code
+    assert 0 < len(info.value.reason) < 300  # a bounded reason, whatever arrived
+    p.decode(p.encode(p.error_for(info.value)))  # the answer itself always decodes
+
+
+def test_a_boolean_id_is_never_echoed_in_an_error() -> None:
+    with pytest.raises(p.DecodeError) as info:
+        p.decode([header(t="status", id=True)])
+    assert info.value.ref is None
+    with pytest.raises(p.DecodeError) as info:
+        p.decode([header(t="warp_drive", id=True)])
+    assert info.value.ref is None
+    reply = p.error_for(p.DecodeError(Code.BAD_MESSAGE, "r", ref=True))  # type: ignore[arg-type]
+    assert reply.id is None
+    assert p.decode(p.encode(reply)) == reply
+
+
+def test_too_large_carries_the_id_when_the_header_can_be_read() -> None:
+    limits = p.Limits(max_message_bytes=1024)
+    frames = [infer_header([["x", "uint8", [2000]]]), bytes(2000)]
+    with pytest.raises(p.DecodeError) as info:
+        p.decode(frames, limits)
+    assert info.value.code is Code.TOO_LARGE and info.value.ref == 3
+    with pytest.raises(p.DecodeError) as info:  # unreadable header: the size still decides
+        p.decode([b"\xc1" + frames[0], frames[1]], limits)
+    assert info.value.code is Code.TOO_LARGE and info.value.ref is None
+    with pytest.raises(p.DecodeError) as info:  # a header over its own limit is not read
+        p.decode([header(t="status", id=5, pad="x" * 200)], p.Limits(max_header_bytes=128))
+    assert info.value.code is Code.TOO_LARGE and info.value.ref is None
+
+
+WRONG = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.lists(st.integers(-2, 2) | st.text(max_size=3) | st.booleans(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(-(2**63), 2**63), max_size=2),
+)
+
+
+def _slots(obj: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+    )
+    out: list[tuple[object, ...]] = []
+    for key, value in items:
+        out += [(*path, key), *_slots(value, (*path, key))]
+    return out
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_value_anywhere_in_a_header_is_a_decode_error_or_valid(data: st.DataObject) -> None:
+    base = data.draw(
+        st.sampled_from(
+            [
+                p.Infer(id=1, model="m", tensors={"x": torch.ones(2, 3), "y": torch.ones(0)}),
+                p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
+                p.Register(id=3, role="worker", name="w", pid=4, info={"a": [1]}),
+                p.Error(id=None, code="internal", reason="r"),
+                p.PlanRequest(id=5, spec={"name": "m"}, stages=2),
+            ]
+        )
+    )
+    frames = p.encode(base)
+    head = msgpack.unpackb(frames[0])
+    slot = data.draw(st.sampled_from(_slots(head)))
+    target = head
+    for key in slot[:-1]:
+        target = target[key]  # type: ignore[index]
+    target[slot[-1]] = data.draw(WRONG)  # type: ignore[index]
+    try:
+        p.decode([msgpack.packb(head), *frames[1:]])
+    except p.DecodeError as exc:
+        assert exc.ref is None or type(exc.ref) is int
+
+
+# --------------------------------------------------------------------------- the reader
+
+
+async def _reader_pair(handle: object, **kw: object) -> tuple[object, ...]:
+    ctx = zmq.asyncio.Context()
+    router, endpoint = transport.bind_router(ctx, f"inproc://reader-{id(handle)}", hwm=100_000)
+    dealer = transport.connect_dealer(ctx, endpoint, hwm=100_000)
+    log = logging.getLogger("test.reader")
+    task = asyncio.create_task(transport.pump(router, handle, routed=True, log=log, **kw))  # type: ignore[arg-type]
+    return ctx, router, dealer, task
+
+
+async def _close(ctx: object, *socks: object, task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    for s in socks:
+        s.close(0)  # type: ignore[attr-defined]
+    ctx.term()  # type: ignore[attr-defined]
+
+
+async def _answer(dealer: zmq.asyncio.Socket) -> p.Message:
+    frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+    return p.decode(frames)
+
+
+async def test_the_reader_answers_every_failure_and_keeps_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[p.Message] = []
+
+    def handle(_peer: bytes | None, msg: p.Message) -> None:
+        seen.append(msg)
+        if isinstance(msg, p.Undeploy):
+            raise KeyError("a bug in a handler")
+        if isinstance(msg, p.Error):
+            raise ValueError("cannot handle this error")
+
+    ctx, router, dealer, task = await _reader_pair(handle)
+    try:
+        dealer.send_multipart(ISSUE_6_FRAMES)
+        reply = await _answer(dealer)
+        assert isinstance(reply, p.Error) and (reply.id, reply.code) == (1, "bad_tensor")
+
+        transport.send(dealer, p.Undeploy(id=7, model="m"))
+        reply = await _answer(dealer)
+        assert isinstance(reply, p.Error) and (reply.id, reply.code) == (7, "internal")
+        assert "a bug in a handler" in reply.reason
+
+        # A decoder bug (any exception, not only DecodeError) is answered too.
+        real_decode = transport.decode
+
+        def broken(frames: list[object], limits: p.Limits = p.DEFAULT_LIMITS) -> p.Message:
+            if len(frames) == 2:
+                raise TypeError("unhashable type: 'list'")
+            return real_decode(frames, limits)
+
+        monkeypatch.setattr(transport, "decode", broken)
+        dealer.send_multipart([header(t="status", id=8), b"x"])
+        reply = await _answer(dealer)
+        assert isinstance(reply, p.Error) and reply.code == "bad_message"
+
+        # An error that its handler cannot take is logged, never answered with another error
+        # (two peers would bounce it forever): the next answer is the status's.
+        transport.send(dealer, p.Error(id=9, code="internal", reason="x"))
+        transport.send(dealer, p.Undeploy(id=10, model="m"))
+        reply = await _answer(dealer)
+        assert isinstance(reply, p.Error) and reply.id == 10
+        assert not task.done()
+        assert [m.TYPE for m in seen] == ["undeploy", "error", "undeploy"]
+    finally:
+        await _close(ctx, router, dealer, task=task)
+
+
+async def test_the_reader_lets_other_tasks_run_while_messages_are_queued() -> None:
+    handled = 0
+    gaps: list[int] = []
+
+    def handle(_peer: bytes | None, _msg: p.Message) -> None:
+        nonlocal handled
+        handled += 1
+
+    n = 5000
+    ctx, router, dealer, task = await _reader_pair(handle)
+    try:
+        # Everything is queued before the reader first runs: each recv then completes at once.
+        frames = p.encode(p.Status(id=1))
+        for _ in range(n):
+            dealer.send_multipart(frames)
+        last = 0
+
+        async def ticker() -> None:
+            nonlocal last
+            while handled < n:
+                gaps.append(handled - last)
+                last = handled
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(ticker(), 30)
+        # Without the reader's yield, the ticker would first run again after all n messages.
+        assert max(gaps) <= 2 * transport.YIELD_EVERY, max(gaps)
+    finally:
+        await _close(ctx, router, dealer, task=task)
