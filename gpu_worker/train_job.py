@@ -1,0 +1,1066 @@
+"""One training job on a worker: its host tier and the sub-model tasks of a step.
+
+The model is a chain of blocks cut into contiguous sub-models (a chunk plan). The host tier keeps,
+per sub-model, one flat host slab laid out in four sections
+
+    [ P: parameters | B: buffers | G: gradients' home | S: optimizer state ]
+
+holding the tensors that sub-model *owns* (the lowest-indexed sub-model that uses a tensor owns
+it, so a weight tied across sub-models has one home, one gradient and one optimizer state). A task
+takes one arena extent whose prefix mirrors the slab's offsets, so bringing a section in is one
+contiguous copy; tensors a sub-model borrows from an earlier one's slab, the activation
+reservation and nothing else follow the prefix. While a task computes, the module's own Parameter
+and buffer objects are rebound (`.data`) to arena views, gradients accumulate into arena views
+and the torch optimizer reads and updates its state there; afterwards everything is rebound to
+its host home. Object identity never changes, so a per-sub-model `torch.optim` optimizer does the
+exact maths of the same optimizer in plain PyTorch.
+
+A step with k sub-models and N micro-batches is, per micro-batch,
+
+    forward 0 .. k-2 (no grad, input kept)  ->  last k-1 (forward, loss, backward)
+    ->  backward k-2 .. 0 (recompute from the kept input, backward with the incoming gradient)
+
+and the optimizer update of a sub-model runs at the end of its last micro-batch's backward, or,
+with gradient clipping, in a second pass of update tasks once every gradient (hence the global
+norm) is known. What makes it exact (DESIGN section 6.9):
+
+- randomness: each forward starts from the job's own RNG state (saved before, advanced after),
+  and the backward's recompute restores the state that forward started from: dropout draws the
+  same mask. Jobs never share RNG streams, so interleaving changes nothing.
+- buffers: the recompute runs on the buffers as the forward saw them (a snapshot taken by the
+  forward task) and never writes them back: BatchNorm statistics move once per forward.
+- tied weights: the owner is the lowest-indexed user, which the backward order reaches last;
+  other users accumulate into the shared gradient home; only the owner updates.
+- parameters that get no gradient keep `grad=None` for the optimizer (as after `zero_grad()`),
+  seen through post-accumulate-grad hooks, so they are skipped exactly as in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from flowmesh.build import TORCH_DTYPES, call_model
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import BLOCK_ALIGN, TENSOR_ALIGN, TensorSpec
+from gpu_worker.device import Device
+from gpu_worker.host_tier import Slot, view_of
+from gpu_worker.train_scheduler import ANY, Task
+from partitioner.chain import Block
+
+Inputs = torch.Tensor | dict[str, torch.Tensor]
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+# Options that choose an implementation, not the maths; a probe on the meta device cannot take
+# some of them (fused kernels), and drops them.
+_IMPL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+FORWARD, LAST, BACKWARD, UPDATE, SAVE = "forward", "last", "backward", "update", "save"
+
+
+def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # Language-model logits (batch, time, vocab) against ids (batch, time): classes are last.
+    if out.dim() > 2 and target.dim() == out.dim() - 1:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return F.cross_entropy(out, target)
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": _cross_entropy,
+    "mse": F.mse_loss,
+}
+
+
+def _bad(reason: str) -> FlowmeshError:
+    return FlowmeshError(Code.BAD_REQUEST, reason)
+
+
+def _aligned(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a job trains: optimizer, loss and step options (plain data, JSON-able)."""
+
+    optimizer: Mapping[str, Any]
+    loss: str = "cross_entropy"
+    clip_grad_norm: float | None = None
+    accumulate: int = 1  # micro-batches per step: the step's batch is split into this many
+    seed: int = 0  # the job's RNG stream (dropout); weights come from the model's own seed
+    stop_on_nonfinite: bool = True  # a nan/inf loss fails the step (no update) instead of applying
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, Mapping):
+            raise _bad(f"optimizer must be a mapping with a name, got {self.optimizer!r}")
+        name = self.optimizer.get("name", self.optimizer.get("type"))
+        if not isinstance(name, str) or name.lower() not in OPTIMIZERS:
+            raise _bad(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
+        object.__setattr__(self, "optimizer", dict(self.optimizer))
+        if self.loss not in LOSSES:
+            raise _bad(f"loss {self.loss!r}: expected one of {', '.join(LOSSES)}")
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool)
+            or not isinstance(clip, int | float)
+            or not math.isfinite(clip)
+            or clip <= 0
+        ):
+            raise _bad(f"clip_grad_norm must be a positive number or null, got {clip!r}")
+        n = self.accumulate
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise _bad(f"accumulate must be a positive integer, got {n!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        name = self.optimizer.get("name", self.optimizer.get("type"))
+        assert isinstance(name, str)
+        return OPTIMIZERS[name.lower()]
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.optimizer.items() if k not in ("name", "type")}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": dict(self.optimizer),
+            "loss": self.loss,
+            "clip_grad_norm": self.clip_grad_norm,
+            "accumulate": self.accumulate,
+            "seed": self.seed,
+            "stop_on_nonfinite": self.stop_on_nonfinite,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        known = {"optimizer", "loss", "clip_grad_norm", "accumulate", "seed", "stop_on_nonfinite"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise _bad(f"unknown training option(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    step: int  # steps completed by the job, this one included
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TaskResult:
+    loss: float | None = None
+    nonfinite: bool = False
+    value: Any = None  # what a checkpoint task returns
+    bytes_out: int = 0
+
+
+@dataclass
+class CopyPlan:
+    """The host->arena copies of one task, decided when it is admitted (on the driver thread)."""
+
+    copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # arena offset, bytes
+    zero: list[tuple[int, int]] = field(default_factory=list)  # arena offset, size: zero-filled
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(src.numel() for _, src in self.copies)
+
+
+@dataclass
+class TensorInfo:
+    name: str  # the original model's state_dict name (or block-qualified if not in it)
+    tensor: torch.Tensor  # the module's own Parameter or buffer object
+    is_param: bool
+    trainable: bool
+    owner: int  # index of the sub-model whose slab holds it
+    order: int  # first appearance in the chain (gradient-norm order, like model.parameters())
+    slot: Slot = field(init=False)  # within the owner's slab
+    home: torch.Tensor = field(init=False)
+    grad_slot: Slot | None = None
+    grad_home: torch.Tensor | None = None
+    state_slots: dict[str, Slot] = field(default_factory=dict)
+    state_homes: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    """Where a task's tensors sit in its extent (offsets relative to the extent's start)."""
+
+    prefix: int  # the slab sections mirrored at the start
+    borrowed: dict[str, int]
+    borrowed_grads: dict[str, int]
+    reserve: int  # activation bytes accounted for this task
+    total: int
+
+
+@dataclass
+class SubModel:
+    index: int
+    start: int
+    stop: int
+    modules: list[nn.Module]
+    uses: list[str]  # every tensor its blocks hold, first appearance first
+    owned: list[str]
+    borrowed: list[str]
+    slab: torch.Tensor = field(init=False)
+    sections: dict[str, tuple[int, int]] = field(default_factory=dict)  # "P","B","G","S"
+    optimizer: torch.optim.Optimizer | None = None
+    layouts: dict[str, Layout] = field(default_factory=dict)
+
+
+def _slot(name: str, t: torch.Tensor, offset: int) -> Slot:
+    return Slot(name, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size())
+
+
+def _model_error(job: str, where: str, exc: BaseException) -> FlowmeshError:
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
+    return FlowmeshError(
+        Code.MODEL_ERROR, f"job {job!r}: {where} raised {type(exc).__name__}: {exc}{at}"
+    )
+
+
+def _rng_get(cuda: int | None) -> RngState:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+
+
+def _rng_set(state: RngState, cuda: int | None) -> None:
+    torch.set_rng_state(state[0])
+    if cuda is not None and state[1] is not None:
+        torch.cuda.set_rng_state(state[1], cuda)
+
+
+@contextmanager
+def _rng_scope(state: RngState, cuda: int | None) -> Iterator[None]:
+    """Run with the global generators at `state`, then put the caller's state back."""
+    outer = _rng_get(cuda)
+    _rng_set(state, cuda)
+    try:
+        yield
+    finally:
+        _rng_set(outer, cuda)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in TORCH_DTYPES.items():
+        if d == dtype:
+            return name
+    return str(dtype).removeprefix("torch.")
+
+
+def _batch_of(inputs: Inputs) -> int:
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs.values())
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise _bad("inputs must be a tensor or a non-empty mapping of names to tensors")
+    if any(t.dim() == 0 for t in tensors):
+        raise _bad("inputs need a batch dimension (dim 0)")
+    sizes = {int(t.shape[0]) for t in tensors}
+    if len(sizes) != 1:
+        raise _bad(f"inputs disagree on the batch size: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _split(inputs: Inputs, n: int) -> list[Inputs]:
+    if isinstance(inputs, torch.Tensor):
+        return list(inputs.chunk(n))
+    parts = {k: v.chunk(n) for k, v in inputs.items()}
+    return [{k: parts[k][i] for k in inputs} for i in range(n)]
+
+
+def _as_output(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise FlowmeshError(
+        Code.MODEL_ERROR,
+        f"the model returned {type(out).__name__}; training needs a tensor (or logits)",
+    )
+
+
+class TrainingJob:
+    """A model's sub-models, their host tier and optimizers, and the compute of each task.
+
+    `blocks` is the model's chain (`partitioner.chain.chain_of`) and `ranges` the sub-models'
+    block ranges (a chunk plan's `ranges`). `act_bytes[i]` / `fwd_bytes[i]` are the activation
+    bytes a backward / forward task of sub-model i holds besides its tensors (from the model's
+    profile; see `gpu_worker.training.open_job`); they are reserved in the arena so that the
+    budget accounts for them. Calls into a job come from one executor: the driver thread plans
+    copies, the compute lane runs tasks, never two tasks of one job at once.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        blocks: Sequence[Block],
+        ranges: Sequence[tuple[int, int]],
+        config: TrainConfig,
+        device: Device,
+        *,
+        inputs: Mapping[str, TensorSpec] | None = None,
+        act_bytes: Sequence[int] | None = None,
+        fwd_bytes: Sequence[int] | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.device = device
+        self.inputs = dict(inputs) if inputs is not None else None
+        self.ranges = [(int(a), int(b)) for a, b in ranges]
+        self._check_ranges(len(blocks))
+        k = len(self.ranges)
+        self.act_bytes = list(act_bytes) if act_bytes is not None else [0] * k
+        self.fwd_bytes = list(fwd_bytes) if fwd_bytes is not None else [0] * k
+        if len(self.act_bytes) != k or len(self.fwd_bytes) != k:
+            raise _bad(f"act_bytes and fwd_bytes need one entry per sub-model ({k})")
+        self._cuda = device.torch_device.index if device.kind == "cuda" else None
+        if self._cuda is None and device.kind == "cuda":
+            self._cuda = torch.cuda.current_device()
+        self.tensors: dict[str, TensorInfo] = {}
+        self.subs: list[SubModel] = []
+        self._collect(blocks)
+        for m in (mod for sub in self.subs for mod in sub.modules):
+            m.train()
+        self._layout_slabs()
+        self._make_optimizers()
+        self._make_layouts()
+        for info in self.tensors.values():
+            if info.trainable:
+                info.tensor.register_post_accumulate_grad_hook(self._touch(info.name))
+
+        self.step_count = 0
+        self.last_loss: float | None = None
+        self.broken: str | None = None
+        gen = torch.Generator().manual_seed(config.seed)
+        cuda_state = None
+        if self._cuda is not None:
+            cuda_gen = torch.Generator(device=f"cuda:{self._cuda}").manual_seed(config.seed)
+            cuda_state = cuda_gen.get_state()
+        self.rng: RngState = (gen.get_state(), cuda_state)
+        # Flags read when copies are planned: which homes hold something worth copying in.
+        self.grad_valid: dict[str, bool] = {
+            n: False for n, i in self.tensors.items() if i.trainable
+        }
+        self.state_valid: dict[str, bool] = dict(self.grad_valid)
+        # Per step (request id): micro-batches, kept inputs, incoming gradients, replay contexts.
+        self._data: dict[int, tuple[list[Inputs], list[torch.Tensor]]] = {}
+        self._acts: dict[tuple[int, int, int], Any] = {}
+        self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._replay: dict[tuple[int, int, int], tuple[RngState, torch.Tensor | None]] = {}
+        self._losses: dict[int, list[float]] = {}
+        self._nonfinite: dict[int, bool] = {}
+        self._updated: set[int] = set()
+        self._norms: dict[str, torch.Tensor] = {}
+        self._total_norm: dict[int, torch.Tensor] = {}
+        self._touched: set[str] = set()
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _check_ranges(self, n: int) -> None:
+        expect = 0
+        for a, b in self.ranges:
+            if a != expect or b <= a:
+                raise FlowmeshError(
+                    Code.PLAN_ERROR, f"sub-model ranges {self.ranges} are not contiguous from 0"
+                )
+            expect = b
+        if expect != n or not self.ranges:
+            raise FlowmeshError(
+                Code.PLAN_ERROR, f"sub-model ranges {self.ranges} do not cover the {n} blocks"
+            )
+
+    def _collect(self, blocks: Sequence[Block]) -> None:
+        by_id: dict[int, str] = {}
+        for index, (a, b) in enumerate(self.ranges):
+            uses: list[str] = []
+            for block in blocks[a:b]:
+                named = [
+                    *(
+                        (n, t, True)
+                        for n, t in block.module.named_parameters(remove_duplicate=False)
+                    ),
+                    *((n, t, False) for n, t in block.module.named_buffers(remove_duplicate=False)),
+                ]
+                for local, t, is_param in named:
+                    name = by_id.get(id(t))
+                    if name is None:
+                        name = block.tensor_names.get(local, f"{block.name}:{local}")
+                        by_id[id(t)] = name
+                        self.tensors[name] = TensorInfo(
+                            name,
+                            t,
+                            is_param,
+                            is_param and t.requires_grad,
+                            index,
+                            len(self.tensors),
+                        )
+                    if name not in uses:
+                        uses.append(name)
+            owned = [n for n in uses if self.tensors[n].owner == index]
+            borrowed = [n for n in uses if self.tensors[n].owner != index]
+            for n in borrowed:
+                if not self.tensors[n].is_param:
+                    raise FlowmeshError(
+                        Code.PLAN_ERROR,
+                        f"buffer {n!r} is shared by sub-models {self.tensors[n].owner} and "
+                        f"{index}: keep the blocks that share a buffer in one sub-model",
+                    )
+            mods = [blk.module for blk in blocks[a:b]]
+            self.subs.append(SubModel(index, a, b, mods, uses, owned, borrowed))
+
+    def _probe_states(self, params: list[torch.Tensor]) -> list[dict[str, torch.dtype]]:
+        """The optimizer's per-parameter state tensors (name, dtype), found by one step on meta
+        copies: the entries shaped like the parameter are what moves with it."""
+        if not params:
+            return []
+        probes = []
+        for p in params:
+            q = torch.empty_like(p, device="meta").requires_grad_(True)
+            q.grad = torch.empty_like(q)
+            probes.append(q)
+        kwargs = {k: v for k, v in self.config.optimizer_kwargs.items() if k not in _IMPL_OPTIONS}
+        try:
+            opt = self.config.optimizer_class(probes, **kwargs)
+            opt.step()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise _bad(f"optimizer {self.config.optimizer}: {exc}") from None
+        out = []
+        for q in probes:
+            state = opt.state.get(q, {})
+            out.append(
+                {
+                    k: v.dtype
+                    for k, v in state.items()
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(q.shape) and v.dim()
+                }
+            )
+        return out
+
+    def _layout_slabs(self) -> None:
+        for sub in self.subs:
+            infos = [self.tensors[n] for n in sub.owned]
+            params = [i for i in infos if i.is_param]
+            buffers = [i for i in infos if not i.is_param]
+            trainable = [i for i in params if i.trainable]
+            states = self._probe_states([i.tensor for i in trainable])
+            offset = 0
+
+            def place(name: str, like: torch.Tensor) -> Slot:
+                nonlocal offset
+                slot = _slot(name, like, offset)
+                offset += _aligned(slot.nbytes, TENSOR_ALIGN)
+                return slot
+
+            sections: dict[str, tuple[int, int]] = {}
+            start = offset
+            for info in params:
+                info.slot = place(info.name, info.tensor)
+            offset = _aligned(offset, BLOCK_ALIGN)
+            sections["P"], start = (start, offset), offset
+            for info in buffers:
+                info.slot = place(info.name, info.tensor)
+            offset = _aligned(offset, BLOCK_ALIGN)
+            sections["B"], start = (start, offset), offset
+            for info in trainable:
+                info.grad_slot = place(info.name, info.tensor)
+            offset = _aligned(offset, BLOCK_ALIGN)
+            sections["G"], start = (start, offset), offset
+            for info, dtypes in zip(trainable, states, strict=True):
+                for key, dtype in dtypes.items():
+                    like = torch.empty(info.tensor.shape, dtype=dtype, device="meta")
+                    info.state_slots[key] = place(f"{info.name}.{key}", like)
+            offset = _aligned(offset, BLOCK_ALIGN)
+            sections["S"] = (start, offset)
+            sub.sections = sections
+            sub.slab = self.device.host_buffer(max(offset, 1))
+            with torch.no_grad():
+                for info in infos:
+                    info.home = view_of(sub.slab, info.slot.offset, info.slot)
+                    info.home.copy_(info.tensor.detach())
+                    info.tensor.data = info.home  # the host tier now holds the only copy
+                    if info.grad_slot is not None:
+                        info.grad_home = view_of(sub.slab, info.grad_slot.offset, info.grad_slot)
+                    info.state_homes = {
+                        k: view_of(sub.slab, s.offset, s) for k, s in info.state_slots.items()
+                    }
+
+    def _make_optimizers(self) -> None:
+        for sub in self.subs:
+            params = [self.tensors[n].tensor for n in sub.owned if self.tensors[n].trainable]
+            if not params:
+                continue
+            try:
+                sub.optimizer = self.config.optimizer_class(params, **self.config.optimizer_kwargs)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise _bad(f"optimizer {self.config.optimizer}: {exc}") from None
+
+    def _make_layouts(self) -> None:
+        align = BLOCK_ALIGN
+        for sub in self.subs:
+            ends = {k: v[1] for k, v in sub.sections.items()}
+            kinds = {
+                FORWARD: (ends["B"], False, self.fwd_bytes[sub.index]),
+                "grad": (ends["G"], True, self.act_bytes[sub.index]),
+                "grad+update": (ends["S"], True, self.act_bytes[sub.index]),
+                UPDATE: (ends["S"], None, 0),
+            }
+            for kind, (prefix, grads, reserve) in kinds.items():
+                offset = _aligned(prefix, align)
+                borrowed: dict[str, int] = {}
+                borrowed_grads: dict[str, int] = {}
+                if grads is not None:
+                    for n in sub.borrowed:
+                        borrowed[n] = offset
+                        offset += _aligned(self.tensors[n].slot.nbytes, TENSOR_ALIGN)
+                    if grads:
+                        for n in sub.borrowed:
+                            if self.tensors[n].trainable:
+                                borrowed_grads[n] = offset
+                                offset += _aligned(self.tensors[n].slot.nbytes, TENSOR_ALIGN)
+                    offset = _aligned(offset, align)
+                total = offset + _aligned(reserve, align)
+                sub.layouts[kind] = Layout(prefix, borrowed, borrowed_grads, reserve, total)
+
+    def _touch(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._touched.add(name)
+
+        return hook
+
+    # -- facts -------------------------------------------------------------------------------
+
+    @property
+    def parts(self) -> int:
+        return len(self.subs)
+
+    def largest_task(self) -> int:
+        return max(layout.total for sub in self.subs for layout in sub.layouts.values())
+
+    def host_bytes(self) -> int:
+        return sum(sub.slab.numel() for sub in self.subs)
+
+    def footprint(self) -> int:
+        """Bytes the whole job would hold on a device at once: every slab, the activation
+        reservation of its largest sub-model (what temporal sharing needs)."""
+        return self.host_bytes() + max(self.act_bytes)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by original name, as the host tier holds them (views, no copy)."""
+        return {name: info.home for name, info in self.tensors.items()}
+
+    # -- planning a step ---------------------------------------------------------------------
+
+    def begin_step(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
+        """Validate a step's batch and keep its micro-batches until the step ends."""
+        if self.broken is not None:
+            raise _bad(f"job {self.name!r} is broken ({self.broken}); resume from a checkpoint")
+        batch = _batch_of(inputs)
+        if self.inputs is not None:
+            given = {"": inputs} if isinstance(inputs, torch.Tensor) else inputs
+            if isinstance(inputs, torch.Tensor) and len(self.inputs) == 1:
+                given = {next(iter(self.inputs)): inputs}
+            if set(given) != set(self.inputs):
+                raise _bad(f"inputs {sorted(given)}: the model takes {sorted(self.inputs)}")
+            for n, spec in self.inputs.items():
+                t = given[n]
+                spec.check(n, _dtype_name(t.dtype), tuple(t.shape))
+        if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
+            raise _bad("targets must be a tensor with a batch dimension")
+        if int(targets.shape[0]) != batch:
+            raise _bad(f"targets have {int(targets.shape[0])} rows for a batch of {batch}")
+        n = self.config.accumulate
+        if batch % n:
+            raise _bad(f"a batch of {batch} does not split into {n} equal micro-batches")
+        self._data[request] = (_split(inputs, n), list(targets.chunk(n)))
+        self._losses[request] = []
+        self._nonfinite[request] = False
+
+    def _keys(self, kind: str, i: int, update: bool) -> tuple[frozenset[str], frozenset[str]]:
+        sub = self.subs[i]
+        owners = {self.tensors[n].owner for n in sub.borrowed}
+        if kind == FORWARD:
+            reads = {f"P:{i}", f"B:{i}", *(f"P:{o}" for o in owners)}
+            writes = {f"B:{i}", f"R:{i}"}
+        elif kind == UPDATE:
+            reads = {f"P:{i}", f"G:{i}", f"S:{i}", "N"}
+            writes = {f"P:{i}", f"G:{i}", f"S:{i}"}
+        else:
+            reads = {f"P:{i}", f"G:{i}", *(f"P:{o}" for o in owners), *(f"G:{o}" for o in owners)}
+            reads.add(f"B:{i}" if kind == LAST else f"R:{i}")
+            writes = {f"G:{i}", *(f"G:{o}" for o in owners)}
+            if kind == LAST:
+                writes.add(f"B:{i}")
+            if update:
+                reads.add(f"S:{i}")
+                writes |= {f"P:{i}", f"S:{i}"}
+            if self.config.clip_grad_norm is not None:
+                writes.add("N")
+        return frozenset(reads), frozenset(writes)
+
+    def _task(self, request: int, kind: str, i: int, micro: int, update: bool) -> Task:
+        sub = self.subs[i]
+        layout = sub.layouts[
+            FORWARD
+            if kind == FORWARD
+            else UPDATE
+            if kind == UPDATE
+            else ("grad+update" if update else "grad")
+        ]
+        reads, writes = self._keys(kind, i, update)
+        task = Task(self.name, request, kind, layout.total, reads, writes, sub=i, micro=micro)
+        task.payload = {"update": update}
+        return task
+
+    def plan_step(self, request: int) -> list[Task]:
+        """The chain of tasks of one step (see the module docstring)."""
+        k, n = self.parts, self.config.accumulate
+        clip = self.config.clip_grad_norm is not None
+        tasks: list[Task] = []
+        for m in range(n):
+            update = m == n - 1 and not clip
+            tasks += [self._task(request, FORWARD, i, m, False) for i in range(k - 1)]
+            tasks.append(self._task(request, LAST, k - 1, m, update))
+            tasks += [self._task(request, BACKWARD, i, m, update) for i in range(k - 2, -1, -1)]
+        if clip:
+            # Sub-model 0 first: the next step's first forward reads what it writes.
+            tasks += [
+                self._task(request, UPDATE, i, n - 1, True)
+                for i in range(k)
+                if self.subs[i].optimizer is not None
+            ]
+        tasks[-1].last = True
+        return tasks
+
+    def plan_save(self, request: int, path: Any) -> list[Task]:
+        task = Task(self.name, request, SAVE, 0, frozenset({ANY}), frozenset(), last=True)
+        task.payload = {"path": path}
+        return [task]
+
+    # -- copies (driver thread) ----------------------------------------------------------------
+
+    def copy_plan(self, task: Task, base: int) -> CopyPlan:
+        """Copies that bring the task's data from the host tier into its extent at `base`."""
+        plan = CopyPlan()
+        if task.kind == SAVE:
+            return plan
+        sub = self.subs[task.sub]
+        update = bool(task.payload["update"])
+        layout = self._layout(task)
+        (p0, p1), (b0, b1), (g0, g1), (s0, s1) = (sub.sections[k] for k in "PBGS")
+        if p1 > p0:
+            plan.copies.append((base + p0, sub.slab[p0:p1]))
+        if b1 > b0 and task.kind in (FORWARD, LAST):
+            plan.copies.append((base + b0, sub.slab[b0:b1]))
+        if b1 > b0 and task.kind == BACKWARD:
+            snapshot = self._replay[(task.request, task.micro, task.sub)][1]
+            assert snapshot is not None
+            plan.copies.append((base + b0, snapshot))
+        owned_trainable = [self.tensors[n] for n in sub.owned if self.tensors[n].trainable]
+        if task.kind != FORWARD and g1 > g0:
+            self._plan_section(
+                plan, sub, base, (g0, g1), owned_trainable, self.grad_valid, grads=True
+            )
+        if update and s1 > s0:
+            self._plan_section(
+                plan, sub, base, (s0, s1), owned_trainable, self.state_valid, grads=False
+            )
+        for n, off in layout.borrowed.items():
+            info = self.tensors[n]
+            owner = self.subs[info.owner].slab
+            plan.copies.append(
+                (base + off, owner[info.slot.offset : info.slot.offset + info.slot.nbytes])
+            )
+        for n, off in layout.borrowed_grads.items():
+            info = self.tensors[n]
+            assert info.grad_slot is not None
+            if self.grad_valid[n]:
+                owner = self.subs[info.owner].slab
+                g = info.grad_slot
+                plan.copies.append((base + off, owner[g.offset : g.offset + g.nbytes]))
+            else:
+                plan.zero.append((base + off, info.grad_slot.nbytes))
+        return plan
+
+    def _plan_section(
+        self,
+        plan: CopyPlan,
+        sub: SubModel,
+        base: int,
+        section: tuple[int, int],
+        infos: list[TensorInfo],
+        valid: dict[str, bool],
+        *,
+        grads: bool,
+    ) -> None:
+        lo, hi = section
+        if infos and all(valid[i.name] for i in infos):
+            plan.copies.append((base + lo, sub.slab[lo:hi]))  # one contiguous copy
+            return
+        for info in infos:
+            slots = [info.grad_slot] if grads else list(info.state_slots.values())
+            for s in slots:
+                assert s is not None
+                if valid[info.name]:
+                    plan.copies.append((base + s.offset, sub.slab[s.offset : s.offset + s.nbytes]))
+                elif grads:  # no gradient yet: accumulate from zero
+                    plan.zero.append((base + s.offset, s.nbytes))
+
+    def _layout(self, task: Task) -> Layout:
+        sub = self.subs[task.sub]
+        if task.kind == FORWARD:
+            return sub.layouts[FORWARD]
+        if task.kind == UPDATE:
+            return sub.layouts[UPDATE]
+        return sub.layouts["grad+update" if task.payload["update"] else "grad"]
+
+    # -- compute (compute lane) ----------------------------------------------------------------
+
+    def run(self, task: Task, base: int, plan: CopyPlan, arena: torch.Tensor) -> TaskResult:
+        """Compute one task whose copies are done, with its extent at `base` of `arena`."""
+        if task.kind == SAVE:
+            from gpu_worker.train_checkpoint import save_checkpoint
+
+            return TaskResult(value=save_checkpoint(self, task.payload["path"]))
+        for off, size in plan.zero:
+            arena[off : off + size].zero_()
+        sub = self.subs[task.sub]
+        bound = self._bind(task, sub, base, arena)
+        try:
+            if task.kind == FORWARD:
+                return self._run_forward(task, sub, base, arena)
+            if task.kind == UPDATE:
+                return self._run_update(task, sub, base, arena)
+            return self._run_backward(task, sub, base, arena)
+        finally:
+            self._unbind(bound)
+
+    def _view(self, arena: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
+        return view_of(arena, offset, slot)
+
+    def _bind(self, task: Task, sub: SubModel, base: int, arena: torch.Tensor) -> list[TensorInfo]:
+        layout = self._layout(task)
+        grads = task.kind in (LAST, BACKWARD)
+        names = (
+            sub.owned if task.kind != UPDATE else [n for n in sub.owned if self.tensors[n].is_param]
+        )
+        bound: list[TensorInfo] = []
+        try:
+            for n in [*names, *layout.borrowed]:
+                info = self.tensors[n]
+                off = (
+                    base + info.slot.offset
+                    if n not in layout.borrowed
+                    else base + layout.borrowed[n]
+                )
+                info.tensor.data = self._view(arena, off, info.slot)
+                bound.append(info)
+                if info.trainable and (grads or task.kind == UPDATE):
+                    if n in layout.borrowed:
+                        goff = base + layout.borrowed_grads[n]
+                    else:
+                        assert info.grad_slot is not None
+                        goff = base + info.grad_slot.offset
+                    info.tensor.grad = self._view(arena, goff, info.grad_slot or info.slot)
+            if task.payload.get("update") and sub.optimizer is not None:
+                for n in sub.owned:
+                    info = self.tensors[n]
+                    if info.trainable and self.state_valid[n]:
+                        state = sub.optimizer.state[info.tensor]
+                        for key, s in info.state_slots.items():
+                            state[key] = self._view(arena, base + s.offset, s)
+        except BaseException:
+            self._unbind(bound)
+            raise
+        return bound
+
+    def _unbind(self, bound: list[TensorInfo]) -> None:
+        for info in bound:
+            info.tensor.grad = None
+            info.tensor.data = info.home
+            if info.state_homes:
+                opt = self.subs[info.owner].optimizer
+                state = opt.state.get(info.tensor) if opt is not None else None
+                if state:
+                    for key, home in info.state_homes.items():
+                        if key in state:
+                            state[key] = home
+
+    def _forward(self, sub: SubModel, x: Any) -> torch.Tensor:
+        out = x
+        for j, module in enumerate(sub.modules):
+            out = call_model(module, out) if sub.index == 0 and j == 0 else module(out)
+        return _as_output(out)
+
+    def _stash(self, t: Any) -> Any:
+        """Keep an activation in the host tier between tasks (on a CPU stand-in, host memory
+        is where it already is)."""
+        if self.device.kind == "cpu" or not isinstance(t, torch.Tensor):
+            return t
+        return t.to("cpu")
+
+    def _unstash(self, x: Any) -> Any:
+        dev = self.device.torch_device
+        if isinstance(x, torch.Tensor):
+            return x.to(dev)
+        if isinstance(x, Mapping):
+            return {k: v.to(dev) for k, v in x.items()}
+        return x
+
+    def _input(self, task: Task) -> Any:
+        key = (task.request, task.micro, task.sub)
+        if task.sub == 0:
+            return self._unstash(self._data[task.request][0][task.micro])
+        return self._unstash(self._acts[key])
+
+    def _buffers_write_back(self, sub: SubModel, arena: torch.Tensor, base: int) -> int:
+        b0, b1 = sub.sections["B"]
+        if b1 > b0:
+            sub.slab[b0:b1].copy_(arena[base + b0 : base + b1])
+        return b1 - b0
+
+    def _run_forward(self, task: Task, sub: SubModel, base: int, arena: torch.Tensor) -> TaskResult:
+        key = (task.request, task.micro, task.sub)
+        x = self._input(task)
+        b0, b1 = sub.sections["B"]
+        # What the recompute must replay: this forward's RNG state and the buffers it saw.
+        snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
+        self._replay[key] = (self.rng, snapshot)
+        with _rng_scope(self.rng, self._cuda), torch.no_grad():
+            try:
+                out = self._forward(sub, x)
+            except FlowmeshError:
+                raise
+            except Exception as exc:
+                raise _model_error(self.name, self._where(task), exc) from None
+            self.rng = _rng_get(self._cuda)
+        self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
+        return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
+
+    def _where(self, task: Task) -> str:
+        sub = self.subs[task.sub]
+        return (
+            f"step {self.step_count + 1}, {task.kind} of sub-model {sub.index} "
+            f"(blocks {sub.start}..{sub.stop - 1})"
+        )
+
+    def _run_backward(
+        self, task: Task, sub: SubModel, base: int, arena: torch.Tensor
+    ) -> TaskResult:
+        key = (task.request, task.micro, task.sub)
+        x = self._input(task)
+        if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        result = TaskResult()
+        layout = self._layout(task)
+        self._touched = set()
+        rng = self.rng if task.kind == LAST else self._replay[key][0]
+        with _rng_scope(rng, self._cuda), torch.enable_grad():
+            try:
+                out = self._forward(sub, x)
+            except FlowmeshError:
+                raise
+            except Exception as exc:
+                raise _model_error(self.name, self._where(task), exc) from None
+            if task.kind == LAST:
+                self.rng = _rng_get(self._cuda)
+                result = self._loss_and_backward(task, out)
+            else:
+                incoming = self._unstash(self._grads.pop(key))
+                if out.requires_grad:
+                    try:
+                        torch.autograd.backward(out, incoming)
+                    except Exception as exc:
+                        raise _model_error(self.name, self._where(task), exc) from None
+        if task.sub > 0:
+            if not isinstance(x, torch.Tensor) or x.grad is None:
+                raise FlowmeshError(
+                    Code.MODEL_ERROR,
+                    f"job {self.name!r}: sub-model {task.sub}'s input got no gradient, so the "
+                    "sub-models before it cannot learn; cut the model elsewhere",
+                )
+            self._grads[(task.request, task.micro, task.sub - 1)] = self._stash(x.grad)
+        self._acts.pop(key, None)
+        self._replay.pop(key, None)
+        now_valid = {
+            n
+            for n in sub.uses
+            if self.tensors[n].trainable and (self.grad_valid[n] or n in self._touched)
+        }
+        last_micro = task.micro == self.config.accumulate - 1
+        if last_micro and self.config.clip_grad_norm is not None:
+            for n in sub.owned:
+                info = self.tensors[n]
+                if n in now_valid and info.tensor.grad is not None:
+                    self._norms[n] = torch.linalg.vector_norm(info.tensor.grad, 2.0)
+        if task.kind == LAST:
+            result.bytes_out += self._buffers_write_back(sub, arena, base)
+        if task.payload["update"]:
+            result.bytes_out += self._apply_update(task, sub, base, arena, now_valid, None)
+            for n in sub.borrowed:
+                result.bytes_out += self._grad_write_back(n, layout, base, arena, now_valid)
+        else:
+            g0, g1 = sub.sections["G"]
+            if g1 > g0:
+                sub.slab[g0:g1].copy_(arena[base + g0 : base + g1])
+                result.bytes_out += g1 - g0
+            for n in sub.owned:
+                if self.tensors[n].trainable:
+                    self.grad_valid[n] = n in now_valid
+            for n in sub.borrowed:
+                result.bytes_out += self._grad_write_back(n, layout, base, arena, now_valid)
+        return result
+
+    def _grad_write_back(
+        self, n: str, layout: Layout, base: int, arena: torch.Tensor, now_valid: set[str]
+    ) -> int:
+        """A borrowed (tied) parameter's gradient goes back to its owner's gradient home."""
+        info = self.tensors[n]
+        off = layout.borrowed_grads.get(n)
+        if off is None or info.grad_home is None or n not in now_valid:
+            return 0
+        info.grad_home.copy_(self._view(arena, base + off, info.slot))
+        self.grad_valid[n] = True
+        return info.slot.nbytes
+
+    def _loss_and_backward(self, task: Task, out: torch.Tensor) -> TaskResult:
+        target = self._unstash(self._data[task.request][1][task.micro])
+        try:
+            loss = LOSSES[self.config.loss](out, target) / self.config.accumulate
+        except Exception as exc:
+            raise _bad(
+                f"job {self.name!r}: loss {self.config.loss!r} failed on outputs of shape "
+                f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
+            ) from None
+        value = float(loss.detach().item())
+        nonfinite = not math.isfinite(value)
+        if nonfinite and self.config.stop_on_nonfinite:
+            raise FlowmeshError(
+                Code.MODEL_ERROR,
+                f"job {self.name!r}: the loss is {value} at step {self.step_count + 1} "
+                f"(micro-batch {task.micro}); the step was not applied",
+            )
+        self._losses[task.request].append(value)
+        self._nonfinite[task.request] |= nonfinite
+        try:
+            loss.backward()
+        except Exception as exc:
+            raise _model_error(self.name, self._where(task), exc) from None
+        return TaskResult(loss=value, nonfinite=nonfinite)
+
+    def _run_update(self, task: Task, sub: SubModel, base: int, arena: torch.Tensor) -> TaskResult:
+        total = self._total_norm.get(task.request)
+        if total is None:
+            norms = sorted(self._norms.items(), key=lambda kv: self.tensors[kv[0]].order)
+            if norms:
+                total = torch.linalg.vector_norm(torch.stack([v for _, v in norms]), 2.0)
+            else:
+                total = torch.zeros(())
+            self._total_norm[task.request] = total
+            self._norms = {}
+        valid = {n for n in sub.owned if self.tensors[n].trainable and self.grad_valid[n]}
+        return TaskResult(bytes_out=self._apply_update(task, sub, base, arena, valid, total))
+
+    def _apply_update(
+        self,
+        task: Task,
+        sub: SubModel,
+        base: int,
+        arena: torch.Tensor,
+        valid: set[str],
+        total_norm: torch.Tensor | None,
+    ) -> int:
+        """Step the sub-model's optimizer on its owned parameters and write them back."""
+        opt = sub.optimizer
+        self._updated.add(task.request)
+        owned = [self.tensors[n] for n in sub.owned if self.tensors[n].trainable]
+        for info in owned:
+            if info.name not in valid:
+                info.tensor.grad = None  # as after zero_grad(): the optimizer skips it
+        if opt is not None:
+            if total_norm is not None:
+                max_norm = self.config.clip_grad_norm
+                assert max_norm is not None
+                torch.nn.utils.clip_grads_with_norm_(
+                    [i.tensor for i in owned], max_norm, total_norm
+                )
+            try:
+                opt.step()
+            except Exception as exc:
+                raise _model_error(
+                    self.name, f"the optimizer of sub-model {sub.index}", exc
+                ) from None
+        (p0, p1), (s0, s1) = sub.sections["P"], sub.sections["S"]
+        written = 0
+        if p1 > p0:
+            sub.slab[p0:p1].copy_(arena[base + p0 : base + p1])
+            written += p1 - p0
+        all_valid = bool(owned) and all(self.state_valid[i.name] for i in owned)
+        if all_valid and s1 > s0:
+            sub.slab[s0:s1].copy_(arena[base + s0 : base + s1])
+            written += s1 - s0
+        elif opt is not None:
+            for info in owned:
+                state = opt.state.get(info.tensor)
+                if not state:
+                    continue
+                for key, home in info.state_homes.items():
+                    if key in state:
+                        # First update: the optimizer made its state; the host tier adopts it.
+                        home.copy_(state[key])
+                        state[key] = home
+                        written += home.numel() * home.element_size()
+                self.state_valid[info.name] = True
+        for info in owned:
+            self.grad_valid[info.name] = False
+        return written
+
+    # -- ending a step (driver thread, no task of the job running) ----------------------------
+
+    def finish_step(self, request: int) -> StepResult:
+        losses = self._losses.pop(request, [])
+        nonfinite = self._nonfinite.pop(request, False)
+        total = self._total_norm.pop(request, None)
+        self._data.pop(request, None)
+        self._updated.discard(request)
+        self.step_count += 1
+        self.last_loss = sum(losses)
+        metrics: dict[str, float] = {"nonfinite": float(nonfinite)}
+        if total is not None:
+            metrics["grad_norm"] = float(total)
+        return StepResult(sum(losses), self.step_count, metrics)
+
+    def abort_step(self, request: int, reason: str) -> None:
+        """Forget a failed step: its kept activations and partial gradients go; if an update
+        of it was already applied, the job is inconsistent and refuses further steps."""
+        for store in (self._acts, self._grads, self._replay):
+            for key in [k for k in store if k[0] == request]:
+                del store[key]
+        self._data.pop(request, None)
+        self._losses.pop(request, None)
+        self._nonfinite.pop(request, None)
+        self._total_norm.pop(request, None)
+        self._norms = {}
+        for n in self.grad_valid:
+            self.grad_valid[n] = False
+        if request in self._updated:
+            self._updated.discard(request)
+            self.broken = (
+                f"step {self.step_count + 1} failed after part of it was applied: {reason}"
+            )

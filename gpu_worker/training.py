@@ -1,0 +1,547 @@
+"""The worker's training executor: many jobs' sub-model tasks flowing through one device arena.
+
+Plain classes, no sockets: the worker process (later) feeds it `open` / `submit` / `save` /
+`close_job` calls and sends back what the returned futures resolve to; the tests drive it
+in-process. Three threads, so heavy work never runs where requests arrive:
+
+- the **driver** owns all bookkeeping (the `FlowScheduler`, the arena, the requests): it admits
+  tasks when memory frees, plans their copies, starts computes and settles results;
+- the **copy lane** brings admitted tasks' bytes from the host tier into their arena extents,
+  ordered after the previous users of those bytes (their markers), while
+- the **compute lane** runs one task at a time (a job's RNG stream is the global generator for
+  the duration of its task, so computes do not overlap; copies do overlap them).
+
+Memory flow: a task's extent is freed the moment its compute is *ordered* (handed to the compute
+lane), with the compute's marker attached; the next owner's copy waits on that marker, never on a
+host-wide synchronisation (the Waterwave rule, `gpu_worker.memory.Arena`).
+
+Accounting: parameters, gradients, optimizer state and buffers of a running task physically live
+in its extent. Activations are allocated by torch outside the arena and accounted by the
+reservation each extent carries (`TrainingJob.act_bytes`). `resident_peak` is measured on the
+lanes: bytes of extents whose copy has started writing and whose compute has not finished, so it
+exceeds the budget if any two tasks ever use the same bytes at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from flowmesh.build import build_seeded, declared_inputs
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
+from gpu_worker.device import Device
+from gpu_worker.memory import Arena, Extent, OutOfSpace
+from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
+from gpu_worker.train_job import (
+    LOSSES,
+    OPTIMIZERS,
+    CopyPlan,
+    Inputs,
+    StepResult,
+    TaskResult,
+    TrainConfig,
+    TrainingJob,
+)
+from gpu_worker.train_scheduler import FlowScheduler, Phase, Task
+from partitioner.chain import chain_of
+from partitioner.costs import ModelProfile, human_bytes
+from partitioner.plan import Plan, chunk_plan
+
+__all__ = [
+    "LOSSES",
+    "OPTIMIZERS",
+    "FlowScheduler",
+    "StepResult",
+    "TrainConfig",
+    "TrainingExecutor",
+    "TrainingJob",
+    "config_from",
+    "load_checkpoint",
+    "open_job",
+    "read_meta",
+    "reservations",
+    "save_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class _Request:
+    job: str
+    id: int
+    kind: str  # "step" | "save"
+    future: Future[Any]
+    t0: float = field(default_factory=time.perf_counter)
+    tasks: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class TrainingExecutor:
+    """Runs training steps of many jobs on one device (see the module docstring)."""
+
+    def __init__(
+        self,
+        device: Device,
+        *,
+        prefetch: int = 1,
+        max_skips: int = 8,
+        queue_computes: int = 2,
+        arena: Arena | None = None,
+    ) -> None:
+        self.device = device
+        # Computes handed to the (FIFO) compute lane ahead of time, so it never idles while the
+        # driver settles the previous one; only chain heads run, so they are of other jobs.
+        self.queue_computes = max(1, queue_computes)
+        # One owner of device memory: a worker that also serves passes the serving executor's
+        # arena, and then both must allocate from one thread (Arena is not thread-safe).
+        self.arena = arena if arena is not None else Arena(device.budget_bytes, BLOCK_ALIGN)
+        self.sched = FlowScheduler(prefetch, max_skips)
+        self.jobs: dict[str, TrainingJob] = {}
+        self._requests: dict[tuple[str, int], _Request] = {}
+        self._ids = itertools.count(1)
+        self._events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._copy = ThreadPoolExecutor(1, thread_name_prefix="train-copy")
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="train-compute")
+        self._computing = 0
+        self._lock = threading.Lock()
+        self.resident = 0
+        self.resident_peak = 0
+        self.counters = {
+            "tasks": 0,
+            "steps": 0,
+            "step_errors": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "compute_s": 0.0,
+        }
+        self._closed = False
+        self._driver = threading.Thread(target=self._loop, name="train-driver", daemon=True)
+        self._driver.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def open(self, job: TrainingJob) -> None:
+        """Take a job in; its steps may be submitted from now on."""
+        if job.device is not self.device:
+            raise FlowmeshError(Code.INTERNAL, f"job {job.name!r} was laid out for another device")
+        need = job.largest_task()
+        if need > self.arena.capacity:
+            raise FlowmeshError(
+                Code.TOO_BIG,
+                f"job {job.name!r}: its largest sub-model task needs {human_bytes(need)}, over "
+                f"the device budget of {human_bytes(self.arena.capacity)}; plan smaller "
+                "sub-models (a lower chunk target) or a smaller batch",
+            )
+        self._call(lambda: self._open(job))
+
+    def submit(self, name: str, inputs: Inputs, targets: torch.Tensor) -> Future[StepResult]:
+        """Queue one training step of job `name`; steps of a job run strictly in order."""
+        fut: Future[StepResult] = Future()
+        job = self.jobs.get(name)
+        if job is None:
+            fut.set_exception(FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}"))
+            return fut
+        rid = next(self._ids)
+        try:
+            job.begin_step(rid, inputs, targets)
+            tasks = job.plan_step(rid)
+        except FlowmeshError as exc:
+            fut.set_exception(exc)
+            return fut
+        self._post(lambda: self._push(_Request(name, rid, "step", fut), tasks))
+        return fut
+
+    def step(
+        self, name: str, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
+    ) -> StepResult:
+        return self.submit(name, inputs, targets).result(timeout)
+
+    def save(self, name: str, path: str | os.PathLike[str]) -> Future[Path]:
+        """Checkpoint job `name` after the steps submitted before this call."""
+        fut: Future[Path] = Future()
+        job = self.jobs.get(name)
+        if job is None:
+            fut.set_exception(FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}"))
+            return fut
+        rid = next(self._ids)
+        tasks = job.plan_save(rid, Path(path))
+        self._post(lambda: self._push(_Request(name, rid, "save", fut), tasks))
+        return fut
+
+    def close_job(self, name: str) -> None:
+        """Drop a job: its queued requests fail, its memory returns to the arena at once."""
+        self._call(lambda: self._close_job(name))
+
+    def stats(self) -> dict[str, Any]:
+        jobs = {
+            name: {
+                "step": job.step_count,
+                "last_loss": job.last_loss,
+                "pending_tasks": self.sched.pending(name),
+                "sub_models": [
+                    {"blocks": [s.start, s.stop], "host_bytes": int(s.slab.numel())}
+                    for s in job.subs
+                ],
+                "broken": job.broken,
+            }
+            for name, job in list(self.jobs.items())
+        }
+        return {
+            **self.counters,
+            "budget_bytes": self.arena.capacity,
+            "reserved_bytes": self.arena.in_use,
+            "reserved_peak": self.arena.peak,
+            "resident_bytes": self.resident,
+            "resident_peak": self.resident_peak,
+            "jobs": jobs,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._events.put(None)
+        self._driver.join(timeout=10)
+        for pool in (self._compute, self._copy):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TrainingExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ driver thread
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        if self._closed:
+            raise FlowmeshError(Code.UNAVAILABLE, "the training executor is closed")
+        self._events.put(fn)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        done: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        self._post(run)
+        return done.result()
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._events.get()
+            if fn is None:
+                break
+            try:
+                fn()
+                self._pump()
+            except Exception as exc:  # a bookkeeping bug: fail everything loudly, keep running
+                log.exception("training driver failed")
+                self._fail_all(FlowmeshError(Code.INTERNAL, f"training driver: {exc!r}"))
+        self._fail_all(FlowmeshError(Code.UNAVAILABLE, "the training executor was closed"))
+
+    def _open(self, job: TrainingJob) -> None:
+        if job.name in self.jobs:
+            raise FlowmeshError(Code.MODEL_EXISTS, f"training job {job.name!r} is already open")
+        self.sched.add_job(job.name)
+        self.jobs[job.name] = job
+
+    def _push(self, request: _Request, tasks: list[Task]) -> None:
+        if request.job not in self.jobs:
+            request.future.set_exception(
+                FlowmeshError(Code.MODEL_NOT_FOUND, f"training job {request.job!r} was closed")
+            )
+            return
+        for t in tasks:
+            t.payload["job"] = self.jobs[request.job]
+        self._requests[(request.job, request.id)] = request
+        self.sched.push(tasks)
+
+    def _try_alloc(self, task: Task) -> bool:
+        if task.nbytes == 0:
+            task.payload["extent"], task.payload["base"] = None, 0
+            return True
+        try:
+            ext = self.arena.alloc(task.nbytes)
+        except OutOfSpace:
+            return False
+        task.payload["extent"], task.payload["base"] = ext, ext.offset
+        return True
+
+    def _pump(self) -> None:
+        for task in self.sched.admit(self._try_alloc):
+            self._start_copy(task)
+        while self._computing < self.queue_computes:
+            task = self.sched.next_runnable()
+            if task is None:
+                break
+            self._start_compute(task)
+
+    def _start_copy(self, task: Task) -> None:
+        job: TrainingJob = task.payload["job"]
+        try:
+            plan = job.copy_plan(task, task.payload["base"])
+        except Exception as exc:
+            plan = CopyPlan()
+            task.payload["plan"], task.payload["markers"] = plan, []
+            self._fail_request(task, self._internal(exc))
+            return
+        task.payload["plan"] = plan
+        task.payload["markers"] = [self.device.new_marker() for _ in plan.copies]
+        fut = self._copy.submit(self._do_copy, task)
+        fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_copied(t, f)))
+
+    def _do_copy(self, task: Task) -> None:
+        """Copy lane: order after the extent's previous users, then bring the bytes in."""
+        ext: Extent | None = task.payload["extent"]
+        plan: CopyPlan = task.payload["plan"]
+        markers: list[Any] = task.payload["markers"]
+        after = list(ext.after) if ext is not None else []
+        if self.device.kind == "cpu":
+            for m in after:  # the stand-in copies on this thread: ordering is waiting
+                m.wait()
+            after = []
+        with self._lock:
+            if task.payload.get("cancelled"):
+                for m in markers:
+                    self.device.mark_done(m)
+                return
+            task.payload["counted"] = True
+            self.resident += task.nbytes
+            self.resident_peak = max(self.resident_peak, self.resident)
+        arena = self.device.arena
+        try:
+            for (offset, src), marker in zip(plan.copies, markers, strict=True):
+                self.device.copy_in(arena[offset : offset + src.numel()], src, after, marker)
+                after = []
+        except BaseException:
+            for m in markers:  # whoever waits on these bytes must not wait forever
+                if not m.done():
+                    self.device.mark_done(m)
+            raise
+        task.payload["ready"] = list(markers) if markers else after
+
+    def _on_copied(self, task: Task, fut: Future[None]) -> None:
+        exc = fut.exception()
+        if task.phase is Phase.DROPPED:
+            self._release(task)
+            return
+        if exc is not None:
+            self._fail_request(task, self._internal(exc))
+            return
+        self.sched.copied(task)
+
+    def _start_compute(self, task: Task) -> None:
+        self.sched.started(task)
+        self._computing += 1
+        done = self.device.new_marker()
+        ext: Extent | None = task.payload["extent"]
+        if ext is not None:
+            # Its last use is now ordered: the bytes go back at once, and whoever takes them
+            # next waits on this compute's marker.
+            task.payload["extent"] = None
+            self.arena.free(ext, [done])
+        fut = self._compute.submit(self._do_compute, task, done)
+        fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_computed(t, f)))
+
+    def _do_compute(self, task: Task, done: Any) -> TaskResult:
+        job: TrainingJob = task.payload["job"]
+        t0 = time.perf_counter()
+        try:
+            if task.payload.get("cancelled"):  # its job was closed while it waited in the lane
+                return TaskResult()
+            with self.device.compute():
+                for m in task.payload.get("ready", []):
+                    m.order_current()
+                result = job.run(
+                    task, task.payload["base"], task.payload["plan"], self.device.arena
+                )
+                if self.device.kind == "cuda":
+                    # Write-backs and the next task's host reads happen on the host: settle now.
+                    torch.cuda.current_stream().synchronize()
+            return result
+        finally:
+            self.device.mark_done(done)
+            with self._lock:
+                if task.payload.pop("counted", False):
+                    self.resident -= task.nbytes
+            self.counters["compute_s"] += time.perf_counter() - t0
+
+    def _on_computed(self, task: Task, fut: Future[TaskResult]) -> None:
+        self._computing -= 1
+        request = self._requests.get((task.job, task.request))
+        exc = fut.exception()
+        if request is None:  # its job was closed while it ran
+            self.sched.finished(task)
+            return
+        if exc is not None:
+            self.sched.finished(task)
+            self._fail_request(task, exc if isinstance(exc, FlowmeshError) else self._internal(exc))
+            return
+        result = fut.result()
+        self.sched.finished(task)
+        plan: CopyPlan = task.payload["plan"]
+        request.tasks += 1
+        request.bytes_in += plan.bytes_in
+        request.bytes_out += result.bytes_out
+        self.counters["tasks"] += 1
+        self.counters["bytes_in"] += plan.bytes_in
+        self.counters["bytes_out"] += result.bytes_out
+        if not task.last:
+            return
+        del self._requests[(task.job, task.request)]
+        job: TrainingJob = task.payload["job"]
+        if request.kind == "save":
+            request.future.set_result(result.value)
+            return
+        step = job.finish_step(request.id)
+        step.metrics.update(
+            tasks=float(request.tasks),
+            bytes_in=float(request.bytes_in),
+            bytes_out=float(request.bytes_out),
+            seconds=time.perf_counter() - request.t0,
+        )
+        self.counters["steps"] += 1
+        request.future.set_result(step)
+
+    def _release(self, task: Task) -> None:
+        """Give back the memory of a task that will not run."""
+        with self._lock:
+            task.payload["cancelled"] = True
+            if task.payload.pop("counted", False):
+                self.resident -= task.nbytes
+        ext: Extent | None = task.payload.get("extent")
+        if ext is not None:
+            task.payload["extent"] = None
+            self.arena.free(ext, list(task.payload.get("markers", [])))
+
+    def _fail_request(self, task: Task, error: FlowmeshError) -> None:
+        request = self._requests.pop((task.job, task.request), None)
+        for held in self.sched.drop_request(task.job, task.request):
+            self._release(held)
+        if task.phase is not Phase.DONE:
+            self._release(task)
+            task.phase = Phase.DROPPED
+        if request is None:
+            return
+        job = self.jobs.get(task.job)
+        if request.kind == "step" and job is not None:
+            job.abort_step(request.id, error.reason)
+            self.counters["step_errors"] += 1
+        request.future.set_exception(error)
+
+    def _close_job(self, name: str) -> None:
+        if name not in self.jobs:
+            raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}")
+        for t in self.sched.chains.get(name, ()):
+            if t.phase is Phase.RUNNING:
+                t.payload["cancelled"] = True
+        for held in self.sched.remove_job(name):
+            self._release(held)
+        for key in [k for k in self._requests if k[0] == name]:
+            self._requests.pop(key).future.set_exception(
+                FlowmeshError(Code.BAD_REQUEST, f"training job {name!r} was closed")
+            )
+        del self.jobs[name]
+
+    def _fail_all(self, error: FlowmeshError) -> None:
+        for key in list(self._requests):
+            request = self._requests.pop(key)
+            if not request.future.done():
+                request.future.set_exception(error)
+
+    @staticmethod
+    def _internal(exc: BaseException) -> FlowmeshError:
+        if isinstance(exc, FlowmeshError):
+            return exc
+        return FlowmeshError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------- jobs from specs
+
+
+def reservations(
+    profile: ModelProfile, ranges: Iterable[tuple[int, int]], micro_batch: int
+) -> tuple[list[int], list[int]]:
+    """Activation bytes a (backward, forward) task of each sub-model holds besides its tensors.
+
+    Backward: what autograd saves for the sub-model's blocks at the micro-batch size, plus the
+    gradients entering and leaving it; forward (no grad): its input and output. The boundary term
+    is the planner's margin (`partitioner.planners.chunk_footprints`), so an extent reserves what
+    the chunk plan counted.
+    """
+    margin = 2 * max(b.out_bytes_per_sample for b in profile.blocks) * micro_batch
+    act, fwd = [], []
+    for a, b in ranges:
+        saved = sum(blk.saved_bytes_per_sample for blk in profile.blocks[a:b])
+        act.append(saved * micro_batch + margin)
+        fwd.append(margin)
+    return act, fwd
+
+
+def open_job(
+    name: str,
+    spec: ModelSpec,
+    config: TrainConfig,
+    device: Device,
+    *,
+    batch: int,
+    target_bytes: int | None = None,
+    plan: Plan | None = None,
+    seq_len: int = 1,
+    allow: Iterable[str] = DEFAULT_ALLOW,
+    resume: str | os.PathLike[str] | None = None,
+) -> TrainingJob:
+    """A job for `spec` with seeded weights: profiled at its micro-batch, cut into sub-models
+    under `target_bytes` (or by a given chunk `plan`), optionally resumed from a checkpoint."""
+    from partitioner.profile import make_inputs, profile
+
+    if batch % config.accumulate:
+        raise FlowmeshError(
+            Code.BAD_REQUEST, f"batch {batch} does not split into {config.accumulate} micro-batches"
+        )
+    micro = batch // config.accumulate
+    allow = tuple(allow)
+    prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow)
+    if plan is None:
+        if target_bytes is None:
+            raise FlowmeshError(Code.BAD_REQUEST, "give a chunk target in bytes or a chunk plan")
+        plan = chunk_plan(prof, target_bytes, config.optimizer, micro)
+    model = build_seeded(spec, allow)
+    inputs = declared_inputs(spec, model)
+    example = make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None
+    blocks = chain_of(model, example)
+    if tuple(b.name for b in blocks) != plan.block_names:
+        raise FlowmeshError(
+            Code.PLAN_ERROR, f"the plan's blocks are not {spec.name!r}'s chain; re-plan the model"
+        )
+    act, fwd = reservations(prof, plan.ranges, micro)
+    job = TrainingJob(
+        name, blocks, plan.ranges, config, device, inputs=inputs, act_bytes=act, fwd_bytes=fwd
+    )
+    if resume is not None:
+        load_checkpoint(job, resume)
+    return job
+
+
+def config_from(meta: Mapping[str, Any]) -> TrainConfig:
+    """The training configuration stored in a checkpoint's JSON (`read_meta`)."""
+    return TrainConfig.from_dict(meta["config"])

@@ -1,0 +1,677 @@
+"""The training executor in-process on a CPU stand-in: exact against plain PyTorch, memory flow
+between jobs within the budget, isolation of failing jobs, checkpoints; the scheduler's rules.
+
+Every training result is compared with `torch.testing.assert_close` (DESIGN section 9), never
+bit for bit, at rtol 1e-5 / atol 1e-6.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from flowmesh.build import build_seeded, declared_inputs
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import ModelSpec
+from gpu_worker.device import CpuStandIn
+from gpu_worker.train_checkpoint import read_meta
+from gpu_worker.train_job import StepResult, TrainConfig, TrainingJob
+from gpu_worker.train_scheduler import ANY, FlowScheduler, Task
+from gpu_worker.training import TrainingExecutor, open_job
+from partitioner.chain import Block, chain_of
+from partitioner.profile import make_inputs
+
+KIB, MIB = 1 << 10, 1 << 20
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 20
+Data = list[tuple[Any, torch.Tensor]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny kernels on a shared 2-core machine: intra-op threads only spin against each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def close(actual: Any, expected: Any, msg: str = "") -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=msg or None)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def seeded(make: Callable[[], nn.Module], seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make()
+
+
+def dropout_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(32, 5),
+    )  # fmt: skip
+
+
+class RunningScale(nn.Module):
+    """Divides by a running statistic it updates first (as spectral norm's power iteration
+    does): the output depends on the buffer, so a recompute must start from the buffer the
+    forward saw, not from the one the forward left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.5).add_(0.5 * x.abs().mean())
+        return x / self.scale
+
+
+def mixed_net() -> nn.Module:
+    """Dropout, BatchNorm and a buffer-dependent forward: the RNG and the buffers must be
+    replayed by the recompute and survive a checkpoint."""
+    return nn.Sequential(
+        nn.Linear(8, 24), nn.BatchNorm1d(24), RunningScale(), nn.ReLU(), nn.Dropout(0.2),
+        nn.Linear(24, 24), nn.ReLU(), nn.Dropout(0.2),
+        nn.Linear(24, 5),
+    )  # fmt: skip
+
+
+class Unused(nn.Module):
+    """A block with a parameter that never gets a gradient: the optimizer must skip it (AdamW's
+    weight decay would otherwise shrink it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(32, 32)
+        self.spare = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def unused_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), Unused(), nn.GELU(), nn.Linear(32, 5))
+
+
+class Boom(nn.Module):
+    """Raises on a sentinel input value; with `in_backward`, only in the recompute."""
+
+    def __init__(self, in_backward: bool = False) -> None:
+        super().__init__()
+        self.in_backward = in_backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == 12345.0).any()) and (torch.is_grad_enabled() or not self.in_backward):
+            raise RuntimeError("boom: the model's own code failed")
+        return x
+
+
+def boom_net(in_backward: bool = False) -> nn.Module:
+    return nn.Sequential(
+        Boom(in_backward), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+        nn.Linear(32, 5),
+    )  # fmt: skip
+
+
+SPECS = {
+    "mlp": ModelSpec(
+        name="mlp",
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": 32, "depth": 4, "in_features": 8, "out_features": 5},
+        seed=3,
+    ),
+    "resnet": ModelSpec(
+        name="resnet",
+        factory="flowmesh.examples:small_resnet",
+        kwargs={"num_classes": 5, "width": 4, "blocks": [1, 1], "image": 8},
+        seed=4,
+    ),
+    "gpt2": ModelSpec(
+        name="gpt2",
+        factory="flowmesh.examples:hf_gpt2",
+        kwargs={"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 40, "n_positions": 16},
+        seed=5,
+    ),
+}
+LOCAL: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "dropout": (dropout_net, 11),
+    "mixed": (mixed_net, 12),
+    "unused": (unused_net, 13),
+}
+
+
+def build(kind: str) -> nn.Module:
+    if kind in SPECS:
+        if kind == "gpt2":
+            pytest.importorskip("transformers")
+        return build_seeded(SPECS[kind])
+    make, seed = LOCAL[kind]
+    return seeded(make, seed)
+
+
+def blocks_of(kind: str, model: nn.Module) -> list[Block]:
+    if kind in SPECS:
+        inputs = declared_inputs(SPECS[kind], model)
+        if inputs is not None:
+            return chain_of(model, make_inputs(inputs, 1, 1, "cpu"))
+    return chain_of(model)
+
+
+def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return list(pairwise(bounds))
+
+
+def data_for(kind: str, steps: int = STEPS, batch: int = 8, seed: int = 0) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    out: Data = []
+    for _ in range(steps):
+        if kind == "gpt2":
+            ids = torch.randint(0, 40, (batch, 6), generator=g)
+            out.append((ids, torch.randint(0, 40, (batch, 6), generator=g)))
+        elif kind == "resnet":
+            x = torch.randn(batch, 3, 8, 8, generator=g)
+            out.append((x, torch.randint(0, 5, (batch,), generator=g)))
+        else:
+            x = torch.randn(batch, 8, generator=g)
+            out.append((x, torch.randint(0, 5, (batch,), generator=g)))
+    return out
+
+
+# -- the two runs compared -------------------------------------------------------------------
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def plain_step_loop(kind: str, model: nn.Module, cfg: TrainConfig, data: Data) -> list[float]:
+    """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step."""
+    options = dict(cfg.optimizer)
+    opt = OPTIMIZERS[options.pop("name")](model.parameters(), **options)
+    n = cfg.accumulate
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model.train()
+        for x, y in data:
+            opt.zero_grad()
+            total = 0.0
+            for xm, ym in zip(x.chunk(n), y.chunk(n), strict=True):
+                if kind == "gpt2":
+                    logits = model(xm).logits
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ym.reshape(-1))
+                else:
+                    loss = F.cross_entropy(model(xm), ym)
+                loss = loss / n
+                loss.backward()
+                total += loss.item()
+            if cfg.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+            opt.step()
+            losses.append(total)
+    return losses
+
+
+def flow_run(job: TrainingJob, data: Data, ex: TrainingExecutor | None = None) -> list[StepResult]:
+    """All steps submitted at once (several in flight), results in order."""
+    own = ex is None
+    ex = ex or TrainingExecutor(job.device)
+    try:
+        if job.name not in ex.jobs:
+            ex.open(job)
+        futures = [ex.submit(job.name, x, y) for x, y in data]
+        return [f.result(timeout=120) for f in futures]
+    finally:
+        if own:
+            ex.close()
+
+
+def assert_same_model(job: TrainingJob, reference: nn.Module) -> None:
+    expected = reference.state_dict()
+    got = job.state_dict()
+    covered = [n for n in expected if n in got]
+    params = {n for n, _ in reference.named_parameters()}
+    assert params <= set(covered), f"parameters missing from the job: {params - set(covered)}"
+    for n in covered:
+        close(got[n], expected[n], f"tensor {n} after training")
+
+
+CASES = [
+    # model, optimizer, sub-models, clip, accumulate
+    ("mlp", {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}, 1, None, 1),
+    ("mlp", {"name": "adam", "lr": 0.01}, 2, None, 1),
+    ("mlp", {"name": "adamw", "lr": 0.01, "weight_decay": 0.05}, 4, 0.3, 1),
+    ("mlp", {"name": "adam", "lr": 0.01}, 3, None, 2),
+    ("dropout", {"name": "adamw", "lr": 0.01}, 3, None, 1),
+    ("dropout", {"name": "sgd", "lr": 0.05, "momentum": 0.9}, 2, 0.3, 2),
+    ("resnet", {"name": "sgd", "lr": 0.05, "momentum": 0.9}, 3, None, 1),
+    ("mixed", {"name": "adam", "lr": 0.01}, 3, None, 2),
+    ("resnet", {"name": "adam", "lr": 0.01}, 2, 0.5, 2),
+    ("gpt2", {"name": "adamw", "lr": 0.01}, 2, None, 1),
+    ("gpt2", {"name": "adam", "lr": 0.01}, 4, 0.3, 1),
+    ("gpt2", {"name": "sgd", "lr": 0.1, "momentum": 0.9}, 3, None, 2),
+    ("unused", {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}, 2, None, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "optimizer", "parts", "clip", "accumulate"),
+    CASES,
+    ids=[f"{c[0]}-{c[1]['name']}-k{c[2]}-clip{c[3]}-acc{c[4]}" for c in CASES],
+)
+def test_steps_match_plain_pytorch(
+    kind: str, optimizer: dict[str, Any], parts: int, clip: float | None, accumulate: int
+) -> None:
+    cfg = TrainConfig(optimizer, clip_grad_norm=clip, accumulate=accumulate, seed=21)
+    data = data_for(kind)
+    model = build(kind)
+    blocks = blocks_of(kind, model)
+    job = TrainingJob("job", blocks, even_ranges(len(blocks), parts), cfg, CpuStandIn(8 * MIB))
+    if kind == "gpt2":  # the tied weight is owned by the first sub-model, borrowed by the last
+        assert job.tensors["transformer.wte.weight"].owner == 0
+        assert "transformer.wte.weight" in job.subs[-1].borrowed
+    results = flow_run(job, data)
+
+    reference = build(kind)
+    expected = plain_step_loop(kind, reference, cfg, data)
+    close([r.loss for r in results], expected, "per-step losses")
+    assert [r.step for r in results] == list(range(1, STEPS + 1))
+    assert_same_model(job, reference)
+    if clip is not None:  # the clip was really exercised
+        assert any(r.metrics["grad_norm"] > clip for r in results)
+    if kind == "unused":
+        close(job.state_dict()["2.spare.weight"], build(kind).state_dict()["2.spare.weight"])
+
+
+# -- memory flow -----------------------------------------------------------------------------
+
+
+def mlp_spec(i: int) -> ModelSpec:
+    return ModelSpec(
+        name=f"mlp{i}",
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": 56, "depth": 5, "in_features": 8, "out_features": 5},
+        seed=30 + i,
+    )
+
+
+def test_memory_flow_interleaves_jobs_within_budget() -> None:
+    budget = 150 * KIB
+    cfgs = [
+        TrainConfig({"name": "adam", "lr": 0.01}, seed=1),
+        TrainConfig({"name": "adamw", "lr": 0.01, "weight_decay": 0.01}, seed=2),
+        TrainConfig({"name": "sgd", "lr": 0.05, "momentum": 0.9}, accumulate=2, seed=3),
+        TrainConfig({"name": "adam", "lr": 0.01}, clip_grad_norm=0.5, seed=4),
+    ]
+    steps = 6
+    data = [data_for("mlp", steps, seed=i) for i in range(4)]
+
+    def jobs(dev: CpuStandIn) -> list[TrainingJob]:
+        return [
+            open_job(f"j{i}", mlp_spec(i), cfg, dev, batch=8, target_bytes=60 * KIB)
+            for i, cfg in enumerate(cfgs)
+        ]
+
+    solo = []
+    for i, job in enumerate(jobs(CpuStandIn(budget))):
+        solo.append(([r.loss for r in flow_run(job, data[i])], job.state_dict()))
+
+    dev = CpuStandIn(budget)
+    together = jobs(dev)
+    footprints = [j.footprint() for j in together]
+    assert all(f > budget for f in footprints), "each job alone must exceed the budget"
+    assert sum(footprints) >= 3 * budget
+    assert all(j.parts >= 3 for j in together)
+
+    # Where a task's tensors really live while it computes: inside the arena, not elsewhere.
+    lo = dev.arena.untyped_storage().data_ptr()
+    hi = lo + budget
+    seen: list[bool] = []
+
+    def in_arena(t: torch.Tensor) -> bool:
+        return lo <= t.data_ptr() < hi
+
+    for job in together:
+        for sub in job.subs:
+            for module in sub.modules:
+                module.register_forward_pre_hook(
+                    lambda m, _: seen.extend(in_arena(p) for p in m.parameters(recurse=False))
+                )
+            if sub.optimizer is not None:
+                sub.optimizer.register_step_pre_hook(
+                    lambda opt, *_: seen.extend(
+                        in_arena(t)
+                        for g in opt.param_groups
+                        for p in g["params"]
+                        for t in [
+                            *([p.grad] if p.grad is not None else []),
+                            *(v for v in opt.state[p].values() if v.dim()),
+                        ]
+                    )
+                )
+
+    with TrainingExecutor(dev) as ex:
+        for job in together:
+            ex.open(job)
+        futures = {
+            job.name: [ex.submit(job.name, x, y) for x, y in data[i]]
+            for i, job in enumerate(together)
+        }
+        results = {n: [f.result(timeout=120) for f in fs] for n, fs in futures.items()}
+        log = list(ex.sched.log)
+        stats = ex.stats()
+
+    for i, job in enumerate(together):
+        close([r.loss for r in results[job.name]], solo[i][0], f"{job.name} losses vs solo")
+        for n, t in job.state_dict().items():
+            close(t, solo[i][1][n], f"{job.name} {n} vs solo")
+    assert seen and all(seen), "a task computed on tensors outside the arena"
+    assert stats["reserved_peak"] <= budget
+    assert stats["resident_peak"] <= budget, "two tasks used the same bytes at once"
+    assert stats["resident_peak"] > budget // 2, "the arena was never under pressure"
+    assert stats["reserved_bytes"] == 0 and stats["resident_bytes"] == 0
+    # Interleaving: computes alternate between jobs, and several jobs hold memory at once.
+    runs = [label.split("#")[0] for event, label in log if event == "run"]
+    switches = sum(a != b for a, b in pairwise(runs))
+    assert switches > 4 * steps, f"computes barely interleave: {switches} switches"
+    holding: dict[str, str] = {}
+    running: dict[str, str] = {}
+    most = prefetched = 0
+    for event, label in log:
+        job = label.split("#")[0]
+        if event == "admit":
+            holding[label] = job
+            prefetched += job in running  # copied in while its job's previous task computes
+        elif event == "run":
+            running[job] = label
+        elif event in ("done", "drop"):
+            holding.pop(label, None)
+            running.pop(job, None)
+        most = max(most, len(set(holding.values())))
+    assert most >= 3, f"at most {most} jobs held memory at once"
+    assert prefetched > 0, "no task was brought in while its predecessor computed"
+
+
+# -- isolation -------------------------------------------------------------------------------
+
+
+def local_job(name: str, model: nn.Module, cfg: TrainConfig, dev: CpuStandIn, parts: int = 2):
+    blocks = chain_of(model)
+    return TrainingJob(name, blocks, even_ranges(len(blocks), parts), cfg, dev, inputs=None)
+
+
+def test_failing_jobs_are_isolated() -> None:
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=5)
+    steps, bad = 6, 3
+    data = data_for("mlp", steps, seed=9)
+    boom_data = [(x.clone(), y) for x, y in data]
+    boom_data[bad][0][0, 0] = 12345.0
+    nan_data = [(x.clone(), y) for x, y in data]
+    nan_data[bad][0][1, 2] = float("nan")
+    wrong_data = [(x if i != bad else x[:, :6], y) for i, (x, y) in enumerate(data)]
+    target_data = [(x, y if i != bad else y + 10) for i, (x, y) in enumerate(data)]
+
+    budget = 96 * KIB
+    dev = CpuStandIn(budget)
+    mlp = build_seeded(SPECS["mlp"])
+    jobs = {
+        "healthy": (local_job("healthy", build_seeded(SPECS["mlp"]), cfg, dev, 3), data),
+        "boom": (local_job("boom", seeded(boom_net, 7), cfg, dev, 3), boom_data),
+        "nan": (local_job("nan", build_seeded(SPECS["mlp"]), cfg, dev, 2), nan_data),
+        "targets": (local_job("targets", build_seeded(SPECS["mlp"]), cfg, dev, 2), target_data),
+    }
+    inputs = declared_inputs(SPECS["mlp"], mlp)
+    blocks = chain_of(mlp)
+    jobs["shape"] = (
+        TrainingJob("shape", blocks, even_ranges(len(blocks), 2), cfg, dev, inputs=inputs),
+        wrong_data,
+    )
+    with TrainingExecutor(dev) as ex:
+        for job, _ in jobs.values():
+            ex.open(job)
+        futures = {n: [ex.submit(n, x, y) for x, y in d] for n, (_, d) in jobs.items()}
+        outcomes: dict[str, list[Any]] = {}
+        for n, fs in futures.items():
+            outcomes[n] = []
+            for f in fs:
+                try:
+                    outcomes[n].append(f.result(timeout=120).loss)
+                except FlowmeshError as exc:
+                    outcomes[n].append(exc)
+        stats = ex.stats()
+
+    codes = {
+        "boom": (Code.MODEL_ERROR, "boom: the model's own code failed"),
+        "nan": (Code.MODEL_ERROR, "the loss is nan"),
+        "shape": (Code.BAD_REQUEST, "input 'x'"),
+        "targets": (Code.BAD_REQUEST, "loss 'cross_entropy' failed"),
+    }
+    for n, (code, words) in codes.items():
+        err = outcomes[n][bad]
+        assert isinstance(err, FlowmeshError), f"{n}: step {bad} did not fail"
+        assert err.code == code and words in err.reason, (n, err)
+        assert all(not isinstance(v, Exception) for i, v in enumerate(outcomes[n]) if i != bad)
+    assert stats["reserved_bytes"] == 0 and stats["resident_bytes"] == 0
+    # the wrong shape is refused when submitted: three steps failed on the device
+    assert stats["resident_peak"] <= budget and stats["step_errors"] == 3
+
+    # The healthy job is its solo run; a failed step leaves no trace on the others (no BN,
+    # no dropout): they equal solo runs that skip it.
+    for n, (job, d) in jobs.items():
+        kept = d if n == "healthy" else [b for i, b in enumerate(d) if i != bad]
+        make = (lambda: seeded(boom_net, 7)) if n == "boom" else lambda: build_seeded(SPECS["mlp"])
+        solo_job = local_job(n, make(), cfg, CpuStandIn(budget), job.parts)
+        expected = [r.loss for r in flow_run(solo_job, kept)]
+        close([v for v in outcomes[n] if not isinstance(v, Exception)], expected, n)
+        for name, t in job.state_dict().items():
+            close(t, solo_job.state_dict()[name], f"{n} {name}")
+
+
+def test_failure_after_a_partial_update_breaks_only_that_job() -> None:
+    cfg = TrainConfig({"name": "sgd", "lr": 0.05}, seed=5)
+    dev = CpuStandIn(MIB)
+    job = local_job("half", seeded(lambda: boom_net(in_backward=True), 7), cfg, dev, 3)
+    other = local_job("other", build_seeded(SPECS["mlp"]), cfg, dev, 3)
+    x, y = data_for("mlp", 1)[0]
+    poisoned = x.clone()
+    poisoned[0, 0] = 12345.0
+    with TrainingExecutor(dev) as ex:
+        ex.open(job)
+        ex.open(other)
+        ex.step("half", x, y)
+        with pytest.raises(FlowmeshError) as info:
+            ex.step("half", poisoned, y)  # forward passes, the recompute raises after an update
+        assert info.value.code == Code.MODEL_ERROR
+        with pytest.raises(FlowmeshError) as broken:
+            ex.step("half", x, y)
+        assert broken.value.code == Code.BAD_REQUEST and "broken" in broken.value.reason
+        assert ex.step("other", x, y).step == 1
+        assert ex.stats()["reserved_bytes"] == 0
+
+
+def test_nonfinite_loss_is_reported_when_not_stopping() -> None:
+    cfg = TrainConfig({"name": "sgd", "lr": 0.05}, seed=5, stop_on_nonfinite=False)
+    dev = CpuStandIn(MIB)
+    job = local_job("j", build_seeded(SPECS["mlp"]), cfg, dev, 2)
+    x, y = data_for("mlp", 1)[0]
+    x = x.clone()
+    x[0, 0] = float("inf")
+    with TrainingExecutor(dev) as ex:
+        ex.open(job)
+        result = ex.step("j", x, y)
+    assert result.metrics["nonfinite"] == 1.0  # applied, as plain PyTorch would
+
+
+def test_closing_a_job_fails_its_queue_and_frees_its_memory() -> None:
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=5)
+    dev = CpuStandIn(64 * KIB)
+    data = data_for("mlp", 8)
+    with TrainingExecutor(dev) as ex:
+        for name in ("stay", "go"):
+            ex.open(local_job(name, build_seeded(SPECS["mlp"]), cfg, dev, 3))
+        stay = [ex.submit("stay", x, y) for x, y in data]
+        go = [ex.submit("go", x, y) for x, y in data]
+        ex.close_job("go")
+        assert [f.result(timeout=120).step for f in stay] == list(range(1, 9))
+        failed = [f for f in go if f.exception(timeout=120) is not None]
+        assert failed and all(f.exception().code == Code.BAD_REQUEST for f in failed)
+        assert "go" not in ex.stats()["jobs"] and ex.stats()["jobs"]["stay"]["last_loss"]
+        assert ex.stats()["reserved_bytes"] == 0 and ex.stats()["resident_bytes"] == 0
+        assert ex.submit("go", *data[0]).exception().code == Code.MODEL_NOT_FOUND
+
+
+def test_job_larger_than_any_task_fits_and_a_task_over_the_budget_is_refused() -> None:
+    cfg = TrainConfig({"name": "adam", "lr": 0.01})
+    job = local_job("big", build_seeded(SPECS["mlp"]), cfg, CpuStandIn(4 * KIB), 1)
+    with TrainingExecutor(job.device) as ex, pytest.raises(FlowmeshError) as info:
+        ex.open(job)
+    assert info.value.code == Code.TOO_BIG
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=8)
+    data = data_for("mixed", STEPS, seed=4)
+    half = STEPS // 2
+    make, seed = LOCAL["mixed"]
+
+    dev = CpuStandIn(MIB)
+    whole = local_job("run", seeded(make, seed), cfg, dev, 2)
+    with TrainingExecutor(dev) as ex:
+        ex.open(whole)
+        first = [ex.submit("run", x, y) for x, y in data[:half]]
+        saved = ex.save("run", tmp_path / "ckpt")  # ordered after the first half
+        rest = [ex.submit("run", x, y) for x, y in data[half:]]
+        uninterrupted = [f.result(timeout=120).loss for f in first + rest]
+        assert saved.result(timeout=60) == tmp_path / "ckpt"
+
+    meta = read_meta(tmp_path / "ckpt")
+    assert meta["step"] == half and meta["config"] == cfg.to_dict()
+    assert (tmp_path / "ckpt" / "state.safetensors").is_file()
+
+    # A fresh job of the same model, cut differently, from the checkpoint (other init seed:
+    # everything must come from the file).
+    dev2 = CpuStandIn(MIB)
+    resumed = local_job("again", seeded(make, seed + 100), cfg, dev2, 3)
+    from gpu_worker.train_checkpoint import load_checkpoint
+
+    assert load_checkpoint(resumed, tmp_path / "ckpt") == half
+    results = flow_run(resumed, data[half:])
+    close([r.loss for r in results], uninterrupted[half:], "losses after resuming")
+    assert results[-1].step == STEPS
+    for n, t in resumed.state_dict().items():
+        close(t, whole.state_dict()[n], f"{n} after resuming")
+
+
+# -- the scheduler's rules, exactly ------------------------------------------------------------
+
+
+def task(job: str, n: int, kind: str = "t", reads: str = "", writes: str = "") -> Task:
+    return Task(
+        job, 1, kind, n, frozenset(reads.split()), frozenset(writes.split()), sub=n, micro=0
+    )
+
+
+class Pool:
+    """A fake allocator: a byte counter."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+
+    def __call__(self, t: Task) -> bool:
+        if self.used + t.nbytes > self.capacity:
+            return False
+        self.used += t.nbytes
+        return True
+
+
+def test_scheduler_admits_in_order_heads_first_and_prefetches_one() -> None:
+    s = FlowScheduler(prefetch=1)
+    for j in ("a", "b"):
+        s.add_job(j)
+    s.push([task("a", 4), task("a", 3), task("a", 2)])
+    s.push([task("b", 5), task("b", 1)])
+    pool = Pool(12)
+    got = [t.label for t in s.admit(pool)]
+    # heads a4, b5 first; then the look-aheads, oldest candidate first: a3 (a candidate since
+    # a4 was admitted) fits, b1 then does not; a2 is beyond a's window of two
+    assert got == ["a#1:t4.0", "b#1:t5.0", "a#1:t3.0"]
+    assert pool.used == 12
+    a4 = s.chains["a"][0]
+    s.copied(a4)
+    assert s.next_runnable() is a4
+    s.started(a4)
+    s.finished(a4)
+    pool.used -= 4
+    assert [t.label for t in s.admit(pool)] == ["b#1:t1.0", "a#1:t2.0"]
+
+
+def test_scheduler_holds_a_prefetch_that_reads_what_an_earlier_task_writes() -> None:
+    s = FlowScheduler(prefetch=2)
+    s.add_job("a")
+    first = task("a", 1, reads="P:0", writes="P:0 G:0")
+    s.push([first, task("a", 2, reads="P:1", writes="P:1"), task("a", 3, reads="P:0")])
+    pool = Pool(100)
+    # the third reads P:0, which the unfinished first writes: no stale prefetch
+    assert [t.sub for t in s.admit(pool)] == [1, 2]
+    s.copied(first)
+    s.started(first)
+    s.finished(first)
+    assert [t.sub for t in s.admit(pool)] == [3]
+    s.push([task("a", 0, kind="save", reads=ANY)])  # a checkpoint reads everything
+    assert s.admit(pool) == []  # the second task, unfinished, writes P:1
+
+
+def test_scheduler_stops_backfilling_around_a_starved_task() -> None:
+    s = FlowScheduler(prefetch=0, max_skips=2)
+    for j in ("big", "s1", "s2"):
+        s.add_job(j)
+    s.push([task("big", 8)])
+    s.push([task("s1", 3) for _ in range(5)])
+    s.push([task("s2", 3) for _ in range(5)])
+    pool = Pool(10)
+    pool.used = 4  # something else holds memory
+    admitted = []
+    for _ in range(4):
+        got = s.admit(pool)
+        admitted += [t.job for t in got]
+        for t in got:  # each small task finishes at once and returns its bytes
+            s.copied(t)
+            s.started(t)
+            s.finished(t)
+            pool.used -= t.nbytes
+    # two small tasks back-fill while the big one is skipped; past max_skips, nothing more
+    assert admitted == ["s1", "s2"], "small jobs kept back-filling past the starved one"
+    pool.used = 0
+    assert [t.job for t in s.admit(pool)] == ["big"]
+
+
+def test_scheduler_drops_a_failed_request_and_returns_held_memory() -> None:
+    s = FlowScheduler(prefetch=1)
+    s.add_job("a")
+    s.push([task("a", 2), task("a", 2)])
+    nxt = Task("a", 2, "t", 2)
+    s.push([nxt])
+    s.admit(Pool(100))
+    head = s.chains["a"][0]
+    s.copied(head)
+    s.started(head)
+    held = s.drop_request("a", 1)
+    s.finished(head)
+    assert [t.sub for t in held] == [2] and list(s.chains["a"]) == [nxt]
+    assert s.candidates() == [nxt]
