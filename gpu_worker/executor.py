@@ -16,6 +16,7 @@ Torch work and copies never run on the event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import traceback
 from collections.abc import Mapping
@@ -64,7 +65,10 @@ class Stage:
     state: State = State.HOST
     extents: list[Extent | None] = field(default_factory=list)
     ready: list[Any] = field(default_factory=list)  # one marker per block: its copy is done
-    users: list[Any] = field(default_factory=list)  # markers of runs since the load
+    # Markers of this residency's runs that may still read its bytes. A finished run's marker is
+    # dropped (see `run`): a hot stage would otherwise collect one per run, and `evict` checks
+    # them all on the event loop.
+    users: list[Any] = field(default_factory=list)
     inflight: int = 0
     loading: asyncio.Future[LoadInfo] | None = None
     generation: int = 0
@@ -134,6 +138,10 @@ class Executor:
         self._compute = ThreadPoolExecutor(compute_lanes, thread_name_prefix="compute")
         self.compute_lanes = compute_lanes
         self._tasks: set[asyncio.Task[None]] = set()
+        # Highest sum of the sizes of the stages holding device bytes, taken at every load. It is
+        # counted from the stages' states, not from the arena, so it exceeds the budget if a
+        # stage still counts as resident after its bytes went to another.
+        self.stage_bytes_peak = 0
         self.counters = {
             "loads": 0,
             "evictions": 0,
@@ -186,6 +194,7 @@ class Executor:
         st.users = []
         st.state = State.LOADING
         st.generation += 1
+        self.stage_bytes_peak = max(self.stage_bytes_peak, self.stage_bytes())
         loop = asyncio.get_running_loop()
         st.loading = loop.create_future()
         self._start_copy(st, st.generation, time.perf_counter())
@@ -278,12 +287,17 @@ class Executor:
             raise FlowmeshError(Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded")
         st.inflight += 1
         done = self.device.new_marker()
+        # Runs that are past their marker no longer read the bytes: keep only those that may.
+        st.users = [m for m in st.users if not m.done()]
         st.users.append(done)
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._compute, self._run_blocks, st, list(st.ready), parts, done)
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
             st.inflight -= 1
+            if done.done():  # else a later run or the eviction still finds it in `users`
+                with contextlib.suppress(ValueError):  # gone if evicted (and maybe reloaded)
+                    st.users.remove(done)
             self.counters["runs"] += 1
             if f.cancelled() or f.exception() is not None:
                 self.counters["run_errors"] += 1
@@ -297,48 +311,58 @@ class Executor:
         self, st: Stage, ready: list[Any], parts: list[Mapping[str, Any]], done: Any
     ) -> RunOutput:
         dev = self.device
+        marked = False
         try:
             with torch.inference_mode(), dev.compute():
-                inputs, rows = _batch(parts, dev.torch_device)
-                t0 = time.perf_counter()
-                wait_s = 0.0
-                x: Any = inputs
-                for i, block in enumerate(st.blocks):
-                    tw = time.perf_counter()
-                    ready[i].order_current()
-                    wait_s += time.perf_counter() - tw
-                    try:
-                        x = call_model(block, x) if i == 0 else block(x)
-                    except Exception as exc:
-                        where = traceback.extract_tb(exc.__traceback__)[-1]
-                        raise FlowmeshError(
-                            Code.MODEL_ERROR,
-                            f"{st.key[0]}: block {i} raised {type(exc).__name__}: {exc} "
-                            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
-                        ) from None
-                outputs = self._to_host(_named_outputs(x))
+                try:
+                    inputs, rows = _batch(parts, dev.torch_device)
+                    t0 = time.perf_counter()
+                    wait_s = 0.0
+                    x: Any = inputs
+                    for i, block in enumerate(st.blocks):
+                        tw = time.perf_counter()
+                        ready[i].order_current()
+                        wait_s += time.perf_counter() - tw
+                        try:
+                            x = call_model(block, x) if i == 0 else block(x)
+                        except Exception as exc:
+                            where = traceback.extract_tb(exc.__traceback__)[-1]
+                            raise FlowmeshError(
+                                Code.MODEL_ERROR,
+                                f"{st.key[0]}: block {i} raised {type(exc).__name__}: {exc} "
+                                f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
+                            ) from None
+                    outputs = self._off_arena(_named_outputs(x))
+                finally:
+                    # Past this point of the compute stream the run no longer reads the stage's
+                    # bytes (whatever happened): their later owners order after this marker, not
+                    # after the outputs' trip to the host, which waits for the device.
+                    dev.mark_done(done)
+                    marked = True
+                outputs = {n: t.to("cpu") for n, t in outputs.items()}
                 compute_s = time.perf_counter() - t0 - wait_s
                 return RunOutput(_split(outputs, rows), compute_s, wait_s, sum(rows))
         finally:
-            # Whatever happened, this run no longer reads the stage's bytes once its queued
-            # device work is done: later owners of those bytes order after this marker.
-            dev.mark_done(done)
+            if not marked:  # the compute lane itself failed: nothing of the run was queued
+                dev.mark_done(done)
 
-    def _to_host(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _off_arena(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Outputs that view the arena (a block returning a weight) are copied, on the compute
+        lane before the run's marker: an eviction may hand those bytes to another stage."""
         arena_ptr = self.device.arena.untyped_storage().data_ptr()
-        out = {}
-        for name, t in outputs.items():
-            if t.device.type != "cpu":
-                t = t.to("cpu")
-            elif t.untyped_storage().data_ptr() == arena_ptr:
-                t = t.clone()  # never send arena bytes that an eviction may hand to others
-            out[name] = t
-        return out
+        return {
+            name: t.clone() if t.untyped_storage().data_ptr() == arena_ptr else t
+            for name, t in outputs.items()
+        }
 
     # ------------------------------------------------------------------ introspection
 
     def resident(self) -> list[StageKey]:
         return [k for k, s in self.stages.items() if s.state is not State.HOST]
+
+    def stage_bytes(self) -> int:
+        """Device bytes of the stages that hold arena ranges (loading or resident)."""
+        return sum(s.host.nbytes for s in self.stages.values() if s.state is not State.HOST)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -346,6 +370,14 @@ class Executor:
             "budget_bytes": self.arena.capacity,
             "resident_bytes": self.arena.in_use,
             "peak_bytes": self.arena.peak,
+            # What holds the bytes, as the stages see it (the arena's figures above cannot exceed
+            # the budget by construction; these can, if the bookkeeping is wrong).
+            "resident_stages": {
+                f"{k[0]}/{k[1]}": s.host.nbytes
+                for k, s in self.stages.items()
+                if s.state is not State.HOST
+            },
+            "stage_bytes_peak": self.stage_bytes_peak,
             "largest_free": self.arena.largest_free,
             "host_bytes": sum(s.host.nbytes for s in self.stages.values()),
             "inflight": sum(s.inflight for s in self.stages.values()),

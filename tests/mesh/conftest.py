@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from client_sdk.mesh import LocalMesh
+from client_sdk.mesh import LocalMesh, wait_until
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
 
-# Fast heartbeats so that a dead worker is noticed within a second.
-FAST = {"heartbeat_s": 0.2, "liveness": 3, "threads_per_worker": 1}
+# Fast heartbeats, so that a dead worker is noticed within two seconds; ten missed beats, not
+# three, before a peer counts as dead: on a loaded 2-core machine a process can go unscheduled
+# for over half a second, and a live worker declared lost fails the test for nothing.
+FAST = {"heartbeat_s": 0.2, "liveness": 10, "threads_per_worker": 1}
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +23,6 @@ def mesh() -> Iterator[LocalMesh]:
     """Two CPU stand-in workers of 8 MiB each, shared by a test module."""
     with LocalMesh(cpu_workers=2, memory_budget="8MiB", **FAST) as m:
         yield m
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Workers run torch on one thread; references computed here do the same, so unbatched
-    # results can be compared bit for bit.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def mlp_spec(name: str, width: int = 256, depth: int = 3, seed: int = 0) -> ModelSpec:
@@ -41,8 +34,15 @@ def mlp_spec(name: str, width: int = 256, depth: int = 3, seed: int = 0) -> Mode
     )
 
 
-def reference(spec: ModelSpec) -> torch.nn.Module:
-    return build_seeded(spec)
+def reference(spec: ModelSpec) -> Callable[..., Any]:
+    """The whole model's direct forward, in this process (compare with assert_forward_close)."""
+    model = build_seeded(spec)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode():
+            return model(*args, **kwargs)
+
+    return forward
 
 
 def deploy(client, spec: ModelSpec, **kw) -> dict:  # type: ignore[no-untyped-def]
@@ -55,3 +55,55 @@ def deploy(client, spec: ModelSpec, **kw) -> dict:  # type: ignore[no-untyped-de
         max_batch_size=spec.max_batch_size,
         **kw,
     )
+
+
+def fresh_stats(client: Any, name: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Peer `name`'s heartbeat stats from a message the broker received after this call began.
+
+    Heartbeat stats lag by up to a heartbeat; this waits for the broker to hear from the peer
+    again (`uptime_s - last_seen_s` is the broker-clock time it last did). It is a fence only
+    while the peer owes the broker no reply, so that what it hears next is a heartbeat: call it
+    once the traffic it should reflect has been answered.
+    """
+    asked = client.status()["uptime_s"]
+
+    def probe() -> dict[str, Any] | None:
+        st = client.status()
+        (row,) = [r for r in (*st["workers"], *st["partitioners"]) if r["name"] == name]
+        # Both figures are rounded to the millisecond: 2 ms keeps the comparison strict.
+        return row["stats"] if st["uptime_s"] - row["last_seen_s"] > asked + 0.002 else None
+
+    return wait_until(probe, f"a heartbeat from {name}", timeout)
+
+
+class ResidencySampler:
+    """Samples, while traffic runs, what each worker reports holding in its device arena.
+
+    The arena is exactly the budget, so the worker's own `resident_bytes` and `peak_bytes` can
+    never exceed it; the sum of the sizes of the stages it reports resident can, if a stage
+    kept counting as resident after its bytes went to another.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.largest: dict[str, int] = {}
+        self.over: list[str] = []
+        self.seen_resident: set[str] = set()
+
+    def take(self, status: dict[str, Any]) -> None:
+        self.samples += 1
+        for w in status["workers"]:
+            stages = w["stats"].get("resident_stages", {})
+            held = sum(stages.values())
+            self.seen_resident |= set(stages)
+            self.largest[w["name"]] = max(self.largest.get(w["name"], 0), held)
+            if held > w["budget_bytes"]:
+                self.over.append(f"{w['name']}: {held} > {w['budget_bytes']} in {stages}")
+
+    def check(self, final: dict[str, dict[str, Any]], budgets: dict[str, int]) -> None:
+        """Nothing sampled over budget, nor the worker's own high-water mark of stage bytes
+        (taken at every load, between samples too) in the fresh `final` stats."""
+        assert self.samples > 0 and self.seen_resident, "no sample saw a resident stage"
+        assert not self.over, self.over
+        for name, stats in final.items():
+            assert 0 < stats["stage_bytes_peak"] <= budgets[name], (name, stats)

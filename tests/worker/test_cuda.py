@@ -1,69 +1,112 @@
 """The executor on a real GPU: pinned host tier, copy stream, events. Skipped without CUDA;
-run on a GPU machine with `pytest tests/worker/test_cuda.py`."""
+run on a GPU machine with `pytest tests/worker/test_cuda.py`.
+
+The ordering tests keep one stream busy with `torch.cuda._sleep` while the host runs ahead, so
+that a missing `wait_event` would let the other stream read or overwrite bytes too early and
+corrupt the result: they test GPU event ordering, not host-side waits.
+"""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
+from torch import nn
 
+from flowmesh.testing import assert_forward_close
 from gpu_worker.device import CudaDevice
 from gpu_worker.executor import Executor
 from gpu_worker.host_tier import HostStage
-from tests.worker.test_executor import MIB, Gate, mlp, stage_of
+from tests.worker.test_executor import MIB, mlp, stage_of, until
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# GPU clock cycles a sleeping kernel spins: about half a second at 2 GHz, ages next to the
+# microseconds the host takes to go on, and to copy or compute these small models.
+SLEEP_CYCLES = 1_000_000_000
 
-def gpu_reference(ref: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+
+def pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def gpu_reference(ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return ref.to("cuda")(x.to("cuda")).cpu()
+
+
+class SleepOnStream(nn.Module):
+    """Identity that queues a long kernel on the current stream and returns at once: the blocks
+    after it run on the GPU long after the host has queued them and moved on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return x
 
 
 async def test_cuda_load_and_run_match_a_direct_gpu_forward() -> None:
     dev = CudaDevice(0, 64 * MIB)
     assert dev.host_buffer(16).is_pinned()
+    dev.arena.fill_(0xFF)  # NaN as float32: a block computed before its bytes landed shows
+    torch.cuda.synchronize()  # the fill ran on another stream than the copies will
     ex = Executor(dev, copy_chunk_bytes=1)  # one copy per block: layer-pipelined
-    blocks, host, ref = stage_of(mlp("a", depth=6))
+    blocks, _, ref = stage_of(mlp("a", depth=6))
     host = HostStage.build([dict(b.state_dict()) for b in ref.children()], allocate=dev.host_buffer)
     ex.add_stage(("a", 0), blocks, host)
+    # The copy stream is busy before the load's copies: the run's kernels must wait on each
+    # block's event on the GPU (the host sees every copy queued long before it lands).
+    with torch.cuda.stream(dev.copy_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
     loading = ex.load(("a", 0))
     x = torch.randn(4, 256)
     out = await ex.run(("a", 0), [{"x": x}])  # issued before the load finished
     await loading
-    assert torch.equal(out.parts[0][""], gpu_reference(ref, x))
+    assert_forward_close(out.parts[0][""], gpu_reference(ref, x))
     ex.close()
 
 
-async def test_cuda_reuse_of_evicted_memory_waits_for_the_last_run() -> None:
-    dev = CudaDevice(0, 8 * MIB)
+async def test_cuda_reuse_of_evicted_memory_waits_for_the_last_run_on_the_gpu() -> None:
     spec_a, spec_b = mlp("a"), mlp("b", seed=1)
     blocks_a, _, ref_a = stage_of(spec_a)
     blocks_b, _, ref_b = stage_of(spec_b)
-    gate = Gate()
     children = list(ref_a.children())
+    # a = block 0, a sleeper, then the rest: a's weights after the sleeper are read on the GPU
+    # long after the host has queued them and recorded the run's marker.
     host_a = HostStage.build(
         [dict(children[0].state_dict()), {}, *[dict(c.state_dict()) for c in children[1:]]],
-        allocate=dev.host_buffer,
+        allocate=pinned,
     )
-    host_b = HostStage.build(
-        [dict(c.state_dict()) for c in ref_b.children()], allocate=dev.host_buffer
-    )
+    host_b = HostStage.build([dict(c.state_dict()) for c in ref_b.children()], allocate=pinned)
+    assert host_a.nbytes == host_b.nbytes
+    dev = CudaDevice(0, host_a.nbytes)  # b can only go where a was
     ex = Executor(dev, compute_lanes=2)
-    ex.add_stage(("a", 0), [blocks_a[0], gate, *blocks_a[1:]], host_a)
+    ex.add_stage(("a", 0), [blocks_a[0], SleepOnStream(), *blocks_a[1:]], host_a)
     ex.add_stage(("b", 0), blocks_b, host_b)
     await ex.load(("a", 0))
     x = torch.randn(2, 256)
     running = ex.run(("a", 0), [{"x": x}])
-    assert await asyncio.to_thread(gate.entered.wait, 10)
+    (a_run,) = ex.stages[("a", 0)].users
+    # The run's marker is recorded once its kernels are queued, while the GPU still sleeps.
+    await until(a_run._recorded.is_set, "a's run to queue its kernels and record its marker")
+    assert not a_run.done(), "the GPU finished a's run already: SLEEP_CYCLES is too short"
     ex.evict(("a", 0))
-    loading = ex.load(("b", 0))
-    finished, _ = await asyncio.wait({loading}, timeout=0.3)
-    assert not finished
-    gate.release.set()
+    loading = ex.load(("b", 0))  # a's bytes: the copy stream must wait on a's run's event
     out = await running
     await loading
-    assert torch.equal(out.parts[0][""], gpu_reference(ref_a, x))
-    assert torch.equal((await ex.run(("b", 0), [{"x": x}])).parts[0][""], gpu_reference(ref_b, x))
+    assert_forward_close(out.parts[0][""], gpu_reference(ref_a, x))
+    assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], gpu_reference(ref_b, x))
+    ex.close()
+
+
+async def test_cuda_hot_stage_keeps_only_the_markers_that_can_still_matter() -> None:
+    dev = CudaDevice(0, 8 * MIB)
+    ex = Executor(dev)
+    blocks, _, ref = stage_of(mlp("a", width=64, depth=2))
+    host = HostStage.build([dict(b.state_dict()) for b in ref.children()], allocate=dev.host_buffer)
+    ex.add_stage(("a", 0), blocks, host)
+    await ex.load(("a", 0))
+    x = torch.randn(1, 64)
+    for _ in range(50):
+        out = await ex.run(("a", 0), [{"x": x}])
+        assert len(ex.stages[("a", 0)].users) <= 1
+    assert_forward_close(out.parts[0][""], gpu_reference(ref, x))
     ex.close()

@@ -1,8 +1,17 @@
-"""The executor in-process on a CPU stand-in: exact outputs, budget, layer-pipelined loads and
-stream-ordered reuse of evicted memory."""
+"""The executor in-process on a CPU stand-in: outputs, budget, layer-pipelined loads and
+stream-ordered reuse of evicted memory.
+
+Ordering is checked on a log of events (copies issued, markers waited on and set, blocks
+computed) that a recording stand-in keeps across its threads, never on wall time.
+"""
+
+from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +20,8 @@ from torch import nn
 from flowmesh.build import build_meta, build_seeded
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import ModelSpec
-from gpu_worker.device import CpuStandIn
+from flowmesh.testing import assert_forward_close, assert_same_bits
+from gpu_worker.device import CpuMarker, CpuStandIn
 from gpu_worker.executor import Executor, State
 from gpu_worker.host_tier import HostStage
 
@@ -34,27 +44,134 @@ def mlp(name: str, width: int = 256, depth: int = 4, seed: int = 0) -> ModelSpec
     )
 
 
+def forward(ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return ref(x)
+
+
+async def until(probe: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll `probe` (without blocking the event loop) until it holds; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class Log:
+    """Events from every thread of a recording stand-in, in the order they happened."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, what: Any) -> None:
+        with self._lock:
+            self.events.append((kind, what))
+
+    def has(self, kind: str, what: Any) -> bool:
+        with self._lock:
+            return any(k == kind and w is what for k, w in self.events)
+
+    def index(self, kind: str, what: Any) -> int:
+        with self._lock:
+            for i, (k, w) in enumerate(self.events):
+                if k == kind and (w is what or w == what):
+                    return i
+        raise AssertionError(f"no {kind} {what!r} in the log: {self.events}")
+
+
+class LoggedMarker(CpuMarker):
+    def __init__(self, log: Log, done: bool = False) -> None:
+        super().__init__(done)
+        self.log = log
+
+    def set(self) -> None:
+        self.log.add("set", self)  # before anyone waiting on it can go on
+        super().set()
+
+    def order_current(self) -> None:
+        self.log.add("wait", self)  # before waiting, so a blocked wait is visible
+        super().order_current()
+
+
+class RecordingCpu(CpuStandIn):
+    """A CPU stand-in that logs copies and markers; `before_copy` may hold a copy back."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes)
+        self.log = Log()
+        self.before_copy: Callable[[Any], None] | None = None
+
+    def new_marker(self) -> LoggedMarker:
+        return LoggedMarker(self.log)
+
+    def copy_in(self, dst: Any, src: Any, after: list[Any], marker: Any) -> None:
+        if self.before_copy is not None:
+            self.before_copy(marker)
+        self.log.add("copy", marker)  # issued; it still orders after `after` below
+        super().copy_in(dst, src, after, marker)
+
+
+def log_computes(blocks: list[nn.Module], log: Log) -> None:
+    for i, block in enumerate(blocks):
+        block.register_forward_hook(lambda *_, i=i: log.add("computed", i))
+
+
+def assert_bound_to_host_tier(ex: Executor, key: tuple[str, int], ref: nn.Module) -> None:
+    for i, (block, want) in enumerate(zip(ex.stages[key].blocks, ref.children(), strict=True)):
+        for name, tensor in want.state_dict().items():
+            got = block.state_dict()[name]
+            assert got.untyped_storage().data_ptr() == ex.device.arena.untyped_storage().data_ptr()
+            # bit-exact: the arena copy of the host tier's bytes
+            assert_same_bits(got, tensor, f"block {i} {name}")
+
+
 async def test_load_then_run_equals_direct_forward() -> None:
     ex = Executor(CpuStandIn(8 * MIB))
     blocks, host, ref = stage_of(mlp("a"))
     ex.add_stage(("a", 0), blocks, host)
     info = await ex.load(("a", 0))
     assert info.nbytes == host.nbytes and ex.stages[("a", 0)].state is State.RESIDENT
+    assert_bound_to_host_tier(ex, ("a", 0), ref)
     x = torch.randn(3, 256)
     out = await ex.run(("a", 0), [{"x": x}])
-    assert torch.equal(out.parts[0][""], ref(x))
+    assert_forward_close(out.parts[0][""], forward(ref, x))
     ex.close()
 
 
-async def test_run_during_load_waits_block_by_block() -> None:
-    ex = Executor(CpuStandIn(8 * MIB))
+async def test_a_cold_run_computes_its_first_block_before_its_last_block_is_copied() -> None:
+    # Layer-pipelined swap-in (DESIGN §4.5): one copy per block, and the copy of the last block
+    # is held back until block 0 has computed. An executor that waited for the whole load before
+    # computing would never get there: the hold gives up and the log shows the order.
+    dev = RecordingCpu(8 * MIB)
+    ex = Executor(dev, copy_chunk_bytes=1)
     blocks, host, ref = stage_of(mlp("a", depth=6))
+    log_computes(blocks, dev.log)
     ex.add_stage(("a", 0), blocks, host)
+    first_computed = threading.Event()
+    blocks[0].register_forward_hook(lambda *_: first_computed.set())
+    held: list[bool] = []
+
+    def hold_last(marker: Any) -> None:
+        if marker is ex.stages[("a", 0)].copies[-1].marker:
+            held.append(first_computed.wait(10))
+
+    dev.before_copy = hold_last
     loading = ex.load(("a", 0))
+    copies = ex.stages[("a", 0)].copies
+    assert len(copies) == sum(1 for r in host.regions if r.size) > 2
     x = torch.randn(2, 256)
     out = await ex.run(("a", 0), [{"x": x}])  # issued before the load completed
     await loading
-    assert torch.equal(out.parts[0][""], ref(x))
+    log = dev.log
+    assert held == [True], "block 0 did not compute while the last block's copy was held back"
+    assert log.index("computed", 0) < log.index("copy", copies[-1].marker)
+    # And no block ever computed before the copy carrying its bytes had landed.
+    for run in copies:
+        for i in run.blocks:
+            assert log.index("set", run.marker) < log.index("computed", i), f"block {i}"
+    assert_forward_close(out.parts[0][""], forward(ref, x))
     ex.close()
 
 
@@ -67,7 +184,7 @@ async def test_batch_of_parts_is_split_back() -> None:
     out = await ex.run(("a", 0), [{"x": x} for x in xs])
     for x, part in zip(xs, out.parts, strict=True):
         assert part[""].shape == (x.shape[0], 256)
-        torch.testing.assert_close(part[""], ref(x), rtol=1e-5, atol=1e-6)
+        assert_forward_close(part[""], forward(ref, x))  # batched: the same rows, other blocking
     ex.close()
 
 
@@ -82,11 +199,14 @@ async def test_budget_is_enforced_and_eviction_frees() -> None:
     with pytest.raises(FlowmeshError) as info:
         ex.load(("b", 0))
     assert info.value.code is Code.NO_SPACE
-    assert ex.evict(("a", 0)) > 0
+    assert ex.stages[("b", 0)].state is State.HOST  # a refused load holds nothing
+    assert ex.evict(("a", 0)) == host_a.nbytes
     await ex.load(("b", 0))
+    assert ex.resident() == [("b", 0)]
+    assert ex.stats()["resident_stages"] == {"b/0": host_b.nbytes}
+    assert ex.stats()["stage_bytes_peak"] == host_a.nbytes
     x = torch.randn(2, 256)
-    assert torch.equal((await ex.run(("b", 0), [{"x": x}])).parts[0][""], ref_b(x))
-    assert ex.arena.peak <= ex.arena.capacity
+    assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], forward(ref_b, x))
     with pytest.raises(FlowmeshError) as info:
         ex.run(("a", 0), [{"x": x}])
     assert info.value.code is Code.NOT_RESIDENT
@@ -108,30 +228,102 @@ class Gate(nn.Module):
 
 async def test_evicted_bytes_are_reused_only_after_their_last_run() -> None:
     spec_a, spec_b = mlp("a"), mlp("b", seed=1)
-    blocks_a, host_a, ref_a = stage_of(spec_a)
+    blocks_a, _, ref_a = stage_of(spec_a)
     blocks_b, host_b, ref_b = stage_of(spec_b)
     gate = Gate()
     # The gate is block 1 of a; a's weights after it are still read once the gate opens.
     blocks_a = [blocks_a[0], gate, *blocks_a[1:]]
-    ref_children = list(ref_a.children())
-    with_gate = [ref_children[0], nn.Identity(), *ref_children[1:]]
-    host_a = HostStage.build([dict(b.state_dict()) for b in with_gate])
-    ex = Executor(CpuStandIn(host_a.nbytes), compute_lanes=2)
+    children = list(ref_a.children())
+    host_a = HostStage.build([dict(b.state_dict()) for b in [children[0], gate, *children[1:]]])
+    assert host_a.nbytes == host_b.nbytes  # b can only go where a was
+    dev = RecordingCpu(host_a.nbytes)
+    ex = Executor(dev, compute_lanes=2)
     ex.add_stage(("a", 0), blocks_a, host_a)
     ex.add_stage(("b", 0), blocks_b, host_b)
     await ex.load(("a", 0))
     x = torch.randn(2, 256)
     running = ex.run(("a", 0), [{"x": x}])
+    (a_run,) = ex.stages[("a", 0)].users
     assert await asyncio.to_thread(gate.entered.wait, 10)
     ex.evict(("a", 0))  # scheduled release while a run still reads a's bytes
-    loading = ex.load(("b", 0))  # same bytes; its copy must wait for the run
-    finished, _ = await asyncio.wait({loading}, timeout=0.3)
-    assert not finished, "b's copy completed while a's run was still reading those bytes"
+    loading = ex.load(("b", 0))  # same bytes: its copy must order after the run
+    b_copy = ex.stages[("b", 0)].copies[-1].marker
+    # Either b's copy is waiting on a's run (right) or it has already landed (wrong): both are in
+    # the log, so the gate opens only once the copy has shown which.
+    await until(
+        lambda: dev.log.has("wait", a_run) or dev.log.has("set", b_copy),
+        "b's copy to wait on a's run or to land",
+    )
     gate.release.set()
     out = await running
     await loading
-    assert torch.equal(out.parts[0][""], ref_a(x))
-    assert torch.equal((await ex.run(("b", 0), [{"x": x}])).parts[0][""], ref_b(x))
+    assert dev.log.index("set", a_run) < dev.log.index("set", b_copy), (
+        "b's bytes landed in a's range while a's run was still reading it"
+    )
+    assert_forward_close(out.parts[0][""], forward(ref_a, x))
+    assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], forward(ref_b, x))
+    ex.close()
+
+
+async def test_a_hot_stage_keeps_only_the_markers_that_can_still_matter() -> None:
+    # One marker per run, forever, would grow without bound on a popular model (and evict checks
+    # them all on the event loop): a finished run's marker is dropped.
+    ex = Executor(CpuStandIn(8 * MIB), compute_lanes=2)
+    blocks, host, ref = stage_of(mlp("a", width=64, depth=2))
+    gate = Gate()
+    blocks = [*blocks, gate]
+    children = list(ref.children())
+    host = HostStage.build([*(dict(c.state_dict()) for c in children), {}])
+    ex.add_stage(("a", 0), blocks, host)
+    await ex.load(("a", 0))
+    st = ex.stages[("a", 0)]
+    gate.release.set()
+    x = torch.randn(1, 64)
+    for _ in range(20):
+        await ex.run(("a", 0), [{"x": x}])
+    assert st.users == []
+    await asyncio.gather(*(ex.run(("a", 0), [{"x": x}]) for _ in range(20)))
+    assert st.users == []
+    # A run still in flight keeps its marker: an eviction must order after it.
+    gate.release.clear()
+    gate.entered.clear()
+    held = ex.run(("a", 0), [{"x": x}])
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    assert len(st.users) == 1 and not st.users[0].done()
+    gate.release.set()
+    assert_forward_close((await held).parts[0][""], forward(ref, x))
+    assert st.users == []
+    ex.close()
+
+
+class LaggingCpu(CpuStandIn):
+    """Completes a run's marker only when the test says the device got past it, as a GPU's
+    event completes after the host has moved on."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes)
+        self.behind: list[CpuMarker] = []
+
+    def mark_done(self, marker: CpuMarker) -> None:
+        self.behind.append(marker)
+
+    def catch_up(self) -> None:
+        for m in self.behind:
+            m.set()
+        self.behind.clear()
+
+
+async def test_markers_completed_after_their_run_settled_are_dropped_later() -> None:
+    dev = LaggingCpu(8 * MIB)
+    ex = Executor(dev)
+    blocks, host, _ = stage_of(mlp("a", width=64, depth=2))
+    ex.add_stage(("a", 0), blocks, host)
+    await ex.load(("a", 0))
+    st = ex.stages[("a", 0)]
+    for _ in range(10):
+        await ex.run(("a", 0), [{"x": torch.randn(1, 64)}])
+        assert len(st.users) == 1  # this run's: the device is not past it yet
+        dev.catch_up()
     ex.close()
 
 
@@ -143,21 +335,33 @@ async def test_model_error_fails_the_run_not_the_executor() -> None:
     with pytest.raises(FlowmeshError) as info:
         await ex.run(("a", 0), [{"x": torch.randn(2, 7)}])
     assert info.value.code is Code.MODEL_ERROR and "block 0" in info.value.reason
+    assert ex.stages[("a", 0)].users == []  # the failed run released its marker too
     x = torch.randn(1, 256)
-    assert torch.equal((await ex.run(("a", 0), [{"x": x}])).parts[0][""], ref(x))
+    assert_forward_close((await ex.run(("a", 0), [{"x": x}])).parts[0][""], forward(ref, x))
     assert ex.counters["run_errors"] == 1
     ex.close()
 
 
-async def test_run_during_a_block_by_block_load_is_exact() -> None:
-    # One copy per block: the run computes each block as soon as that block has landed.
-    ex = Executor(CpuStandIn(8 * MIB), copy_chunk_bytes=1)
-    blocks, host, ref = stage_of(mlp("a", depth=6))
-    ex.add_stage(("a", 0), blocks, host)
-    loading = ex.load(("a", 0))
-    assert len(ex.stages[("a", 0)].copies) == sum(1 for r in host.regions if r.size)
-    x = torch.randn(2, 256)
-    out = await ex.run(("a", 0), [{"x": x}])
-    await loading
-    assert torch.equal(out.parts[0][""], ref(x))
+async def test_an_output_viewing_the_arena_is_copied_before_the_bytes_are_released() -> None:
+    class Weight(nn.Module):
+        """Returns its own weight: an output that is a view of the arena."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(8.0).reshape(2, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w
+
+    ex = Executor(CpuStandIn(1 * MIB))
+    source = Weight()
+    host = HostStage.build([dict(source.state_dict())])
+    ex.add_stage(("w", 0), [Weight().to("meta")], host)
+    await ex.load(("w", 0))
+    out = (await ex.run(("w", 0), [{"x": torch.zeros(2, 1)}])).parts[0][""]
+    arena = ex.device.arena.untyped_storage().data_ptr()
+    assert out.untyped_storage().data_ptr() != arena
+    ex.evict(("w", 0))
+    ex.device.arena.fill_(0xFF)  # the next owner writes over the range
+    assert_same_bits(out, source.w.detach())  # bit-exact: a copy of the weight's bytes
     ex.close()
