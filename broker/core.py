@@ -29,6 +29,7 @@ from broker.state import (
     Residency,
     StageKey,
 )
+from broker.training import TrainingRouter
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, parse_inputs
@@ -156,6 +157,15 @@ class BrokerCore:
             "expired_calls": 0,
             "dropped_sends": 0,
         }
+        self.training = TrainingRouter(
+            peers=self.peers,
+            ids=self._ids,
+            to_client=lambda addr, msg: self._send(CLIENT, addr, msg),
+            to_worker=self._to_worker,
+            allow=self.cfg.allow,
+            step_timeout_s=self.cfg.default_timeout_s,
+            open_timeout_s=self.cfg.deploy_timeout_s,
+        )
 
     # ================================================================== plumbing
 
@@ -164,6 +174,10 @@ class BrokerCore:
 
     def _to_peer(self, name: str, msg: p.Message) -> None:
         self._send(BACKEND, self.peers[name].addr, msg)
+
+    def _to_worker(self, name: str, msg: p.Message) -> None:
+        if name in self.peers:  # one lost meanwhile has nothing left to be told
+            self._to_peer(name, msg)
 
     def drain(self) -> list[tuple[str, bytes, p.Message]]:
         out, self.out = self.out, []
@@ -184,6 +198,8 @@ class BrokerCore:
             p.Status: self._status,
             p.PlanRequest: self._plan_request,
         }.get(type(msg))
+        if handler is None and isinstance(msg, TrainingRouter.CLIENT_TYPES):
+            handler = self.training.on_client
         if handler is None:
             raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a client message")
         handler(addr, msg, now)
@@ -521,8 +537,11 @@ class BrokerCore:
             answer = {"plan": msg.plan, "inputs": msg.inputs}
             self.plan_cache[call.data["key"]] = answer
             self._plan_ready(call.data, answer, now)
+        elif isinstance(msg, TrainingRouter.WORKER_TYPES) and peer.role == "worker":
+            self.training.on_worker(peer.name, msg, now)
         elif isinstance(msg, p.Error):
-            self._backend_error(peer, msg, now)
+            if not self.training.on_error(peer.name, msg, now):
+                self._backend_error(peer, msg, now)
         else:
             raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not expected from a {peer.role}")
 
@@ -1050,6 +1069,7 @@ class BrokerCore:
             if call.deadline <= now and self.calls.get(cid) is call:
                 del self.calls[cid]
                 self._call_expired(call, now)
+        self.training.tick(now)
         self._reconcile(now)
         self._pump(now)
 
@@ -1131,6 +1151,7 @@ class BrokerCore:
                 )
         if peer.role != "worker":
             return
+        self.training.worker_lost(peer.name)
         for model in list(self.models.values()):
             for rep in [r for r in model.replicas if peer.name in r.workers]:
                 model.replicas.remove(rep)
@@ -1288,7 +1309,9 @@ class BrokerCore:
             ],
             "queued": sum(len(m.queue) for m in self.models.values()),
             "inflight_batches": len(self.batches),
+            "jobs": self.training.status(now),
             **self.totals,
+            **self.training.totals,
         }
 
     def _status(self, addr: bytes, msg: p.Status, now: float) -> None:
@@ -1312,6 +1335,8 @@ class BrokerCore:
         reason = f"could not reach {self.by_addr.get(addr, addr)!r}: {exc.reason}"
         if isinstance(msg, p.Run) and ref in self.batches:
             self._run_failed(self.batches.pop(ref), str(Code.OVERLOADED), reason, now)
+            return
+        if self.training.undelivered(ref, reason):
             return
         call = self.calls.pop(ref, None) if isinstance(ref, int) else None
         if call is not None:

@@ -1,4 +1,4 @@
-"""The `flowmesh` command: run the mesh, look at it, deploy, infer and plan."""
+"""The `flowmesh` command: run the mesh, look at it, deploy, infer, plan and list jobs."""
 
 from __future__ import annotations
 
@@ -114,7 +114,47 @@ def format_status(st: dict[str, Any]) -> str:
             ],
         )
     )
+    if st.get("jobs"):
+        out += ["", format_jobs(st["jobs"])]
     return "\n".join(out)
+
+
+def format_jobs(jobs: list[dict[str, Any]]) -> str:
+    """Training jobs as a table: worker, state, step, last loss, steps/s, sub-models."""
+    rows = [
+        [
+            j["name"],
+            j["worker"],
+            j["state"],
+            j["step"],
+            "-" if j["last_loss"] is None else f"{j['last_loss']:.4g}",
+            f"{j['steps_per_s']:.2f}",
+            " | ".join(
+                f"{m['blocks'][0]}-{m['blocks'][1] - 1}:{fmt_bytes(m.get('host_bytes', 0))}"
+                for m in j["sub_models"]
+            )
+            or "-",
+            fmt_bytes(j["footprint"]),
+            "-" if j["saved_step"] is None else j["saved_step"],
+            j["pending"],
+            j["errors"],
+        ]
+        for j in jobs
+    ]
+    header = [
+        "job",
+        "worker",
+        "state",
+        "step",
+        "loss",
+        "steps/s",
+        "sub-models (blocks:host bytes)",
+        "footprint",
+        "saved",
+        "pending",
+        "errors",
+    ]
+    return table(rows, header)
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -169,6 +209,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         backend_port=int(port or 5555) + 1,
         heartbeat_s=args.heartbeat,
         threads_per_worker=args.threads,
+        train_bytes=args.train_bytes or 0,
     )
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -197,6 +238,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     with connect(args) as c:
         st = c.status(timeout=args.timeout)
     print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with connect(args) as c:
+        jobs = c.jobs(timeout=args.timeout)
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+    else:
+        print(format_jobs(jobs) if jobs else "no training jobs")
     return 0
 
 
@@ -332,7 +383,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--heartbeat", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument(
+        "--train-bytes",
+        default=None,
+        help="device bytes per worker for training jobs, besides --memory-budget (default: none)",
+    )
     p.set_defaults(fn=cmd_up)
+
+    p = client_cmd("jobs", "show training jobs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_jobs)
 
     p = client_cmd("status", "show workers, models and queues")
     p.add_argument("--json", action="store_true")

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from client_sdk.errors import ClientError, Timeout, TooLarge, Unavailable, error_from
+from client_sdk.jobs import AsyncJob, Job
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, send
@@ -379,6 +380,77 @@ class AsyncClient:
         assert isinstance(reply, p.PlanReply)
         return reply.plan
 
+    async def train_open(
+        self,
+        name: str,
+        factory: str,
+        *,
+        kwargs: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        weights: str | None = None,
+        resume: str | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        loss: str = "cross_entropy",
+        batch_size: int,
+        clip_grad_norm: float | None = None,
+        accumulate: int = 1,
+        dtype: str = "float32",
+        rng_seed: int | None = None,
+        stop_on_nonfinite: bool = True,
+        chunk_bytes: int | None = None,
+        timeout: float = 600.0,
+    ) -> AsyncJob:
+        """Open training job `name` of model `factory(**kwargs)` on the worker with the most
+        free training memory; returns the job once its worker holds it.
+
+        Weights: the factory's initialisation under `seed`, a safetensors file (`weights`), or a
+        checkpoint directory written by `job.save` (`resume`; the optimizer settings then default
+        to the checkpoint's). `optimizer`: {"name": "sgd" | "adam" | "adamw", "lr": ..., ...}
+        (torch.optim keyword arguments); `loss`: "cross_entropy" or "mse"; `batch_size`: rows
+        per step, split into `accumulate` micro-batches; `clip_grad_norm`: clip by global norm;
+        `rng_seed`: the job's own random stream (dropout), `seed` when not given;
+        `chunk_bytes`: the sub-models' target footprint (default: half the worker's training
+        bytes)."""
+        if optimizer is None and resume is None:
+            raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
+        spec = {
+            "name": name,
+            "factory": factory,
+            "kwargs": dict(kwargs or {}),
+            "weights": weights,
+            "seed": seed,
+            "dtype": dtype,
+        }
+        config: dict[str, Any] = {}
+        if optimizer is not None:
+            config = {
+                "optimizer": dict(optimizer),
+                "loss": loss,
+                "clip_grad_norm": clip_grad_norm,
+                "accumulate": accumulate,
+                "seed": rng_seed if rng_seed is not None else (seed or 0),
+                "stop_on_nonfinite": stop_on_nonfinite,
+            }
+        msg = p.TrainOpen(
+            id=next(self._ids),
+            job=name,
+            spec=spec,
+            config=config,
+            batch=batch_size,
+            resume=str(resume) if resume is not None else None,
+            chunk_bytes=chunk_bytes,
+            timeout_ms=self._ms(timeout),
+        )
+        reply = await self._call(msg, timeout)
+        assert isinstance(reply, p.TrainOpened)
+        return AsyncJob(self, name, reply.job)
+
+    async def jobs(self, timeout: float | None = 10.0) -> list[dict[str, Any]]:
+        """Every open training job: worker, state, step, last loss, steps/s, sub-models."""
+        reply = await self._call(p.Jobs(id=next(self._ids)), timeout)
+        assert isinstance(reply, p.JobsReply)
+        return reply.jobs
+
     async def close(self) -> None:
         reader, self._reader = self._reader, None  # tells _reader_done that this is no failure
         sock, self._sock = self._sock, None
@@ -456,6 +528,51 @@ class Client:
 
     def plan(self, factory: str, **kw: Any) -> dict[str, Any]:
         return self._run(self._async.plan(factory, **kw), kw.get("timeout", 120.0))
+
+    def train_open(
+        self,
+        name: str,
+        factory: str,
+        *,
+        kwargs: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        weights: str | None = None,
+        resume: str | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        loss: str = "cross_entropy",
+        batch_size: int,
+        clip_grad_norm: float | None = None,
+        accumulate: int = 1,
+        dtype: str = "float32",
+        rng_seed: int | None = None,
+        stop_on_nonfinite: bool = True,
+        chunk_bytes: int | None = None,
+        timeout: float = 600.0,
+    ) -> Job:
+        """Open a training job (see `AsyncClient.train_open`); `job.step(x, y)` trains."""
+        coro = self._async.train_open(
+            name,
+            factory,
+            kwargs=kwargs,
+            seed=seed,
+            weights=weights,
+            resume=resume,
+            optimizer=optimizer,
+            loss=loss,
+            batch_size=batch_size,
+            clip_grad_norm=clip_grad_norm,
+            accumulate=accumulate,
+            dtype=dtype,
+            rng_seed=rng_seed,
+            stop_on_nonfinite=stop_on_nonfinite,
+            chunk_bytes=chunk_bytes,
+            timeout=timeout,
+        )
+        return Job(self, self._run(coro, timeout))
+
+    def jobs(self, timeout: float | None = 10.0) -> list[dict[str, Any]]:
+        """Every open training job (see `AsyncClient.jobs`)."""
+        return self._run(self._async.jobs(timeout), timeout)
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -68,6 +68,8 @@ class LocalMesh:
     memory_budget: str = "512MiB"
     gpus: list[int] | None = None  # CUDA device indexes; None/[] = CPU stand-ins
     gpu_budget: str | None = None
+    # Each worker's training bytes (`--train-bytes`, e.g. "4MiB"); 0: no training jobs.
+    train_bytes: str | int = 0
     heartbeat_s: float = 1.0
     liveness: int = 3
     partitioner: bool = True
@@ -170,6 +172,8 @@ class LocalMesh:
             ]
             if budget:
                 args += ["--memory-budget", budget]
+            if self.train_bytes:
+                args += ["--train-bytes", str(self.train_bytes)]
             if self.threads_per_worker:
                 args += ["--threads", str(self.threads_per_worker)]
             self._spawn(f"worker-{i}", "gpu_worker", args)

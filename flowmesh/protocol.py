@@ -242,6 +242,97 @@ class Error(Message):
     reason: str
 
 
+# -- training jobs, client <-> broker; the broker sends the same types on to the job's worker
+# under its own call id (a job command), and the worker answers with the matching reply.
+
+
+@message("train_open")
+class TrainOpen(Message):
+    """Open training job `job` of `spec` (weights: its `weights` file, or its seed). `config` is
+    the training configuration (optimizer, loss, clip_grad_norm, accumulate, seed); `resume` a
+    checkpoint directory to continue from; `chunk_bytes` the sub-models' target footprint."""
+
+    id: int
+    job: str
+    spec: dict[str, Any]
+    config: dict[str, Any]
+    batch: int
+    resume: str | None = None
+    chunk_bytes: int | None = None
+    timeout_ms: int | None = None
+
+
+@message("train_opened")
+class TrainOpened(Message):
+    id: int
+    job: dict[str, Any]
+
+
+@message("train_step")
+class TrainStep(Message):
+    """One step of `job`. `seq` numbers a job's steps: they run in that order, and a step whose
+    `seq` was already taken is never applied again. Tensors: 'inputs' (or 'inputs/<name>' per
+    named input) and 'targets'."""
+
+    id: int
+    job: str
+    seq: int
+    tensors: dict[str, Any] = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+
+@message("train_step_result")
+class TrainStepResult(Message):
+    id: int
+    job: str
+    seq: int
+    loss: float
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@message("train_save")
+class TrainSave(Message):
+    """Checkpoint `job` after the steps sent before it, into directory `path` on its worker."""
+
+    id: int
+    job: str
+    path: str
+    timeout_ms: int | None = None
+
+
+@message("train_saved")
+class TrainSaved(Message):
+    id: int
+    job: str
+    path: str
+    step: int
+
+
+@message("train_close")
+class TrainClose(Message):
+    id: int
+    job: str
+    timeout_ms: int | None = None
+
+
+@message("train_closed")
+class TrainClosed(Message):
+    id: int
+    job: str
+
+
+@message("jobs")
+class Jobs(Message):
+    id: int
+
+
+@message("jobs_reply")
+class JobsReply(Message):
+    id: int
+    jobs: list[dict[str, Any]]
+
+
 # -- workers / services <-> broker
 
 

@@ -28,6 +28,12 @@ def parser() -> argparse.ArgumentParser:
         help="device bytes for resident stages (e.g. 2GiB); required for cpu, "
         "default 80%% of free memory on CUDA",
     )
+    ap.add_argument(
+        "--train-bytes",
+        default="0",
+        help="device bytes for training jobs, besides --memory-budget (interim static split of "
+        "device memory; 0 = this worker takes no training jobs)",
+    )
     ap.add_argument("--name", default=None, help="worker name (default host-device)")
     ap.add_argument("--compute-lanes", type=int, default=2, help="concurrent runs")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -52,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     # switch interval a lane finishing a torch op can wait that long to get it back.
     sys.setswitchinterval(args.switch_interval)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
+    train_bytes = parse_size(args.train_bytes)
+    # The training arena first: a CUDA serving budget left to its default takes 80% of what is
+    # free after it.
+    train_device = open_device(args.device, train_bytes) if train_bytes > 0 else None
     device = open_device(args.device, budget)
     name = args.name or f"{socket.gethostname()}-{args.device.replace(':', '')}"
     service = WorkerService(
@@ -62,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
         limits=Limits(max_message_bytes=parse_size(args.max_message)),
         threads=args.threads,
+        train_device=train_device,
     )
     run_process(service.serve())  # exits non-zero when a task failed
 

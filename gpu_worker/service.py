@@ -1,8 +1,13 @@
-"""The gpu_worker process: a thin shell that feeds broker commands to the executor.
+"""The gpu_worker process: a thin shell that feeds broker commands to the executors.
 
 Commands are applied in arrival order on the event loop (allocation bookkeeping is cheap and
 ordered); stage preparation, copies and compute run on worker threads; results go back as soon as
 their futures resolve, so one slow model never holds up the others.
+
+Training jobs go to a `TrainingExecutor` on a second device of `train_bytes` (interim: a static
+split of device memory, serving budget + training bytes, until the worker owns one arena for
+both, issue 7 section 1). A job's steps are submitted in arrival order, which is the order the
+executor runs them in; `seq` guards against a step applied twice.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
+
+import torch
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
@@ -21,6 +28,8 @@ from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 from gpu_worker.device import Device
 from gpu_worker.executor import Executor, LoadInfo, RunOutput
 from gpu_worker.stage_loader import prepare_stage
+from gpu_worker.train_job import StepResult, TrainConfig
+from gpu_worker.training import TrainingExecutor, config_from, open_job, read_meta
 
 T = TypeVar("T")
 
@@ -38,10 +47,14 @@ class WorkerService(MeshPeer):
         allow: tuple[str, ...] = DEFAULT_ALLOW,
         limits: p.Limits = p.DEFAULT_LIMITS,
         threads: int | None = None,
+        train_device: Device | None = None,
     ) -> None:
         super().__init__(name, broker, limits=limits)
         self.device = device
         self.executor = Executor(device, compute_lanes)
+        self.train_device = train_device
+        self.trainer = TrainingExecutor(train_device) if train_device is not None else None
+        self._seqs: dict[str, int] = {}  # training job -> the highest step seq taken
         self.allow = allow
         self.threads = threads
         self._deploys = ThreadPoolExecutor(1, thread_name_prefix="deploy")
@@ -59,21 +72,39 @@ class WorkerService(MeshPeer):
             info={
                 "compute_lanes": self.executor.compute_lanes,
                 "threads": self.threads or 0,
+                "train_bytes": self.train_device.budget_bytes if self.train_device else 0,
                 **self.device.info(),
             },
         )
 
     def stats(self) -> dict[str, Any]:
-        return {**self.executor.stats(), **self.device.info()}
+        out = {**self.executor.stats(), **self.device.info()}
+        if self.trainer is not None:
+            # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
+            t = self.trainer.stats()
+            out.update(
+                train_jobs=len(t["jobs"]),
+                train_steps=t["steps"],
+                train_step_errors=t["step_errors"],
+                train_budget_bytes=t["budget_bytes"],
+                train_reserved_peak=t["reserved_peak"],
+                train_resident_peak=t["resident_peak"],
+                train_bytes_in=t["bytes_in"],
+            )
+        return out
 
     def on_registered(self, again: bool) -> None:
         if again:
             # The broker may have restarted and forgotten what we hold: start clean.
             for key in list(self.executor.stages):
                 self.executor.drop_stage(key)
+            for job in list(self._seqs):
+                self._spawn(self._train_close(p.TrainClose(id=0, job=job), answer=False))
 
     def close(self) -> None:
         self.executor.close()
+        if self.trainer is not None:
+            self.trainer.close()
         self._deploys.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, coro: Any) -> None:
@@ -110,6 +141,14 @@ class WorkerService(MeshPeer):
             self._spawn(self._deploy_stage(msg))
         elif isinstance(msg, p.DropStage):
             self.executor.drop_stage((msg.model, msg.stage))
+        elif isinstance(msg, p.TrainStep):
+            self._train_step(msg)
+        elif isinstance(msg, p.TrainOpen):
+            self._spawn(self._train_open(msg))
+        elif isinstance(msg, p.TrainSave):
+            self._train_save(msg)
+        elif isinstance(msg, p.TrainClose):
+            self._spawn(self._train_close(msg))
         elif isinstance(msg, p.Error):
             self.log.warning("broker answered %s: %s %s", msg.id, msg.code, msg.reason)
         else:
@@ -179,3 +218,140 @@ class WorkerService(MeshPeer):
             )
 
         self._answer_when_done(fut, msg.id, result)
+
+    # ------------------------------------------------------------------ training jobs
+
+    def _trainer(self) -> TrainingExecutor:
+        if self.trainer is None:
+            raise FlowmeshError(
+                Code.UNAVAILABLE, f"worker {self.name} takes no training jobs (--train-bytes 0)"
+            )
+        return self.trainer
+
+    def _open_job(self, msg: p.TrainOpen) -> dict[str, Any]:
+        """On a thread: build, plan and lay out the job (profiling and weights take a while)."""
+        trainer = self._trainer()
+        assert self.train_device is not None
+        spec = ModelSpec.from_dict(msg.spec)
+        if msg.config:
+            config = TrainConfig.from_dict(msg.config)
+        elif msg.resume is not None:
+            config = config_from(read_meta(msg.resume))
+        else:
+            raise FlowmeshError(Code.BAD_REQUEST, "a training job needs a configuration")
+        # Interim chunk target: half the training bytes, so that one sub-model task computes
+        # while the next is brought in.
+        target = msg.chunk_bytes or self.train_device.budget_bytes // 2
+        job = open_job(
+            msg.job,
+            spec,
+            config,
+            self.train_device,
+            batch=msg.batch,
+            target_bytes=target,
+            allow=self.allow,
+            resume=msg.resume,
+        )
+        if spec.weights is not None and msg.resume is None:
+            from flowmesh.build import build_reference
+
+            with torch.no_grad():
+                state = build_reference(spec, self.allow).state_dict()
+                for n, info in job.tensors.items():
+                    info.home.copy_(state[n])
+        trainer.open(job)
+        return {
+            "name": job.name,
+            "worker": self.name,
+            "step": job.step_count,
+            "sub_models": [
+                {"blocks": [a, b], "host_bytes": int(sub.slab.numel())}
+                for (a, b), sub in zip(job.ranges, job.subs, strict=True)
+            ],
+            "footprint": job.footprint(),
+            "host_bytes": job.host_bytes(),
+            "largest_task": job.largest_task(),
+            "config": config.to_dict(),
+        }
+
+    async def _train_open(self, msg: p.TrainOpen) -> None:
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(
+                self._deploys, self._open_job, msg
+            )
+        except Exception as exc:
+            self._fail(msg.id, exc)
+            return
+        self._seqs[msg.job] = 0
+        self.log.info("training job open job=%s sub_models=%d", msg.job, len(info["sub_models"]))
+        self.send(p.TrainOpened(id=msg.id, job=info))
+
+    def _train_step(self, msg: p.TrainStep) -> None:
+        trainer = self._trainer()
+        last = self._seqs.get(msg.job)
+        if last is None:
+            raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {msg.job!r} here")
+        if msg.seq <= last:
+            raise FlowmeshError(
+                Code.BAD_REQUEST,
+                f"step seq {msg.seq} of {msg.job!r} was already taken (last {last}); not run twice",
+            )
+        self._seqs[msg.job] = msg.seq
+        # Copies: the step keeps its batch until it ends, and model code may write its input
+        # in place; a received frame is read-only.
+        t = {name: ref.tensor().clone() for name, ref in msg.tensors.items()}
+        targets = t.pop("targets", None)
+        if targets is None:
+            raise FlowmeshError(Code.BAD_REQUEST, "a training step needs 'targets'")
+        inputs: Any = t.pop("inputs", None)
+        if inputs is None:
+            inputs = {k.removeprefix("inputs/"): v for k, v in t.items()}
+        if not isinstance(inputs, torch.Tensor) and not inputs:
+            raise FlowmeshError(Code.BAD_REQUEST, "a training step needs 'inputs'")
+        fut = trainer.submit(msg.job, inputs, targets)
+
+        def result(r: StepResult) -> p.Message:
+            return p.TrainStepResult(
+                id=msg.id, job=msg.job, seq=msg.seq, loss=r.loss, step=r.step, metrics=r.metrics
+            )
+
+        self._answer_when_done(asyncio.wrap_future(fut), msg.id, result)
+
+    def _train_save(self, msg: p.TrainSave) -> None:
+        trainer = self._trainer()
+        job = trainer.jobs.get(msg.job)
+        if job is None:
+            raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {msg.job!r} here")
+        saved: Future[tuple[str, int]] = Future()
+
+        def done(f: Future[Any]) -> None:
+            # On the training driver, as the save task ends: the job's step count is the
+            # checkpoint's, before any later step of the job finishes.
+            exc = f.exception()
+            if exc is not None:
+                saved.set_exception(exc)
+            else:
+                saved.set_result((str(f.result()), job.step_count))
+
+        trainer.save(msg.job, msg.path).add_done_callback(done)
+
+        def reply(r: tuple[str, int]) -> p.Message:
+            return p.TrainSaved(id=msg.id, job=msg.job, path=r[0], step=r[1])
+
+        self._answer_when_done(asyncio.wrap_future(saved), msg.id, reply)
+
+    async def _train_close(self, msg: p.TrainClose, answer: bool = True) -> None:
+        try:
+            trainer = self._trainer()
+            # On the thread that opens jobs: a close never overtakes the open before it.
+            await asyncio.get_running_loop().run_in_executor(
+                self._deploys, trainer.close_job, msg.job
+            )
+        except Exception as exc:
+            if answer:
+                self._fail(msg.id, exc)
+            return
+        finally:
+            self._seqs.pop(msg.job, None)
+        if answer:
+            self.send(p.TrainClosed(id=msg.id, job=msg.job))

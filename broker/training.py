@@ -1,0 +1,454 @@
+"""The broker's training router: a registry of training jobs, their placement and their calls.
+
+A plain class, driven by `BrokerCore` (which only delegates): client messages in (`train_open`,
+`train_step`, `train_save`, `train_close`, `jobs`), worker answers in, clock ticks and lost
+workers; messages out through the two callbacks it is given. No sockets, no clock of its own.
+
+- **Placement**: a new job goes to the ready worker with the most free training bytes (its
+  `train_bytes` from registration, less the footprints of the jobs it already holds; a worker
+  runs jobs whose footprints add up to more than its training bytes, by memory flow, so "free"
+  may be negative and only orders the candidates).
+- **Order**: a job's steps carry a sequence number `seq`. The worker's training executor runs a
+  job's steps in the order it receives them, and one connection keeps the order the broker sends
+  in, so the broker forwards each step at once, provided its `seq` is above every `seq` already
+  taken. A step whose `seq` was taken is never sent again: its answer is replayed when it is
+  known, a retry of a step still running is answered when it finishes, anything else is refused.
+  Gaps are allowed (a client may fail to send a step it numbered), so nothing waits for a `seq`
+  that may never come.
+- **Deadlines**: every call to a worker has one, enforced on `tick`; an expired open closes the
+  half-opened job on its worker.
+- **Lost workers**: the job's pending calls fail with `worker_lost`, naming the last step saved
+  to a checkpoint (from which `train_open(resume=...)` continues), and the job is forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.state import Peer
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import ModelSpec, check_factory
+
+log = logging.getLogger("broker.training")
+
+# Answers kept per job for steps that may be retried (by seq); older ones are forgotten.
+KEEP_RESULTS = 256
+RATE_WINDOW = 32  # step completions the steps/s figure is measured over
+
+
+def _fail(code: Code, reason: str) -> FlowmeshError:
+    return FlowmeshError(code, reason)
+
+
+def train_bytes_of(peer: Peer) -> int:
+    """The training bytes a worker registered with (0: it takes no training jobs)."""
+    v = peer.info.get("train_bytes", 0)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+@dataclass
+class JobCall:
+    """A job command sent to a worker, awaiting its answer until `deadline`."""
+
+    kind: str  # "open" | "step" | "save" | "close"
+    job: str
+    worker: str
+    client: bytes | None  # None once answered (a timeout, say)
+    client_id: int
+    deadline: float
+    seq: int = 0
+
+
+@dataclass
+class Job:
+    name: str
+    worker: str
+    spec: ModelSpec
+    config: dict[str, Any]
+    batch: int
+    opened: float
+    state: str = "opening"  # "opening" | "ready" | "closing"
+    step: int = 0
+    last_loss: float | None = None
+    last_seq: int = 0  # the highest seq taken
+    saved_step: int | None = None
+    saved_path: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # what the worker reported on open
+    steps: int = 0
+    errors: int = 0
+    # seq -> the answer sent for it: a TrainStepResult or an Error
+    answers: OrderedDict[int, p.Message] = field(default_factory=OrderedDict)
+    done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+
+    @property
+    def footprint(self) -> int:
+        v = self.info.get("footprint", 0)
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    def steps_per_s(self) -> float:
+        if len(self.done_at) < 2 or self.done_at[-1] <= self.done_at[0]:
+            return 0.0
+        return (len(self.done_at) - 1) / (self.done_at[-1] - self.done_at[0])
+
+    def checkpoint_note(self) -> str:
+        if self.saved_step is None:
+            return f"job {self.name!r} saved no checkpoint"
+        return (
+            f"job {self.name!r} was last saved at step {self.saved_step} to "
+            f"{self.saved_path!r}; train_open(resume=...) continues from there"
+        )
+
+
+class TrainingRouter:
+    def __init__(
+        self,
+        *,
+        peers: Mapping[str, Peer],
+        ids: Iterator[int],
+        to_client: Callable[[bytes, p.Message], None],
+        to_worker: Callable[[str, p.Message], None],
+        allow: tuple[str, ...],
+        step_timeout_s: float = 60.0,
+        open_timeout_s: float = 600.0,
+    ) -> None:
+        self.peers = peers
+        self._ids = ids
+        self._to_client = to_client
+        self._to_worker = to_worker
+        self.allow = allow
+        self.step_timeout_s = step_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self.jobs: dict[str, Job] = {}
+        self.calls: dict[int, JobCall] = {}
+        self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
+
+    CLIENT_TYPES = (p.TrainOpen, p.TrainStep, p.TrainSave, p.TrainClose, p.Jobs)
+    WORKER_TYPES = (p.TrainOpened, p.TrainStepResult, p.TrainSaved, p.TrainClosed)
+
+    # ================================================================== client side
+
+    def on_client(self, addr: bytes, msg: p.Message, now: float) -> None:
+        if isinstance(msg, p.TrainOpen):
+            self._open(addr, msg, now)
+        elif isinstance(msg, p.TrainStep):
+            self._step(addr, msg, now)
+        elif isinstance(msg, p.TrainSave):
+            job = self._ready_job(msg.job)
+            if not msg.path:
+                raise _fail(Code.BAD_REQUEST, "train_save needs a checkpoint directory")
+            cid = self._call("save", job, addr, msg.id, now, msg.timeout_ms)
+            self._to_worker(job.worker, p.TrainSave(id=cid, job=job.name, path=msg.path))
+        elif isinstance(msg, p.TrainClose):
+            job = self._job(msg.job)
+            job.state = "closing"
+            cid = self._call("close", job, addr, msg.id, now, msg.timeout_ms)
+            self._to_worker(job.worker, p.TrainClose(id=cid, job=job.name))
+        elif isinstance(msg, p.Jobs):
+            self._to_client(addr, p.JobsReply(id=msg.id, jobs=self.status(now)))
+        else:
+            raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training message")
+
+    def _job(self, name: str) -> Job:
+        job = self.jobs.get(name)
+        if job is None:
+            known = ", ".join(sorted(self.jobs)) or "none"
+            raise _fail(Code.MODEL_NOT_FOUND, f"no training job {name!r} (open: {known})")
+        return job
+
+    def _ready_job(self, name: str) -> Job:
+        job = self._job(name)
+        if job.state != "ready":
+            raise _fail(Code.UNAVAILABLE, f"training job {name!r} is {job.state}")
+        return job
+
+    def _call(
+        self,
+        kind: str,
+        job: Job,
+        addr: bytes,
+        ref: int,
+        now: float,
+        timeout_ms: int | None,
+        seq: int = 0,
+    ) -> int:
+        default = self.open_timeout_s if kind == "open" else self.step_timeout_s
+        timeout = timeout_ms / 1000 if timeout_ms else default
+        cid = next(self._ids)
+        self.calls[cid] = JobCall(kind, job.name, job.worker, addr, ref, now + timeout, seq)
+        return cid
+
+    def place(self) -> str:
+        """The ready worker with the most free training bytes (ties: by name)."""
+        committed: dict[str, int] = {}
+        for job in self.jobs.values():
+            committed[job.worker] = committed.get(job.worker, 0) + job.footprint
+        options = [
+            (train_bytes_of(w) - committed.get(w.name, 0), w.name)
+            for w in self.peers.values()
+            if w.role == "worker" and w.ready and train_bytes_of(w) > 0
+        ]
+        if not options:
+            raise _fail(
+                Code.UNAVAILABLE,
+                "no ready worker takes training jobs (start workers with --train-bytes)",
+            )
+        return min(options, key=lambda o: (-o[0], o[1]))[1]
+
+    def _open(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
+        spec = ModelSpec.from_dict(msg.spec)
+        check_factory(spec.factory, self.allow)
+        if msg.job in self.jobs:
+            raise _fail(Code.MODEL_EXISTS, f"training job {msg.job!r} is already open")
+        if msg.batch < 1:
+            raise _fail(Code.BAD_REQUEST, f"batch must be positive, got {msg.batch}")
+        if msg.chunk_bytes is not None and msg.chunk_bytes < 1:
+            raise _fail(Code.BAD_REQUEST, f"chunk_bytes must be positive, got {msg.chunk_bytes}")
+        if not msg.config and msg.resume is None:
+            raise _fail(Code.BAD_REQUEST, "give a training configuration, or resume= a checkpoint")
+        worker = self.place()
+        job = Job(msg.job, worker, spec, dict(msg.config), msg.batch, now)
+        self.jobs[job.name] = job
+        cid = self._call("open", job, addr, msg.id, now, msg.timeout_ms)
+        self._to_worker(
+            worker,
+            p.TrainOpen(
+                id=cid,
+                job=job.name,
+                spec=spec.to_dict(),
+                config=job.config,
+                batch=msg.batch,
+                resume=msg.resume,
+                chunk_bytes=msg.chunk_bytes,
+            ),
+        )
+        log.info("opening training job=%s worker=%s", job.name, worker)
+
+    def _step(self, addr: bytes, msg: p.TrainStep, now: float) -> None:
+        job = self._ready_job(msg.job)
+        if msg.seq < 1:
+            raise _fail(Code.BAD_REQUEST, f"step seq must be positive, got {msg.seq}")
+        if msg.seq <= job.last_seq:
+            self._retried(job, addr, msg)
+            return
+        inputs = [n for n in msg.tensors if n == "inputs" or n.startswith("inputs/")]
+        if "targets" not in msg.tensors or not inputs:
+            raise _fail(Code.BAD_REQUEST, "a training step needs 'inputs' and 'targets' tensors")
+        job.last_seq = msg.seq
+        cid = self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
+        self._to_worker(
+            job.worker, p.TrainStep(id=cid, job=job.name, seq=msg.seq, tensors=msg.tensors)
+        )
+
+    def _retried(self, job: Job, addr: bytes, msg: p.TrainStep) -> None:
+        """A step whose seq was taken: replay its answer, or answer it when it comes."""
+        answer = job.answers.get(msg.seq)
+        if isinstance(answer, p.TrainStepResult):
+            self._to_client(
+                addr,
+                p.TrainStepResult(
+                    id=msg.id,
+                    job=job.name,
+                    seq=msg.seq,
+                    loss=answer.loss,
+                    step=answer.step,
+                    metrics=answer.metrics,
+                ),
+            )
+            return
+        if isinstance(answer, p.Error):
+            self._to_client(addr, p.Error(id=msg.id, code=answer.code, reason=answer.reason))
+            return
+        for call in self.calls.values():
+            if call.kind == "step" and call.job == job.name and call.seq == msg.seq:
+                call.client, call.client_id = addr, msg.id  # the retry takes over the answer
+                return
+        raise _fail(
+            Code.BAD_REQUEST,
+            f"step seq {msg.seq} of job {job.name!r} was already taken (last seq "
+            f"{job.last_seq}) and its answer is no longer known; it is not run twice",
+        )
+
+    # ================================================================== worker side
+
+    def _pop(self, worker: str, ref: int, kind: str, job: str) -> JobCall | None:
+        """The pending call `ref`, only if it is a `kind` call of `job` sent to `worker`."""
+        call = self.calls.get(ref)
+        if call is None:
+            return None  # expired, or its job was closed or lost: nobody waits
+        if (call.kind, call.worker, call.job) != (kind, worker, job):
+            raise _fail(Code.BAD_REQUEST, f"no pending {kind} call {ref} of {job!r} for {worker}")
+        del self.calls[ref]
+        return call
+
+    def _answer(self, call: JobCall, msg: p.Message) -> None:
+        if call.client is not None:
+            self._to_client(call.client, msg)
+            call.client = None
+
+    def on_worker(self, worker: str, msg: p.Message, now: float) -> None:
+        if isinstance(msg, p.TrainOpened):
+            name = str(msg.job.get("name", ""))
+            call = self._pop(worker, msg.id, "open", name)
+            job = self.jobs.get(name)
+            if job is None or job.worker != worker:
+                # Opened after its call expired: nobody can reach it, so it must not hold the
+                # worker's memory.
+                self._to_worker(worker, p.TrainClose(id=next(self._ids), job=name))
+                return
+            if call is None:
+                return
+            if job.state == "opening":  # not when a close was asked for meanwhile
+                job.state = "ready"
+            job.info = dict(msg.job)
+            step = msg.job.get("step", 0)
+            job.step = step if isinstance(step, int) and not isinstance(step, bool) else 0
+            log.info("training job=%s open on worker=%s", job.name, worker)
+            self._answer(call, p.TrainOpened(id=call.client_id, job=self._job_status(job, now)))
+        elif isinstance(msg, p.TrainStepResult):
+            self._step_result(worker, msg, now)
+        elif isinstance(msg, p.TrainSaved):
+            call = self._pop(worker, msg.id, "save", msg.job)
+            job = self.jobs.get(msg.job)
+            if job is not None and job.worker == worker:  # written, even if answered late
+                job.saved_step, job.saved_path = msg.step, msg.path
+            if call is None:
+                return
+            self._answer(
+                call, p.TrainSaved(id=call.client_id, job=msg.job, path=msg.path, step=msg.step)
+            )
+        elif isinstance(msg, p.TrainClosed):
+            call = self._pop(worker, msg.id, "close", msg.job)
+            if call is None:
+                return
+            self._forget(msg.job, Code.BAD_REQUEST, f"training job {msg.job!r} was closed")
+            self._answer(call, p.TrainClosed(id=call.client_id, job=msg.job))
+        else:
+            raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training answer")
+
+    def _step_result(self, worker: str, msg: p.TrainStepResult, now: float) -> None:
+        call = self.calls.get(msg.id)
+        if call is not None:
+            if (call.kind, call.worker, call.job, call.seq) != ("step", worker, msg.job, msg.seq):
+                raise _fail(Code.BAD_REQUEST, f"no pending step {msg.id} of {msg.job!r}/{msg.seq}")
+            del self.calls[msg.id]
+        job = self.jobs.get(msg.job)
+        if job is None or job.worker != worker or msg.seq > job.last_seq:
+            return
+        # Counted even when its call expired: the step was applied all the same.
+        job.step, job.last_loss = msg.step, msg.loss
+        job.steps += 1
+        job.done_at.append(now)
+        self.totals["train_steps"] += 1
+        self._keep(job, msg.seq, msg)
+        if call is not None:
+            self._answer(
+                call,
+                p.TrainStepResult(
+                    id=call.client_id,
+                    job=msg.job,
+                    seq=msg.seq,
+                    loss=msg.loss,
+                    step=msg.step,
+                    metrics=msg.metrics,
+                ),
+            )
+
+    def _keep(self, job: Job, seq: int, answer: p.Message) -> None:
+        job.answers[seq] = answer
+        while len(job.answers) > KEEP_RESULTS:
+            job.answers.popitem(last=False)
+
+    def on_error(self, worker: str, msg: p.Error, now: float) -> bool:
+        """A worker's error answer; False when it answers no training call."""
+        call = self.calls.get(msg.id) if msg.id is not None else None
+        if call is None or call.worker != worker:
+            return False
+        del self.calls[msg.id]  # type: ignore[arg-type]
+        job = self.jobs.get(call.job)
+        if call.kind == "open" and job is not None and job.state == "opening":
+            del self.jobs[call.job]
+        elif call.kind == "step" and job is not None:
+            job.errors += 1
+            self.totals["train_step_errors"] += 1
+            self._keep(job, call.seq, msg)
+        elif call.kind == "close" and job is not None:
+            # The worker does not hold it (any more): nothing is left to close.
+            self._forget(call.job, Code.BAD_REQUEST, f"training job {call.job!r} was closed")
+        self._answer(call, p.Error(id=call.client_id, code=msg.code, reason=msg.reason))
+        return True
+
+    def undelivered(self, ref: Any, reason: str) -> bool:
+        """A job command could not be sent: fail its call now; False if it was none."""
+        call = self.calls.pop(ref, None) if isinstance(ref, int) else None
+        if call is None:
+            return False
+        if call.kind == "open":
+            self.jobs.pop(call.job, None)
+        self._answer(call, p.Error(id=call.client_id, code=str(Code.OVERLOADED), reason=reason))
+        return True
+
+    def _forget(self, name: str, code: Code, reason: str) -> None:
+        """Drop job `name` and fail every call still waiting on it."""
+        self.jobs.pop(name, None)
+        for cid, call in list(self.calls.items()):
+            if call.job == name:
+                del self.calls[cid]
+                self._answer(call, p.Error(id=call.client_id, code=str(code), reason=reason))
+
+    # ================================================================== time and loss
+
+    def tick(self, now: float) -> None:
+        for cid, call in list(self.calls.items()):
+            if call.deadline > now or self.calls.get(cid) is not call:
+                continue
+            del self.calls[cid]
+            self.totals["train_expired"] += 1
+            reason = f"worker {call.worker} did not answer {call.kind} of {call.job!r} in time"
+            if call.kind == "step":
+                reason += f" (step seq {call.seq}; it may still be applied, and is not run twice)"
+            job = self.jobs.get(call.job)
+            if call.kind == "open" and job is not None and job.state == "opening":
+                # It may open later: close it there, so it holds nothing nobody can reach.
+                del self.jobs[call.job]
+                self._to_worker(call.worker, p.TrainClose(id=next(self._ids), job=call.job))
+            log.warning("training call expired: %s", reason)
+            self._answer(call, p.Error(id=call.client_id, code=str(Code.TIMEOUT), reason=reason))
+
+    def worker_lost(self, worker: str) -> None:
+        for job in [j for j in self.jobs.values() if j.worker == worker]:
+            log.warning("training job=%s lost with worker=%s", job.name, worker)
+            self._forget(
+                job.name,
+                Code.WORKER_LOST,
+                f"worker {worker} was lost with training job {job.name!r}; {job.checkpoint_note()}",
+            )
+
+    # ================================================================== status
+
+    def _job_status(self, job: Job, now: float) -> dict[str, Any]:
+        return {
+            "name": job.name,
+            "worker": job.worker,
+            "state": job.state,
+            "factory": job.spec.factory,
+            "config": job.config,
+            "batch": job.batch,
+            "step": job.step,
+            "last_loss": job.last_loss,
+            "steps_per_s": round(job.steps_per_s(), 3),
+            "pending": sum(1 for c in self.calls.values() if c.job == job.name),
+            "sub_models": job.info.get("sub_models", []),
+            "footprint": job.footprint,
+            "saved_step": job.saved_step,
+            "saved_path": job.saved_path,
+            "errors": job.errors,
+            "age_s": round(now - job.opened, 3),
+        }
+
+    def status(self, now: float) -> list[dict[str, Any]]:
+        return [self._job_status(self.jobs[n], now) for n in sorted(self.jobs)]
