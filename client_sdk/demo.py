@@ -1,26 +1,39 @@
-"""The main job: an embedded mesh serving a catalogue larger than all device memory.
+"""The main job: an embedded mesh serving a catalogue larger than all device memory, and training
+several models at the same time.
 
 Starts broker, partitioner and CPU stand-in workers (or GPUs when present), deploys example
 models whose total size is several times the combined budget — one of them larger than any single
 device, so it runs as pipeline stages on two workers — then sends skewed (Zipf), bursty traffic
 from concurrent clients, checks every output against a direct torch forward of the same model, and
 prints what happened per model.
+
+While that traffic runs, it opens three training jobs (two MLPs, AdamW and SGD with momentum, and
+a small GPT, AdamW) whose footprints add up to more than a worker's training bytes, so a worker
+runs them by memory flow, sub-model by sub-model. All three learn next-byte prediction on the
+source code of a few standard-library modules (`inspect.getsource`): real text, on every machine
+with Python, no download, and the same bytes on each run of one Python. Every job's steps are sent
+at once from one async client; afterwards the demo trains the same models in a plain PyTorch loop
+on the same seeds and batches, and compares the per-step losses (`flowmesh.testing.compare`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import inspect
 import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from client_sdk.client import AsyncClient
+from client_sdk.jobs import StepResult
 from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
@@ -45,6 +58,130 @@ CATALOGUE: list[tuple[str, str, dict[str, Any]]] = [
     ("classifier", "flowmesh.examples:mlp", {"width": 512, "depth": 4}),
     ("tagger", "flowmesh.examples:mlp", {"width": 896, "depth": 5}),
 ]
+
+
+# Training: each worker's training bytes (besides its serving budget), the jobs, and their data.
+TRAIN_BYTES = "12MiB"
+CONTEXT = 32  # bytes of context per example: an MLP's input width, the GPT's sequence length
+TRAIN_BATCH = 16
+TRAIN_STEPS = 60
+CORPUS_MODULES = ("textwrap", "heapq", "bisect", "fnmatch", "shlex", "difflib")
+# name, factory, kwargs, optimizer. Opened in this order: each goes to the worker with the most
+# free training bytes, so the first (over 12 MiB) has one worker, the other two share the other.
+TRAIN_JOBS: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+    (
+        "mlp-wide",
+        "flowmesh.examples:mlp",
+        {"width": 512, "depth": 4, "in_features": CONTEXT, "out_features": 256},
+        {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01},
+    ),
+    (
+        "gpt-bytes",
+        "flowmesh.examples:tiny_gpt",
+        {"vocab": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "max_len": CONTEXT},
+        {"name": "adamw", "lr": 3e-3},
+    ),
+    (
+        "mlp-narrow",
+        "flowmesh.examples:mlp",
+        {"width": 384, "depth": 4, "in_features": CONTEXT, "out_features": 256},
+        {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    ),
+]
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def corpus() -> torch.Tensor:
+    """The bytes of a few standard-library modules' source: real text, offline, deterministic."""
+    text = "\n".join(inspect.getsource(importlib.import_module(m)) for m in CORPUS_MODULES)
+    return torch.tensor(list(text.encode()), dtype=torch.int64)
+
+
+def train_batches(
+    spec: ModelSpec, text: torch.Tensor, seed: int, steps: int = TRAIN_STEPS
+) -> Batches:
+    """Next-byte prediction. The GPT reads CONTEXT bytes and predicts each one's successor; an
+    MLP reads CONTEXT bytes as numbers in [-1, 3) and predicts the byte after them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(text) - CONTEXT - 1, (TRAIN_BATCH,), generator=g)
+        windows = torch.stack([text[i : i + CONTEXT + 1] for i in starts.tolist()])
+        if spec.factory.endswith("tiny_gpt"):
+            out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
+        else:
+            out.append((windows[:, :-1].float() / 64 - 1, windows[:, -1].contiguous()))
+    return out
+
+
+def plain_losses(spec: ModelSpec, optimizer: dict[str, Any], batches: Batches) -> list[float]:
+    """What a PyTorch user writes: the same model, seed, optimizer and batches, in this process."""
+    model = build_seeded(spec).train()
+    options = dict(optimizer)
+    opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[options.pop("name")]
+    opt = opt_class(model.parameters(), **options)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@dataclass
+class Trained:
+    """What a training job reported: where it ran, its losses, and how fast its steps came."""
+
+    worker: str
+    sub_models: int
+    footprint: int
+    losses: list[float]
+    steps: list[int]
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+
+
+async def train_all(
+    address: str, specs: dict[str, ModelSpec], optimizers: dict[str, Any], data: dict[str, Batches]
+) -> dict[str, Trained]:
+    async with AsyncClient(address, timeout=300.0) as client:
+        jobs = {}
+        for name, s in specs.items():  # one at a time: placement sees the footprints so far
+            jobs[name] = await client.train_open(
+                name,
+                s.factory,
+                kwargs=s.kwargs,
+                seed=s.seed,
+                optimizer=optimizers[name],
+                loss="cross_entropy",
+                batch_size=TRAIN_BATCH,
+            )
+
+        async def run(name: str) -> Trained:
+            job = jobs[name]
+            t0 = time.perf_counter()
+            # Every step in flight at once: the broker and the worker keep them in order.
+            steps = [asyncio.ensure_future(job.step_async(x, y)) for x, y in data[name]]
+            done = await asyncio.gather(*steps, return_exceptions=True)
+            seconds = time.perf_counter() - t0
+            await job.close()
+            results = [r for r in done if isinstance(r, StepResult)]
+            errors = [f"{type(r).__name__}: {r}" for r in done if isinstance(r, BaseException)]
+            return Trained(
+                worker=job.info["worker"],
+                sub_models=len(job.info["sub_models"]),
+                footprint=job.info["footprint"],
+                losses=[r.loss for r in results],
+                steps=[r.step for r in results],
+                seconds=seconds,
+                errors=errors,
+            )
+
+        done = await asyncio.gather(*(run(n) for n in jobs))
+    return dict(zip(jobs, done, strict=True))
 
 
 @dataclass
@@ -96,15 +233,28 @@ def main(args: argparse.Namespace | None = None) -> int:
         name: ModelSpec(name=name, factory=f, kwargs=kw, seed=args.seed + i, max_batch_size=8)
         for i, (name, f, kw) in enumerate(CATALOGUE)
     }
+    train_specs = {
+        name: ModelSpec(name=name, factory=f, kwargs=kw, seed=args.seed + 100 + i)
+        for i, (name, f, kw, _) in enumerate(TRAIN_JOBS)
+    }
+    optimizers = {name: opt for name, _, _, opt in TRAIN_JOBS}
+    text = corpus()
+    data = {
+        n: train_batches(s, text, args.seed + 200 + i)
+        for i, (n, s) in enumerate(train_specs.items())
+    }
     print(
-        f"flowmesh demo: {args.workers} CPU stand-in workers of {fmt_bytes(budget)} each, "
-        f"{len(specs)} models, {args.requests} requests from {args.clients} clients\n",
+        f"flowmesh demo: {args.workers} CPU stand-in workers of {fmt_bytes(budget)} each "
+        f"(+ {fmt_bytes(parse_size(TRAIN_BYTES))} for training), {len(specs)} models served, "
+        f"{args.requests} requests from {args.clients} clients; {len(train_specs)} training jobs "
+        f"of {TRAIN_STEPS} steps at the same time\n",
         flush=True,
     )
     t_start = time.perf_counter()
     with LocalMesh(
         cpu_workers=args.workers,
         memory_budget=args.memory_budget,
+        train_bytes=TRAIN_BYTES,
         heartbeat_s=0.5,
         threads_per_worker=1,
     ) as mesh:
@@ -126,13 +276,19 @@ def main(args: argparse.Namespace | None = None) -> int:
                     f"{len(m['stages'])} pipeline stages on "
                     f"{' + '.join(m['replicas'][0]['workers'])}"
                 )
+        print(
+            f"training on {len(text):,} bytes of Python source ({', '.join(CORPUS_MODULES)}): "
+            "next-byte prediction, while the requests run",
+            flush=True,
+        )
         rng = random.Random(args.seed)
         # Bursty (Gamma arrivals, CV 2) and skewed (Zipf 1.1): a few hot models, a long tail.
         times = arrival_times(args.requests, rate=80.0, cv=2.0, rng=rng)
         trace = list(zip(times, zipf_choices(list(specs), args.requests, 1.1, rng), strict=True))
         checked = {n: Checked() for n in specs}
-        tallies, wall = asyncio.run(
-            run_trace(
+
+        async def serve_and_train() -> tuple[tuple[dict[str, Tally], float], dict[str, Trained]]:
+            serving = run_trace(
                 mesh.frontend,
                 trace,
                 lambda m: make_input(specs[m], rng),
@@ -140,9 +296,18 @@ def main(args: argparse.Namespace | None = None) -> int:
                 timeout=120.0,
                 check=checker(refs, checked),
             )
-        )
-        status = asyncio.run(fetch_status(mesh.frontend))
-    return report(status, tallies, checked, wall)
+            training = train_all(mesh.frontend, train_specs, optimizers, data)
+            return await asyncio.gather(serving, training)
+
+        (tallies, wall), trained = asyncio.run(serve_and_train())
+        status = asyncio.run(fetch_status(mesh.frontend, after_s=3 * 0.5))
+    code = report(status, tallies, checked, wall)
+    t_ref = time.perf_counter()
+    expected = {n: plain_losses(s, optimizers[n], data[n]) for n, s in train_specs.items()}
+    ref_s = time.perf_counter() - t_ref
+    code = max(code, report_training(status, train_specs, optimizers, trained, expected, ref_s))
+    print(f"\ndemo done in {time.perf_counter() - t_start:.0f} s")
+    return code
 
 
 async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, dict[str, Any]]:
@@ -158,7 +323,8 @@ async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, dic
     return {i["name"]: i for i in infos}
 
 
-async def fetch_status(address: str) -> dict[str, Any]:
+async def fetch_status(address: str, after_s: float = 0.0) -> dict[str, Any]:
+    await asyncio.sleep(after_s)  # workers' figures come with their heartbeats
     async with AsyncClient(address) as client:
         return await client.status()
 
@@ -232,6 +398,98 @@ def report(
         print(f"FAILED: {bad} wrong or failed requests, {len(over)} workers over budget")
         return 1
     print("OK: every output matches its reference and no device exceeded its budget")
+    return 0
+
+
+def describe_optimizer(opt: dict[str, Any]) -> str:
+    extra = "+momentum" if opt.get("momentum") else ""
+    return f"{opt['name']}{extra} lr {opt['lr']:g}"
+
+
+def report_training(
+    status: dict[str, Any],
+    specs: dict[str, ModelSpec],
+    optimizers: dict[str, Any],
+    trained: dict[str, Trained],
+    expected: dict[str, list[float]],
+    ref_s: float,
+) -> int:
+    from client_sdk.cli import table
+
+    rows, bad = [], 0
+    for name, t in trained.items():
+        want = expected[name]
+        if t.errors or t.steps != list(range(1, len(want) + 1)):
+            verdict, diff = "wrong", float("inf")
+        else:
+            got = compare(
+                torch.tensor(t.losses, dtype=torch.float32),
+                torch.tensor(want, dtype=torch.float32),
+            )
+            verdict, diff = got.verdict, got.max_abs_diff
+        bad += verdict == "wrong"
+        rows.append(
+            [
+                name,
+                specs[name].factory.rpartition(":")[2],
+                describe_optimizer(optimizers[name]),
+                t.worker,
+                t.sub_models,
+                fmt_bytes(t.footprint),
+                len(t.losses),
+                f"{t.losses[0]:.4f}" if t.losses else "-",
+                f"{t.losses[-1]:.4f}" if t.losses else "-",
+                f"{len(t.losses) / t.seconds:.1f}",
+                f"{verdict} ({diff:.1e})" if verdict != "exact" else "exact",
+                "; ".join(t.errors[:2]) or "-",
+            ]
+        )
+    print()
+    print(
+        table(
+            rows,
+            [
+                "job",
+                "model",
+                "optimizer",
+                "worker",
+                "sub-models",
+                "footprint",
+                "steps",
+                "first loss",
+                "last loss",
+                "steps/s",
+                "vs plain PyTorch",
+                "errors",
+            ],
+        )
+    )
+    print()
+    over = []
+    for w in status["workers"]:
+        st = w["stats"]
+        held = [n for n, t in trained.items() if t.worker == w["name"]]
+        footprint = sum(trained[n].footprint for n in held)
+        budget = st.get("train_budget_bytes", 0)
+        if st.get("train_resident_peak", 0) > budget:
+            over.append(w["name"])
+        print(
+            f"{w['name']}: jobs {', '.join(held) or '-'} ({fmt_bytes(footprint)} of footprints) "
+            f"in {fmt_bytes(budget)} of training bytes: peak resident "
+            f"{fmt_bytes(st.get('train_resident_peak', 0))}, "
+            f"{fmt_bytes(st.get('train_bytes_in', 0))} moved in, {st.get('train_steps', 0)} steps"
+        )
+    rtol, atol = forward_tolerance(torch.float32)
+    print(
+        f"\nper-step losses compared with a plain PyTorch loop in this process (same seeds, "
+        f"batches and optimizers; {ref_s:.1f} s): 'exact' every loss bit for bit; 'close' within "
+        f"float32 tolerance (|diff| <= {atol:g} + {rtol:g} x |expected|, max |diff| shown); "
+        "'wrong' otherwise; steps/s while serving and the other jobs share the 2 workers"
+    )
+    if bad or over:
+        print(f"FAILED: {bad} training jobs wrong, {len(over)} workers over their training bytes")
+        return 1
+    print("OK: every job's losses match plain PyTorch and no worker exceeded its training bytes")
     return 0
 
 

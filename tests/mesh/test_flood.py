@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import statistics
 import threading
 import time
@@ -27,7 +28,8 @@ from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
 from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
 
-FLOOD = 20_000
+# 20,000 keeps the suite short on 2 cores; FLOWMESH_FLOOD=50000 replays the flood.
+FLOOD = int(os.environ.get("FLOWMESH_FLOOD", "20000"))
 MAX_QUEUE = 256
 WIDTH = 16
 # A wait on the flood's answers; generous, it only bounds a hang.
