@@ -1,8 +1,9 @@
 """The broker's training router: a registry of training jobs, their placement and their calls.
 
 A plain class, driven by `BrokerCore` (which only delegates): client messages in (`train_open`,
-`train_step`, `train_save`, `train_close`, `jobs`), worker answers in, clock ticks and lost
-workers; messages out through the two callbacks it is given. No sockets, no clock of its own.
+`train_step`, `train_eval`, `train_save`, `train_close`, `jobs`), worker answers in, clock ticks
+and lost workers; messages out through the two callbacks it is given. No sockets, no clock of its
+own.
 
 - **Placement**: a new job goes to the ready worker with the most free training bytes (its
   `train_bytes` from registration, less the footprints of the jobs it already holds; a worker
@@ -45,6 +46,12 @@ def _fail(code: Code, reason: str) -> FlowmeshError:
     return FlowmeshError(code, reason)
 
 
+def _check_batch(tensors: Mapping[str, Any], what: str) -> None:
+    inputs = [n for n in tensors if n == "inputs" or n.startswith("inputs/")]
+    if "targets" not in tensors or not inputs:
+        raise _fail(Code.BAD_REQUEST, f"{what} needs 'inputs' and 'targets' tensors")
+
+
 def train_bytes_of(peer: Peer) -> int:
     """The training bytes a worker registered with (0: it takes no training jobs)."""
     v = peer.info.get("train_bytes", 0)
@@ -55,7 +62,7 @@ def train_bytes_of(peer: Peer) -> int:
 class JobCall:
     """A job command sent to a worker, awaiting its answer until `deadline`."""
 
-    kind: str  # "open" | "step" | "save" | "close"
+    kind: str  # "open" | "step" | "eval" | "save" | "close"
     job: str
     worker: str
     client: bytes | None  # None once answered (a timeout, say)
@@ -127,8 +134,14 @@ class TrainingRouter:
         self.calls: dict[int, JobCall] = {}
         self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
 
-    CLIENT_TYPES = (p.TrainOpen, p.TrainStep, p.TrainSave, p.TrainClose, p.Jobs)
-    WORKER_TYPES = (p.TrainOpened, p.TrainStepResult, p.TrainSaved, p.TrainClosed)
+    CLIENT_TYPES = (p.TrainOpen, p.TrainStep, p.TrainEval, p.TrainSave, p.TrainClose, p.Jobs)
+    WORKER_TYPES = (
+        p.TrainOpened,
+        p.TrainStepResult,
+        p.TrainEvalResult,
+        p.TrainSaved,
+        p.TrainClosed,
+    )
 
     # ================================================================== client side
 
@@ -137,6 +150,13 @@ class TrainingRouter:
             self._open(addr, msg, now)
         elif isinstance(msg, p.TrainStep):
             self._step(addr, msg, now)
+        elif isinstance(msg, p.TrainEval):
+            job = self._ready_job(msg.job)
+            _check_batch(msg.tensors, "an evaluation")
+            # Sent at once, like a step: one connection keeps the order, so the worker queues
+            # it behind every step forwarded before it.
+            cid = self._call("eval", job, addr, msg.id, now, msg.timeout_ms)
+            self._to_worker(job.worker, p.TrainEval(id=cid, job=job.name, tensors=msg.tensors))
         elif isinstance(msg, p.TrainSave):
             job = self._ready_job(msg.job)
             if not msg.path:
@@ -235,9 +255,7 @@ class TrainingRouter:
         if msg.seq <= job.last_seq:
             self._retried(job, addr, msg)
             return
-        inputs = [n for n in msg.tensors if n == "inputs" or n.startswith("inputs/")]
-        if "targets" not in msg.tensors or not inputs:
-            raise _fail(Code.BAD_REQUEST, "a training step needs 'inputs' and 'targets' tensors")
+        _check_batch(msg.tensors, "a training step")
         job.last_seq = msg.seq
         cid = self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
         self._to_worker(
@@ -311,6 +329,20 @@ class TrainingRouter:
             self._answer(call, p.TrainOpened(id=call.client_id, job=self._job_status(job, now)))
         elif isinstance(msg, p.TrainStepResult):
             self._step_result(worker, msg, now)
+        elif isinstance(msg, p.TrainEvalResult):
+            call = self._pop(worker, msg.id, "eval", msg.job)
+            if call is None:
+                return
+            self._answer(
+                call,
+                p.TrainEvalResult(
+                    id=call.client_id,
+                    job=msg.job,
+                    loss=msg.loss,
+                    step=msg.step,
+                    metrics=msg.metrics,
+                ),
+            )
         elif isinstance(msg, p.TrainSaved):
             call = self._pop(worker, msg.id, "save", msg.job)
             job = self.jobs.get(msg.job)

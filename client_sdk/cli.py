@@ -1,12 +1,15 @@
-"""The `flowmesh` command: run the mesh, look at it, deploy, infer, plan and list jobs."""
+"""The `flowmesh` command: run the mesh, look at it, deploy, infer, plan, train and list jobs."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
+import time
+from collections import deque
 from typing import Any
 
 from client_sdk.client import DEFAULT_ADDRESS, Client
@@ -348,6 +351,150 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """Steps done, steps/s and the last loss on stderr (stdout keeps the summary): a rich
+    progress bar when rich is installed, else one line rewritten in place."""
+
+    def __init__(self, total: int, name: str) -> None:
+        self.total, self.name = total, name
+        self.t0 = time.perf_counter()
+        self._bar: Any = None
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+        except ImportError:
+            return
+        self._bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]} steps/s  loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        )
+        self._task = self._bar.add_task(name, total=total, rate="-", loss="-")
+        self._bar.start()
+
+    def update(self, done: int, loss: float) -> None:
+        rate = f"{done / max(time.perf_counter() - self.t0, 1e-9):.2f}"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, rate=rate, loss=f"{loss:.4f}")
+        else:
+            line = f"\r{self.name}: step {done}/{self.total}  {rate} steps/s  loss {loss:.4f}"
+            print(line, end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.total < 0:
+            return
+        self.total = -1  # closed: a second close (the error path) prints nothing more
+        if self._bar is not None:
+            self._bar.stop()
+        else:
+            print(file=sys.stderr, flush=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from client_sdk import train_data
+    from flowmesh.spec import ModelSpec
+
+    if args.steps < 1 or args.inflight < 1:
+        raise SystemExit("--steps and --inflight must be positive")
+    kwargs = _kwargs(args.kwargs)
+    name = args.name or f"train-{os.getpid()}"
+    if args.data:
+        data = train_data.from_file(args.data)
+    else:
+        spec = ModelSpec(name=name, factory=args.factory, kwargs=kwargs, dtype=args.dtype)
+        # The factory runs here only on the meta device, to shape the data: no weights, no
+        # values. Its own module is what the user asked for, so it is the allow-list here; the
+        # broker and the workers still check theirs.
+        module = args.factory.partition(":")[0]
+        data = train_data.synthetic(
+            spec,
+            loss=args.loss,
+            samples=args.samples,
+            seq=args.seq,
+            seed=args.data_seed,
+            allow=(module,),
+        )
+    work = train_data.batches(data, args.batch, args.steps)
+    optimizer: dict[str, Any] = {"name": args.optimizer, "lr": args.lr}
+    if args.weight_decay is not None:
+        optimizer["weight_decay"] = args.weight_decay
+    if args.momentum is not None:
+        optimizer["momentum"] = args.momentum
+    losses: list[float] = []
+    saved: dict[str, Any] | None = None
+    with connect(args) as c:
+        job = c.train_open(
+            name,
+            args.factory,
+            kwargs=kwargs,
+            seed=args.seed,
+            weights=args.weights,
+            resume=args.resume,
+            optimizer=None if args.resume else optimizer,
+            loss=args.loss,
+            batch_size=args.batch,
+            clip_grad_norm=args.clip_grad_norm,
+            accumulate=args.accumulate,
+            dtype=args.dtype,
+            chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
+            timeout=args.timeout,
+        )
+        progress = _Progress(len(work), name)
+        t0, seconds = time.perf_counter(), 0.0
+        try:
+            # A few steps in flight: the worker starts the next one while this process waits.
+            pending: deque[Any] = deque()
+            for x, y in work:
+                pending.append(job.step_async(x, y, timeout=args.timeout))
+                if len(pending) >= args.inflight:
+                    losses.append(pending.popleft().result(args.timeout + 5).loss)
+                    progress.update(len(losses), losses[-1])
+            while pending:
+                losses.append(pending.popleft().result(args.timeout + 5).loss)
+                progress.update(len(losses), losses[-1])
+            seconds = time.perf_counter() - t0
+            progress.close()
+            if args.save:
+                saved = job.save(args.save, timeout=args.timeout)
+        finally:
+            progress.close()
+            job.close(timeout=args.timeout)
+    rate = len(losses) / max(seconds, 1e-9)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "job": name,
+                    "worker": job.info.get("worker"),
+                    "data": data.source,
+                    "steps": len(losses),
+                    "losses": losses,
+                    "seconds": seconds,
+                    "steps_per_s": rate,
+                    "saved": saved,
+                }
+            )
+        )
+    else:
+        print(
+            f"trained {name} on {job.info.get('worker')}: {len(losses)} steps of {args.batch} rows "
+            f"from {data.source} in {seconds:.1f} s ({rate:.2f} steps/s); loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
+        if saved is not None:
+            print(f"saved to {saved['path']} at step {saved['step']}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from client_sdk.demo import main as demo
 
@@ -435,7 +582,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan, timeout=120.0)
 
-    p = sub.add_parser("demo", help="the main job: embedded mesh serving many models")
+    p = client_cmd("train", "train a model from a factory for N steps, with a progress bar")
+    p.add_argument("factory", help="module:callable from the broker's allow-list")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--name", default=None, help="job name (default: train-<pid>)")
+    p.add_argument("--kwargs", help="factory keyword arguments as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seeded initial weights and random stream")
+    p.add_argument("--weights", default=None, help="safetensors file the workers can read")
+    p.add_argument("--resume", default=None, help="checkpoint directory written by --save")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, default=8, help="rows per step")
+    p.add_argument("--optimizer", default="adamw", help="sgd | adam | adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--momentum", type=float, default=None, help="sgd only")
+    p.add_argument("--loss", default="cross_entropy", help="cross_entropy | mse")
+    p.add_argument("--clip-grad-norm", type=float, default=None)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--chunk-bytes", default=None, help="sub-model target size (e.g. 4MiB)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a .safetensors file with 'inputs' (or 'inputs/<name>') and 'targets' "
+        "(default: the built-in synthetic dataset matched to the model's declared inputs)",
+    )
+    p.add_argument("--samples", type=int, default=256, help="rows of the synthetic dataset")
+    p.add_argument("--seq", type=int, default=16, help="free input dimensions (synthetic)")
+    p.add_argument("--data-seed", type=int, default=0, help="synthetic dataset seed")
+    p.add_argument("--inflight", type=int, default=2, help="steps sent ahead of their answers")
+    p.add_argument("--save", default=None, help="checkpoint directory at the end (on the worker)")
+    p.add_argument("--json", action="store_true", help="print the per-step losses as JSON")
+    p.set_defaults(fn=cmd_train, timeout=600.0)
+
+    p = sub.add_parser("demo", help="the main job: embedded mesh serving and training")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--memory-budget", default="48MiB")
     p.add_argument("--requests", type=int, default=400)

@@ -75,6 +75,25 @@ class AsyncJob:
 
     step = step_async
 
+    async def eval_async(
+        self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
+    ) -> StepResult:
+        """Loss and metrics ('accuracy' for class targets) of the model on a batch, updating
+        nothing: eval mode (dropout off, BatchNorm on its running statistics), no gradients,
+        the job's random stream untouched. It runs after the steps sent before this call;
+        `step` is how many of them were applied."""
+        msg = p.TrainEval(
+            id=next(self.client._ids),
+            job=self.name,
+            tensors=batch_tensors(inputs, targets),
+            timeout_ms=self.client._ms(timeout),
+        )
+        reply = await self.client._call(msg, timeout)
+        assert isinstance(reply, p.TrainEvalResult)
+        return StepResult(reply.loss, reply.step, dict(reply.metrics))
+
+    eval = eval_async
+
     async def save(self, path: str, timeout: float | None = None) -> dict[str, Any]:
         """Checkpoint the job after the steps sent before this call, into directory `path` on
         its worker (safetensors + job.json); returns {'path', 'step'}."""
@@ -117,6 +136,20 @@ class Job:
         """Send one step now and return a future of its result: steps run in call order."""
         return asyncio.run_coroutine_threadsafe(
             self._job.step_async(inputs, targets, timeout), self.client._loop
+        )
+
+    def eval(
+        self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
+    ) -> StepResult:
+        """Evaluate on a batch without updating anything; blocks (see `AsyncJob.eval_async`)."""
+        return self.client._run(self._job.eval_async(inputs, targets, timeout), timeout)
+
+    def eval_async(
+        self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
+    ) -> Future[StepResult]:
+        """Send an evaluation now and return a future of its result (after earlier steps)."""
+        return asyncio.run_coroutine_threadsafe(
+            self._job.eval_async(inputs, targets, timeout), self.client._loop
         )
 
     def save(self, path: str, timeout: float | None = None) -> dict[str, Any]:

@@ -291,6 +291,30 @@ class TrainStepResult(Message):
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@message("train_eval")
+class TrainEval(Message):
+    """Evaluate `job` on a batch after the steps sent before it: loss and metrics, nothing
+    updated (eval mode, no gradients, the job's RNG stream untouched). Tensors as in
+    `train_step`. No `seq`: an evaluation changes nothing, so running it twice is harmless."""
+
+    id: int
+    job: str
+    tensors: dict[str, Any] = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+
+@message("train_eval_result")
+class TrainEvalResult(Message):
+    """`step`: the steps applied before the evaluation; `metrics`: 'accuracy' for class
+    targets, 'nonfinite', 'seconds'."""
+
+    id: int
+    job: str
+    loss: float
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 @message("train_save")
 class TrainSave(Message):
     """Checkpoint `job` after the steps sent before it, into directory `path` on its worker."""

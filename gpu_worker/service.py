@@ -87,6 +87,9 @@ class WorkerService(MeshPeer):
                 train_steps=t["steps"],
                 train_step_errors=t["step_errors"],
                 train_budget_bytes=t["budget_bytes"],
+                train_reserved_bytes=t["reserved_bytes"],
+                train_resident_bytes=t["resident_bytes"],
+                train_evals=t["evals"],
                 train_reserved_peak=t["reserved_peak"],
                 train_resident_peak=t["resident_peak"],
                 train_bytes_in=t["bytes_in"],
@@ -143,6 +146,8 @@ class WorkerService(MeshPeer):
             self.executor.drop_stage((msg.model, msg.stage))
         elif isinstance(msg, p.TrainStep):
             self._train_step(msg)
+        elif isinstance(msg, p.TrainEval):
+            self._train_eval(msg)
         elif isinstance(msg, p.TrainOpen):
             self._spawn(self._train_open(msg))
         elif isinstance(msg, p.TrainSave):
@@ -297,22 +302,27 @@ class WorkerService(MeshPeer):
                 f"step seq {msg.seq} of {msg.job!r} was already taken (last {last}); not run twice",
             )
         self._seqs[msg.job] = msg.seq
-        # Copies: the step keeps its batch until it ends, and model code may write its input
-        # in place; a received frame is read-only.
-        t = {name: ref.tensor().clone() for name, ref in msg.tensors.items()}
-        targets = t.pop("targets", None)
-        if targets is None:
-            raise FlowmeshError(Code.BAD_REQUEST, "a training step needs 'targets'")
-        inputs: Any = t.pop("inputs", None)
-        if inputs is None:
-            inputs = {k.removeprefix("inputs/"): v for k, v in t.items()}
-        if not isinstance(inputs, torch.Tensor) and not inputs:
-            raise FlowmeshError(Code.BAD_REQUEST, "a training step needs 'inputs'")
+        inputs, targets = _batch(msg.tensors, "a training step")
         fut = trainer.submit(msg.job, inputs, targets)
 
         def result(r: StepResult) -> p.Message:
             return p.TrainStepResult(
                 id=msg.id, job=msg.job, seq=msg.seq, loss=r.loss, step=r.step, metrics=r.metrics
+            )
+
+        self._answer_when_done(asyncio.wrap_future(fut), msg.id, result)
+
+    def _train_eval(self, msg: p.TrainEval) -> None:
+        trainer = self._trainer()
+        if msg.job not in self._seqs:
+            raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {msg.job!r} here")
+        inputs, targets = _batch(msg.tensors, "an evaluation")
+        # Submitted in arrival order, as steps are: it runs after every step that came first.
+        fut = trainer.evaluate(msg.job, inputs, targets)
+
+        def result(r: StepResult) -> p.Message:
+            return p.TrainEvalResult(
+                id=msg.id, job=msg.job, loss=r.loss, step=r.step, metrics=r.metrics
             )
 
         self._answer_when_done(asyncio.wrap_future(fut), msg.id, result)
@@ -355,3 +365,19 @@ class WorkerService(MeshPeer):
             self._seqs.pop(msg.job, None)
         if answer:
             self.send(p.TrainClosed(id=msg.id, job=msg.job))
+
+
+def _batch(tensors: dict[str, Any], what: str) -> tuple[Any, torch.Tensor]:
+    """(inputs, targets) of a step or an evaluation: 'inputs' or 'inputs/<name>', 'targets'."""
+    # Copies: the request keeps its batch until it ends, and model code may write its input
+    # in place; a received frame is read-only.
+    t = {name: ref.tensor().clone() for name, ref in tensors.items()}
+    targets = t.pop("targets", None)
+    if targets is None:
+        raise FlowmeshError(Code.BAD_REQUEST, f"{what} needs 'targets'")
+    inputs: Any = t.pop("inputs", None)
+    if inputs is None:
+        inputs = {k.removeprefix("inputs/"): v for k, v in t.items()}
+    if not isinstance(inputs, torch.Tensor) and not inputs:
+        raise FlowmeshError(Code.BAD_REQUEST, f"{what} needs 'inputs'")
+    return inputs, targets

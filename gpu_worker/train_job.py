@@ -69,6 +69,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 _IMPL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 
 FORWARD, LAST, BACKWARD, UPDATE, SAVE = "forward", "last", "backward", "update", "save"
+EVAL = "eval"
 
 
 def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -370,6 +371,7 @@ class TrainingJob:
         self._norms: dict[str, torch.Tensor] = {}
         self._total_norm: dict[int, torch.Tensor] = {}
         self._touched: set[str] = set()
+        self._correct: dict[int, list[int]] = {}  # eval request -> [right, counted] predictions
 
     # -- construction ------------------------------------------------------------------------
 
@@ -569,6 +571,16 @@ class TrainingJob:
 
     def begin_step(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
         """Validate a step's batch and keep its micro-batches until the step ends."""
+        self._begin(request, inputs, targets)
+
+    def begin_eval(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
+        """Validate an evaluation's batch and keep its micro-batches until it ends. It is split
+        like a step's so that each task's activations stay within the reservation a forward
+        task of the job was planned with."""
+        self._begin(request, inputs, targets)
+        self._correct[request] = [0, 0]
+
+    def _begin(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
         if self.broken is not None:
             raise _bad(f"job {self.name!r} is broken ({self.broken}); resume from a checkpoint")
         batch = _batch_of(inputs)
@@ -598,6 +610,9 @@ class TrainingJob:
         if kind == FORWARD:
             reads = {f"P:{i}", f"B:{i}", *(f"P:{o}" for o in owners)}
             writes = {f"B:{i}", f"R:{i}"}
+        elif kind == EVAL:  # writes nothing back: its extent is dropped when it ends
+            reads = {f"P:{i}", f"B:{i}", *(f"P:{o}" for o in owners)}
+            writes = set()
         elif kind == UPDATE:
             reads = {f"P:{i}", f"G:{i}", f"S:{i}", "N"}
             writes = {f"P:{i}", f"G:{i}", f"S:{i}"}
@@ -618,7 +633,7 @@ class TrainingJob:
         sub = self.subs[i]
         layout = sub.layouts[
             FORWARD
-            if kind == FORWARD
+            if kind in (FORWARD, EVAL)
             else UPDATE
             if kind == UPDATE
             else ("grad+update" if update else "grad")
@@ -648,6 +663,16 @@ class TrainingJob:
         tasks[-1].last = True
         return tasks
 
+    def plan_eval(self, request: int) -> list[Task]:
+        """A forward of every sub-model per micro-batch, the loss at the end of the last."""
+        tasks = [
+            self._task(request, EVAL, i, m, False)
+            for m in range(self.config.accumulate)
+            for i in range(self.parts)
+        ]
+        tasks[-1].last = True
+        return tasks
+
     def plan_save(self, request: int, path: Any) -> list[Task]:
         task = Task(self.name, request, SAVE, 0, frozenset({ANY}), frozenset(), last=True)
         task.payload = {"path": path}
@@ -666,14 +691,14 @@ class TrainingJob:
         (p0, p1), (b0, b1), (g0, g1), (s0, s1) = (sub.sections[k] for k in "PBGS")
         if p1 > p0:
             plan.copies.append((base + p0, sub.slab[p0:p1]))
-        if b1 > b0 and task.kind in (FORWARD, LAST):
+        if b1 > b0 and task.kind in (FORWARD, LAST, EVAL):
             plan.copies.append((base + b0, sub.slab[b0:b1]))
         if b1 > b0 and task.kind == BACKWARD:
             snapshot = self._replay[(task.request, task.micro, task.sub)][1]
             assert snapshot is not None
             plan.copies.append((base + b0, snapshot))
         owned_trainable = [self.tensors[n] for n in sub.owned if self.tensors[n].trainable]
-        if task.kind != FORWARD and g1 > g0:
+        if task.kind not in (FORWARD, EVAL) and g1 > g0:
             self._plan_section(
                 plan, sub, base, (g0, g1), owned_trainable, self.grad_valid, grads=True
             )
@@ -724,7 +749,7 @@ class TrainingJob:
 
     def _layout(self, task: Task) -> Layout:
         sub = self.subs[task.sub]
-        if task.kind == FORWARD:
+        if task.kind in (FORWARD, EVAL):
             return sub.layouts[FORWARD]
         if task.kind == UPDATE:
             return sub.layouts[UPDATE]
@@ -745,6 +770,8 @@ class TrainingJob:
         try:
             if task.kind == FORWARD:
                 return self._run_forward(task, sub, base, arena)
+            if task.kind == EVAL:
+                return self._run_eval(task, sub)
             if task.kind == UPDATE:
                 return self._run_update(task, sub, base, arena)
             return self._run_backward(task, sub, base, arena)
@@ -853,8 +880,74 @@ class TrainingJob:
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
 
+    def _run_eval(self, task: Task, sub: SubModel) -> TaskResult:
+        """A forward under no_grad with the sub-model in eval mode (dropout off, BatchNorm on its
+        running statistics). Nothing it touches is written back, and the job's RNG state is
+        restored, not advanced: later steps run as if it never happened."""
+        key = (task.request, task.micro, task.sub)
+        x = self._input(task)
+        self._acts.pop(key, None)
+        with _rng_scope(self.rng, self._cuda), torch.no_grad():
+            for m in sub.modules:
+                m.eval()
+            try:
+                out = self._forward(sub, x)
+            except FlowmeshError:
+                raise
+            except Exception as exc:
+                raise _model_error(self.name, self._where(task), exc) from None
+            finally:
+                for m in sub.modules:
+                    m.train()
+        if task.sub < self.parts - 1:
+            self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
+            return TaskResult()
+        target = self._unstash(self._data[task.request][1][task.micro])
+        try:
+            with torch.no_grad():
+                loss = LOSSES[self.config.loss](out, target) / self.config.accumulate
+        except Exception as exc:
+            raise _bad(
+                f"job {self.name!r}: loss {self.config.loss!r} failed on outputs of shape "
+                f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
+            ) from None
+        value = float(loss.item())
+        self._losses[task.request].append(value)
+        self._nonfinite[task.request] |= not math.isfinite(value)
+        if self.config.loss == "cross_entropy" and not target.is_floating_point():
+            classes = out.argmax(-1) if out.dim() == target.dim() + 1 else None
+            if classes is not None:
+                counts = self._correct[task.request]
+                counts[0] += int((classes == target).sum())
+                counts[1] += target.numel()
+        return TaskResult(loss=value)
+
+    def finish_eval(self, request: int) -> StepResult:
+        """The evaluation's loss (the batch mean, as a step reports it) and metrics; the job's
+        step count is the one it evaluated after."""
+        losses = self._losses.pop(request, [])
+        nonfinite = self._nonfinite.pop(request, False)
+        right, counted = self._correct.pop(request, [0, 0])
+        self._data.pop(request, None)
+        metrics: dict[str, float] = {"nonfinite": float(nonfinite)}
+        if counted:
+            metrics["accuracy"] = right / counted
+        return StepResult(sum(losses), self.step_count, metrics)
+
+    def abort_eval(self, request: int) -> None:
+        """Forget a failed evaluation; it changed nothing, so the job stays usable."""
+        for key in [k for k in self._acts if k[0] == request]:
+            del self._acts[key]
+        for store in (self._data, self._losses, self._nonfinite, self._correct):
+            store.pop(request, None)  # type: ignore[attr-defined]
+
     def _where(self, task: Task) -> str:
         sub = self.subs[task.sub]
+        if task.kind == EVAL:
+            return (
+                f"eval after step {self.step_count}, sub-model {sub.index} "
+                f"(blocks {sub.start}..{sub.stop - 1})"
+            )
         return (
             f"step {self.step_count + 1}, {task.kind} of sub-model {sub.index} "
             f"(blocks {sub.start}..{sub.stop - 1})"

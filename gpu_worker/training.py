@@ -83,7 +83,7 @@ T = TypeVar("T")
 class _Request:
     job: str
     id: int
-    kind: str  # "step" | "save"
+    kind: str  # "step" | "eval" | "save"
     future: Future[Any]
     t0: float = field(default_factory=time.perf_counter)
     tasks: int = 0
@@ -125,6 +125,7 @@ class TrainingExecutor:
             "tasks": 0,
             "steps": 0,
             "step_errors": 0,
+            "evals": 0,
             "bytes_in": 0,
             "bytes_out": 0,
             "compute_s": 0.0,
@@ -170,6 +171,24 @@ class TrainingExecutor:
         self, name: str, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
     ) -> StepResult:
         return self.submit(name, inputs, targets).result(timeout)
+
+    def evaluate(self, name: str, inputs: Inputs, targets: torch.Tensor) -> Future[StepResult]:
+        """Queue an evaluation of job `name` (loss and metrics, nothing updated) after the steps
+        submitted before it; its result's `step` is the number of steps it saw applied."""
+        fut: Future[StepResult] = Future()
+        job = self.jobs.get(name)
+        if job is None:
+            fut.set_exception(FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}"))
+            return fut
+        rid = next(self._ids)
+        try:
+            job.begin_eval(rid, inputs, targets)
+            tasks = job.plan_eval(rid)
+        except FlowmeshError as exc:
+            fut.set_exception(exc)
+            return fut
+        self._post(lambda: self._push(_Request(name, rid, "eval", fut), tasks))
+        return fut
 
     def save(self, name: str, path: str | os.PathLike[str]) -> Future[Path]:
         """Checkpoint job `name` after the steps submitted before this call."""
@@ -412,6 +431,12 @@ class TrainingExecutor:
         if request.kind == "save":
             request.future.set_result(result.value)
             return
+        if request.kind == "eval":
+            evaluated = job.finish_eval(request.id)
+            evaluated.metrics["seconds"] = time.perf_counter() - request.t0
+            self.counters["evals"] += 1
+            request.future.set_result(evaluated)
+            return
         step = job.finish_step(request.id)
         step.metrics.update(
             tasks=float(request.tasks),
@@ -446,6 +471,8 @@ class TrainingExecutor:
         if request.kind == "step" and job is not None:
             job.abort_step(request.id, error.reason)
             self.counters["step_errors"] += 1
+        elif request.kind == "eval" and job is not None:
+            job.abort_eval(request.id)
         request.future.set_exception(error)
 
     def _close_job(self, name: str) -> None:

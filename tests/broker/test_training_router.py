@@ -241,3 +241,35 @@ def test_only_the_jobs_worker_may_answer_its_calls() -> None:
     forged = p.Error(id=fwd.id, code="internal", reason="forged")
     assert all(not isinstance(m, p.Error) or m.id != 11 for _, _, m in h.backend(intruder, forged))
     assert only(h.backend(w, result(fwd, 0.25, 1)))[2].loss == 0.25  # type: ignore[attr-defined]
+
+
+def test_an_eval_is_forwarded_behind_the_steps_and_changes_no_job_figures() -> None:
+    h = Harness()
+    w = trainer(h, "w", 100 * KIB)
+    open_job(h, "j")
+    _, _, first = only(step(h, "j", 1, 11))
+    tensors = {"inputs": ref(4, 8), "targets": ref(4, dtype="int64")}
+    dest, addr, fwd = only(h.client(C, p.TrainEval(id=21, job="j", tensors=tensors)))
+    assert (dest, addr) == (BACKEND, w) and isinstance(fwd, p.TrainEval)
+    assert fwd.id not in (21, first.id) and set(fwd.tensors) == {"inputs", "targets"}
+    _, _, second = only(step(h, "j", 2, 12))  # an eval takes no seq: the next step is 2
+    assert isinstance(second, p.TrainStep) and second.seq == 2
+    only(h.backend(w, result(first, 0.9, 1)))
+    metrics = {"accuracy": 0.5, "nonfinite": 0.0}
+    reply = p.TrainEvalResult(id=fwd.id, job="j", loss=0.7, step=1, metrics=metrics)
+    dest, addr, answered = only(h.backend(w, reply))
+    assert (dest, addr) == (CLIENT, C) and answered == p.TrainEvalResult(
+        id=21, job="j", loss=0.7, step=1, metrics=metrics
+    )
+    (row,) = h.core.status(h.now)["jobs"]
+    assert (row["step"], row["last_loss"], row["pending"]) == (1, 0.9, 1)
+    # A failed eval answers its caller and counts as no step error.
+    _, _, again = only(h.client(C, p.TrainEval(id=22, job="j", tensors=tensors)))
+    err = p.Error(id=again.id, code=str(Code.MODEL_ERROR), reason="boom")
+    assert (error_of(h.backend(w, err)).id, h.core.status(h.now)["jobs"][0]["errors"]) == (22, 0)
+    with pytest.raises(FlowmeshError) as info:
+        h.client(C, p.TrainEval(id=23, job="j", tensors={"inputs": ref(4, 8)}))
+    assert info.value.code == Code.BAD_REQUEST and "'targets'" in info.value.reason
+    with pytest.raises(FlowmeshError) as info:
+        h.client(C, p.TrainEval(id=24, job="nope", tensors=tensors))
+    assert info.value.code == Code.MODEL_NOT_FOUND

@@ -92,9 +92,27 @@ def saved_state(path: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if "/" not in k}  # the model's, not optimizer/rng
 
 
+# The default allow-list and the test factories (dropout and BatchNorm, for `job.eval`).
+ALLOW = [
+    "--allow",
+    "flowmesh.examples",
+    "--allow",
+    "torch.nn",
+    "--allow",
+    "tests.mesh.train_models",
+]
+
+
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(cpu_workers=1, memory_budget="8MiB", train_bytes=TRAIN_BYTES, **FAST) as m:
+    with LocalMesh(
+        cpu_workers=1,
+        memory_budget="8MiB",
+        train_bytes=TRAIN_BYTES,
+        broker_args=ALLOW,
+        worker_args=ALLOW,
+        **FAST,
+    ) as m:
         yield m
 
 
@@ -232,3 +250,46 @@ def test_a_killed_worker_fails_pending_steps_and_the_job_resumes_elsewhere(
         assert again.info["worker"] != home and again.info["step"] == 2
         rest = [again.step(x, y) for x, y in batches[2:]]
     close([r.loss for r in first + rest], expected, "losses across the lost worker")
+
+
+def test_eval_between_steps_equals_plain_pytorch_and_changes_no_later_step(mesh: LocalMesh) -> None:
+    """Dropout and BatchNorm: the eval must run in eval mode, update no running statistic and
+    draw nothing from the job's random stream, or the steps after it would differ."""
+    s = ModelSpec(name="bn", factory="tests.mesh.train_models:dropout_bn_mlp", seed=8)
+    batches, (hx, hy) = data(8, 6), data(80, 1)[0]
+    kw = {**open_kw(s, ADAM), "rng_seed": 5}
+
+    model = build_seeded(s, ("tests.mesh.train_models",)).train()
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    plain_losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        for x, y in batches[:3]:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            plain_losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        logits = model(hx)
+    expected = F.cross_entropy(logits, hy).item()
+    accuracy = (logits.argmax(-1) == hy).float().mean().item()
+
+    with mesh.client(timeout=60) as c:
+        job = c.train_open("with-eval", s.factory, **kw)
+        first = [job.step_async(x, y) for x, y in batches[:3]]
+        evaluated = job.eval_async(hx, hy)  # sent behind three steps in flight
+        rest = [job.step_async(x, y) for x, y in batches[3:]]
+        with_eval = [f.result(60).loss for f in first + rest]
+        ev = evaluated.result(60)
+        again = job.eval(hx, hy)  # the blocking call, after all six steps
+        job.close()
+        plain_job = c.train_open("without-eval", s.factory, **kw)
+        without = [plain_job.step(x, y).loss for x, y in batches]
+        plain_job.close()
+    assert ev.step == 3 and again.step == 6
+    close(with_eval[:3], plain_losses, "steps before the eval vs plain PyTorch")
+    close(ev.loss, expected, "eval loss vs plain PyTorch in eval mode")
+    close(ev.metrics["accuracy"], accuracy, "eval accuracy")
+    close(with_eval, without, "steps around an eval vs the same run without it")

@@ -675,3 +675,47 @@ def test_scheduler_drops_a_failed_request_and_returns_held_memory() -> None:
     s.finished(head)
     assert [t.sub for t in held] == [2] and list(s.chains["a"]) == [nxt]
     assert s.candidates() == [nxt]
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "parts", "accumulate"), [("mixed", 3, 2), ("gpt2", 2, 1)])
+def test_eval_matches_plain_pytorch_and_leaves_later_steps_unchanged(
+    kind: str, parts: int, accumulate: int
+) -> None:
+    """Dropout, BatchNorm and a buffer that moves in train mode: an eval between steps must use
+    eval mode, update nothing and not advance the job's RNG stream."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=accumulate, seed=21)
+    data = data_for(kind, 6)
+    held_out = data_for(kind, 1, seed=99)[0]
+
+    def job_of(name: str) -> TrainingJob:
+        model = build(kind)
+        blocks = blocks_of(kind, model)
+        return TrainingJob(name, blocks, even_ranges(len(blocks), parts), cfg, CpuStandIn(8 * MIB))
+
+    with_eval, without = job_of("with"), job_of("without")
+    with TrainingExecutor(with_eval.device) as ex:
+        ex.open(with_eval)
+        futures = [ex.submit("with", x, y) for x, y in data[:3]]
+        evaluated = ex.evaluate("with", *held_out)  # queued behind the three steps
+        futures += [ex.submit("with", x, y) for x, y in data[3:]]
+        steps = [f.result(timeout=120) for f in futures]
+        ev = evaluated.result(timeout=120)
+    plain = [r.loss for r in flow_run(without, data)]
+
+    reference = build(kind)
+    plain_step_loop(kind, reference, cfg, data[:3])
+    reference.eval()
+    with torch.no_grad():
+        out = reference(held_out[0])
+        logits = out.logits if kind == "gpt2" else out
+        expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), held_out[1].reshape(-1))
+    assert ev.step == 3
+    close(ev.loss, expected.item(), "eval loss against plain PyTorch")
+    right = (logits.argmax(-1) == held_out[1]).float().mean().item()
+    close(ev.metrics["accuracy"], right, "eval accuracy")
+    close([r.loss for r in steps], plain, "steps around an eval vs a run without it")
+    for name, t in without.state_dict().items():
+        close(with_eval.state_dict()[name], t, f"{name} (buffers included) after the eval")

@@ -1,0 +1,48 @@
+"""Model factories the training tests add to the mesh's allow-list (`--allow tests.mesh...`):
+one with dropout and BatchNorm (an eval must switch both off), one whose own code raises on a
+marked input value (isolation of a failing job)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MARK = 12345.0  # an input holding this value makes `boom_mlp`'s first block raise
+
+
+def _declare(model: nn.Module) -> nn.Module:
+    model.flowmesh_inputs = {"x": {"dtype": "float32", "shape": [-1, 8]}}  # type: ignore[assignment]
+    return model
+
+
+def dropout_bn_mlp() -> nn.Module:
+    return _declare(
+        nn.Sequential(
+            # No bias before BatchNorm: its gradient would be rounding noise, which Adam
+            # scales up to a full step of arbitrary sign (thread counts would then decide it).
+            nn.Linear(8, 16, bias=False),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(16, 16),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(16, 5),
+        )
+    )
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The planner traces shapes on the meta device, where values cannot be read.
+        if x.device.type != "meta" and bool((x == MARK).any()):
+            raise RuntimeError("boom: the model's own code failed")
+        return x
+
+
+def boom_mlp() -> nn.Module:
+    return _declare(
+        nn.Sequential(
+            Boom(), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 5)
+        )
+    )
