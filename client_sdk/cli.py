@@ -1,4 +1,5 @@
-"""The `flowmesh` command: run the mesh, look at it, deploy, infer, plan, train and list jobs."""
+"""The `flowmesh` command: run the mesh, look at it, deploy, infer, plan, train, sweep and list
+jobs."""
 
 from __future__ import annotations
 
@@ -495,6 +496,128 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+SWEEP_KEYS = {
+    "name", "factory", "trials", "steps", "eval_every", "concurrency", "pruner",
+    "reduction_factor", "objective", "direction", "batch", "loss", "seed", "chunk_bytes", "out",
+    "kwargs", "optimizer", "data", "space",
+}  # fmt: skip
+SWEEP_DATA_KEYS = {"file", "eval_file", "samples", "seq", "seed", "holdout"}
+SWEEP_HELP = """Run a hyper-parameter sweep described by a TOML file (scripts/sweep_example.toml):
+trials are training jobs on the mesh, driven by Optuna (ask-and-tell) and pruned early by its
+successive-halving or Hyperband pruner; a live table on stderr, the results table on stdout, and
+trials.json + curves.png in the output directory.
+
+Top-level keys: name (study; jobs are <name>-t<N>), factory (module:callable), trials, steps,
+eval_every (steps between held-out evaluations, each reported to the pruner), concurrency
+(trials at once, default 2), pruner (successive_halving | hyperband | none), reduction_factor
+(default 3), objective (loss | accuracy; default loss), direction (minimize | maximize; default
+by objective), batch (rows per step, default 16), loss (cross_entropy | mse), seed (sampler and
+initial weights, default 0), chunk_bytes (e.g. "32KiB"), out (output directory, default
+sweep-<name>).
+Tables: [kwargs] fixed factory keyword arguments; [optimizer] fixed optimizer (name, lr, ...;
+default adamw, lr 1e-3); [data] file / eval_file (.safetensors with 'inputs' and 'targets'), or
+the built-in synthetic dataset: samples (default 512), seq (16), seed (0); holdout (fraction of
+the rows held out for evaluation when there is no eval_file, default 0.2); [space.<param>]
+type = "float" | "int" | "categorical" with low, high, log, step or choices. A <param> named
+optimizer, lr, weight_decay, momentum or optim.<key> sets the optimizer; any other name is a
+factory keyword argument. Relative paths are relative to the TOML file's directory."""
+
+
+def load_sweep_config(path: str) -> dict[str, Any]:
+    """The TOML file of `flowmesh sweep`, checked for unknown keys (a typo would otherwise be
+    silently ignored and the sweep run with a default)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"flowmesh sweep: {path}: {exc}") from None
+    unknown = sorted(set(cfg) - SWEEP_KEYS) + [
+        f"data.{k}" for k in sorted(set(cfg.get("data", {})) - SWEEP_DATA_KEYS)
+    ]
+    if unknown:
+        raise SystemExit(f"flowmesh sweep: {path}: unknown keys {', '.join(unknown)}")
+    missing = [k for k in ("factory", "trials", "steps", "eval_every", "space") if k not in cfg]
+    if missing:
+        raise SystemExit(f"flowmesh sweep: {path}: missing keys {', '.join(missing)}")
+    return cfg
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from client_sdk import train_data
+    from flowmesh.spec import ModelSpec
+
+    cfg = load_sweep_config(args.config)
+    base = Path(args.config).resolve().parent
+    name = str(cfg.get("name", f"sweep-{os.getpid()}"))
+    factory = str(cfg["factory"])
+    kwargs = dict(cfg.get("kwargs", {}))
+    loss = str(cfg.get("loss", "cross_entropy"))
+    d = cfg.get("data", {})
+    eval_data = None
+    if "file" in d:
+        data = train_data.from_file(str(base / d["file"]))
+        if "eval_file" in d:
+            eval_data = train_data.from_file(str(base / d["eval_file"]))
+    else:
+        spec = ModelSpec(name=name, factory=factory, kwargs=kwargs)
+        # As in `flowmesh train`: the factory runs here only on the meta device, to shape data.
+        data = train_data.synthetic(
+            spec,
+            loss=loss,
+            samples=int(d.get("samples", 512)),
+            seq=int(d.get("seq", 16)),
+            seed=int(d.get("seed", 0)),
+            allow=(factory.partition(":")[0],),
+        )
+    out = Path(args.out) if args.out else base / str(cfg.get("out", f"sweep-{name}"))
+    chunk = cfg.get("chunk_bytes")
+    with connect(args) as c:
+        try:
+            result = c.sweep(
+                name=name,
+                factory=factory,
+                space=cfg["space"],
+                data=data,
+                eval_data=eval_data,
+                holdout_fraction=float(d.get("holdout", 0.2)),
+                trials=int(cfg["trials"]),
+                steps=int(cfg["steps"]),
+                eval_every=int(cfg["eval_every"]),
+                objective=str(cfg.get("objective", "loss")),
+                direction=cfg.get("direction"),
+                pruner=str(cfg.get("pruner", "successive_halving")),
+                reduction_factor=int(cfg.get("reduction_factor", 3)),
+                concurrency=int(cfg.get("concurrency", 2)),
+                kwargs=kwargs,
+                optimizer=cfg.get("optimizer"),
+                loss=loss,
+                batch=int(cfg.get("batch", 16)),
+                seed=int(cfg.get("seed", 0)),
+                chunk_bytes=parse_size(chunk) if chunk is not None else None,
+                out_dir=out,
+                show=not (args.quiet or args.json),
+                timeout=args.timeout,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"flowmesh sweep: {args.config}: {exc}") from None
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    best = result.best
+    states = [t.state for t in result.trials]
+    counts = ", ".join(f"{states.count(s)} {s.lower()}" for s in sorted(set(states)))
+    print(f"sweep {name}: {len(states)} trials ({counts}) on {data.source}")
+    if best is not None:
+        params = ", ".join(f"{k}={v!r}" for k, v in best.params.items())
+        print(f"best: trial {best.number}, {result.objective} {best.value:.4f} ({params})")
+    print(f"saved {result.json_path} and {result.png_path}")
+    return 0 if best is not None else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from client_sdk.demo import main as demo
 
@@ -613,6 +736,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="checkpoint directory at the end (on the worker)")
     p.add_argument("--json", action="store_true", help="print the per-step losses as JSON")
     p.set_defaults(fn=cmd_train, timeout=600.0)
+
+    p = client_cmd("sweep", "hyper-parameter sweep from a TOML file (Optuna, with pruning)")
+    p.description = SWEEP_HELP
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("config", help="the sweep's TOML file (keys: see above)")
+    p.add_argument("--out", default=None, help="output directory (overrides 'out')")
+    p.add_argument("--quiet", action="store_true", help="no live table, no results table")
+    p.add_argument(
+        "--json", action="store_true", help="print the trials as JSON on stdout (and no tables)"
+    )
+    p.set_defaults(fn=cmd_sweep, timeout=600.0)
 
     p = sub.add_parser("demo", help="the main job: embedded mesh serving and training")
     p.add_argument("--workers", type=int, default=2)

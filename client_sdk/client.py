@@ -21,7 +21,8 @@ import os
 import threading
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import uvloop
@@ -33,6 +34,10 @@ from client_sdk.jobs import AsyncJob, Job
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, send
+
+if TYPE_CHECKING:
+    from client_sdk.sweep import Callback, SweepResult
+    from client_sdk.train_data import Dataset
 
 log = logging.getLogger("client_sdk")
 T = TypeVar("T")
@@ -451,6 +456,66 @@ class AsyncClient:
         assert isinstance(reply, p.JobsReply)
         return reply.jobs
 
+    async def sweep(
+        self,
+        *,
+        name: str,
+        factory: str,
+        space: Mapping[str, Mapping[str, Any]],
+        data: Dataset,
+        trials: int,
+        steps: int,
+        eval_every: int,
+        eval_data: Dataset | None = None,
+        holdout_fraction: float = 0.2,
+        objective: str = "loss",
+        direction: str | None = None,
+        pruner: str = "successive_halving",
+        reduction_factor: int = 3,
+        concurrency: int = 2,
+        kwargs: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        loss: str = "cross_entropy",
+        batch: int = 16,
+        seed: int = 0,
+        chunk_bytes: int | None = None,
+        out_dir: str | Path | None = None,
+        show: bool = True,
+        on_trial_end: Callback | None = None,
+        timeout: float = 600.0,
+    ) -> SweepResult:
+        """A hyper-parameter sweep of `factory` through the mesh with Optuna (ask-and-tell) and
+        its pruners; see `client_sdk.sweep` for the space, the parameters and the outputs."""
+        from client_sdk.sweep import sweep_async
+
+        return await sweep_async(
+            self,
+            name=name,
+            factory=factory,
+            space=space,
+            data=data,
+            trials=trials,
+            steps=steps,
+            eval_every=eval_every,
+            eval_data=eval_data,
+            holdout_fraction=holdout_fraction,
+            objective=objective,
+            direction=direction,
+            pruner=pruner,
+            reduction_factor=reduction_factor,
+            concurrency=concurrency,
+            kwargs=kwargs,
+            optimizer=optimizer,
+            loss=loss,
+            batch=batch,
+            seed=seed,
+            chunk_bytes=chunk_bytes,
+            out_dir=out_dir,
+            show=show,
+            on_trial_end=on_trial_end,
+            timeout=timeout,
+        )
+
     async def close(self) -> None:
         reader, self._reader = self._reader, None  # tells _reader_done that this is no failure
         sock, self._sock = self._sock, None
@@ -573,6 +638,67 @@ class Client:
     def jobs(self, timeout: float | None = 10.0) -> list[dict[str, Any]]:
         """Every open training job (see `AsyncClient.jobs`)."""
         return self._run(self._async.jobs(timeout), timeout)
+
+    def sweep(
+        self,
+        *,
+        name: str,
+        factory: str,
+        space: Mapping[str, Mapping[str, Any]],
+        data: Dataset,
+        trials: int,
+        steps: int,
+        eval_every: int,
+        eval_data: Dataset | None = None,
+        holdout_fraction: float = 0.2,
+        objective: str = "loss",
+        direction: str | None = None,
+        pruner: str = "successive_halving",
+        reduction_factor: int = 3,
+        concurrency: int = 2,
+        kwargs: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        loss: str = "cross_entropy",
+        batch: int = 16,
+        seed: int = 0,
+        chunk_bytes: int | None = None,
+        out_dir: str | Path | None = None,
+        show: bool = True,
+        on_trial_end: Callback | None = None,
+        timeout: float = 600.0,
+    ) -> SweepResult:
+        """A blocking sweep (see `AsyncClient.sweep`); blocks until every trial is done.
+        `on_trial_end` runs on the client's event loop thread: it must not call this `Client`."""
+        from client_sdk.sweep import sweep_async
+
+        coro = sweep_async(
+            self._async,
+            name=name,
+            factory=factory,
+            space=space,
+            data=data,
+            trials=trials,
+            steps=steps,
+            eval_every=eval_every,
+            eval_data=eval_data,
+            holdout_fraction=holdout_fraction,
+            objective=objective,
+            direction=direction,
+            pruner=pruner,
+            reduction_factor=reduction_factor,
+            concurrency=concurrency,
+            kwargs=kwargs,
+            optimizer=optimizer,
+            loss=loss,
+            batch=batch,
+            seed=seed,
+            chunk_bytes=chunk_bytes,
+            out_dir=out_dir,
+            show=show,
+            on_trial_end=on_trial_end,
+            timeout=timeout,
+        )
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
         if self._loop.is_closed():

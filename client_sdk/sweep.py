@@ -1,0 +1,458 @@
+"""Hyper-parameter sweeps through the mesh: Optuna's ask-and-tell interface drives trials as
+training jobs, and its pruners (successive halving, Hyperband) stop the bad ones early.
+
+Each trial asks the study for its parameters, opens a job, trains `steps` steps and every
+`eval_every` steps evaluates on held-out rows, reporting the value to Optuna. When the pruner
+says stop, the job is closed at once, so its training memory goes to the trials still running.
+At most `concurrency` trials run at a time.
+
+The search space is plain data (a TOML table, a JSON object): each name maps to a distribution,
+`{"type": "float", "low": 1e-4, "high": 0.1, "log": true}`, `{"type": "int", "low": 8, "high":
+64, "step": 8}` or `{"type": "categorical", "choices": ["adam", "sgd"]}`. Where a value goes:
+
+| name                                  | goes to                                        |
+|---------------------------------------|------------------------------------------------|
+| `optimizer`                           | the optimizer's name ("sgd", "adam", "adamw")  |
+| `lr`, `weight_decay`, `momentum`      | the optimizer's settings                       |
+| `optim.<key>`                         | the optimizer's setting `<key>` (torch.optim)  |
+| anything else, e.g. `width`           | the factory's keyword argument of that name    |
+
+A sampled value overrides the fixed `kwargs` / `optimizer` given to the sweep.
+
+A trial whose training loss turns non-finite (a diverged learning rate) is pruned at once.
+Results go to `out_dir`: `trials.json` (every trial's parameters, state, value, per-step training
+losses and evaluations) and `curves.png` (every trial's curves; pruned trials dashed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+import torch
+
+from client_sdk.train_data import Dataset
+from flowmesh.errors import FlowmeshError
+
+if TYPE_CHECKING:
+    from client_sdk.client import AsyncClient, Client
+
+OPTIMIZER_KEYS = {"lr", "weight_decay", "momentum"}
+OPTIM_PREFIX = "optim."
+PRUNERS = ("successive_halving", "hyperband", "none")
+
+
+@dataclass
+class TrialRecord:
+    """One trial as the sweep saw it; `curve` is the training loss of every step, `evals` the
+    (step, objective) pairs reported to Optuna."""
+
+    number: int
+    params: dict[str, Any]
+    job: str
+    state: str = "WAITING"  # RUNNING, then COMPLETE, PRUNED or FAIL
+    step: int = 0
+    value: float | None = None
+    curve: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.curve[-1] if self.curve else None
+
+
+@dataclass
+class SweepResult:
+    name: str
+    objective: str
+    direction: str
+    trials: list[TrialRecord]
+    study: optuna.Study
+    out_dir: Path | None = None
+
+    @property
+    def completed(self) -> list[TrialRecord]:
+        return [t for t in self.trials if t.state == "COMPLETE"]
+
+    @property
+    def best(self) -> TrialRecord | None:
+        """The best completed trial (Optuna's `best_trial`), or None when none completed."""
+        if not self.completed:
+            return None
+        return self.trials[self.study.best_trial.number]
+
+    @property
+    def json_path(self) -> Path | None:
+        return self.out_dir / "trials.json" if self.out_dir else None
+
+    @property
+    def png_path(self) -> Path | None:
+        return self.out_dir / "curves.png" if self.out_dir else None
+
+    def to_json(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "name": self.name,
+            "objective": self.objective,
+            "direction": self.direction,
+            "best": None if best is None else {"number": best.number, "value": best.value},
+            "trials": [{**asdict(t), "evals": [list(e) for e in t.evals]} for t in self.trials],
+        }
+
+    def table(self) -> str:
+        """The trials as a text table, best first (completed by value, then the rest)."""
+        sign = -1.0 if self.direction == "maximize" else 1.0
+
+        def key(t: TrialRecord) -> tuple[int, float, int]:
+            if t.state == "COMPLETE" and t.value is not None:
+                return (0, sign * t.value, t.number)
+            return (1, 0.0, t.number)
+
+        rows = [_row(t) for t in sorted(self.trials, key=key)]
+        header = ["trial", "params", "step", "last loss", self.objective, "state"]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        lines = [
+            "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))
+            for r in [header, *rows]
+        ]
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _row(t: TrialRecord) -> list[str]:
+    params = " ".join(f"{k}={_fmt(v)}" for k, v in t.params.items())
+    last = "-" if t.last_loss is None else f"{t.last_loss:.4f}"
+    if t.value is not None:
+        value = f"{t.value:.4f}"
+    else:  # a pruned or running trial: its last evaluation, which is not its value
+        value = f"({t.evals[-1][1]:.4f})" if t.evals else "-"
+    state = t.state + (f" ({t.reason})" if t.reason else "")
+    return [str(t.number), params, str(t.step), last, value, state]
+
+
+def distribution(name: str, d: Mapping[str, Any]) -> optuna.distributions.BaseDistribution:
+    """An Optuna distribution from its plain-data form (see the module docstring)."""
+    kind = d.get("type")
+    try:
+        if kind == "float":
+            return optuna.distributions.FloatDistribution(
+                float(d["low"]), float(d["high"]), log=bool(d.get("log", False)), step=d.get("step")
+            )
+        if kind == "int":
+            return optuna.distributions.IntDistribution(
+                int(d["low"]),
+                int(d["high"]),
+                log=bool(d.get("log", False)),
+                step=int(d.get("step", 1)),
+            )
+        if kind == "categorical":
+            return optuna.distributions.CategoricalDistribution(list(d["choices"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"space[{name!r}]: {exc!s}") from None
+    raise ValueError(f"space[{name!r}]: type must be float, int or categorical, got {kind!r}")
+
+
+def split_params(
+    params: Mapping[str, Any], kwargs: Mapping[str, Any], optimizer: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The factory kwargs and optimizer settings of a trial (see the module docstring)."""
+    kw, opt = dict(kwargs), dict(optimizer)
+    for k, v in params.items():
+        if k == "optimizer":
+            opt["name"] = v
+        elif k in OPTIMIZER_KEYS:
+            opt[k] = v
+        elif k.startswith(OPTIM_PREFIX):
+            opt[k.removeprefix(OPTIM_PREFIX)] = v
+        else:
+            kw[k] = v
+    if opt.get("name") != "sgd":
+        opt.pop("momentum", None)  # only SGD takes it: a shared space may sample it for all
+    return kw, opt
+
+
+def make_pruner(
+    pruner: str, eval_every: int, steps: int, reduction: int
+) -> optuna.pruners.BasePruner:
+    if pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=eval_every, reduction_factor=reduction
+        )
+    if pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(
+            min_resource=eval_every, max_resource=steps, reduction_factor=reduction
+        )
+    if pruner == "none":
+        return optuna.pruners.NopPruner()
+    raise ValueError(f"pruner must be one of {', '.join(PRUNERS)}, got {pruner!r}")
+
+
+def _one_input(data: Dataset, idx: torch.Tensor) -> Any:
+    named = {k: v[idx] for k, v in data.inputs.items()}
+    # One input travels as a plain tensor: the worker gives it to the model's only input.
+    return next(iter(named.values())) if len(named) == 1 else named
+
+
+def holdout(data: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
+    """The first rows to train on and the last `fraction` of them held out for evaluation."""
+    held = max(1, round(data.rows * fraction))
+    if not 0 < fraction < 1 or held >= data.rows:
+        raise ValueError(f"holdout must leave rows on both sides, got {fraction} of {data.rows}")
+    cut = data.rows - held
+    train = Dataset({k: v[:cut] for k, v in data.inputs.items()}, data.targets[:cut], data.source)
+    test = Dataset(
+        {k: v[cut:] for k, v in data.inputs.items()}, data.targets[cut:], f"{data.source} held out"
+    )
+    return train, test
+
+
+class _Display:
+    """The live table of trials on stderr: rich.live when rich is importable, else one line per
+    change of a trial (its state, or a new evaluation)."""
+
+    def __init__(self, trials: list[TrialRecord], objective: str, enabled: bool) -> None:
+        self.trials, self.objective, self.enabled = trials, objective, enabled
+        self._live: Any = None
+        self._seen: dict[int, tuple[str, int]] = {}
+        if not enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.live import Live
+        except ImportError:
+            return
+        self._live = Live(self._render(), console=Console(stderr=True), refresh_per_second=4)
+        self._live.start()
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title="sweep")
+        for col in ["trial", "params", "step", "last loss", self.objective, "state"]:
+            table.add_column(col)
+        for t in self.trials:
+            table.add_row(*_row(t))
+        return table
+
+    def update(self, t: TrialRecord) -> None:
+        if not self.enabled:
+            return
+        if self._live is not None:
+            self._live.update(self._render())
+            return
+        mark = (t.state, len(t.evals))
+        if self._seen.get(t.number) != mark:
+            self._seen[t.number] = mark
+            print("trial " + "  ".join(_row(t)), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.stop()
+            self._live = None
+
+
+Callback = Callable[[TrialRecord], Awaitable[None] | None]
+
+
+async def sweep_async(
+    client: AsyncClient,
+    *,
+    name: str,
+    factory: str,
+    space: Mapping[str, Mapping[str, Any]],
+    data: Dataset,
+    trials: int,
+    steps: int,
+    eval_every: int,
+    eval_data: Dataset | None = None,
+    holdout_fraction: float = 0.2,
+    objective: str = "loss",
+    direction: str | None = None,
+    pruner: str = "successive_halving",
+    reduction_factor: int = 3,
+    concurrency: int = 2,
+    kwargs: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | None = None,
+    loss: str = "cross_entropy",
+    batch: int = 16,
+    seed: int = 0,
+    chunk_bytes: int | None = None,
+    out_dir: str | Path | None = None,
+    show: bool = True,
+    on_trial_end: Callback | None = None,
+    timeout: float = 600.0,
+) -> SweepResult:
+    """Run `trials` trials of `factory` (see the module docstring); returns every trial's record
+    and the Optuna study. The objective is the held-out loss ("loss") or an evaluation metric
+    ("accuracy"), minimized, or maximized for "accuracy" unless `direction` says otherwise.
+    `eval_data` is held out for evaluations; without it the last `holdout_fraction` of `data` is.
+    `seed` seeds the sampler (trial parameters) and every trial's initial weights, so trials
+    differ only by their parameters. `on_trial_end(record)` runs after a trial's job is closed."""
+    if trials < 1 or steps < 1 or not 1 <= eval_every <= steps or concurrency < 1:
+        raise ValueError("trials, steps, concurrency need >= 1 and eval_every in 1..steps")
+    dists = {k: distribution(k, v) for k, v in space.items()}
+    if show:
+        # Optuna logs every trial to stderr, which would tear the live table apart.
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    direction = direction or ("maximize" if objective == "accuracy" else "minimize")
+    if eval_data is None:
+        data, eval_data = holdout(data, holdout_fraction)
+    study = optuna.create_study(
+        study_name=name,
+        direction=direction,
+        sampler=optuna.samplers.TPESampler(seed=seed),
+        pruner=make_pruner(pruner, eval_every, steps, reduction_factor),
+    )
+    fixed_opt = dict(optimizer or {"name": "adamw", "lr": 1e-3})
+    records: list[TrialRecord] = []
+    display = _Display(records, objective, show)
+    gate = asyncio.Semaphore(concurrency)
+    eval_idx = torch.arange(eval_data.rows)
+    eval_x, eval_y = _one_input(eval_data, eval_idx), eval_data.targets
+
+    async def run_trial() -> None:
+        async with gate:
+            # Asked only once a slot is free, so the sampler sees every trial told before.
+            trial = study.ask(dists)
+            rec = TrialRecord(trial.number, dict(trial.params), f"{name}-t{trial.number}")
+            records.append(rec)
+            records.sort(key=lambda r: r.number)
+            kw, opt = split_params(trial.params, kwargs or {}, fixed_opt)
+            t0 = time.perf_counter()
+            rec.state = "RUNNING"
+            display.update(rec)
+            job = None
+            state, value = optuna.trial.TrialState.FAIL, None
+            try:
+                job = await client.train_open(
+                    rec.job,
+                    factory,
+                    kwargs=kw,
+                    seed=seed,
+                    optimizer=opt,
+                    loss=loss,
+                    batch_size=batch,
+                    chunk_bytes=chunk_bytes,
+                    # A diverged step comes back as a loss to prune on, not as an error.
+                    stop_on_nonfinite=False,
+                    timeout=timeout,
+                )
+                state, value = await _train(job, rec, trial)
+            except (FlowmeshError, ValueError) as exc:
+                rec.reason = str(exc)
+            finally:
+                if job is not None:
+                    # At once, pruned or not: its training memory goes to the trials still running.
+                    try:
+                        await job.close(timeout=timeout)
+                    except FlowmeshError as exc:
+                        rec.reason = rec.reason or f"close: {exc}"
+            rec.value = value
+            rec.state = state.name
+            rec.seconds = time.perf_counter() - t0
+            study.tell(trial, value, state=state)
+            display.update(rec)
+        if on_trial_end is not None:
+            res = on_trial_end(rec)
+            if inspect.isawaitable(res):
+                await res
+
+    async def _train(
+        job: Any, rec: TrialRecord, trial: optuna.Trial
+    ) -> tuple[optuna.trial.TrialState, float | None]:
+        value: float | None = None
+        for i in range(steps):
+            idx = torch.arange(i * batch, (i + 1) * batch) % data.rows
+            res = await job.step_async(_one_input(data, idx), data.targets[idx], timeout=timeout)
+            rec.curve.append(res.loss)
+            rec.step = res.step
+            if not math.isfinite(res.loss) or res.metrics.get("nonfinite"):
+                rec.reason = "diverged"
+                return optuna.trial.TrialState.PRUNED, None
+            display.update(rec)
+            if rec.step % eval_every == 0 or rec.step == steps:
+                ev = await job.eval_async(eval_x, eval_y, timeout=timeout)
+                if objective == "loss":
+                    value = ev.loss
+                elif objective in ev.metrics:
+                    value = ev.metrics[objective]
+                else:
+                    raise ValueError(f"the evaluation has no metric {objective!r}")
+                if not math.isfinite(value):
+                    rec.reason = "diverged"
+                    return optuna.trial.TrialState.PRUNED, None
+                rec.evals.append((rec.step, value))
+                trial.report(value, rec.step)
+                display.update(rec)
+                if rec.step < steps and trial.should_prune():
+                    return optuna.trial.TrialState.PRUNED, None
+        return optuna.trial.TrialState.COMPLETE, value
+
+    try:
+        await asyncio.gather(*(run_trial() for _ in range(trials)))
+    finally:
+        display.close()
+    result = SweepResult(name, objective, direction, records, study)
+    if out_dir is not None:
+        save(result, Path(out_dir))
+    if show:
+        print(result.table(), flush=True)
+    return result
+
+
+def save(result: SweepResult, out_dir: Path) -> None:
+    """trials.json and curves.png into `out_dir` (created)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result.out_dir = out_dir
+    (out_dir / "trials.json").write_text(json.dumps(result.to_json(), indent=2))
+    plot(result, out_dir / "curves.png")
+
+
+def plot(result: SweepResult, path: Path) -> None:
+    """Every trial's training loss per step and its evaluations, pruned trials dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server, and no GUI toolkit needed
+    from matplotlib import pyplot as plt
+
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for t in result.trials:
+        style = "-" if t.state == "COMPLETE" else "--"
+        label = f"#{t.number} {t.state.lower()}"
+        if t.curve:
+            (line,) = ax_train.plot(range(1, len(t.curve) + 1), t.curve, style, label=label)
+            if t.evals:
+                xs, ys = zip(*t.evals, strict=True)
+                ax_eval.plot(xs, ys, style, marker="o", color=line.get_color(), label=label)
+    ax_train.set(title="training loss", xlabel="step", ylabel="loss")
+    ax_eval.set(title=f"held-out {result.objective}", xlabel="step", ylabel=result.objective)
+    finite = [v for t in result.trials for v in t.curve if math.isfinite(v)]
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+        ax_train.set_yscale("log")  # a diverged trial would flatten every other curve
+    ax_eval.legend(fontsize="small", ncol=2)
+    fig.suptitle(f"sweep {result.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep(client: Client, **kw: Any) -> SweepResult:
+    """The blocking twin of `sweep_async` for a `Client` (the same keyword arguments)."""
+    return client.sweep(**kw)
