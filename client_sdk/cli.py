@@ -74,6 +74,15 @@ def format_status(st: dict[str, Any]) -> str:
         )
         or "none"
     )
+    for w in st["workers"]:
+        t = w.get("stats", {})
+        if t.get("train_budget_bytes"):
+            out.append(
+                f"{w['name']} training: resident {fmt_bytes(t.get('train_resident_bytes', 0))} "
+                f"(peak {fmt_bytes(t.get('train_resident_peak', 0))}) of "
+                f"{fmt_bytes(t['train_budget_bytes'])}, tasks {t.get('train_tasks', 0)}, "
+                f"job switches {t.get('train_job_switches', 0)}"
+            )
     out += ["", f"partitioners: {parts}", ""]
     rows = []
     for m in st["models"]:
@@ -135,6 +144,7 @@ def format_jobs(jobs: list[dict[str, Any]]) -> str:
             f"{j['steps_per_s']:.2f}",
             " | ".join(
                 f"{m['blocks'][0]}-{m['blocks'][1] - 1}:{fmt_bytes(m.get('host_bytes', 0))}"
+                f"/{fmt_bytes(m.get('task_bytes', 0))}"
                 for m in j["sub_models"]
             )
             or "-",
@@ -152,7 +162,7 @@ def format_jobs(jobs: list[dict[str, Any]]) -> str:
         "step",
         "loss",
         "steps/s",
-        "sub-models (blocks:host bytes)",
+        "sub-models (blocks:host/task bytes)",
         "footprint",
         "saved",
         "pending",

@@ -93,6 +93,10 @@ class WorkerService(MeshPeer):
                 train_reserved_peak=t["reserved_peak"],
                 train_resident_peak=t["resident_peak"],
                 train_bytes_in=t["bytes_in"],
+                train_tasks=t["tasks"],
+                train_tasks_admitted=t["tasks_admitted"],
+                train_tasks_started=t["tasks_started"],
+                train_job_switches=t["job_switches"],
             )
         return out
 
@@ -269,10 +273,7 @@ class WorkerService(MeshPeer):
             "name": job.name,
             "worker": self.name,
             "step": job.step_count,
-            "sub_models": [
-                {"blocks": [a, b], "host_bytes": int(sub.slab.numel())}
-                for (a, b), sub in zip(job.ranges, job.subs, strict=True)
-            ],
+            "sub_models": job.sub_model_info(),
             "footprint": job.footprint(),
             "host_bytes": job.host_bytes(),
             "largest_task": job.largest_task(),

@@ -555,6 +555,19 @@ class TrainingJob:
     def largest_task(self) -> int:
         return max(layout.total for sub in self.subs for layout in sub.layouts.values())
 
+    def sub_model_info(self) -> list[dict[str, Any]]:
+        """Per sub-model: its block range [start, stop), host-tier bytes (parameters, gradients'
+        home, optimizer state, buffers) and the arena bytes its largest task takes (those plus
+        the activation reservation)."""
+        return [
+            {
+                "blocks": [sub.start, sub.stop],
+                "host_bytes": int(sub.slab.numel()),
+                "task_bytes": max(layout.total for layout in sub.layouts.values()),
+            }
+            for sub in self.subs
+        ]
+
     def host_bytes(self) -> int:
         return sum(sub.slab.numel() for sub in self.subs)
 

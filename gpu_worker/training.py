@@ -129,7 +129,13 @@ class TrainingExecutor:
             "bytes_in": 0,
             "bytes_out": 0,
             "compute_s": 0.0,
+            # Interleaving: tasks given memory, tasks handed to the compute lane, and how often
+            # the lane went from one job's task to another job's (0 for one job at a time).
+            "tasks_admitted": 0,
+            "tasks_started": 0,
+            "job_switches": 0,
         }
+        self._last_job: str | None = None
         self._closed = False
         self._driver = threading.Thread(target=self._loop, name="train-driver", daemon=True)
         self._driver.start()
@@ -212,10 +218,8 @@ class TrainingExecutor:
                 "step": job.step_count,
                 "last_loss": job.last_loss,
                 "pending_tasks": self.sched.pending(name),
-                "sub_models": [
-                    {"blocks": [s.start, s.stop], "host_bytes": int(s.slab.numel())}
-                    for s in job.subs
-                ],
+                "sub_models": job.sub_model_info(),
+                "footprint": job.footprint(),
                 "broken": job.broken,
             }
             for name, job in list(self.jobs.items())
@@ -307,6 +311,7 @@ class TrainingExecutor:
 
     def _pump(self) -> None:
         for task in self.sched.admit(self._try_alloc):
+            self.counters["tasks_admitted"] += 1
             self._start_copy(task)
         while self._computing < self.queue_computes:
             task = self.sched.next_runnable()
@@ -371,6 +376,10 @@ class TrainingExecutor:
     def _start_compute(self, task: Task) -> None:
         self.sched.started(task)
         self._computing += 1
+        self.counters["tasks_started"] += 1
+        if self._last_job is not None and task.job != self._last_job:
+            self.counters["job_switches"] += 1
+        self._last_job = task.job
         done = self.device.new_marker()
         ext: Extent | None = task.payload["extent"]
         if ext is not None:

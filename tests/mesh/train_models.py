@@ -46,3 +46,18 @@ def boom_mlp() -> nn.Module:
             Boom(), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 5)
         )
     )
+
+
+def dropout_gpt(
+    vocab: int = 40, d_model: int = 16, n_layers: int = 2, n_heads: int = 2
+) -> nn.Module:
+    """`flowmesh.examples.tiny_gpt` with dropout after the embedding and every block: the
+    recompute of a sub-model's forward must replay the same masks."""
+    from flowmesh.examples import DecoderBlock, LMHead, TokenEmbedding
+
+    layers: list[nn.Module] = [TokenEmbedding(vocab, d_model, 16), nn.Dropout(0.1)]
+    for _ in range(n_layers):
+        layers += [DecoderBlock(d_model, n_heads), nn.Dropout(0.1)]
+    model = nn.Sequential(*layers, LMHead(d_model, vocab))
+    model.flowmesh_inputs = {"ids": {"dtype": "int64", "shape": [-1, -1]}}  # type: ignore[assignment]
+    return model

@@ -387,6 +387,8 @@ def test_memory_flow_interleaves_jobs_within_budget() -> None:
     runs = [label.split("#")[0] for event, label in log if event == "run"]
     switches = sum(a != b for a, b in pairwise(runs))
     assert switches > 4 * steps, f"computes barely interleave: {switches} switches"
+    # ... and the counter a worker reports in its heartbeat says the same.
+    assert stats["job_switches"] == switches and stats["tasks_started"] == len(runs)
     holding: dict[str, str] = {}
     running: dict[str, str] = {}
     most = prefetched = 0
