@@ -407,10 +407,12 @@ class TrainingExecutor:
                     torch.cuda.current_stream().synchronize()
             return result
         finally:
-            self.device.mark_done(done)
+            # Uncounted before the marker is set: the next user of these bytes counts itself
+            # once the marker lets its copy start, and must never see this task still counted.
             with self._lock:
                 if task.payload.pop("counted", False):
                     self.resident -= task.nbytes
+            self.device.mark_done(done)
             self.counters["compute_s"] += time.perf_counter() - t0
 
     def _on_computed(self, task: Task, fut: Future[TaskResult]) -> None:

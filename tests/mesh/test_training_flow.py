@@ -139,6 +139,8 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
     }
     solo = {n: plain(s, FLOW_OPT, d)[0] for n, (s, d) in jobs.items()}
     samples: list[dict[str, Any]] = []
+    midway: list[dict[str, Any]] = []
+    finished: list[dict[str, Any]] = []
     with LocalMesh(
         cpu_workers=1,
         memory_budget="8MiB",
@@ -177,9 +179,15 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
                     n: [asyncio.ensure_future(opened[n].step_async(x, y)) for x, y in d]
                     for n, (_, d) in jobs.items()
                 }
+                # Once every job has its first step back, the others are still to come: a status
+                # now shows jobs part-way (the sampler thread may miss that moment on a busy box).
+                for fs in steps.values():
+                    await fs[0]
+                midway.append(await ac.status())
                 results = {n: await asyncio.gather(*fs) for n, fs in steps.items()}
                 infos = {n: j.info for n, j in opened.items()}
                 await asyncio.sleep(0.5)  # a heartbeat or two after the last step
+                finished.append(await ac.status())  # every job at its last step, still open
                 for j in opened.values():
                     await j.close()
                 return infos, results
@@ -215,12 +223,12 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
     # ... and status showed it while they trained: several jobs part-way at the same moment.
     during = [
         [j["name"] for j in s["jobs"] if 0 < j["step"] < FLOW_STEPS]
-        for s in samples
+        for s in [*samples, *midway]
         if len(s["jobs"]) == 4
     ]
     assert any(len(names) >= 2 for names in during), during
     # Every job's row: worker, sub-models with block ranges and bytes, step, loss, steps/s.
-    rows = [j for s in samples for j in s["jobs"] if j["step"] == FLOW_STEPS]
+    rows = [j for s in [*samples, *finished] for j in s["jobs"] if j["step"] == FLOW_STEPS]
     assert {j["name"] for j in rows} == set(jobs)
     for j in rows:
         assert j["worker"] == "worker-0"
