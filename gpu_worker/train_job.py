@@ -842,6 +842,17 @@ class TrainingJob:
                         if key in state:
                             state[key] = home
 
+    @contextmanager
+    def _model_code(self, task: Task) -> Iterator[None]:
+        """User model code runs inside: its exceptions become this job's MODEL_ERROR, naming
+        the task (our own FlowmeshErrors pass through as they are)."""
+        try:
+            yield
+        except FlowmeshError:
+            raise
+        except Exception as exc:
+            raise _model_error(self.name, self._where(task), exc) from None
+
     def _forward(self, sub: SubModel, x: Any) -> torch.Tensor:
         out = x
         for j, module in enumerate(sub.modules):
@@ -883,12 +894,8 @@ class TrainingJob:
         snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
         self._replay[key] = (self.rng, snapshot)
         with _rng_scope(self.rng, self._cuda), torch.no_grad():
-            try:
+            with self._model_code(task):
                 out = self._forward(sub, x)
-            except FlowmeshError:
-                raise
-            except Exception as exc:
-                raise _model_error(self.name, self._where(task), exc) from None
             self.rng = _rng_get(self._cuda)
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
@@ -904,11 +911,8 @@ class TrainingJob:
             for m in sub.modules:
                 m.eval()
             try:
-                out = self._forward(sub, x)
-            except FlowmeshError:
-                raise
-            except Exception as exc:
-                raise _model_error(self.name, self._where(task), exc) from None
+                with self._model_code(task):
+                    out = self._forward(sub, x)
             finally:
                 for m in sub.modules:
                     m.train()
@@ -978,22 +982,16 @@ class TrainingJob:
         self._touched = set()
         rng = self.rng if task.kind == LAST else self._replay[key][0]
         with _rng_scope(rng, self._cuda), torch.enable_grad():
-            try:
+            with self._model_code(task):
                 out = self._forward(sub, x)
-            except FlowmeshError:
-                raise
-            except Exception as exc:
-                raise _model_error(self.name, self._where(task), exc) from None
             if task.kind == LAST:
                 self.rng = _rng_get(self._cuda)
                 result = self._loss_and_backward(task, out)
             else:
                 incoming = self._unstash(self._grads.pop(key))
                 if out.requires_grad:
-                    try:
+                    with self._model_code(task):
                         torch.autograd.backward(out, incoming)
-                    except Exception as exc:
-                        raise _model_error(self.name, self._where(task), exc) from None
         if task.sub > 0:
             if not isinstance(x, torch.Tensor) or x.grad is None:
                 raise FlowmeshError(
@@ -1064,10 +1062,8 @@ class TrainingJob:
             )
         self._losses[task.request].append(value)
         self._nonfinite[task.request] |= nonfinite
-        try:
+        with self._model_code(task):
             loss.backward()
-        except Exception as exc:
-            raise _model_error(self.name, self._where(task), exc) from None
         return TaskResult(loss=value, nonfinite=nonfinite)
 
     def _run_update(self, task: Task, sub: SubModel, base: int, arena: torch.Tensor) -> TaskResult:

@@ -158,20 +158,12 @@ class TrainingExecutor:
 
     def submit(self, name: str, inputs: Inputs, targets: torch.Tensor) -> Future[StepResult]:
         """Queue one training step of job `name`; steps of a job run strictly in order."""
-        fut: Future[StepResult] = Future()
-        job = self.jobs.get(name)
-        if job is None:
-            fut.set_exception(FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}"))
-            return fut
-        rid = next(self._ids)
-        try:
+
+        def plan(job: TrainingJob, rid: int) -> list[Task]:
             job.begin_step(rid, inputs, targets)
-            tasks = job.plan_step(rid)
-        except FlowmeshError as exc:
-            fut.set_exception(exc)
-            return fut
-        self._post(lambda: self._push(_Request(name, rid, "step", fut), tasks))
-        return fut
+            return job.plan_step(rid)
+
+        return self._queue(name, "step", plan)
 
     def step(
         self, name: str, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
@@ -181,31 +173,34 @@ class TrainingExecutor:
     def evaluate(self, name: str, inputs: Inputs, targets: torch.Tensor) -> Future[StepResult]:
         """Queue an evaluation of job `name` (loss and metrics, nothing updated) after the steps
         submitted before it; its result's `step` is the number of steps it saw applied."""
-        fut: Future[StepResult] = Future()
+
+        def plan(job: TrainingJob, rid: int) -> list[Task]:
+            job.begin_eval(rid, inputs, targets)
+            return job.plan_eval(rid)
+
+        return self._queue(name, "eval", plan)
+
+    def save(self, name: str, path: str | os.PathLike[str]) -> Future[Path]:
+        """Checkpoint job `name` after the steps submitted before this call."""
+        return self._queue(name, "save", lambda job, rid: job.plan_save(rid, Path(path)))
+
+    def _queue(
+        self, name: str, kind: str, plan: Callable[[TrainingJob, int], list[Task]]
+    ) -> Future[Any]:
+        """Plan request `kind` of job `name` on the caller's thread (a bad input fails its
+        future at once) and hand its tasks to the driver, behind the job's earlier requests."""
+        fut: Future[Any] = Future()
         job = self.jobs.get(name)
         if job is None:
             fut.set_exception(FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}"))
             return fut
         rid = next(self._ids)
         try:
-            job.begin_eval(rid, inputs, targets)
-            tasks = job.plan_eval(rid)
+            tasks = plan(job, rid)
         except FlowmeshError as exc:
             fut.set_exception(exc)
             return fut
-        self._post(lambda: self._push(_Request(name, rid, "eval", fut), tasks))
-        return fut
-
-    def save(self, name: str, path: str | os.PathLike[str]) -> Future[Path]:
-        """Checkpoint job `name` after the steps submitted before this call."""
-        fut: Future[Path] = Future()
-        job = self.jobs.get(name)
-        if job is None:
-            fut.set_exception(FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}"))
-            return fut
-        rid = next(self._ids)
-        tasks = job.plan_save(rid, Path(path))
-        self._post(lambda: self._push(_Request(name, rid, "save", fut), tasks))
+        self._post(lambda: self._push(_Request(name, rid, kind, fut), tasks))
         return fut
 
     def close_job(self, name: str) -> None:
