@@ -1,6 +1,7 @@
 """The broker's choices as pure functions over plain state: liveness, eviction, placement.
 
-Kept apart from `BrokerCore` so each rule is tested with exact expectations.
+Kept apart from the rooms that use them (`broker.registry`, `broker.serving`) so each rule is
+tested with exact expectations.
 """
 
 from __future__ import annotations

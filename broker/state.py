@@ -1,6 +1,7 @@
 """The broker's state as plain data: peers, models, replicas, residency, requests and batches.
 
-Nothing here talks to sockets or reads clocks; `BrokerCore` changes it in response to events.
+Nothing here talks to sockets or reads clocks; the broker's rooms (`broker.registry`,
+`broker.serving`) change it in response to events.
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ class Batch:
     # Where the batch is counted as running: the very objects, so that leaving never touches
     # a residency (or peer) that replaced them meanwhile.
     counted_on: tuple[Peer, Residency | None] | None = None
+
+
+@dataclass
+class Call:
+    """A request to a worker or partitioner that awaits its answer (until `deadline`)."""
+
+    kind: str  # "plan" | "stage" | "load"
+    peer: str
+    deadline: float
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 class ModelState(Enum):

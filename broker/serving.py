@@ -1,0 +1,585 @@
+"""The broker's serving router: request queues, batching, residency by bytes, runs and failover.
+
+A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads the catalogue
+(models, replicas, peers) that `Registry` keeps, and decides, every time something changes
+(`pump`), which batch starts where:
+
+- **Queues and batching**: each model keeps a FIFO of checked requests; a batch takes the head
+  and every queued request with the same input signature that fits the model's max batch size.
+- **Residency**: a replica whose stages are all resident runs at once; otherwise one replica is
+  loaded (a `Load` on every stage's worker at once), evicting the least recently used idle
+  stages (`policy.pick_victims`), never one with work queued or in flight, unless the head
+  request has starved (`starvation_s`). A starving model that still does not fit reserves a
+  replica's workers, so they drain for it.
+- **Runs**: a batch travels stage by stage (`Run` to each worker in turn, the activations
+  forwarded as frames); the last stage's answer is split back into one `Result` per request.
+- **Failover**: a run on a lost worker is queued again once (`max_retries`) when another replica
+  lives, else WORKER_LOST; a run unanswered by its deadline has hung: its requests get TIMEOUT
+  and its replica is given up to the registry, which re-creates it elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from broker.checks import check_seconds
+from broker.context import Context, fail
+from broker.policy import pick_victims
+from broker.state import (
+    Batch,
+    Call,
+    Model,
+    ModelState,
+    Peer,
+    Phase,
+    Replica,
+    Request,
+    Residency,
+    StageKey,
+)
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+
+log = logging.getLogger("broker.serving")
+
+
+class ReplicaKeeper(Protocol):
+    """What the router needs from the registry (`broker.registry.Registry`): nothing else, so a
+    test can stand in for it."""
+
+    def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None: ...
+
+
+class ServingRouter:
+    def __init__(self, ctx: Context, registry: ReplicaKeeper) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.registry = registry  # gives up a replica whose run hung
+        # The shared tables, under short names (the very dicts: never rebound).
+        self.peers = ctx.peers
+        self.models = ctx.models
+        self.calls = ctx.calls
+        self.totals = ctx.totals
+        self.batches: dict[int, Batch] = {}  # run id -> the batch it runs
+
+    # ================================================================== requests
+
+    def infer(self, addr: bytes, msg: p.Infer, now: float) -> None:
+        model = self.models.get(msg.model)
+        if model is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise fail(Code.MODEL_NOT_FOUND, f"no model {msg.model!r} (deployed: {known})")
+        if model.state is ModelState.UNAVAILABLE:
+            raise fail(
+                Code.UNAVAILABLE, f"{msg.model!r} has no live replica; waiting for workers to join"
+            )
+        if model.state is not ModelState.READY:
+            raise fail(Code.UNAVAILABLE, f"{msg.model!r} is still {model.state.value}")
+        rows, signature = self._check_inputs(model, msg.tensors)
+        if len(model.queue) >= self.cfg.max_queue:
+            raise fail(
+                Code.OVERLOADED,
+                f"{msg.model!r} has {len(model.queue)} queued requests "
+                f"(limit {self.cfg.max_queue}); retry later",
+            )
+        timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.default_timeout_s
+        req = Request(
+            tag=next(self.ctx.ids),
+            client=addr,
+            client_id=msg.id,
+            model=model.name,
+            tensors=msg.tensors,
+            rows=rows,
+            signature=signature,
+            arrived=now,
+            deadline=now + timeout,
+        )
+        model.queue.append(req)
+        model.requests += 1
+        self.totals["requests"] += 1
+        self.pump(now)
+
+    def _check_inputs(
+        self, model: Model, tensors: dict[str, p.TensorRef]
+    ) -> tuple[int, tuple[Any, ...]]:
+        if not tensors:
+            raise fail(Code.BAD_REQUEST, "infer needs at least one input tensor")
+        declared = model.inputs
+        if declared is not None:
+            if list(tensors) == [""] and len(declared) == 1:
+                ((name, spec),) = declared.items()
+                ref = tensors[""]
+                spec.check(name, ref.dtype, ref.shape)
+            else:
+                if set(tensors) != set(declared):
+                    raise fail(
+                        Code.BAD_REQUEST,
+                        f"{model.name!r} takes inputs {sorted(declared)}, got {sorted(tensors)}",
+                    )
+                for name, ref in tensors.items():
+                    declared[name].check(name, ref.dtype, ref.shape)
+        rows = {ref.shape[0] if ref.shape else None for ref in tensors.values()}
+        if None in rows or len(rows) != 1:
+            raise fail(Code.BAD_REQUEST, "inputs must share a leading batch dimension")
+        (n,) = rows
+        if n == 0:
+            raise fail(Code.BAD_REQUEST, "empty batch (dimension 0 is 0)")
+        signature = tuple(sorted((k, r.dtype, r.shape[1:]) for k, r in tensors.items()))
+        return int(n), signature
+
+    def expire_queued(self, model: Model, now: float) -> None:
+        """Answer TIMEOUT to the requests of `model` still queued past their deadline."""
+        expired = [r for r in model.queue if r.deadline <= now]
+        if expired:
+            model.queue = type(model.queue)(r for r in model.queue if r.deadline > now)
+            for r in expired:
+                self.ctx.answer_error(
+                    r,
+                    Code.TIMEOUT,
+                    f"not served within {r.deadline - r.arrived:.1f} s (queued)",
+                )
+
+    def expire_running(self, now: float) -> None:
+        """Answer TIMEOUT to running requests past their deadline (their batch runs on), then
+        give up the batches whose stage did not answer by the batch's deadline."""
+        for batch in self.batches.values():
+            for r in batch.requests:
+                if r.client is not None and r.deadline <= now:
+                    self.ctx.answer_error(
+                        r,
+                        Code.TIMEOUT,
+                        f"not served within {r.deadline - r.arrived:.1f} s (running)",
+                    )
+        for run_id, batch in list(self.batches.items()):
+            if batch.deadline <= now and self.batches.get(run_id) is batch:
+                del self.batches[run_id]
+                self.run_hung(batch, now)
+
+    # ================================================================== scheduling
+
+    def pump(self, now: float) -> None:
+        """Start every batch that can start now, oldest waiting model first."""
+        for peer in self.peers.values():
+            owner = self.models.get(peer.reserved_for) if peer.reserved_for else None
+            if peer.reserved_for and (owner is None or not owner.queue):
+                peer.reserved_for = None
+        for _ in range(10_000):  # bounded: each pass either dispatches or stops
+            waiting = [m for m in self.models.values() if m.queue and m.state is ModelState.READY]
+            waiting.sort(key=lambda m: m.queue[0].arrived)
+            if not any(self._dispatch(m, now) for m in waiting):
+                return
+
+    def _dispatch(self, model: Model, now: float) -> bool:
+        live = [r for r in model.replicas if r.live]
+        if not live:
+            return False
+        # A pipeline of P stages keeps P batches busy, +1 on its way. Holding the rest here lets
+        # them batch; a model that cannot batch gains nothing from waiting here, so it may fill
+        # the worker's own queue.
+        depth = model.n_stages + 1 if model.spec.max_batch_size > 1 else 1 << 30
+        placed = [r for r in live if self._placed(model, r)]
+        ready = [r for r in placed if r.inflight < depth and not self._blocked(model, r)]
+        if ready:
+            self._start_batch(model, min(ready, key=lambda r: r.inflight), now)
+            return True
+        spare = [r for r in live if r not in placed and not self._blocked(model, r)]
+        if placed:
+            # Every placed replica is busy: scale out only into free bytes, never by evicting.
+            for rep in spare:
+                victims = self._victims_for(model, rep, starving=False, free_only=True)
+                if victims is not None:
+                    self._load_replica(model, rep, victims, now)
+                    self._start_batch(model, rep, now)
+                    return True
+            return False
+        starving = now - model.queue[0].arrived >= self.cfg.starvation_s
+        best: tuple[int, Replica, dict[str, list[StageKey]]] | None = None
+        for rep in live:
+            if self._blocked(model, rep) and not starving:
+                continue
+            victims = self._victims_for(model, rep, starving=starving)
+            if victims is None:
+                continue
+            cost = sum(self.peers[w].resident[k].nbytes for w, ks in victims.items() for k in ks)
+            if best is None or cost < best[0]:
+                best = (cost, rep, victims)
+        if best is None:
+            if starving:
+                self._reserve(model, live)
+            return False
+        _, rep, victims = best
+        self._load_replica(model, rep, victims, now)
+        self._start_batch(model, rep, now)
+        return True
+
+    def _placed(self, model: Model, rep: Replica) -> bool:
+        return all((model.name, s) in self.peers[w].resident for s, w in enumerate(rep.workers))
+
+    def _blocked(self, model: Model, rep: Replica) -> bool:
+        for w in rep.workers:
+            peer = self.peers[w]
+            if peer.reserved_for not in (None, model.name):
+                return True
+        return self.peers[rep.workers[0]].inflight_runs >= self.peers[rep.workers[0]].max_inflight
+
+    def _start_batch(self, model: Model, rep: Replica, now: float) -> None:
+        head = model.queue.popleft()
+        requests, rows = [head], head.rows
+        if not head.solo and model.spec.max_batch_size > 1:
+            keep = []
+            while model.queue:
+                r = model.queue.popleft()
+                if (
+                    not r.solo
+                    and r.signature == head.signature
+                    and rows + r.rows <= model.spec.max_batch_size
+                ):
+                    requests.append(r)
+                    rows += r.rows
+                else:
+                    keep.append(r)
+            model.queue.extendleft(reversed(keep))
+        tensors = {
+            f"{k}/{name}": ref for k, r in enumerate(requests) for name, ref in r.tensors.items()
+        }
+        batch = Batch(
+            run_id=next(self.ctx.ids),
+            model=model.name,
+            replica=rep,
+            requests=requests,
+            stage=0,
+            worker=rep.workers[0],
+            started=now,
+        )
+        rep.inflight += 1
+        self._enter_stage(batch, now)
+        self.batches[batch.run_id] = batch
+        model.batches += 1
+        self.totals["batches"] += 1
+        self.ctx.to_peer(
+            batch.worker,
+            p.Run(
+                id=batch.run_id,
+                model=model.name,
+                stage=0,
+                parts=[[r.tag, r.rows] for r in requests],
+                tensors=tensors,
+            ),
+        )
+
+    # ================================================================== residency
+
+    def _victims_for(
+        self, model: Model, rep: Replica, *, starving: bool, free_only: bool = False
+    ) -> dict[str, list[StageKey]] | None:
+        out: dict[str, list[StageKey]] = {}
+        for stage, w in enumerate(rep.workers):
+            peer = self.peers[w]
+            key = (model.name, stage)
+            if key in peer.resident:
+                out[w] = []
+                continue
+            need = peer.hosted.get(key, model.stage_bytes[stage])
+            if free_only:
+                if peer.free < need:
+                    return None
+                out[w] = []
+                continue
+            victims = pick_victims(
+                peer,
+                need,
+                lambda r, peer=peer: self._evictable(peer, r, starving),
+                flush=peer.flush_next,
+            )
+            if victims is None:
+                return None
+            out[w] = victims
+        return out
+
+    def _evictable(self, peer: Peer, res: Residency, starving: bool) -> bool:
+        if res.phase is not Phase.RESIDENT or res.inflight:
+            return False
+        model = self.models.get(res.key[0])
+        if model is None:
+            return True
+        for rep in model.replicas:
+            if (
+                res.key[1] < len(rep.workers)
+                and rep.workers[res.key[1]] == peer.name
+                and rep.inflight
+            ):
+                return False  # a batch is in this replica's pipeline; it will need this stage
+        return not model.queue or starving
+
+    def _reserve(self, model: Model, live: list[Replica]) -> None:
+        """Stop new batches of other models on one replica's workers until this model fits."""
+        rep = min(live, key=lambda r: sum(self.peers[w].inflight_runs for w in r.workers))
+        for w in rep.workers:
+            if self.peers[w].reserved_for is None:
+                self.peers[w].reserved_for = model.name
+                log.info("reserving worker=%s for starving model=%s", w, model.name)
+
+    def _load_replica(
+        self, model: Model, rep: Replica, victims: dict[str, list[StageKey]], now: float
+    ) -> None:
+        for stage, w in enumerate(rep.workers):
+            peer = self.peers[w]
+            for key in victims.get(w, []):
+                self.ctx.evict(peer, key)
+            key = (model.name, stage)
+            if key not in peer.resident:
+                cid = next(self.ctx.ids)
+                self.calls[cid] = Call(
+                    "load", w, now + self.cfg.load_timeout_s, {"model": model.name, "stage": stage}
+                )
+                peer.resident[key] = Residency(key, peer.hosted[key], Phase.LOADING, now)
+                self.ctx.to_peer(w, p.Load(id=cid, model=model.name, stage=stage))
+            if peer.reserved_for == model.name:
+                peer.reserved_for = None
+        for peer in self.peers.values():
+            if peer.reserved_for == model.name:
+                peer.reserved_for = None
+
+    def loaded(self, peer: Peer, msg: p.Loaded, now: float) -> None:
+        call = self.calls.get(msg.id)
+        if call is None:
+            return  # expired: the residency was dropped and an Evict sent after the load
+        if (
+            call.kind != "load"
+            or call.peer != peer.name
+            or ((call.data["model"], call.data["stage"]) != (msg.model, msg.stage))
+        ):
+            raise fail(Code.BAD_REQUEST, f"no pending load {msg.id} of that stage for {peer.name}")
+        del self.calls[msg.id]
+        res = peer.resident.get((msg.model, msg.stage))
+        if res is not None and res.phase is Phase.LOADING:
+            res.phase = Phase.RESIDENT
+            res.nbytes = msg.nbytes
+            peer.loads += 1
+            peer.flush_next = False
+            model = self.models.get(msg.model)
+            if model is not None:
+                model.loads += 1
+        self.pump(now)
+
+    def load_failed(self, peer: Peer, call: Call, msg: p.Error, now: float) -> None:
+        """`peer` could not load a stage: forget the residency and start what can start."""
+        key = (call.data["model"], call.data["stage"])
+        res = peer.resident.get(key)
+        if res is not None and res.phase is Phase.LOADING:
+            del peer.resident[key]
+        if msg.code == Code.NO_SPACE:
+            peer.flush_next = True  # fragmented: next time evict every idle stage
+        log.warning(
+            "load failed worker=%s stage=%s code=%s reason=%s",
+            peer.name,
+            key,
+            msg.code,
+            msg.reason,
+        )
+        self.pump(now)
+
+    def load_expired(self, call: Call) -> None:
+        """A load not confirmed in time (or never sent): drop the residency."""
+        peer = self.peers.get(call.peer)
+        if peer is None:
+            return
+        key = (call.data["model"], call.data["stage"])
+        res = peer.resident.get(key)
+        if res is not None and res.phase is Phase.LOADING:
+            # The worker may still finish it: the Evict, ordered after the Load, frees it.
+            self.ctx.evict(peer, key)
+
+    # ================================================================== runs
+
+    def run_result(self, peer: Peer, msg: p.RunResult, now: float) -> None:
+        batch = self.batches.get(msg.id)
+        if batch is None:
+            return  # its replica was lost or it timed out; nobody waits for it
+        # Only the worker a batch was sent to may answer it; anyone else is refused and the
+        # batch is untouched.
+        if batch.worker != peer.name or (msg.model, msg.stage) != (batch.model, batch.stage):
+            raise fail(
+                Code.BAD_REQUEST,
+                f"run {msg.id} ({msg.model}/{msg.stage}) was not sent to {peer.name}",
+            )
+        last = batch.stage == len(batch.replica.workers) - 1
+        try:  # checked before anything changes, so a bad answer fails its batch cleanly
+            seconds = {k: check_seconds(msg.info, k) for k in ("compute_s", "wait_s")}
+            parts = self._result_parts(batch, msg.tensors, last)
+        except FlowmeshError as exc:
+            del self.batches[msg.id]
+            log.warning("bad run_result from %s: %s", peer.name, exc.reason)
+            self.run_failed(batch, str(Code.INTERNAL), f"worker {peer.name}: {exc.reason}", now)
+            return
+        del self.batches[msg.id]
+        self._leave_stage(batch, now)
+        model = self.models.get(batch.model)
+        for k, v in seconds.items():
+            batch.info[k] = batch.info.get(k, 0.0) + v
+        if not last:
+            if model is not None and batch.replica in model.replicas:
+                self._advance(model, batch, msg.tensors, now)
+                return
+            batch.replica.inflight -= 1
+            if model is None:
+                for req in batch.requests:
+                    self.ctx.answer_error(
+                        req, Code.MODEL_NOT_FOUND, f"{batch.model!r} was undeployed while running"
+                    )
+            else:  # its replica was given up midway: start again on another one
+                model.queue.extendleft(r for r in reversed(batch.requests) if r.client is not None)
+            self.pump(now)
+            return
+        batch.replica.inflight -= 1
+        for req, tensors in zip(batch.requests, parts, strict=True):
+            if req.client is None:  # answered already (timed out)
+                continue
+            latency_ms = (now - req.arrived) * 1000
+            info = {
+                "latency_ms": latency_ms,
+                "batch": len(batch.requests),
+                "queue_ms": (batch.started - req.arrived) * 1000,
+                "compute_ms": batch.info.get("compute_s", 0.0) * 1000,
+                "load_wait_ms": batch.info.get("wait_s", 0.0) * 1000,
+                "workers": list(batch.replica.workers),
+            }
+            self.ctx.to_client(req.client, p.Result(id=req.client_id, tensors=tensors, info=info))
+            req.client = None  # type: ignore[assignment]
+            if model is not None:
+                model.completed += 1
+                model.latency_ms.append(latency_ms)
+            self.totals["completed"] += 1
+        self.pump(now)
+
+    @staticmethod
+    def _result_parts(
+        batch: Batch, tensors: dict[str, p.TensorRef], last: bool
+    ) -> list[dict[str, p.TensorRef]]:
+        """A stage's output tensors, split by request ('k/name'); every request needs some."""
+        parts: list[dict[str, p.TensorRef]] = [{} for _ in batch.requests]
+        for name, ref in tensors.items():
+            k, _, out = name.partition("/")
+            if not (k.isdigit() and int(k) < len(parts)):
+                raise fail(Code.BAD_REQUEST, f"run_result tensor {name!r}: expected 'k/name'")
+            parts[int(k)][out] = ref
+        if last and not all(parts):
+            raise fail(Code.BAD_REQUEST, "run_result: a request of the batch has no output")
+        return parts
+
+    def _advance(self, model: Model, batch: Batch, tensors: dict[str, Any], now: float) -> None:
+        """Send a batch's activations on to the next stage's worker (frames, not copies)."""
+        batch.stage += 1
+        batch.worker = batch.replica.workers[batch.stage]
+        batch.run_id = next(self.ctx.ids)
+        self._enter_stage(batch, now)
+        self.batches[batch.run_id] = batch
+        self.ctx.to_peer(
+            batch.worker,
+            p.Run(
+                id=batch.run_id,
+                model=model.name,
+                stage=batch.stage,
+                parts=[[r.tag, r.rows] for r in batch.requests],
+                tensors=tensors,
+            ),
+        )
+
+    def _enter_stage(self, batch: Batch, now: float) -> None:
+        # A stage that has not answered by the later of the run timeout and its requests'
+        # deadlines has hung (see run_hung): nobody's timeout is cut short by it.
+        latest = max((r.deadline for r in batch.requests), default=now)
+        batch.deadline = max(now + self.cfg.run_timeout_s, latest)
+        peer = self.peers[batch.worker]
+        peer.inflight_runs += 1
+        res = peer.resident.get((batch.model, batch.stage))
+        if res is not None:
+            res.inflight += 1
+            res.last_used = now
+        batch.counted_on = (peer, res)
+
+    def _leave_stage(self, batch: Batch, now: float) -> None:
+        if batch.counted_on is None:
+            return
+        peer, res = batch.counted_on
+        batch.counted_on = None
+        peer.inflight_runs -= 1
+        if res is not None:
+            res.inflight -= 1
+            res.last_used = now
+
+    def run_failed(self, batch: Batch, code: str, reason: str, now: float) -> None:
+        self._leave_stage(batch, now)
+        batch.replica.inflight -= 1
+        model = self.models.get(batch.model)
+        live = [r for r in batch.requests if r.client is not None]
+        if model is not None and code == Code.NOT_RESIDENT:
+            # Its load failed (fragmentation) or was undone: run again, not the client's fault.
+            model.queue.extendleft(reversed(live))
+        elif model is not None and code == Code.MODEL_ERROR and len(live) > 1:
+            for r in live:  # find the request that breaks the model; the others succeed
+                r.solo = True
+            model.queue.extendleft(reversed(live))
+        else:
+            for r in live:
+                self.ctx.answer_error(r, code, reason)
+        self.pump(now)
+
+    def run_error(self, peer: Peer, msg: p.Error, now: float) -> bool:
+        """An Error from `peer` answering one of its runs: fail that batch. False if it is not."""
+        batch = self.batches.get(msg.id) if msg.id is not None else None
+        if batch is None or batch.worker != peer.name:
+            return False
+        del self.batches[msg.id]  # type: ignore[arg-type]
+        self.run_failed(batch, msg.code, msg.reason, now)
+        return True
+
+    def run_undelivered(self, run_id: Any, reason: str, now: float) -> bool:
+        """A Run could not be sent: fail its batch (OVERLOADED). False if no batch has that id."""
+        if run_id not in self.batches:
+            return False
+        self.run_failed(self.batches.pop(run_id), str(Code.OVERLOADED), reason, now)
+        return True
+
+    # ================================================================== failover
+
+    def run_hung(self, batch: Batch, now: float) -> None:
+        """A stage did not answer a run by its deadline while its worker still heartbeats.
+
+        Its requests are answered, its counts released, and the replica is given up and
+        re-created, away from that worker where another can hold the stage.
+        """
+        self._leave_stage(batch, now)
+        batch.replica.inflight -= 1
+        reason = (
+            f"worker {batch.worker} did not finish stage {batch.stage} of {batch.model!r} "
+            f"within {self.cfg.run_timeout_s:.0f} s; its replica is being re-created"
+        )
+        self.totals["hung_runs"] += 1
+        log.warning("run hung run=%d %s", batch.run_id, reason)
+        for r in batch.requests:
+            self.ctx.answer_error(r, Code.TIMEOUT, reason)
+        model = self.models.get(batch.model)
+        if model is not None:
+            self.registry.give_up_replica(model, batch.replica, batch.worker, reason)
+
+    def fail_over(self, model: Model, rep: Replica, lost: str, now: float) -> None:
+        """Requests in flight on a lost replica: run once more elsewhere, or WORKER_LOST."""
+        others = [r for r in model.replicas if r is not rep]
+        for run_id, batch in list(self.batches.items()):
+            if batch.replica is not rep:
+                continue
+            del self.batches[run_id]
+            self._leave_stage(batch, now)
+            for req in reversed(batch.requests):
+                if req.client is None:
+                    continue
+                if others and req.retries < self.cfg.max_retries:
+                    req.retries += 1
+                    self.totals["retried"] += 1
+                    model.queue.appendleft(req)
+                else:
+                    self.ctx.answer_error(
+                        req, Code.WORKER_LOST, f"worker {lost} was lost while running this request"
+                    )

@@ -1,0 +1,432 @@
+"""Registry alone: peers, the model catalogue, plans, stage placement and replica repair.
+
+No serving router, no sockets: the tests drive the registry with a fake clock (`now` passed in),
+record the three callbacks it makes to the other rooms, and assert the exact messages it
+queues. Ids are exact too: they come from the one counter in `Context`, which starts at 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker.checks import check_plan, check_seconds, check_stats
+from broker.config import BrokerConfig
+from broker.context import BACKEND, CLIENT, Context, Outgoing
+from broker.registry import Registry
+from broker.state import Model, ModelState, Peer, Phase, Replica, Request, Residency
+from broker.status import model_status
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import ModelSpec
+
+MIB = 1 << 20
+C = b"client"
+PART = b"part"
+
+
+def spec_of(name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "factory": "flowmesh.examples:mlp", "seed": 0, **extra}
+
+
+def plan_of(stage_bytes: list[int]) -> dict[str, Any]:
+    n = len(stage_bytes)
+    return {
+        "ranges": [[i, i + 1] for i in range(n)],
+        "range_bytes": stage_bytes,
+        "block_names": [f"b{i}" for i in range(n)],
+    }
+
+
+class Rig:
+    def __init__(self, **cfg: Any) -> None:
+        self.ctx = Context(BrokerConfig(heartbeat_s=1.0, liveness=3, **cfg))
+        self.events: list[tuple[Any, ...]] = []
+        self.reg = Registry(
+            self.ctx,
+            on_change=lambda now: self.events.append(("change", now)),
+            on_replica_lost=lambda model, rep, lost, now: self.events.append(
+                ("replica_lost", model.name, list(rep.workers), lost)
+            ),
+            on_worker_lost=lambda name: self.events.append(("worker_lost", name)),
+        )
+
+    def out(self) -> list[Outgoing]:
+        return self.ctx.drain()
+
+    def register(self, name: str, pid: int = 1, budget: int = 100 * MIB, **kw: Any) -> Peer:
+        role = "partitioner" if name == "part" else "worker"
+        msg = p.Register(id=1, role=role, name=name, pid=pid, budget_bytes=budget, **kw)
+        self.reg.register(name.encode(), msg, 0.0)
+        return self.ctx.peers[name]
+
+    def join(self, name: str, budget: int = 100 * MIB) -> Peer:
+        """Register and heartbeat: a ready peer; what that sent and called is forgotten."""
+        peer = self.register(name, budget=budget)
+        self.reg.heartbeat(peer, p.Heartbeat(stats={}), 0.0)
+        self.out()
+        self.events.clear()
+        return peer
+
+    def peer(self, name: str) -> Peer:
+        return self.ctx.peers[name]
+
+    def deploy(self, name: str, stage_bytes: list[int], replicas: int, now: float = 0.0) -> Model:
+        """Deploy through the whole path; returns the READY model, with the output forgotten."""
+        self.reg.deploy(C, p.Deploy(id=50, spec=spec_of(name, replicas=replicas)), now)
+        ((_, _, job),) = self.out()
+        reply = p.PlanReply(id=job.id, plan=plan_of(stage_bytes), inputs=None)
+        self.reg.plan_reply(self.peer("part"), reply, now)
+        for _, addr, m in self.out():
+            ready = p.StageReady(
+                id=m.id, model=name, stage=m.stage, nbytes=stage_bytes[m.stage], seconds=0.1
+            )
+            self.reg.stage_ready(self.peer(addr.decode()), ready, now)
+        self.out()
+        self.events.clear()
+        model = self.ctx.models[name]
+        assert model.state is ModelState.READY
+        return model
+
+
+# ====================================================================== peers
+
+
+def test_a_peer_is_acknowledged_then_ready_on_its_first_heartbeat() -> None:
+    rig = Rig()
+    peer = rig.register("w0")
+    assert rig.out() == [
+        (BACKEND, b"w0", p.RegisterAck(id=1, heartbeat_s=1.0, liveness=3, kept=False))
+    ]
+    assert (peer.ready, peer.max_inflight) == (False, 4)  # 2 compute lanes by default
+    rig.reg.heartbeat(peer, p.Heartbeat(stats={"peak_bytes": 5}), 0.5)
+    assert peer.ready and peer.stats == {"peak_bytes": 5}
+    assert rig.events == [("change", 0.5)]
+    rig.reg.heartbeat(peer, p.Heartbeat(stats={}), 0.6)
+    assert rig.events == [("change", 0.5)]  # ready once
+
+
+def test_the_same_process_registering_again_keeps_what_it_holds() -> None:
+    rig = Rig()
+    peer = rig.join("w0")
+    peer.hosted[("m", 0)] = MIB
+    msg = p.Register(id=9, role="worker", name="w0", pid=1, budget_bytes=100 * MIB)
+    rig.reg.register(b"w0-new-socket", msg, 1.0)
+    assert rig.out() == [
+        (BACKEND, b"w0-new-socket", p.RegisterAck(id=9, heartbeat_s=1.0, liveness=3, kept=True))
+    ]
+    assert rig.peer("w0") is peer and peer.hosted == {("m", 0): MIB}
+    assert rig.ctx.by_addr == {b"w0-new-socket": "w0"} and peer.registrations == 2
+    assert rig.events == []
+
+
+def test_a_restarted_worker_replaces_its_old_self_and_loses_its_replicas() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0")
+    rig.deploy("m", [MIB], replicas=1)
+    rig.register("w0", pid=2)  # another process under the same name
+    assert rig.out() == [
+        (BACKEND, b"w0", p.RegisterAck(id=1, heartbeat_s=1.0, liveness=3, kept=False))
+    ]
+    assert rig.events == [
+        ("worker_lost", "w0"),
+        ("replica_lost", "m", ["w0"], "w0"),
+        ("change", 0.0),
+    ]
+    assert rig.ctx.models["m"].state is ModelState.UNAVAILABLE
+    assert rig.peer("w0").pid == 2 and rig.peer("w0").hosted == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"role": "client"}, "unknown role 'client'"),
+        ({"budget_bytes": 0}, "a worker must report a positive memory budget"),
+        ({"name": ""}, "a peer needs a name"),
+        ({"info": {"compute_lanes": 0}}, "register info compute_lanes: bad value 0"),
+    ],
+)
+def test_bad_registrations_are_refused(fields: dict[str, Any], reason: str) -> None:
+    rig = Rig()
+    msg = {"id": 1, "role": "worker", "name": "w0", "pid": 1, "budget_bytes": MIB, **fields}
+    with pytest.raises(FlowmeshError) as info:
+        rig.reg.register(b"w0", p.Register(**msg), 0.0)
+    assert (info.value.code, info.value.reason) == (Code.BAD_REQUEST, reason)
+    assert rig.ctx.peers == {} and rig.out() == []
+
+
+def test_live_peers_get_a_heartbeat_and_silent_ones_are_lost() -> None:
+    rig = Rig()
+    rig.join("w0")
+    rig.join("w1").last_seen = 2.5
+    rig.reg.check_hearts(3.0)  # 3 periods of silence: not yet
+    assert rig.out() == [
+        (BACKEND, b"w0", p.Heartbeat(stats={})),
+        (BACKEND, b"w1", p.Heartbeat(stats={})),
+    ]
+    rig.reg.check_hearts(3.5)
+    assert rig.out() == [(BACKEND, b"w1", p.Heartbeat(stats={}))]
+    assert list(rig.ctx.peers) == ["w1"] and rig.ctx.by_addr == {b"w1": "w1"}
+    assert rig.events == [("worker_lost", "w0"), ("change", 3.5)]
+
+
+# ====================================================================== catalogue
+
+
+def test_deploy_asks_a_plan_places_every_stage_then_answers() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0")
+    rig.join("w1", budget=80 * MIB)
+    spec = spec_of("m", replicas=2)
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec), 0.0)
+    full = ModelSpec.from_dict(spec).to_dict()
+    request = {"spec": full, "kind": "stages", "stages": None, "mem_cap": 80 * MIB}
+    assert rig.out() == [(BACKEND, PART, p.PlanJob(id=1, request=request))]
+    assert rig.peer("part").inflight_plans == 1
+    plan = plan_of([10 * MIB])
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan, inputs=None), 0.1)
+    assert rig.out() == [
+        (BACKEND, b"w0", p.DeployStage(id=2, model="m", stage=0, spec=full, plan=plan)),
+        (BACKEND, b"w1", p.DeployStage(id=3, model="m", stage=0, spec=full, plan=plan)),
+    ]
+    model = rig.ctx.models["m"]
+    assert model.state is ModelState.DEPLOYING and rig.peer("part").inflight_plans == 0
+    assert len(rig.reg.plan_cache) == 1
+    rig.reg.stage_ready(rig.peer("w0"), p.StageReady(2, "m", 0, nbytes=9 * MIB, seconds=1), 0.2)
+    assert rig.out() == [] and rig.events == [("change", 0.2)]
+    rig.reg.stage_ready(rig.peer("w1"), p.StageReady(3, "m", 0, nbytes=9 * MIB, seconds=1), 0.3)
+    assert model.state is ModelState.READY
+    assert rig.out() == [(CLIENT, C, p.Deployed(id=5, model=model_status(model, rig.ctx.peers)))]
+    row = model_status(model, rig.ctx.peers)
+    assert (row["state"], row["bytes"], row["replicas"]) == (
+        "ready",
+        10 * MIB,
+        [
+            {"workers": ["w0"], "live": True, "inflight": 0},
+            {"workers": ["w1"], "live": True, "inflight": 0},
+        ],
+    )
+    assert rig.peer("w0").hosted == {("m", 0): 9 * MIB}  # what the worker measured
+    assert rig.events == [("change", 0.2), ("change", 0.3)] and rig.ctx.calls == {}
+
+
+def test_a_plan_asked_twice_is_answered_from_the_cache() -> None:
+    rig = Rig()
+    rig.join("part")
+    ask = p.PlanRequest(id=7, spec=spec_of("m"), kind="chunks", target_bytes=MIB)
+    rig.reg.plan_request(C, ask, 0.0)
+    ((_, _, job),) = rig.out()
+    assert (job.id, job.request["kind"], job.request["mem_cap"]) == (1, "chunks", None)
+    plan = plan_of([MIB, MIB])
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan, inputs={"x": 1}), 0.1)
+    assert rig.out() == [(CLIENT, C, p.PlanReply(id=7, plan=plan, inputs={"x": 1}))]
+    rig.reg.plan_request(b"other", p.PlanRequest(**{**vars(ask), "id": 8}), 0.2)
+    assert rig.out() == [(CLIENT, b"other", p.PlanReply(id=8, plan=plan, inputs={"x": 1}))]
+
+
+def test_a_stage_larger_than_any_device_fails_the_deploy() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0", budget=10 * MIB)
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec_of("big", stages=1)), 0.0)
+    rig.out()
+    plan = plan_of([20 * MIB])
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan), 0.1)
+    reason = (
+        "'big' stage 0 needs 20971520 bytes but the largest device budget is 10485760 bytes; "
+        "deploy with more stages, or omit stages to choose automatically"
+    )
+    assert rig.out() == [(CLIENT, C, p.Error(id=5, code="too_big", reason=reason))]
+    assert rig.ctx.models == {}
+
+
+def test_a_deploy_not_done_by_its_deadline_is_failed_and_cleaned_up() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0")
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec_of("m", replicas=1), timeout_ms=10_000), 0.0)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan_of([MIB])), 0.1)
+    rig.out()
+    model = rig.ctx.models["m"]
+    rig.reg.deploy_overdue(model, 9.9)
+    assert rig.out() == []
+    rig.reg.deploy_overdue(model, 10.0)
+    assert rig.out() == [
+        (CLIENT, C, p.Error(id=5, code="timeout", reason="deploy did not finish in time")),
+        (BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0)),
+    ]
+    assert rig.ctx.models == {} and rig.ctx.calls == {} and rig.peer("w0").hosted == {}
+
+
+def test_undeploy_fails_queued_requests_and_frees_every_stage() -> None:
+    rig = Rig()
+    rig.join("part")
+    w0 = rig.join("w0")
+    model = rig.deploy("m", [MIB], replicas=1)
+    w0.resident[("m", 0)] = Residency(("m", 0), MIB, Phase.RESIDENT, 0.0)
+    model.queue.append(
+        Request(
+            tag=100,
+            client=b"asker",
+            client_id=3,
+            model="m",
+            tensors={},
+            rows=1,
+            signature=(),
+            arrived=0.0,
+            deadline=60.0,
+        )
+    )
+    rig.reg.undeploy(C, p.Undeploy(id=6, model="m"), 1.0)
+    assert rig.out() == [
+        (CLIENT, b"asker", p.Error(id=3, code="model_not_found", reason="'m' was undeployed")),
+        (BACKEND, b"w0", p.Evict(id=3, model="m", stage=0)),
+        (BACKEND, b"w0", p.DropStage(id=4, model="m", stage=0)),
+        (CLIENT, C, p.Undeployed(id=6, model="m")),
+    ]
+    assert rig.events == [("change", 1.0)]
+    assert rig.ctx.models == {} and w0.resident == {} and w0.hosted == {}
+    with pytest.raises(FlowmeshError) as info:
+        rig.reg.undeploy(C, p.Undeploy(id=7, model="m"), 1.0)
+    assert (info.value.code, info.value.reason) == (Code.MODEL_NOT_FOUND, "no model 'm'")
+
+
+def test_a_plan_call_without_an_answer_fails_its_client() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.reg.plan_request(C, p.PlanRequest(id=7, spec=spec_of("m")), 0.0)
+    rig.out()
+    call = rig.ctx.calls.pop(1)
+    assert call.deadline == 600.0  # deploy_timeout_s
+    rig.reg.call_expired(call, "timeout", None, 600.0)
+    assert rig.out() == [
+        (CLIENT, C, p.Error(id=7, code="timeout", reason="partitioner part did not answer in time"))
+    ]
+    assert rig.peer("part").inflight_plans == 0
+
+
+# ====================================================================== placement and repair
+
+
+def test_a_lost_worker_s_replicas_are_recreated_on_live_workers() -> None:
+    rig = Rig()
+    rig.join("part")
+    for w in ("w0", "w1", "w2"):
+        rig.join(w)
+    model = rig.deploy("m", [2 * MIB, MIB], replicas=1)
+    assert [r.workers for r in model.replicas] == [["w0", "w1"]]
+    rig.reg.peer_dead(rig.peer("w0"), 5.0, "missed heartbeats")
+    full = model.spec.to_dict()
+    assert rig.out() == [
+        (BACKEND, b"w1", p.DropStage(id=4, model="m", stage=1)),
+        (BACKEND, b"w1", p.DeployStage(id=5, model="m", stage=0, spec=full, plan=model.plan)),
+        (BACKEND, b"w2", p.DeployStage(id=6, model="m", stage=1, spec=full, plan=model.plan)),
+    ]
+    assert rig.events == [
+        ("worker_lost", "w0"),
+        ("replica_lost", "m", ["w0", "w1"], "w0"),
+        ("change", 5.0),
+    ]
+    (rep,) = model.replicas
+    assert (rep.workers, rep.ready, model.state) == (["w1", "w2"], [False, False], ModelState.READY)
+    assert (rig.ctx.calls[5].kind, rig.ctx.calls[5].deadline) == ("stage", 605.0)
+
+
+def test_a_replica_given_up_after_a_hung_run_is_recreated_away_from_that_worker() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0")
+    rig.join("w1")
+    model = rig.deploy("m", [MIB], replicas=1)
+    (rep,) = model.replicas
+    assert rep.workers == ["w0"]
+    rig.reg.give_up_replica(model, rep, "w0", "hung")
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0))]
+    assert (model.avoid, model.state) == ({"w0"}, ModelState.UNAVAILABLE)
+    rig.reg.give_up_replica(model, rep, "w0", "hung")  # no longer one of its replicas
+    assert rig.out() == []
+    rig.reg.reconcile(6.0)
+    full = model.spec.to_dict()
+    assert rig.out() == [
+        (BACKEND, b"w1", p.DeployStage(id=4, model="m", stage=0, spec=full, plan=model.plan))
+    ]
+    rig.reg.stage_ready(rig.peer("w1"), p.StageReady(4, "m", 0, nbytes=MIB, seconds=1), 6.5)
+    assert model.state is ModelState.READY and rig.out() == []
+    assert rig.events == [("change", 6.5)]
+
+
+def test_a_failed_repair_waits_before_trying_again() -> None:
+    rig = Rig(repair_backoff_s=5.0)
+    rig.join("part")
+    rig.join("w0")
+    model = rig.deploy("m", [MIB], replicas=1)
+    rig.reg.give_up_replica(model, model.replicas[0], "w0", "hung")
+    rig.reg.reconcile(1.0)  # only w0 can hold it: back there, rather than nowhere
+    assert [m.TYPE for _, _, m in rig.out()] == ["drop_stage", "deploy_stage"]
+    call = rig.ctx.calls.pop(4)
+    rig.reg.call_failed(rig.peer("w0"), call, "model_error", "factory raised", 2.0)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=5, model="m", stage=0))]
+    assert (model.replicas, model.repair_after) == ([], 7.0)
+    rig.reg.reconcile(6.9)
+    assert rig.out() == []
+    rig.reg.reconcile(7.0)
+    assert [(a, m.TYPE, m.id) for _, a, m in rig.out()] == [(b"w0", "deploy_stage", 6)]
+
+
+def test_a_stage_answered_for_a_replica_gone_meanwhile_is_dropped() -> None:
+    rig = Rig()
+    rig.join("part")
+    w0 = rig.join("w0")
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec_of("m", replicas=1)), 0.0)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan_of([MIB])), 0.1)
+    rig.out()
+    model = rig.ctx.models["m"]
+    model.replicas.clear()  # given up while the worker prepared the stage
+    rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=1), 0.2)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0))]
+    assert w0.hosted == {}
+    with pytest.raises(FlowmeshError) as info:  # answered once: a second answer is refused
+        rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=1), 0.3)
+    assert info.value.reason == "no pending stage call 2 for w0"
+
+
+# ====================================================================== checks on what peers say
+
+
+def test_checks_refuse_what_would_break_status_or_placement() -> None:
+    assert check_stats({"peak_bytes": 1, "lanes": [1, 2], "x": {"y": None}}) == {
+        "peak_bytes": 1,
+        "lanes": [1, 2],
+        "x": {"y": None},
+    }
+    refused = [
+        ({"a": float("nan")}, "heartbeat stats a: not a finite number"),
+        ({"a": {"b": {"c": [1]}}}, "heartbeat stats a.b.c: list is not allowed here"),
+        ({"peak_bytes": -1}, "heartbeat stats peak_bytes: expected a byte count"),
+    ]
+    for stats, reason in refused:
+        with pytest.raises(FlowmeshError) as info:
+            check_stats(stats)
+        assert (info.value.code, info.value.reason) == (Code.BAD_REQUEST, reason)
+    assert check_plan({"range_bytes": [3, 4], "ranges": [[0, 1], [1, 2]]}) == [3, 4]
+    with pytest.raises(FlowmeshError) as info:
+        check_plan({"range_bytes": [3, 4], "ranges": [[0, 2]]})
+    assert (info.value.code, info.value.reason) == (
+        Code.PLAN_ERROR,
+        "plan: ranges must give one [first, end) per stage",
+    )
+    assert check_seconds({"compute_s": 2}, "compute_s") == 2.0
+    assert check_seconds({}, "wait_s") == 0.0
+    with pytest.raises(FlowmeshError):
+        check_seconds({"wait_s": -1.0}, "wait_s")
+
+
+def test_the_rooms_share_the_very_tables() -> None:
+    # The rooms share these by reference; a copy would split the state.
+    rig = Rig()
+    assert rig.reg.peers is rig.ctx.peers and rig.reg.models is rig.ctx.models
+    assert rig.reg.calls is rig.ctx.calls and rig.reg.by_addr is rig.ctx.by_addr
+    assert Replica(workers=["w0"], ready=[True]).live

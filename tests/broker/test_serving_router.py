@@ -1,0 +1,413 @@
+"""ServingRouter alone: queues, batching, residency, runs and failover, on plain state.
+
+No registry, no sockets: the tests lay out peers, models and replicas as plain data, drive the
+router with a fake clock (`now` passed in), and assert the exact messages it queues. Ids are
+exact too: they come from the one counter in `Context`, which starts at 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker.config import BrokerConfig
+from broker.context import BACKEND, CLIENT, Context, Outgoing
+from broker.serving import ServingRouter
+from broker.state import Model, ModelState, Peer, Phase, Replica, Residency
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import ModelSpec
+
+MIB = 1 << 20
+C1, C2 = b"c1", b"c2"
+
+
+def ref(rows: int, cols: int = 4) -> p.TensorRef:
+    return p.TensorRef("float32", (rows, cols), bytes(rows * cols * 4))
+
+
+class Keeper:
+    """Stands in for the registry: records the replicas given up."""
+
+    def __init__(self) -> None:
+        self.given_up: list[tuple[str, list[str], str, str]] = []
+
+    def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None:
+        self.given_up.append((model.name, rep.workers, worker, reason))
+        model.replicas.remove(rep)
+
+
+class Rig:
+    def __init__(self, **cfg: Any) -> None:
+        self.ctx = Context(BrokerConfig(**cfg))
+        self.keeper = Keeper()
+        self.router = ServingRouter(self.ctx, self.keeper)
+
+    def worker(self, name: str, budget: int = 100 * MIB, max_inflight: int = 4) -> Peer:
+        peer = Peer(
+            name=name,
+            addr=name.encode(),
+            role="worker",
+            pid=1,
+            budget=budget,
+            ready=True,
+            max_inflight=max_inflight,
+        )
+        self.ctx.peers[name] = peer
+        self.ctx.by_addr[peer.addr] = name
+        return peer
+
+    def model(
+        self, name: str, stage_bytes: list[int], *placements: list[str], max_batch: int = 8
+    ) -> Model:
+        """A deployed model: every stage of every replica hosted on its worker, none resident."""
+        spec = ModelSpec.from_dict(
+            {"name": name, "factory": "flowmesh.examples:mlp", "max_batch_size": max_batch}
+        )
+        model = Model(spec=spec, state=ModelState.READY, stage_bytes=list(stage_bytes))
+        for workers in placements:
+            model.replicas.append(Replica(workers=list(workers), ready=[True] * len(workers)))
+            for stage, w in enumerate(workers):
+                self.ctx.peers[w].hosted[(name, stage)] = stage_bytes[stage]
+        self.ctx.models[name] = model
+        return model
+
+    def resident(self, worker: str, key: tuple[str, int], nbytes: int, last_used: float) -> None:
+        peer = self.ctx.peers[worker]
+        peer.resident[key] = Residency(key, nbytes, Phase.RESIDENT, last_used)
+
+    def infer(
+        self, model: str, client_id: int, now: float, client: bytes = C1, rows: int = 1
+    ) -> tuple[p.TensorRef, list[Outgoing]]:
+        """Send one request; returns its input tensor and what the router queued."""
+        tensors = {"x": ref(rows)}
+        self.router.infer(client, p.Infer(id=client_id, model=model, tensors=tensors), now)
+        return tensors["x"], self.ctx.drain()
+
+    def result(self, worker: str, run: p.Run, now: float, **info: float) -> list[Outgoing]:
+        tensors = {f"{k}/y": ref(rows, 2) for k, (_tag, rows) in enumerate(run.parts)}
+        msg = p.RunResult(
+            id=run.id, model=run.model, stage=run.stage, tensors=tensors, info=dict(info)
+        )
+        self.router.run_result(self.ctx.peers[worker], msg, now)
+        return self.ctx.drain()
+
+
+def test_a_cold_request_loads_its_stage_and_runs_at_once() -> None:
+    rig = Rig()
+    rig.worker("w0")
+    rig.model("m", [10 * MIB], ["w0"])
+    x, out = rig.infer("m", client_id=7, now=0.0)
+    # ids: 1 is the request's tag, 2 the load call, 3 the run.
+    assert out == [
+        (BACKEND, b"w0", p.Load(id=2, model="m", stage=0)),
+        (BACKEND, b"w0", p.Run(id=3, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+    ]
+    assert rig.ctx.calls[2].kind == "load" and rig.ctx.calls[2].deadline == 120.0
+    res = rig.ctx.peers["w0"].resident[("m", 0)]
+    assert (res.phase, res.nbytes, res.inflight) == (Phase.LOADING, 10 * MIB, 1)
+
+
+def test_the_last_stage_answers_each_client_with_its_own_rows_and_timings() -> None:
+    rig = Rig()
+    rig.worker("w0")
+    rig.model("m", [10 * MIB], ["w0"])
+    _, out = rig.infer("m", client_id=7, now=0.0)
+    rig.router.loaded(
+        rig.ctx.peers["w0"], p.Loaded(id=2, model="m", stage=0, nbytes=9 * MIB, seconds=0.1), 0.1
+    )
+    assert rig.ctx.drain() == []  # the run was already sent: nothing more to start
+    run = out[1][2]
+    out = rig.result("w0", run, 0.25, compute_s=0.125, wait_s=0.0625)
+    (dest, addr, result) = out[0]
+    assert (dest, addr, len(out)) == (CLIENT, C1, 1)
+    assert result.id == 7 and list(result.tensors) == ["y"]
+    assert result.info == {
+        "latency_ms": 250.0,
+        "batch": 1,
+        "queue_ms": 0.0,
+        "compute_ms": 125.0,
+        "load_wait_ms": 62.5,
+        "workers": ["w0"],
+    }
+    model = rig.ctx.models["m"]
+    assert (model.completed, model.loads, list(model.latency_ms)) == (1, 1, [250.0])
+    assert rig.ctx.peers["w0"].resident[("m", 0)].nbytes == 9 * MIB
+    assert rig.router.batches == {} and rig.ctx.peers["w0"].inflight_runs == 0
+
+
+def test_requests_queued_behind_a_full_pipeline_run_as_one_batch() -> None:
+    rig = Rig()
+    rig.worker("w0")
+    rig.resident("w0", ("m", 0), 10 * MIB, 0.0)
+    rig.model("m", [10 * MIB], ["w0"], max_batch=3)
+    # One stage keeps 2 batches in flight; the rest wait here so that they can batch.
+    _, out1 = rig.infer("m", 1, 0.0)
+    _, out2 = rig.infer("m", 2, 0.0)
+    x3, out3 = rig.infer("m", 3, 0.1, client=C2, rows=2)
+    x4, out4 = rig.infer("m", 4, 0.2)
+    _, out5 = rig.infer("m", 5, 0.3)
+    assert [m.id for _, _, m in out1 + out2] == [2, 4] and out3 == out4 == out5 == []
+    out = rig.result("w0", out1[0][2], 0.5)
+    # 3 (2 rows) and 4 (1 row) fill max_batch_size 3; 5 waits for the next batch.
+    assert out[1:] == [
+        (
+            BACKEND,
+            b"w0",
+            p.Run(
+                id=8,
+                model="m",
+                stage=0,
+                parts=[[5, 2], [6, 1]],
+                tensors={
+                    "0/x": x3,
+                    "1/x": x4,
+                },
+            ),
+        )
+    ]
+    assert [r.client_id for r in rig.ctx.models["m"].queue] == [5]
+
+
+def test_a_request_with_other_shapes_is_not_batched_with_the_head() -> None:
+    rig = Rig()
+    rig.worker("w0", max_inflight=1)
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    rig.model("m", [MIB], ["w0"])
+    _, out = rig.infer("m", 1, 0.0)
+    rig.router.infer(C1, p.Infer(id=2, model="m", tensors={"x": ref(1, 8)}), 0.0)
+    _, _ = rig.infer("m", 3, 0.0)
+    out = rig.result("w0", out[0][2], 0.1)
+    (run,) = [m for _, _, m in out if isinstance(m, p.Run)]
+    assert run.parts == [[3, 1]]  # request 2's tag is 3: alone, its inner shape differs
+    assert [r.client_id for r in rig.ctx.models["m"].queue] == [3]
+
+
+def test_loading_evicts_the_least_recently_used_idle_stage_only() -> None:
+    rig = Rig()
+    rig.worker("w0", budget=100 * MIB)
+    for name, used in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
+        rig.model(name, [30 * MIB], ["w0"])
+        rig.resident("w0", (name, 0), 30 * MIB, used)
+    rig.model("d", [30 * MIB], ["w0"])
+    x, out = rig.infer("d", 9, 5.0)
+    assert out == [
+        (BACKEND, b"w0", p.Evict(id=2, model="b", stage=0)),
+        (BACKEND, b"w0", p.Load(id=3, model="d", stage=0)),
+        (BACKEND, b"w0", p.Run(id=4, model="d", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+    ]
+    assert sorted(rig.ctx.peers["w0"].resident) == [("a", 0), ("c", 0), ("d", 0)]
+    assert (rig.ctx.peers["w0"].evictions, rig.ctx.models["b"].evictions) == (1, 1)
+
+
+def test_a_cold_model_waits_while_the_resident_one_is_busy_then_evicts_it() -> None:
+    rig = Rig(starvation_s=2.0)
+    rig.worker("w0", budget=50 * MIB, max_inflight=1)
+    rig.model("a", [40 * MIB], ["w0"])
+    rig.model("b", [40 * MIB], ["w0"])
+    rig.resident("w0", ("a", 0), 40 * MIB, 0.0)
+    _, out = rig.infer("a", 1, 0.0)  # runs; fills the worker's one lane
+    _, queued_a = rig.infer("a", 2, 0.0)
+    _, cold_b = rig.infer("b", 3, 0.5)
+    assert queued_a == cold_b == []
+    out = rig.result("w0", out[0][2], 1.0)
+    # a's next batch starts at once; b would need a's bytes, and a has work: b waits.
+    assert [m.TYPE for _, _, m in out] == ["result", "run"]
+    run_a = out[1][2]
+    out = rig.result("w0", run_a, 3.0)
+    # b has waited 2.5 s (starving) and a is idle now: evict a, load b, run b.
+    assert [(m.TYPE, getattr(m, "model", None)) for _, _, m in out] == [
+        ("result", None),
+        ("evict", "a"),
+        ("load", "b"),
+        ("run", "b"),
+    ]
+
+
+def test_a_starving_model_reserves_the_workers_it_needs() -> None:
+    rig = Rig(starvation_s=1.0)
+    rig.worker("w0", budget=50 * MIB, max_inflight=2)
+    rig.model("a", [40 * MIB], ["w0"], max_batch=1)
+    rig.model("b", [40 * MIB], ["w0"])
+    rig.resident("w0", ("a", 0), 40 * MIB, 0.0)
+    _, out = rig.infer("a", 1, 0.0)
+    _, _ = rig.infer("b", 2, 0.0)
+    _, _ = rig.infer("a", 3, 1.5)
+    # b starved (1.5 s) and cannot evict a (running): w0 is reserved for b, so a's second
+    # request, able to run now, waits instead of keeping b out forever.
+    assert rig.ctx.peers["w0"].reserved_for == "b"
+    assert [r.client_id for r in rig.ctx.models["a"].queue] == [3]
+    out = rig.result("w0", out[0][2], 2.0)
+    assert [(m.TYPE, getattr(m, "model", None)) for _, _, m in out] == [
+        ("result", None),
+        ("evict", "a"),
+        ("load", "b"),
+        ("run", "b"),
+    ]
+    assert rig.ctx.peers["w0"].reserved_for is None
+
+
+def test_a_batch_travels_stage_by_stage_with_its_activations() -> None:
+    rig = Rig()
+    rig.worker("w0")
+    rig.worker("w1")
+    rig.model("m", [MIB, MIB], ["w0", "w1"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    rig.resident("w1", ("m", 1), MIB, 0.0)
+    _, out = rig.infer("m", 1, 0.0)
+    (first,) = [m for _, _, m in out]
+    assert (first.id, first.stage) == (2, 0)
+    acts = {"0/h": ref(1, 16)}
+    rig.router.run_result(
+        rig.ctx.peers["w0"],
+        p.RunResult(id=2, model="m", stage=0, tensors=acts, info={"compute_s": 0.5}),
+        0.5,
+    )
+    assert rig.ctx.drain() == [
+        (BACKEND, b"w1", p.Run(id=3, model="m", stage=1, parts=[[1, 1]], tensors=acts))
+    ]
+    (batch,) = rig.router.batches.values()
+    assert (batch.worker, batch.info, batch.deadline) == (
+        "w1",
+        {"compute_s": 0.5, "wait_s": 0.0},
+        120.5,
+    )
+
+
+def test_an_answer_from_the_wrong_worker_is_refused_and_the_batch_untouched() -> None:
+    rig = Rig()
+    rig.worker("w0")
+    rig.worker("w1")
+    rig.model("m", [MIB], ["w0"])
+    _, out = rig.infer("m", 1, 0.0)
+    run = out[1][2]
+    with pytest.raises(FlowmeshError) as info:
+        rig.result("w1", run, 0.1)
+    assert (info.value.code, info.value.reason) == (
+        Code.BAD_REQUEST,
+        "run 3 (m/0) was not sent to w1",
+    )
+    assert list(rig.router.batches) == [3]
+
+
+def test_a_lost_replica_fails_over_once_then_answers_worker_lost() -> None:
+    rig = Rig(max_retries=1)
+    rig.worker("w0")
+    rig.worker("w1")
+    model = rig.model("m", [MIB], ["w0"], ["w1"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    x, out = rig.infer("m", 1, 0.0)
+    assert out == [
+        (BACKEND, b"w0", p.Run(id=2, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x}))
+    ]
+    lost = model.replicas.pop(0)
+    rig.ctx.peers.pop("w0")
+    rig.router.fail_over(model, lost, "w0", 1.0)
+    rig.router.pump(1.0)
+    assert rig.ctx.drain() == [
+        (BACKEND, b"w1", p.Load(id=3, model="m", stage=0)),
+        (BACKEND, b"w1", p.Run(id=4, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+    ]
+    assert rig.ctx.totals["retried"] == 1
+    # The second replica is lost too: the request had its one retry.
+    rig.router.fail_over(model, model.replicas.pop(0), "w1", 2.0)
+    assert rig.ctx.drain() == [
+        (
+            CLIENT,
+            C1,
+            p.Error(
+                id=1, code="worker_lost", reason="worker w1 was lost while running this request"
+            ),
+        )
+    ]
+
+
+def test_a_run_past_its_deadline_has_hung_its_replica_is_given_up() -> None:
+    rig = Rig(run_timeout_s=10.0)
+    rig.worker("w0")
+    rig.model("m", [MIB], ["w0"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    rig.infer("m", 1, 0.0)  # its own deadline: 60 s (default_timeout_s)
+    rig.router.expire_running(59.0)
+    assert rig.ctx.drain() == []
+    # The batch's deadline is the later of the run timeout and its requests' deadlines, so
+    # the request is answered as timed out (running) first, then the run found hung.
+    rig.router.expire_running(60.0)
+    assert rig.ctx.drain() == [
+        (CLIENT, C1, p.Error(id=1, code="timeout", reason="not served within 60.0 s (running)"))
+    ]
+    reason = "worker w0 did not finish stage 0 of 'm' within 10 s; its replica is being re-created"
+    assert rig.keeper.given_up == [("m", ["w0"], "w0", reason)]
+    assert rig.router.batches == {} and rig.ctx.totals["hung_runs"] == 1
+    assert rig.ctx.peers["w0"].inflight_runs == 0
+
+
+def test_a_request_still_queued_past_its_deadline_gets_timeout() -> None:
+    rig = Rig()
+    rig.worker("w0", max_inflight=1)
+    rig.model("m", [MIB], ["w0"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    rig.router.infer(C1, p.Infer(id=1, model="m", tensors={"x": ref(1)}, timeout_ms=5000), 0.0)
+    rig.router.infer(C2, p.Infer(id=2, model="m", tensors={"x": ref(1)}, timeout_ms=500), 0.0)
+    rig.ctx.drain()
+    rig.router.expire_queued(rig.ctx.models["m"], 0.5)
+    assert rig.ctx.drain() == [
+        (CLIENT, C2, p.Error(id=2, code="timeout", reason="not served within 0.5 s (queued)"))
+    ]
+    assert len(rig.ctx.models["m"].queue) == 0
+
+
+def test_a_failed_load_flushes_next_time_and_the_run_is_retried() -> None:
+    rig = Rig()
+    peer = rig.worker("w0", budget=50 * MIB)
+    rig.model("a", [20 * MIB], ["w0"])
+    rig.model("m", [20 * MIB], ["w0"])
+    rig.resident("w0", ("a", 0), 20 * MIB, 0.0)
+    x, out = rig.infer("m", 1, 1.0)
+    assert [m.TYPE for _, _, m in out] == ["load", "run"]  # fits in free bytes: no eviction
+    call = rig.ctx.calls.pop(2)
+    rig.router.load_failed(peer, call, p.Error(id=2, code="no_space", reason="fragmented"), 1.1)
+    assert peer.flush_next and ("m", 0) not in peer.resident and rig.ctx.drain() == []
+    # The worker refuses the run (its stage never arrived): not the client's fault, run again;
+    # this time every idle stage is evicted first, so the load finds one contiguous range.
+    assert rig.router.run_error(peer, p.Error(id=3, code="not_resident", reason="no"), 1.2)
+    assert rig.ctx.drain() == [
+        (BACKEND, b"w0", p.Evict(id=4, model="a", stage=0)),
+        (BACKEND, b"w0", p.Load(id=5, model="m", stage=0)),
+        (BACKEND, b"w0", p.Run(id=6, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+    ]
+
+
+def test_a_batch_that_breaks_the_model_is_split_to_find_the_culprit() -> None:
+    rig = Rig()
+    peer = rig.worker("w0", max_inflight=1)
+    rig.model("m", [MIB], ["w0"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    _, out = rig.infer("m", 1, 0.0)
+    rig.infer("m", 2, 0.0)
+    rig.infer("m", 3, 0.0)
+    out = rig.result("w0", out[0][2], 0.1)
+    (batch,) = [m for _, _, m in out if isinstance(m, p.Run)]
+    assert batch.parts == [[3, 1], [4, 1]]
+    rig.router.run_error(peer, p.Error(id=batch.id, code="model_error", reason="nan"), 0.2)
+    (solo,) = [m for _, _, m in rig.ctx.drain()]
+    assert solo.parts == [[3, 1]]  # each of the two runs alone now
+    rig.router.run_error(peer, p.Error(id=solo.id, code="model_error", reason="nan"), 0.3)
+    out = rig.ctx.drain()
+    assert out[0] == (CLIENT, C1, p.Error(id=2, code="model_error", reason="nan"))
+    assert [m.parts for _, _, m in out[1:]] == [[[4, 1]]]
+
+
+def test_a_run_that_cannot_be_sent_fails_its_requests_overloaded() -> None:
+    rig = Rig()
+    rig.worker("w0")
+    rig.model("m", [MIB], ["w0"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    rig.infer("m", 1, 0.0)
+    assert not rig.router.run_undelivered(99, "full", 0.1)
+    assert rig.router.run_undelivered(2, "could not reach 'w0': full", 0.1)
+    assert rig.ctx.drain() == [
+        (CLIENT, C1, p.Error(id=1, code="overloaded", reason="could not reach 'w0': full"))
+    ]
+    assert rig.ctx.totals["errors"] == 1 and rig.ctx.models["m"].errors == 1
