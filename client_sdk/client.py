@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Mapping
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
 import torch
 import uvloop
@@ -31,16 +32,15 @@ import zmq.asyncio
 
 from client_sdk.errors import ClientError, Timeout, TooLarge, Unavailable, error_from
 from client_sdk.jobs import AsyncJob, Job
+from client_sdk.sweep import sweep_async
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, send
 
-if TYPE_CHECKING:
-    from client_sdk.sweep import Callback, SweepResult
-    from client_sdk.train_data import Dataset
-
 log = logging.getLogger("client_sdk")
 T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 DEFAULT_ADDRESS = os.environ.get("FLOWMESH_BROKER", "tcp://127.0.0.1:5555")
 # The broker answers TIMEOUT itself at the deadline; the client waits this much longer before
@@ -271,8 +271,9 @@ class AsyncClient:
     async def deploy(
         self,
         name: str,
-        factory: str,
+        factory: str | None = None,
         *,
+        hf: str | None = None,
         kwargs: Mapping[str, Any] | None = None,
         weights: str | None = None,
         seed: int | None = None,
@@ -284,11 +285,21 @@ class AsyncClient:
         slo_ms: float | None = None,
         timeout: float = 600.0,
     ) -> dict[str, Any]:
-        """Deploy a model; returns its status (stages, sizes, replicas) once every stage is
-        held by its workers. `factory` is 'module:callable' from the broker's allow-list."""
+        """Deploy model `name`; returns its status (stages, sizes, replicas) once every stage
+        is held by its workers.
+
+        The model: `factory` ('module:callable' from the broker's allow-list) called with
+        `kwargs`, or `hf`, a local Hugging Face model directory (one of the two is needed).
+        Its weights: the factory's initialisation under `seed`, or a safetensors file
+        (`weights`). `dtype`: the parameters' dtype; `stages`: how many pipeline stages
+        (default: the broker's choice); `max_batch_size`: the most rows batched into one
+        forward; `replicas`: copies of the pipeline (default: the broker's choice); `inputs`:
+        the inputs' {name: {"dtype", "shape"}} when the model does not declare them; `slo_ms`:
+        the model's latency objective in milliseconds. `timeout`: seconds for the whole
+        deployment."""
         spec = {
             "name": name,
-            "factory": factory,
+            **_model_source("deploy", factory, hf),
             "kwargs": dict(kwargs or {}),
             "weights": weights,
             "seed": seed,
@@ -306,6 +317,7 @@ class AsyncClient:
         return reply.model
 
     async def undeploy(self, name: str, timeout: float | None = None) -> None:
+        """Undeploy model `name`: its stages leave the workers, its calls in queue fail."""
         await self._call(p.Undeploy(id=next(self._ids), model=name), timeout)
 
     async def infer(
@@ -341,14 +353,16 @@ class AsyncClient:
         return out, reply.info
 
     async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        """The broker's view of the mesh: its models, workers, partitioners and counters."""
         reply = await self._call(p.Status(id=next(self._ids)), timeout)
         assert isinstance(reply, p.StatusReply)
         return reply.status
 
     async def plan(
         self,
-        factory: str,
+        factory: str | None = None,
         *,
+        hf: str | None = None,
         kwargs: Mapping[str, Any] | None = None,
         dtype: str = "float32",
         inputs: Mapping[str, Any] | None = None,
@@ -361,10 +375,15 @@ class AsyncClient:
         measure: bool = False,
         timeout: float = 120.0,
     ) -> dict[str, Any]:
-        """Ask the partitioner for a plan: pipeline `stages` (serving) or training `chunks`."""
+        """Ask the partitioner for a plan of model `factory(**kwargs)`, or of the local Hugging
+        Face model directory `hf` (one of the two is needed). `kind` "stages": pipeline stages
+        for serving, `stages` of them (each within `mem_cap` bytes when given), or without
+        `stages` the fewest that each fit `mem_cap`; "chunks": training sub-models of about
+        `target_bytes` each, for the `optimizer` and `batch` rows. `measure`: time the blocks
+        on the partitioner too."""
         spec = {
             "name": "plan",
-            "factory": factory,
+            **_model_source("plan", factory, hf),
             "kwargs": dict(kwargs or {}),
             "dtype": dtype,
             "inputs": dict(inputs) if inputs else None,
@@ -456,67 +475,11 @@ class AsyncClient:
         assert isinstance(reply, p.JobsReply)
         return reply.jobs
 
-    async def sweep(
-        self,
-        *,
-        name: str,
-        factory: str,
-        space: Mapping[str, Mapping[str, Any]],
-        data: Dataset,
-        trials: int,
-        steps: int,
-        eval_every: int,
-        eval_data: Dataset | None = None,
-        holdout_fraction: float = 0.2,
-        objective: str = "loss",
-        direction: str | None = None,
-        pruner: str = "successive_halving",
-        reduction_factor: int = 3,
-        concurrency: int = 2,
-        kwargs: Mapping[str, Any] | None = None,
-        optimizer: Mapping[str, Any] | None = None,
-        loss: str = "cross_entropy",
-        batch: int = 16,
-        seed: int = 0,
-        chunk_bytes: int | None = None,
-        out_dir: str | Path | None = None,
-        show: bool = True,
-        on_trial_end: Callback | None = None,
-        timeout: float = 600.0,
-    ) -> SweepResult:
-        """A hyper-parameter sweep of `factory` through the mesh with Optuna (ask-and-tell) and
-        its pruners; see `client_sdk.sweep` for the space, the parameters and the outputs."""
-        from client_sdk.sweep import sweep_async
-
-        return await sweep_async(
-            self,
-            name=name,
-            factory=factory,
-            space=space,
-            data=data,
-            trials=trials,
-            steps=steps,
-            eval_every=eval_every,
-            eval_data=eval_data,
-            holdout_fraction=holdout_fraction,
-            objective=objective,
-            direction=direction,
-            pruner=pruner,
-            reduction_factor=reduction_factor,
-            concurrency=concurrency,
-            kwargs=kwargs,
-            optimizer=optimizer,
-            loss=loss,
-            batch=batch,
-            seed=seed,
-            chunk_bytes=chunk_bytes,
-            out_dir=out_dir,
-            show=show,
-            on_trial_end=on_trial_end,
-            timeout=timeout,
-        )
+    # One declaration of the sweep's parameters: the coroutine in `client_sdk.sweep`, as a method.
+    sweep = sweep_async
 
     async def close(self) -> None:
+        """Close the connection; calls still in flight fail with UNAVAILABLE."""
         reader, self._reader = self._reader, None  # tells _reader_done that this is no failure
         sock, self._sock = self._sock, None
         if reader is not None:
@@ -530,15 +493,109 @@ class AsyncClient:
             self._ctx = None
 
 
+def _model_source(call: str, factory: str | None, hf: str | None) -> dict[str, Any]:
+    """The spec's fields naming the model: "factory" always (None with `hf` alone), and "hf"
+    only when given, so that a broker that knows no "hf" still takes a factory's spec."""
+    if factory is None and hf is None:
+        raise ValueError(f"{call} needs factory='module:callable' or hf= a model directory")
+    return {"factory": factory} if hf is None else {"factory": factory, "hf": str(hf)}
+
+
 def _sendable(t: Any) -> Any:
     if isinstance(t, torch.Tensor) and (t.device.type != "cpu" or not t.is_contiguous()):
         return t.detach().to("cpu").contiguous()
     return t
 
 
+class _Blocking:
+    """`Client.<name>`, the blocking twin of a coroutine method of `AsyncClient`.
+
+    The class attribute is this descriptor; reading it gives a plain function carrying the
+    coroutine's signature (`__signature__`), docstring and annotations, its return annotation
+    that of the coroutine's result (or `wrap`'s): what help(), inspect and editors show. A call
+    binds its arguments against that signature (a wrong call raises TypeError in the caller),
+    starts the coroutine on the client's own loop thread and waits for its result, for at most
+    the call's `timeout` (the signature's default when the caller gives none, the client's
+    `timeout` when that is None) plus a grace; without a deadline of its own when `deadline`
+    is False (a call made of many calls, each under `timeout`). `wrap(client, result)` turns the
+    result into its blocking twin (an `AsyncJob` into a `Job`).
+    """
+
+    def __init__(
+        self,
+        afn: Callable[..., Awaitable[Any]],
+        wrap: Callable[[Client, Any], Any] | None,
+        deadline: bool,
+    ) -> None:
+        if not inspect.iscoroutinefunction(afn):
+            raise TypeError(f"{afn!r} is not a coroutine function")
+        self.afn, self.wrap, self.deadline = afn, wrap, deadline
+        self.fn: Callable[..., Any] | None = None
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        afn, wrap, deadline = self.afn, self.wrap, self.deadline
+        sig = inspect.signature(afn)
+        returns = sig.return_annotation
+        if wrap is not None:
+            returns = wrap.__name__ if isinstance(wrap, type) else inspect.Signature.empty
+        sig = sig.replace(return_annotation=returns)
+        has_timeout = "timeout" in sig.parameters
+
+        def method(self: Client, /, *args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            timeout = bound.arguments["timeout"] if has_timeout else None
+            coro = afn(self._async, *bound.args[1:], **bound.kwargs)
+            result = self._run(coro, timeout) if deadline else self._wait(coro)
+            return result if wrap is None else wrap(self, result)
+
+        method.__name__ = name
+        method.__qualname__ = f"{owner.__qualname__}.{name}"
+        method.__module__ = owner.__module__
+        method.__doc__ = afn.__doc__
+        method.__signature__ = sig  # type: ignore[attr-defined]
+        method.__annotations__ = {**afn.__annotations__, "return": returns}
+        if returns is inspect.Signature.empty:
+            del method.__annotations__["return"]
+        self.fn = method
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if self.fn is None:
+            raise AttributeError("a _Blocking method must be assigned in a class body")
+        return self.fn if obj is None else types.MethodType(self.fn, obj)
+
+
+@overload
+def _blocking(
+    afn: Callable[Concatenate[AsyncClient, P], Awaitable[R]], *, deadline: bool = True
+) -> Callable[Concatenate[Client, P], R]: ...
+
+
+@overload
+def _blocking(
+    afn: Callable[Concatenate[AsyncClient, P], Awaitable[Any]],
+    *,
+    wrap: Callable[[Client, Any], T],
+    deadline: bool = True,
+) -> Callable[Concatenate[Client, P], T]: ...
+
+
+def _blocking(
+    afn: Callable[..., Awaitable[Any]],
+    *,
+    wrap: Callable[[Client, Any], Any] | None = None,
+    deadline: bool = True,
+) -> Any:
+    """The blocking twin of coroutine method `afn` of `AsyncClient` (see `_Blocking`); typed so
+    that editors show the coroutine's parameters on the `Client` method too."""
+    return _Blocking(afn, wrap, deadline)
+
+
 class Client:
     """Blocking client: the same calls as `AsyncClient`, run on a private event loop thread.
 
+    Each method is built from the coroutine of the same name (`_blocking`): one declaration of
+    the parameters and their documentation serves both clients.
     Safe to share between threads; each call blocks its caller only.
     """
 
@@ -558,6 +615,8 @@ class Client:
         self.address = address
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """`coro`'s result, run on the loop thread; Timeout past `timeout` (the client's when
+        None) and a grace, as the answer is overdue by then."""
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         limit = (self._async.timeout if timeout is None else timeout) + 2 * GRACE_S
         try:
@@ -566,141 +625,23 @@ class Client:
             fut.cancel()
             raise Timeout(Code.TIMEOUT, f"no answer within {limit:.1f} s") from None
 
-    def deploy(self, name: str, factory: str, **kw: Any) -> dict[str, Any]:
-        return self._run(self._async.deploy(name, factory, **kw), kw.get("timeout", 600.0))
-
-    def undeploy(self, name: str, timeout: float | None = None) -> None:
-        self._run(self._async.undeploy(name, timeout), timeout)
-
-    def infer(
-        self,
-        model: str,
-        inputs: torch.Tensor | Mapping[str, torch.Tensor],
-        timeout: float | None = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        return self._run(self._async.infer(model, inputs, timeout), timeout)
-
-    def infer_with_info(
-        self,
-        model: str,
-        inputs: torch.Tensor | Mapping[str, torch.Tensor],
-        timeout: float | None = None,
-    ) -> tuple[torch.Tensor | dict[str, torch.Tensor], dict[str, Any]]:
-        return self._run(self._async.infer_with_info(model, inputs, timeout), timeout)
-
-    def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
-        return self._run(self._async.status(timeout), timeout)
-
-    def plan(self, factory: str, **kw: Any) -> dict[str, Any]:
-        return self._run(self._async.plan(factory, **kw), kw.get("timeout", 120.0))
-
-    def train_open(
-        self,
-        name: str,
-        factory: str,
-        *,
-        kwargs: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        weights: str | None = None,
-        resume: str | None = None,
-        optimizer: Mapping[str, Any] | None = None,
-        loss: str = "cross_entropy",
-        batch_size: int,
-        clip_grad_norm: float | None = None,
-        accumulate: int = 1,
-        dtype: str = "float32",
-        rng_seed: int | None = None,
-        stop_on_nonfinite: bool = True,
-        chunk_bytes: int | None = None,
-        timeout: float = 600.0,
-    ) -> Job:
-        """Open a training job (see `AsyncClient.train_open`); `job.step(x, y)` trains."""
-        coro = self._async.train_open(
-            name,
-            factory,
-            kwargs=kwargs,
-            seed=seed,
-            weights=weights,
-            resume=resume,
-            optimizer=optimizer,
-            loss=loss,
-            batch_size=batch_size,
-            clip_grad_norm=clip_grad_norm,
-            accumulate=accumulate,
-            dtype=dtype,
-            rng_seed=rng_seed,
-            stop_on_nonfinite=stop_on_nonfinite,
-            chunk_bytes=chunk_bytes,
-            timeout=timeout,
-        )
-        return Job(self, self._run(coro, timeout))
-
-    def jobs(self, timeout: float | None = 10.0) -> list[dict[str, Any]]:
-        """Every open training job (see `AsyncClient.jobs`)."""
-        return self._run(self._async.jobs(timeout), timeout)
-
-    def sweep(
-        self,
-        *,
-        name: str,
-        factory: str,
-        space: Mapping[str, Mapping[str, Any]],
-        data: Dataset,
-        trials: int,
-        steps: int,
-        eval_every: int,
-        eval_data: Dataset | None = None,
-        holdout_fraction: float = 0.2,
-        objective: str = "loss",
-        direction: str | None = None,
-        pruner: str = "successive_halving",
-        reduction_factor: int = 3,
-        concurrency: int = 2,
-        kwargs: Mapping[str, Any] | None = None,
-        optimizer: Mapping[str, Any] | None = None,
-        loss: str = "cross_entropy",
-        batch: int = 16,
-        seed: int = 0,
-        chunk_bytes: int | None = None,
-        out_dir: str | Path | None = None,
-        show: bool = True,
-        on_trial_end: Callback | None = None,
-        timeout: float = 600.0,
-    ) -> SweepResult:
-        """A blocking sweep (see `AsyncClient.sweep`); blocks until every trial is done.
-        `on_trial_end` runs on the client's event loop thread: it must not call this `Client`."""
-        from client_sdk.sweep import sweep_async
-
-        coro = sweep_async(
-            self._async,
-            name=name,
-            factory=factory,
-            space=space,
-            data=data,
-            trials=trials,
-            steps=steps,
-            eval_every=eval_every,
-            eval_data=eval_data,
-            holdout_fraction=holdout_fraction,
-            objective=objective,
-            direction=direction,
-            pruner=pruner,
-            reduction_factor=reduction_factor,
-            concurrency=concurrency,
-            kwargs=kwargs,
-            optimizer=optimizer,
-            loss=loss,
-            batch=batch,
-            seed=seed,
-            chunk_bytes=chunk_bytes,
-            out_dir=out_dir,
-            show=show,
-            on_trial_end=on_trial_end,
-            timeout=timeout,
-        )
+    def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
+        """`coro`'s result, run on the loop thread, however long it takes."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    deploy = _blocking(AsyncClient.deploy)
+    undeploy = _blocking(AsyncClient.undeploy)
+    infer = _blocking(AsyncClient.infer)
+    infer_with_info = _blocking(AsyncClient.infer_with_info)
+    status = _blocking(AsyncClient.status)
+    plan = _blocking(AsyncClient.plan)
+    train_open = _blocking(AsyncClient.train_open, wrap=Job)
+    jobs = _blocking(AsyncClient.jobs)
+    # A sweep is many calls, each under its `timeout`: no deadline on the whole.
+    sweep = _blocking(AsyncClient.sweep, deadline=False)
+
     def close(self) -> None:
+        """Close the connection; calls still in flight fail with UNAVAILABLE."""
         if self._loop.is_closed():
             return
         with contextlib.suppress(Exception):

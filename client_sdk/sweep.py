@@ -44,7 +44,7 @@ from client_sdk.train_data import Dataset
 from flowmesh.errors import FlowmeshError
 
 if TYPE_CHECKING:
-    from client_sdk.client import AsyncClient, Client
+    from client_sdk.client import AsyncClient
 
 OPTIMIZER_KEYS = {"lr", "weight_decay", "momentum"}
 OPTIM_PREFIX = "optim."
@@ -299,12 +299,23 @@ async def sweep_async(
     on_trial_end: Callback | None = None,
     timeout: float = 600.0,
 ) -> SweepResult:
-    """Run `trials` trials of `factory` (see the module docstring); returns every trial's record
-    and the Optuna study. The objective is the held-out loss ("loss") or an evaluation metric
-    ("accuracy"), minimized, or maximized for "accuracy" unless `direction` says otherwise.
-    `eval_data` is held out for evaluations; without it the last `holdout_fraction` of `data` is.
-    `seed` seeds the sampler (trial parameters) and every trial's initial weights, so trials
-    differ only by their parameters. `on_trial_end(record)` runs after a trial's job is closed."""
+    """A hyper-parameter sweep of `factory` through the mesh with Optuna (ask-and-tell) and its
+    pruners: `trials` trials of `steps` steps of `batch` rows of `data`, `concurrency` at a time,
+    each evaluated every `eval_every` steps; returns every trial's record and the Optuna study.
+
+    `space` maps names to distributions, e.g. {"lr": {"type": "float", "low": 1e-4, "high":
+    0.1, "log": True}}; a sampled value goes to the optimizer (`optimizer`, `lr`,
+    `weight_decay`, `momentum`, `optim.<key>`) or else to the factory's keyword of that name,
+    over the fixed `kwargs` / `optimizer` (see `client_sdk.sweep`). The objective is the
+    held-out loss ("loss") or an evaluation metric ("accuracy"), minimized, or maximized for
+    "accuracy" unless `direction` says otherwise. `eval_data` is held out for evaluations;
+    without it the last `holdout_fraction` of `data` is. `pruner`: "successive_halving",
+    "hyperband" or "none", with `reduction_factor`. `seed` seeds the sampler (trial
+    parameters) and every trial's initial weights, so trials differ only by their parameters.
+    `out_dir` receives trials.json and curves.png; `show` draws the live table on stderr.
+    `timeout` bounds each call of a trial, not the sweep. `on_trial_end(record)` runs after a
+    trial's job is closed, on the client's event loop (the blocking `Client`'s loop thread: it
+    must not call that `Client`)."""
     if trials < 1 or steps < 1 or not 1 <= eval_every <= steps or concurrency < 1:
         raise ValueError("trials, steps, concurrency need >= 1 and eval_every in 1..steps")
     dists = {k: distribution(k, v) for k, v in space.items()}
@@ -451,8 +462,3 @@ def plot(result: SweepResult, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def sweep(client: Client, **kw: Any) -> SweepResult:
-    """The blocking twin of `sweep_async` for a `Client` (the same keyword arguments)."""
-    return client.sweep(**kw)
