@@ -7,43 +7,51 @@ import argparse
 from broker.core import BrokerConfig
 from broker.service import BrokerService
 from flowmesh import logs
-from flowmesh.config import apply_config
+from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
 from flowmesh.units import parse_size
 
+OPTIONS = Options(
+    "broker",
+    prog="python -m broker",
+    description="flowmesh broker",
+    options=(
+        Option("--frontend", TEXT, "tcp://127.0.0.1:5555", "client endpoint"),
+        Option("--backend", TEXT, "tcp://127.0.0.1:5556", "worker endpoint"),
+        Option("--heartbeat", FLOAT, 1.0, "seconds between heartbeats"),
+        Option("--liveness", INT, 3, "missed heartbeats before death"),
+        Option(
+            "--allow",
+            TEXT,
+            None,
+            "module allowed to provide model factories (repeatable; default: "
+            + ", ".join(DEFAULT_ALLOW)
+            + ")",
+            repeat=True,
+        ),
+        Option("--max-queue", INT, 4096, "queued requests per model"),
+        Option("--max-message", SIZE, "1GiB", "largest accepted message"),
+        Option("--replicas", INT, 2, "default replicas per model"),
+        Option(
+            "--starvation",
+            FLOAT,
+            2.0,
+            "seconds a request waits before it may evict busy models",
+        ),
+        Option("--ready-file", TEXT, None, "write the bound endpoints here (JSON) once serving"),
+        Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
+    ),
+)
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m broker", description="flowmesh broker")
-    ap.add_argument("--frontend", default="tcp://127.0.0.1:5555", help="client endpoint")
-    ap.add_argument("--backend", default="tcp://127.0.0.1:5556", help="worker endpoint")
-    ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    ap.add_argument("--liveness", type=int, default=3, help="missed heartbeats before death")
-    ap.add_argument(
-        "--allow",
-        action="append",
-        default=None,
-        help="module allowed to provide model factories (repeatable; default: "
-        + ", ".join(DEFAULT_ALLOW)
-        + ")",
-    )
-    ap.add_argument("--max-queue", type=int, default=4096, help="queued requests per model")
-    ap.add_argument("--max-message", default="1GiB", help="largest accepted message")
-    ap.add_argument("--replicas", type=int, default=2, help="default replicas per model")
-    ap.add_argument(
-        "--starvation",
-        type=float,
-        default=2.0,
-        help="seconds a request waits before it may evict busy models",
-    )
-    ap.add_argument("--ready-file", help="write the bound endpoints here (JSON) once serving")
-    ap.add_argument("--log-level", default=None)
-    return ap
+    return OPTIONS.parser()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = apply_config(parser(), argv, "broker")
+    args = OPTIONS.parse(argv)
     logs.setup("broker", args.log_level)
     cfg = BrokerConfig(
         heartbeat_s=args.heartbeat,

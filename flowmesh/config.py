@@ -1,4 +1,7 @@
-"""One TOML file configures every process: a table per service, keys named like its flags.
+"""Each process's options, declared once: they build its flags and read its table of the TOML file.
+
+One TOML file configures every process on a host, a table per service whose keys are its flags
+(`memory_budget` or `memory-budget` for `--memory-budget`):
 
     [broker]
     frontend = "tcp://0.0.0.0:5555"
@@ -8,41 +11,230 @@
     broker = "tcp://10.0.0.1:5556"
     memory_budget = "60GiB"
 
-Flags given on the command line win over the file.
+A value in the file is checked against the same declaration as its flag, strictly: numbers are
+TOML numbers (`liveness = "3"` is an error, not a string the process trips over later), text is
+a TOML string, sizes are a byte count or a string such as "60GiB", repeatable flags take an array.
+A wrong type, an unknown key or an unknown table stops the process with a message naming the
+file, the table and the key. Flags given on the command line win over the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowmesh.units import parse_size
 
-def apply_config(
-    parser: argparse.ArgumentParser, argv: list[str] | None, section: str
-) -> argparse.Namespace:
-    """Parse `argv`, with defaults taken from `--config FILE`'s `[section]` table."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    parser.add_argument("--config", help=f"TOML file; its [{section}] table sets defaults")
-    if known.config:
-        table = load_section(known.config, section)
-        dests = {a.dest for a in parser._actions}
-        unknown = sorted(set(table) - dests)
-        if unknown:
-            parser.error(f"{known.config}: unknown key(s) in [{section}]: {', '.join(unknown)}")
-        parser.set_defaults(**table)
-    return parser.parse_args(argv)
+# The tables a config file may hold: one per service that reads it.
+SECTIONS = ("broker", "partitioner", "worker")
+
+
+class ConfigError(ValueError):
+    """A value of the config file that its option does not accept."""
+
+
+def _show(value: Any) -> str:
+    """A TOML value as it was written, for error messages: "3", 3, true, [1, 2]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "a table"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A type of option: how a flag's text and how a TOML value become the option's value."""
+
+    what: str  # for messages: "an integer"
+    many: str  # and of an array of them: "integers"
+    flag: Callable[[str], Any]  # argparse's type=; raises ValueError/ArgumentTypeError
+    toml: Callable[[Any], Any]  # raises ConfigError
+
+
+def _text_toml(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"expected a string, got {_show(value)}")
+    return value
+
+
+def _int_toml(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"expected an integer, got {_show(value)}")
+    return value
+
+
+def _float_toml(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"expected a number, got {_show(value)}")
+    return float(value)
+
+
+def _size_flag(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_toml(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError:
+            pass
+    raise ConfigError(
+        f'expected a size (a byte count, or a string such as "60GiB"), got {_show(value)}'
+    )
+
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _level_flag(text: str) -> str:
+    if text.lower() not in LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LEVELS)}, got {text!r}")
+    return text.lower()
+
+
+def _level_toml(value: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in LEVELS:
+        raise ConfigError(
+            f"expected one of {', '.join(map(json.dumps, LEVELS))}, got {_show(value)}"
+        )
+    return value.lower()
+
+
+TEXT = Kind("a string", "strings", str, _text_toml)
+INT = Kind("an integer", "integers", int, _int_toml)
+FLOAT = Kind("a number", "numbers", float, _float_toml)
+SIZE = Kind("a size", "sizes", _size_flag, _size_toml)  # '2GiB', '512MB', a byte count -> int bytes
+LOG_LEVEL = Kind("a log level", "log levels", _level_flag, _level_toml)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a process: its flag and its key in the process's table of the config file.
+
+    `default` is given as the flag would be (a SIZE's "1GiB" becomes bytes); `repeat` makes a
+    repeatable flag (`--allow a --allow b`) whose key takes an array (`allow = ["a", "b"]`).
+    """
+
+    flag: str  # "--memory-budget"
+    kind: Kind = TEXT
+    default: Any = None
+    help: str | None = None
+    repeat: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def add_to(self, ap: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+        kw: dict[str, Any] = {"type": self.kind.flag, "help": self.help}
+        if self.repeat:
+            kw["action"] = "append"
+        kw["default"] = self.default if defaults else argparse.SUPPRESS
+        ap.add_argument(self.flag, **kw)
+
+    def from_toml(self, value: Any) -> Any:
+        if not self.repeat:
+            return self.kind.toml(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"expected an array of {self.kind.many}, got {_show(value)}")
+        try:
+            return [self.kind.toml(v) for v in value]
+        except ConfigError as exc:
+            raise ConfigError(f"in {_show(value)}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Options:
+    """A process's options: its command line and its `[section]` of the config file."""
+
+    section: str
+    prog: str
+    description: str
+    options: Sequence[Option]
+
+    def parser(self, *, defaults: bool = True) -> argparse.ArgumentParser:
+        ap = argparse.ArgumentParser(
+            prog=self.prog,
+            description=self.description,
+            argument_default=None if defaults else argparse.SUPPRESS,
+        )
+        for option in self.options:
+            option.add_to(ap, defaults=defaults)
+        ap.add_argument(
+            "--config",
+            metavar="FILE",
+            help=f"TOML file; its [{self.section}] table sets defaults (flags win)",
+        )
+        return ap
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """The process's options: flags given in `argv`, else the `--config` file's values, else
+        the declared defaults."""
+        ap = self.parser()
+        args = ap.parse_args(argv)  # --help, and errors in flags, before the file is read
+        if not args.config:
+            return args
+        try:
+            values = self.read(args.config)
+        except ConfigError as exc:
+            ap.exit(2, f"{ap.prog}: error: {exc}\n")
+        given = vars(self.parser(defaults=False).parse_args(argv))
+        for dest, value in values.items():
+            if dest not in given:
+                setattr(args, dest, value)
+        return args
+
+    def read(self, path: str) -> dict[str, Any]:
+        """The file's `[section]` table, checked and converted: {dest: value}."""
+        table = load_section(path, self.section)
+        by_key = {o.dest: o for o in self.options}
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            where = f"{path}: [{self.section}] {key}"
+            option = by_key.get(key.replace("-", "_"))
+            if option is None:
+                known = sorted(by_key)
+                close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+                hint = f"did you mean {close[0]}?" if close else "known keys: " + ", ".join(known)
+                raise ConfigError(f"{where}: unknown key ({hint})")
+            if option.dest in values:
+                raise ConfigError(f"{where}: set twice (as {option.dest} and a dashed spelling)")
+            try:
+                values[option.dest] = option.from_toml(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        return values
 
 
 def load_section(path: str, section: str) -> dict[str, Any]:
+    """The `[section]` table of the TOML file at `path` ({} when it has none). Every top-level
+    entry must be one of the services' tables, so a misspelt table is an error, not ignored."""
     try:
         data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SystemExit(f"config {path}: {exc}") from None
-    table = data.get(section, {})
-    if not isinstance(table, dict):
-        raise SystemExit(f"config {path}: [{section}] must be a table")
-    return {k.replace("-", "_"): v for k, v in table.items()}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    for name, value in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(
+                f"{path}: [{name}]: unknown table (the services' tables: {', '.join(SECTIONS)})"
+            )
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: {name}: expected a table [{name}], got {_show(value)}")
+    return data.get(section, {})

@@ -64,12 +64,12 @@ async def run_until_stopped(
     (or ending, which they never should). Returns True when it stopped because a task did.
 
     Also pings the systemd watchdog from the event loop when systemd asked for one, so a loop
-    that stops turning gets the process restarted.
+    that stops turning gets the process restarted, and tells systemd STOPPING=1 once stopping.
     """
     import contextlib
     import signal
 
-    from flowmesh.sdnotify import watchdog_interval
+    from flowmesh.sdnotify import notify, watchdog_interval
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -81,6 +81,7 @@ async def run_until_stopped(
         helpers.append(asyncio.create_task(_watchdog(interval)))
     stopped = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({*tasks, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    notify("STOPPING=1")  # systemd: shutting down (a stop asked for, or a failure)
     for task in (*tasks, *helpers, stopped):
         task.cancel()
     failed = False

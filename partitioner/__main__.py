@@ -6,25 +6,32 @@ import argparse
 import socket
 
 from flowmesh import logs
-from flowmesh.config import apply_config
+from flowmesh.config import INT, LOG_LEVEL, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from flowmesh.spec import DEFAULT_ALLOW
 from partitioner.service import PartitionerService
 
+OPTIONS = Options(
+    "partitioner",
+    prog="python -m partitioner",
+    description="flowmesh partitioner",
+    options=(
+        Option("--broker", TEXT, "tcp://127.0.0.1:5556", "broker backend endpoint"),
+        Option("--name", TEXT, None, "service name (default host-partitioner)"),
+        Option("--threads", INT, 2, "plans computed at once"),
+        Option("--measure-device", TEXT, "cpu", "where to time blocks when asked"),
+        Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True),
+        Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
+    ),
+)
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m partitioner", description="flowmesh partitioner")
-    ap.add_argument("--broker", default="tcp://127.0.0.1:5556", help="broker backend endpoint")
-    ap.add_argument("--name", default=None, help="service name (default host-partitioner)")
-    ap.add_argument("--threads", type=int, default=2, help="plans computed at once")
-    ap.add_argument("--measure-device", default="cpu", help="where to time blocks when asked")
-    ap.add_argument("--allow", action="append", default=None, help="allowed factory modules")
-    ap.add_argument("--log-level", default=None)
-    return ap
+    return OPTIONS.parser()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = apply_config(parser(), argv, "partitioner")
+    args = OPTIONS.parse(argv)
     logs.setup("partitioner", args.log_level)
     service = PartitionerService(
         args.name or f"{socket.gethostname()}-partitioner",
