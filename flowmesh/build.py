@@ -78,6 +78,10 @@ def _cast(model: nn.Module, dtype: str) -> nn.Module:
 
 def build_meta(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
     """The model's structure with no memory behind it."""
+    if spec.hf is not None:
+        from flowmesh import hf_dir
+
+        return _cast(hf_dir.build_meta(spec.hf), spec.dtype)
     with torch.device("meta"):
         model = _call_factory(spec, allow)
     return _cast(model, spec.dtype)
@@ -88,7 +92,10 @@ def build_seeded(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Mo
 
     This is the reference for seeded deployments: a worker holding any stage of the model has
     exactly the tensors this returns, so tests compare served outputs with its forward.
+    A Hugging Face directory (`spec.hf`) has no seed: its model comes with its weights.
     """
+    if spec.hf is not None:
+        return build_reference(spec, allow)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.init_seed)
         with torch.device("cpu"):
@@ -97,7 +104,12 @@ def build_seeded(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Mo
 
 
 def build_reference(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
-    """The whole model on the CPU as deployed: seeded, or with its weights file loaded."""
+    """The whole model on the CPU as deployed: seeded, or with its weights file (or Hugging
+    Face directory) loaded."""
+    if spec.hf is not None:
+        from flowmesh import hf_dir
+
+        return hf_dir.load_whole(build_meta(spec, allow), spec.hf)
     if spec.weights is None:
         return build_seeded(spec, allow)
     model = build_meta(spec, allow)

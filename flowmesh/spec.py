@@ -62,8 +62,12 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A deployable model: a factory ("module:callable" + kwargs, weights from a safetensors file
+    or a seed) or `hf`, a local Hugging Face model directory (config.json + safetensors files),
+    whose architecture must be one flowmesh reads through a registered adapter."""
+
     name: str
-    factory: str
+    factory: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     weights: str | None = None
     seed: int | None = None
@@ -73,11 +77,14 @@ class ModelSpec:
     replicas: int | None = None
     inputs: dict[str, TensorSpec] | None = None
     slo_ms: float | None = None
+    hf: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
             raise _bad(f"model name {self.name!r}: use 1-128 letters, digits, '.', '_' or '-'")
-        if not isinstance(self.factory, str) or not FACTORY_RE.match(self.factory):
+        if self.hf is not None:
+            self._check_hf()
+        elif not isinstance(self.factory, str) or not FACTORY_RE.match(self.factory):
             raise _bad(f"factory {self.factory!r}: expected 'package.module:callable'")
         if not isinstance(self.kwargs, dict) or not all(isinstance(k, str) for k in self.kwargs):
             raise _bad("kwargs must be a mapping with string keys")
@@ -114,6 +121,20 @@ class ModelSpec:
         if self.inputs is not None:
             object.__setattr__(self, "inputs", parse_inputs(self.inputs))
 
+    def _check_hf(self) -> None:
+        # Only the form here: the directory is read where the model is built (partitioner,
+        # workers), which is where it has to exist; see flowmesh.hf_dir.
+        if not isinstance(self.hf, str) or not self.hf:
+            raise _bad("hf must be the path of a local Hugging Face model directory")
+        if self.factory is not None:
+            raise _bad("give either factory or hf (a Hugging Face model directory), not both")
+        if self.kwargs:
+            raise _bad("hf models take no kwargs: the directory's config.json describes them")
+        if self.weights is not None:
+            raise _bad("hf models read their weights from the directory; omit weights")
+        if self.seed is not None:
+            raise _bad("hf models read their weights from the directory; omit seed")
+
     @property
     def init_seed(self) -> int:
         """Seed of the random initialisation when no weights file is given."""
@@ -121,6 +142,8 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if self.hf is None:
+            del out["hf"]  # factory specs keep the form they had before hf existed
         if self.inputs is not None:
             out["inputs"] = {
                 n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in self.inputs.items()
@@ -135,8 +158,8 @@ class ModelSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise _bad(f"unknown model spec field(s): {', '.join(map(str, unknown))}")
-        if "name" not in data or "factory" not in data:
-            raise _bad("model spec needs at least 'name' and 'factory'")
+        if "name" not in data or ("factory" not in data and data.get("hf") is None):
+            raise _bad("model spec needs at least 'name' and 'factory' (or 'hf', a directory)")
         return cls(**data)
 
     def digest(self) -> str:
@@ -147,6 +170,8 @@ class ModelSpec:
             "dtype": self.dtype,
             "inputs": self.to_dict()["inputs"],
         }
+        if self.hf is not None:
+            key["hf"] = self.hf
         return hashlib.sha256(msgpack.packb(key, use_bin_type=True)).hexdigest()[:16]
 
 
@@ -173,13 +198,16 @@ def parse_inputs(raw: Any) -> dict[str, TensorSpec]:
     return out
 
 
-def factory_allowed(factory: str, allow: tuple[str, ...] | list[str]) -> bool:
+def factory_allowed(factory: str | None, allow: tuple[str, ...] | list[str]) -> bool:
     """A factory may run only if its module is an allowed module or inside one."""
+    if factory is None:
+        # A Hugging Face directory (spec.hf): no user code runs, only the registered adapters.
+        return True
     module = factory.split(":", 1)[0]
     return any(module == p or module.startswith(p + ".") for p in allow)
 
 
-def check_factory(factory: str, allow: tuple[str, ...] | list[str]) -> None:
+def check_factory(factory: str | None, allow: tuple[str, ...] | list[str]) -> None:
     if not factory_allowed(factory, allow):
         raise FlowmeshError(
             Code.NOT_ALLOWED,

@@ -52,6 +52,11 @@ Adapter = Callable[[nn.Module], list[tuple[str, nn.Module]]]
 _ADAPTERS: dict[str, Adapter | str] = {
     "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "partitioner.hf_adapters:gpt2",
     "transformers.models.opt.modeling_opt.OPTForCausalLM": "partitioner.hf_adapters:opt",
+    "transformers.models.llama.modeling_llama.LlamaForCausalLM": "partitioner.hf_adapters:llama",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "partitioner.hf_adapters:qwen2",
+    "transformers.models.mistral.modeling_mistral.MistralForCausalLM": (
+        "partitioner.hf_adapters:mistral"
+    ),
 }
 
 
@@ -59,6 +64,11 @@ def register_adapter(cls: type | str, adapter: Adapter | str) -> None:
     """Teach `chain_of` an architecture: `cls` is a class or its "module.QualName"."""
     key = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
     _ADAPTERS[key] = adapter
+
+
+def adapter_classes() -> list[str]:
+    """The "module.QualName" of every class with a registered adapter (subclasses use it too)."""
+    return list(_ADAPTERS)
 
 
 def _find_adapter(model: nn.Module) -> Adapter | None:

@@ -9,8 +9,9 @@ the causal mask) each layer wrapper rebuilds from its input's shape, through the
 Exactness (fp32, CPU, eager attention, no padding mask, no cache): the chain's output is
 bit-identical to the model's `.logits` (tests/partitioner/test_chain.py asserts torch.equal): the
 same kernels run on the same tensors in the same order; only where the mask and the position ids
-are created changes. Out of scope: padding masks, KV caches, cross-attention, OPT layerdrop
-during training.
+are created changes. The Llama family (Llama, Qwen2, Mistral) also rebuilds each layer's rotary
+position embeddings (see `Rope`). Out of scope: padding masks, KV caches, cross-attention, OPT
+layerdrop during training.
 """
 
 from __future__ import annotations
@@ -155,3 +156,122 @@ def opt(model: nn.Module) -> list[tuple[str, nn.Module]]:
         *[(f"model.decoder.layers.{i}", OPTLayer(layer, cfg)) for i, layer in enumerate(d.layers)],
         ("head", OPTHead(d.final_layer_norm, d.project_out, model.lm_head)),
     ]
+
+
+# -- Llama family (Llama, Qwen2, Mistral) ------------------------------------------------------
+#
+# Rotary position embeddings, RMSNorm, grouped-query attention. In transformers 5.x the model's
+# forward computes the rotary `position_embeddings` (cos, sin) once with `model.model.rotary_emb`
+# and hands them to every layer; each layer wrapper here recomputes them from its input's shape
+# with a rotary module of the same class. That module's `inv_freq` is a non-persistent buffer:
+# not in the weights files, and only a meta tensor in a model built on meta. So the wrappers do
+# not hold the model's rotary module: `Rope` rebuilds it from the config (float32, as transformers
+# computes it, whatever the model's dtype) once per device, outside the module tree, so no stage
+# carries a tensor that no weights file holds.
+
+
+class Rope:
+    """The model's rotary embedding rebuilt from its config, one copy per device (not a module:
+    its tiny buffers are derived data, never loaded, moved or counted as stage bytes)."""
+
+    def __init__(self, config, rotary: nn.Module) -> None:
+        self.config = config
+        self.rotary_cls = type(rotary)
+        self._on: dict[torch.device, nn.Module] = {}
+
+    def on(self, device: torch.device) -> nn.Module:
+        module = self._on.get(device)
+        if module is None:
+            with torch.device("cpu"):
+                module = self.rotary_cls(config=self.config)
+            module = self._on.setdefault(device, module.to(device))
+        return module
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor):
+        return self.on(hidden.device)(hidden, positions)
+
+
+class DecoderEmbed(nn.Module):
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids.view(-1, input_ids.shape[-1]))
+
+
+class RopeLayer(nn.Module):
+    """One decoder layer with positions, its causal mask (full or sliding window, as the model
+    would choose for this layer) and rotary position embeddings rebuilt from its input."""
+
+    def __init__(self, layer: nn.Module, config, rope: Rope, sliding: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.rope = rope
+        self.sliding = sliding
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if self.sliding:
+            from transformers.masking_utils import create_sliding_window_causal_mask
+
+            mask = create_sliding_window_causal_mask(
+                config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None
+            )
+        else:
+            mask = _causal_mask(self.config, hidden)
+        return _first(
+            self.layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=False,
+                position_embeddings=self.rope(hidden, positions),
+            )
+        )
+
+
+class NormHead(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def _rope_chain(model: nn.Module, sliding: list[bool]) -> list[tuple[str, nn.Module]]:
+    cfg = model.config
+    m = model.model
+    rope = Rope(cfg, m.rotary_emb)
+    layers = list(m.layers[: cfg.num_hidden_layers])
+    return [
+        ("embed", DecoderEmbed(m.embed_tokens)),
+        *[
+            (f"model.layers.{i}", RopeLayer(layer, cfg, rope, sliding[i]))
+            for i, layer in enumerate(layers)
+        ],
+        ("head", NormHead(m.norm, model.lm_head)),
+    ]
+
+
+def llama(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """LlamaForCausalLM -> [embed_tokens, each decoder layer, norm+lm_head]."""
+    return _rope_chain(model, [False] * model.config.num_hidden_layers)
+
+
+def qwen2(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Qwen2ForCausalLM: as Llama; a layer's mask follows `config.layer_types` (full or
+    sliding-window attention), as Qwen2Model.forward chooses it."""
+    cfg = model.config
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    types = types[: cfg.num_hidden_layers]
+    return _rope_chain(model, [t == "sliding_attention" for t in types])
+
+
+def mistral(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """MistralForCausalLM: as Llama; every layer gets the sliding-window mask when
+    `config.sliding_window` is set, as MistralModel.forward does."""
+    cfg = model.config
+    return _rope_chain(model, [cfg.sliding_window is not None] * cfg.num_hidden_layers)

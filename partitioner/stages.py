@@ -34,6 +34,7 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(b.module for b in blocks)
         self.block_names = tuple(b.name for b in blocks)
         self.start, self.stop, self.index = start, start + len(blocks), index
+        self.base_prefix = ""  # the model's base_model_prefix, for weights files that omit it
         self.tensor_names: dict[str, str] = {
             f"blocks.{i}.{local}": original
             for i, b in enumerate(blocks)
@@ -74,7 +75,10 @@ def _meta_stage(spec: ModelSpec, plan: Plan, index: int, allow: Iterable[str]) -
     blocks = chain_of(model, make_inputs(inputs, 1, 1, "meta") if inputs is not None else None)
     start, stop = _check_plan(spec, plan, index, blocks)
     # The stage references only its blocks' submodules; the rest of the meta model is dropped.
-    return StageModule(blocks[start:stop], start, index)
+    stage = StageModule(blocks[start:stop], start, index)
+    # How the model's base is named ("transformer." for GPT-2), which some weights files omit.
+    stage.base_prefix = getattr(model, "base_model_prefix", "") or ""
+    return stage
 
 
 def build_stage(
@@ -105,8 +109,9 @@ def materialize_stage(
 
     `source` is where the tensors come from: a safetensors file of the whole model (only this
     stage's tensors are read), a whole model whose `state_dict` has the original names (its
-    tensors are copied), or None for the spec's own: `spec.weights`, else the seeded model. For a
-    seeded spec that means building the whole model once on the CPU with `build_seeded`; that
+    tensors are copied), or None for the spec's own: the Hugging Face directory `spec.hf` (only
+    this stage's tensors, from the shards holding them), `spec.weights`, else the seeded model.
+    For a seeded spec that means building the whole model once on the CPU with `build_seeded`; that
     costs the model's size in host memory for a moment, which is acceptable because seeded models
     are test and demo models: a production model comes with a weights file.
     Tensors tied in the model (GPT-2's lm_head and wte) stay one tensor within a stage.
@@ -116,6 +121,15 @@ def materialize_stage(
     wanted: dict[str, torch.Tensor] = {}  # original name -> a meta tensor of the expected shape
     for local, original in stage.tensor_names.items():
         wanted.setdefault(original, expected[local])
+    if source is None and spec.hf is not None:
+        # A Hugging Face directory: only this stage's tensors, from the file(s) holding them.
+        from flowmesh import hf_dir
+
+        values = hf_dir.read_weights(
+            spec.hf, {n: n for n in wanted}, expected=wanted, base_prefix=stage.base_prefix
+        )
+        _assign(stage, values, torch.device(device))
+        return stage.eval()
     if source is None:
         source = spec.weights if spec.weights is not None else build_seeded(spec, allow)
     if isinstance(source, str):

@@ -1,0 +1,63 @@
+"""A Hugging Face model directory deployed through a real mesh: planned on meta by the
+partitioner, each of two stages read by its worker from the sharded safetensors files (only its
+own tensors), served, and compared with the HF model's own forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from client_sdk.mesh import LocalMesh
+from flowmesh.build import build_meta
+from flowmesh.hf_dir import READ_LOG_ENV
+from flowmesh.spec import ModelSpec
+from flowmesh.testing import assert_forward_close
+from partitioner.chain import chain_of
+from tests.mesh.conftest import FAST
+
+
+def test_a_llama_directory_is_served_in_two_stages(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    hf = LlamaForCausalLM(cfg).eval()
+    model_dir = tmp_path / "tiny-llama"
+    hf.save_pretrained(model_dir, max_shard_size="60KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    reads = tmp_path / "reads"
+    reads.mkdir()
+
+    with (
+        LocalMesh(
+            cpu_workers=2, memory_budget="8MiB", env={READ_LOG_ENV: str(reads)}, **FAST
+        ) as mesh,
+        mesh.client() as c,
+    ):
+        status = c.deploy("tiny-llama", hf=str(model_dir), stages=2, replicas=1)
+        assert status["factory"] is None and len(status["stages"]) == 2
+        for length in (5, 11):
+            ids = torch.randint(0, 256, (2, length))
+            with torch.no_grad():
+                expected = hf(input_ids=ids, use_cache=False).logits
+            assert_forward_close(c.infer("tiny-llama", ids), expected)
+
+    # Each worker read exactly its stage's tensors (the partitioner and broker read none).
+    blocks = chain_of(build_meta(ModelSpec(name="x", hf=str(model_dir))))
+    wanted = sorted(
+        sorted({o for blk in blocks[a:b] for o in blk.tensor_names.values()})
+        for a, b in (s["blocks"] for s in status["stages"])
+    )
+    logs = [f.read_text().splitlines() for f in sorted(reads.iterdir())]
+    got = sorted(sorted(line.split("\t")[1] for line in lines) for lines in logs if lines)
+    assert got == wanted
