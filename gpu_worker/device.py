@@ -10,13 +10,27 @@ memcpy into the arena and markers are thread events.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
+import os
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from gpu_worker.host_slab import PAGE, HostSlab
 from gpu_worker.memory import Marker
+
+log = logging.getLogger("flowmesh.worker.device")
+
+# Default size of the pinned host tier on CUDA, as a multiple of the device budget (the host tier
+# keeps every stage deployed to the worker, resident or not), within the bounds below.
+HOST_TIER_PER_BUDGET = 2
+HOST_TIER_MIN = 256 << 20
+HOST_TIER_MAX_OF_RAM = 0.5  # never pin more than this share of the machine's memory by default
 
 
 class CpuMarker:
@@ -77,9 +91,35 @@ class Device:
     # the first blocks sooner; each copy has a fixed cost.
     copy_chunk_bytes = 64 << 20
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, prefault: bool = True) -> None:
         self.budget_bytes = budget_bytes
+        self.prefault = prefault
+        self.prefault_s: float | None = None  # seconds the arena took to fault in at start
         self.arena: torch.Tensor
+
+    def _prefault_arena(self) -> None:
+        """Touch (zero) every page of the arena once, now, so that no load pays for first use.
+
+        On the CPU stand-in `torch.empty` maps pages lazily: the first copy into each range would
+        take the page faults (issue 8 measured ~260 ms for 200 MB), on the single copy lane. On
+        CUDA the memory is real already; it is zeroed too so that a first copy is like any other.
+        The time is in `info()["prefault_s"]`.
+        """
+        if not self.prefault:
+            return
+        t = time.perf_counter()
+        self.arena.zero_()
+        self._sync()
+        self.prefault_s = time.perf_counter() - t
+        log.info(
+            "arena of %d bytes on %s faulted in (prefault): %.3f s",
+            self.budget_bytes,
+            getattr(self, "name", self.kind),
+            self.prefault_s,
+        )
+
+    def _sync(self) -> None:
+        pass
 
     @property
     def torch_device(self) -> torch.device:
@@ -101,7 +141,8 @@ class Device:
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
+    def compute(self, serving: bool = False) -> Iterator[None]:
+        """Where this thread's compute runs; `serving`: inference, ahead of training."""
         yield
 
     def mark_done(self, marker: Any) -> None:
@@ -109,7 +150,7 @@ class Device:
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
-        return {}
+        return {"prefault_s": self.prefault_s}  # None: prefault switched off
 
 
 class CpuStandIn(Device):
@@ -118,14 +159,24 @@ class CpuStandIn(Device):
     # torch's helper threads: few, large copies are fastest.
     copy_chunk_bytes = 1 << 30
 
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
-        # torch.empty leaves pages untouched; the OS commits them as ranges are first used.
+    def __init__(self, budget_bytes: int, prefault: bool = True) -> None:
+        super().__init__(budget_bytes, prefault)
+        # torch.empty leaves pages untouched; the OS would commit them as ranges are first used.
         self.arena = torch.empty(budget_bytes, dtype=torch.uint8)
         self.name = "cpu"
+        self._prefault_arena()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """Plain memory, faulted in now (one byte written per page).
+
+        The stage loader writes every tensor right away (HostStage.build), which faults in all
+        but the pages of a training slab's gradient and optimizer sections; those are touched
+        here too, so a first step does not pay for them.
+        """
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.prefault and nbytes:
+            buf[::PAGE].zero_()
+        return buf
 
     def new_marker(self) -> CpuMarker:
         return CpuMarker()
@@ -151,17 +202,37 @@ class CudaDevice(Device):
     # small enough that compute on the first blocks overlaps the transfer of the rest.
     copy_chunk_bytes = 32 << 20
 
-    def __init__(self, index: int, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
+    def __init__(
+        self,
+        index: int,
+        budget_bytes: int,
+        host_tier_bytes: int | None = None,
+        prefault: bool = True,
+    ) -> None:
+        super().__init__(budget_bytes, prefault)
         self.index = index
         self.name = f"cuda:{index}"
         torch.cuda.set_device(index)
         self.arena = torch.empty(budget_bytes, dtype=torch.uint8, device=self.name)
         self.copy_stream = torch.cuda.Stream(device=index)
         self._local = threading.local()
+        self._prefault_arena()
+        # The host tier: one pinned slab of a fixed size, reserved now, sub-allocated per stage.
+        size = host_tier_bytes or default_host_tier_bytes(budget_bytes)
+        t = time.perf_counter()
+        self.host_slab = HostSlab(pinned_slab(size))
+        log.info(
+            "pinned host tier of %d bytes reserved in %.3f s (--host-tier-bytes)",
+            size,
+            time.perf_counter() - t,
+        )
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.index)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        """A range of the pinned slab; it goes back when the buffer and its views are dropped."""
+        return self.host_slab.take(nbytes)
 
     def new_marker(self) -> CudaMarker:
         return CudaMarker()
@@ -181,12 +252,15 @@ class CudaDevice(Device):
             marker.record(self.copy_stream)
 
     @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
-        # One stream per compute thread: runs of different models overlap on the GPU.
+    def compute(self, serving: bool = False) -> Iterator[None]:
+        # One stream per compute thread: runs of different models overlap on the GPU. Serving
+        # threads get a high-priority stream: the GPU schedules their kernels ahead of pending
+        # training kernels, so training fills the gaps (lower number = higher priority).
         stream = getattr(self._local, "stream", None)
         if stream is None:
             torch.cuda.set_device(self.index)
-            stream = self._local.stream = torch.cuda.Stream(device=self.index)
+            priority = -1 if serving else 0
+            stream = self._local.stream = torch.cuda.Stream(device=self.index, priority=priority)
         with torch.cuda.stream(stream):
             yield
 
@@ -194,7 +268,61 @@ class CudaDevice(Device):
         marker.record(torch.cuda.current_stream(self.index))
 
     def info(self) -> dict[str, Any]:
-        return gpu_info(self.index)
+        return {**super().info(), **self.host_slab.stats(), **gpu_info(self.index)}
+
+
+def default_host_tier_bytes(budget_bytes: int) -> int:
+    """HOST_TIER_PER_BUDGET x the budget, at least HOST_TIER_MIN, at most HOST_TIER_MAX_OF_RAM of
+    the machine's memory (the bound wins)."""
+    size = max(HOST_TIER_PER_BUDGET * budget_bytes, HOST_TIER_MIN)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return size
+    return min(size, int(ram * HOST_TIER_MAX_OF_RAM) // PAGE * PAGE)
+
+
+def pinned_slab(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory, exactly (no power-of-two rounding).
+
+    Plain memory, faulted in, then registered with cudaHostRegister. If registration is not
+    available, PyTorch's pinned allocator (which rounds up to a power of two) is the fallback.
+    """
+    nbytes = -(-nbytes // PAGE) * PAGE
+    slab = torch.zeros(nbytes, dtype=torch.uint8)  # zeroing faults every page in now
+    err: Any = None
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
+        code = int(getattr(err, "value", err))
+    except Exception as exc:  # no binding in this torch build
+        code, err = -1, exc
+    if code == 0:
+        # Unregister before the memory is freed. The slab tensor lives as long as its HostSlab,
+        # which every live range keeps alive; at exit the process lets go of it all at once.
+        weakref.finalize(slab, _unregister, slab.data_ptr()).atexit = False
+        return slab
+    log.warning("cudaHostRegister of %d bytes failed (%s): using the pinned allocator", nbytes, err)
+    _clear_cuda_error()
+    del slab
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"cannot pin a {nbytes}-byte host tier ({exc}); lower --host-tier-bytes"
+        ) from None
+
+
+def _clear_cuda_error() -> None:
+    """Best effort: reset the runtime's last error after a failed cudaHostRegister, or the next
+    kernel launch check in torch would report it. torch does not bind cudaGetLastError."""
+    with contextlib.suppress(Exception), open("/proc/self/maps") as maps:
+        for path in {line.split()[-1] for line in maps if "libcudart" in line}:
+            ctypes.CDLL(path).cudaGetLastError()
+
+
+def _unregister(ptr: int) -> None:
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 _nvml_ready: bool | None = None
@@ -257,12 +385,22 @@ def discover_gpus() -> list[dict[str, Any]]:
     return out
 
 
-def open_device(spec: str, budget_bytes: int | None) -> Device:
-    """'cpu' (a stand-in; budget required) or 'cuda:N' (budget defaults to 80% of free memory)."""
+def open_device(
+    spec: str,
+    budget_bytes: int | None,
+    host_tier_bytes: int | None = None,
+    prefault: bool = True,
+) -> Device:
+    """'cpu' (a stand-in; budget required) or 'cuda:N' (budget defaults to 80% of free memory).
+
+    `host_tier_bytes`: size of the pinned host tier on CUDA (default: default_host_tier_bytes);
+    the CPU stand-in keeps plain host memory. `prefault`: fault the arena in now (see
+    Device._prefault_arena); off only to measure what it saves.
+    """
     if spec == "cpu":
         if not budget_bytes:
             raise ValueError("a CPU stand-in device needs --memory-budget")
-        return CpuStandIn(budget_bytes)
+        return CpuStandIn(budget_bytes, prefault=prefault)
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError(f"{spec}: CUDA is not available in this torch build / machine")
@@ -270,5 +408,5 @@ def open_device(spec: str, budget_bytes: int | None) -> Device:
         if budget_bytes is None:
             free, _total = torch.cuda.mem_get_info(index)
             budget_bytes = int(free * 0.8)  # activations live outside the arena
-        return CudaDevice(index, budget_bytes)
+        return CudaDevice(index, budget_bytes, host_tier_bytes, prefault=prefault)
     raise ValueError(f"unknown device {spec!r}: use 'cpu' or 'cuda:N'")

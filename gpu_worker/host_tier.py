@@ -1,5 +1,9 @@
 """The host tier: each stage's tensors in one flat host buffer (pinned on CUDA), block by block.
 
+The buffer comes from `device.host_buffer`: on CUDA a range of the worker's one pinned slab
+(gpu_worker/host_slab.py), given back when the buffer's memory is no longer referenced; on the
+CPU stand-in plain memory, faulted in as it is made.
+
 A stage is kept as a list of block regions so that a load can copy block by block and a run can
 start on block 0 while later blocks are still in flight. Within a region, tensors sit at aligned
 offsets, so the device copy of a region is one contiguous copy and every tensor is a view of it.
