@@ -9,7 +9,7 @@ import sys
 import torch
 
 from flowmesh import logs
-from flowmesh.config import apply_config
+from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
@@ -17,40 +17,66 @@ from flowmesh.units import parse_size
 from gpu_worker.device import open_device
 from gpu_worker.service import WorkerService
 
+OPTIONS = Options(
+    "worker",
+    prog="python -m gpu_worker",
+    description="flowmesh GPU worker",
+    options=(
+        Option("--broker", TEXT, "tcp://127.0.0.1:5556", "broker backend endpoint"),
+        Option("--device", TEXT, "cuda:0", "cuda:N, or cpu for a stand-in device"),
+        Option(
+            "--memory-budget",
+            SIZE,
+            None,
+            "device bytes for resident stages (e.g. 2GiB); required for cpu, "
+            "default 80%% of free memory on CUDA",
+        ),
+        Option(
+            "--train-bytes",
+            SIZE,
+            "0",
+            "device bytes guaranteed to training jobs, besides --memory-budget: one arena of "
+            "both holds serving stages and training tasks; training also borrows what serving "
+            "leaves free and gives it back at once when serving needs it (0 = this worker takes "
+            "no training jobs)",
+        ),
+        Option("--name", TEXT, None, "worker name (default host-device)"),
+        Option("--compute-lanes", INT, 2, "concurrent runs"),
+        Option("--threads", INT, None, "torch CPU threads"),
+        Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True),
+        Option("--max-message", SIZE, "1GiB", "largest accepted message"),
+        Option(
+            "--switch-interval",
+            FLOAT,
+            2e-4,
+            "seconds a thread may hold the GIL while others wait",
+        ),
+        Option(
+            "--host-tier-bytes",
+            SIZE,
+            None,
+            "pinned host memory for deployed stages on CUDA, reserved at start as one slab "
+            "(default 2x --memory-budget, at least 256MiB, at most half the machine's memory); "
+            "a deploy that does not fit fails with NO_SPACE",
+        ),
+        Option(
+            "--prefault",
+            INT,
+            1,
+            "1: fault in (zero) the whole device arena at start, so that no first load pays for "
+            "it; 0: leave it to first use (only to measure the difference)",
+        ),
+        Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
+    ),
+)
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m gpu_worker", description="flowmesh GPU worker")
-    ap.add_argument("--broker", default="tcp://127.0.0.1:5556", help="broker backend endpoint")
-    ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a stand-in device")
-    ap.add_argument(
-        "--memory-budget",
-        default=None,
-        help="device bytes for resident stages (e.g. 2GiB); required for cpu, "
-        "default 80%% of free memory on CUDA",
-    )
-    ap.add_argument(
-        "--train-bytes",
-        default="0",
-        help="device bytes for training jobs, besides --memory-budget (interim static split of "
-        "device memory; 0 = this worker takes no training jobs)",
-    )
-    ap.add_argument("--name", default=None, help="worker name (default host-device)")
-    ap.add_argument("--compute-lanes", type=int, default=2, help="concurrent runs")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--allow", action="append", default=None, help="allowed factory modules")
-    ap.add_argument("--max-message", default="1GiB", help="largest accepted message")
-    ap.add_argument(
-        "--switch-interval",
-        type=float,
-        default=2e-4,
-        help="seconds a thread may hold the GIL while others wait",
-    )
-    ap.add_argument("--log-level", default=None)
-    return ap
+    return OPTIONS.parser()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = apply_config(parser(), argv, "worker")
+    args = OPTIONS.parse(argv)
     logs.setup("worker", args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,10 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(args.switch_interval)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     train_bytes = parse_size(args.train_bytes)
-    # The training arena first: a CUDA serving budget left to its default takes 80% of what is
-    # free after it.
-    train_device = open_device(args.device, train_bytes) if train_bytes > 0 else None
-    device = open_device(args.device, budget)
+    # One arena for serving and training (a CUDA budget left to its default is 80% of what is
+    # free, and training's bytes come out of it).
+    device = open_device(
+        args.device,
+        budget + train_bytes if budget is not None else None,
+        host_tier_bytes=args.host_tier_bytes,
+        prefault=bool(args.prefault),
+    )
+    if device.budget_bytes < train_bytes:
+        raise SystemExit(f"--train-bytes {args.train_bytes} leaves no device memory for serving")
     name = args.name or f"{socket.gethostname()}-{args.device.replace(':', '')}"
     service = WorkerService(
         name,
@@ -72,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
         limits=Limits(max_message_bytes=parse_size(args.max_message)),
         threads=args.threads,
-        train_device=train_device,
+        train_bytes=train_bytes,
     )
     run_process(service.serve())  # exits non-zero when a task failed
 

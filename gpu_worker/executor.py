@@ -10,6 +10,11 @@ futures return; tests drive it in-process.
 - `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
   next owner waits on their markers (stream order), never on a global synchronisation.
 
+Device memory belongs to one `DeviceMemory` shared with the worker's training executor. A load
+that does not fit while training holds ranges it borrowed does not fail: it *claims* memory,
+training gives back every range it can at once, and the load goes ahead (in arrival order) as
+soon as it fits. Runs sent for a stage whose load waits simply wait on its blocks' markers.
+
 Torch work and copies never run on the event-loop thread.
 """
 
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import time
 import traceback
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +38,7 @@ from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
-from gpu_worker.memory import Arena, Extent, OutOfSpace
+from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 
 StageKey = tuple[str, int]
 
@@ -73,6 +79,12 @@ class Stage:
     loading: asyncio.Future[LoadInfo] | None = None
     generation: int = 0
     copies: list[CopyRun] = field(default_factory=list)
+    # Waiting for training to give ranges back (state LOADING, no extents yet).
+    waiting: bool = False
+    load_t0: float = 0.0
+    # Generations whose load was given up before its copy was issued: a run that waited on
+    # their markers finds nothing to compute with.
+    abandoned: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -127,12 +139,22 @@ def plan_copies(
 
 class Executor:
     def __init__(
-        self, device: Device, compute_lanes: int = 2, copy_chunk_bytes: int | None = None
+        self,
+        device: Device,
+        compute_lanes: int = 2,
+        copy_chunk_bytes: int | None = None,
+        memory: DeviceMemory | None = None,
     ) -> None:
         self.device = device
         self.copy_chunk_bytes = copy_chunk_bytes or device.copy_chunk_bytes
-        self.arena = Arena(device.budget_bytes, ALIGN)
+        self.memory = memory if memory is not None else DeviceMemory(device.budget_bytes, 0, ALIGN)
+        if self.memory.capacity > device.budget_bytes:
+            raise ValueError("device memory larger than the device's arena")
+        self.arena = self.memory.arena
         self.stages: dict[StageKey, Stage] = {}
+        self._waiting: deque[StageKey] = deque()  # loads waiting for training's ranges, in order
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.memory.wake_serving.append(self._wake)
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="copy")
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="copy-wait")
         self._compute = ThreadPoolExecutor(compute_lanes, thread_name_prefix="compute")
@@ -149,6 +171,7 @@ class Executor:
             "run_errors": 0,
             "bytes_loaded": 0,
             "rows": 0,
+            "load_waits": 0,  # loads that waited for training to give memory back
         }
 
     # ------------------------------------------------------------------ stages
@@ -179,31 +202,96 @@ class Executor:
         if st.state is not State.HOST:
             assert st.loading is not None
             return st.loading
-        sizes = [r.size for r in st.host.regions if r.size]
+        self._loop = loop = asyncio.get_running_loop()
         try:
-            got = iter(self.arena.alloc_many(sizes))
+            got = self._alloc(st)
         except OutOfSpace as exc:
-            raise FlowmeshError(Code.NO_SPACE, f"cannot place {key[0]!r}/{key[1]}: {exc}") from None
-        st.extents = [next(got) if r.size else None for r in st.host.regions]
-        st.copies = plan_copies(st.host.regions, st.extents, self.copy_chunk_bytes)
-        st.ready = [self.device.done_marker() for _ in st.host.regions]
-        for run in st.copies:
-            run.marker = self.device.new_marker()
-            for i in run.blocks:
-                st.ready[i] = run.marker  # a block is ready when the copy carrying it is
+            if not self.memory.used["training"]:
+                raise FlowmeshError(
+                    Code.NO_SPACE, f"cannot place {key[0]!r}/{key[1]}: {exc}"
+                ) from None
+            got = None
+        # One marker per block, made before the bytes have a place: a run sent right after the
+        # load waits on them, whether the copy is issued now or once training gave memory back.
+        st.ready = [
+            self.device.new_marker() if r.slots else self.device.done_marker()
+            for r in st.host.regions
+        ]
         st.users = []
         st.state = State.LOADING
         st.generation += 1
-        self.stage_bytes_peak = max(self.stage_bytes_peak, self.stage_bytes())
-        loop = asyncio.get_running_loop()
+        st.load_t0 = time.perf_counter()
         st.loading = loop.create_future()
-        self._start_copy(st, st.generation, time.perf_counter())
+        self.memory.serving_started()
+        st.loading.add_done_callback(lambda _: self.memory.serving_ended())
+        if got is None:
+            st.waiting = True
+            self.counters["load_waits"] += 1
+            self._waiting.append(key)
+            self.memory.claim()
+            loop.call_soon(self._retry_waiting)  # in case training freed before the claim
+        else:
+            self._issue(st, got)
         return st.loading
+
+    def _alloc(self, st: Stage) -> list[Extent]:
+        return self.memory.alloc_serving([r.size for r in st.host.regions if r.size])
+
+    def _issue(self, st: Stage, got: list[Extent]) -> None:
+        """The stage's ranges are taken: plan and start its copies."""
+        it = iter(got)
+        st.extents = [next(it) if r.size else None for r in st.host.regions]
+        st.copies = plan_copies(st.host.regions, st.extents, self.copy_chunk_bytes)
+        for run in st.copies:
+            # A block is ready when the copy carrying it is: the run's first block's marker is
+            # the copy's, the others are marked right after it on the copy lane.
+            run.marker = st.ready[run.blocks[0]]
+        self.stage_bytes_peak = max(self.stage_bytes_peak, self.stage_bytes())
+        self._start_copy(st, st.generation, st.load_t0)
+
+    def _wake(self) -> None:
+        """Training freed a range (on its driver thread): retry waiting loads on the loop."""
+        loop = self._loop
+        if self._waiting and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._retry_waiting)
+
+    def _retry_waiting(self) -> None:
+        while self._waiting:
+            st = self.stages.get(self._waiting[0])
+            if st is None or not st.waiting:
+                self._waiting.popleft()
+                continue
+            try:
+                got = self._alloc(st)
+            except OutOfSpace as exc:
+                if self.memory.used["training"]:
+                    return  # training still gives ranges back: the next free retries
+                # Training holds nothing and it still does not fit: the serving stages
+                # themselves are fragmented; the broker evicts idle stages and retries.
+                self._waiting.popleft()
+                fut = st.loading
+                self.evict(st.key)
+                if fut is not None and not fut.done():
+                    where = f"{st.key[0]!r}/{st.key[1]}"
+                    fut.set_exception(FlowmeshError(Code.NO_SPACE, f"cannot place {where}: {exc}"))
+                continue
+            self._waiting.popleft()
+            st.waiting = False
+            self.memory.unclaim()
+            self._issue(st, got)
+
+    def _mark_copied(self, marker: Any) -> None:
+        """Mark `marker` at the current point of the copy lane (after the copies issued)."""
+        stream = getattr(self.device, "copy_stream", None)
+        if stream is None:
+            marker.set()
+        else:
+            marker.record(stream)
 
     def _start_copy(self, st: Stage, generation: int, t0: float) -> None:
         loop = asyncio.get_running_loop()
         extents, ready = list(st.extents), list(st.ready)
-        copied = loop.run_in_executor(self._copy, self._copy_blocks, st, extents, st.copies)
+        copied = loop.run_in_executor(self._copy, self._copy_blocks, st, extents, st.copies, ready)
 
         async def finish() -> None:
             try:
@@ -218,7 +306,9 @@ class Executor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _copy_blocks(self, st: Stage, extents: list[Extent | None], runs: list[CopyRun]) -> None:
+    def _copy_blocks(
+        self, st: Stage, extents: list[Extent | None], runs: list[CopyRun], ready: list[Any]
+    ) -> None:
         arena, host = self.device.arena, st.host
         for run in runs:
             for i in run.blocks:
@@ -236,11 +326,14 @@ class Executor:
                 # Bind before the copy: a run waiting on block i's marker finds it wired.
                 st.blocks[i].load_state_dict(views, assign=True, strict=True)
             if run.nbytes == 0:
-                self.device.copy_in(None, None, [], run.marker)  # aliases only: nothing to move
+                self._mark_copied(run.marker)  # aliases only: nothing to move
             else:
                 dst = arena[run.dst : run.dst + run.nbytes]
                 src = host.buffer[run.src : run.src + run.nbytes]
                 self.device.copy_in(dst, src, run.after, run.marker)
+            for i in run.blocks:
+                if ready[i] is not run.marker:
+                    self._mark_copied(ready[i])
 
     def _finish_load(
         self, st: Stage, generation: int, exc: BaseException | None, t0: float
@@ -264,12 +357,23 @@ class Executor:
         st = self._stage(key)
         if st.state is State.HOST:
             return 0
+        if st.waiting:
+            # Nothing was placed or copied: wake the runs waiting on its markers, which then
+            # find their generation abandoned, and stop claiming training's memory.
+            st.waiting = False
+            st.abandoned.add(st.generation)
+            if len(st.abandoned) > 8:  # runs of older generations have long been answered
+                st.abandoned.discard(min(st.abandoned))
+            for m in st.ready:
+                if not m.done():
+                    self._mark_copied(m)
+            self.memory.unclaim()
         after = [*st.ready, *st.users]
         freed = 0
         for ext in st.extents:
             if ext is not None:
                 freed += ext.size
-                self.arena.free(ext, after)
+                self.memory.free(ext, after, "serving")
         st.state, st.extents, st.users = State.HOST, [], []
         st.generation += 1
         if st.loading is not None and not st.loading.done():
@@ -286,15 +390,19 @@ class Executor:
         if st.state is State.HOST:
             raise FlowmeshError(Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded")
         st.inflight += 1
+        self.memory.serving_started()
         done = self.device.new_marker()
         # Runs that are past their marker no longer read the bytes: keep only those that may.
         st.users = [m for m in st.users if not m.done()]
         st.users.append(done)
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._compute, self._run_blocks, st, list(st.ready), parts, done)
+        fut = loop.run_in_executor(
+            self._compute, self._run_blocks, st, list(st.ready), parts, done, st.generation
+        )
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
             st.inflight -= 1
+            self.memory.serving_ended()
             if done.done():  # else a later run or the eviction still finds it in `users`
                 with contextlib.suppress(ValueError):  # gone if evicted (and maybe reloaded)
                     st.users.remove(done)
@@ -308,12 +416,17 @@ class Executor:
         return fut
 
     def _run_blocks(
-        self, st: Stage, ready: list[Any], parts: list[Mapping[str, Any]], done: Any
+        self,
+        st: Stage,
+        ready: list[Any],
+        parts: list[Mapping[str, Any]],
+        done: Any,
+        generation: int,
     ) -> RunOutput:
         dev = self.device
         marked = False
         try:
-            with torch.inference_mode(), dev.compute():
+            with torch.inference_mode(), dev.compute(serving=True):
                 try:
                     inputs, rows = _batch(parts, dev.torch_device)
                     t0 = time.perf_counter()
@@ -323,6 +436,10 @@ class Executor:
                         tw = time.perf_counter()
                         ready[i].order_current()
                         wait_s += time.perf_counter() - tw
+                        if generation in st.abandoned:
+                            raise FlowmeshError(
+                                Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted"
+                            )
                         try:
                             x = call_model(block, x) if i == 0 else block(x)
                         except Exception as exc:
@@ -367,9 +484,9 @@ class Executor:
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
-            "budget_bytes": self.arena.capacity,
-            "resident_bytes": self.arena.in_use,
-            "peak_bytes": self.arena.peak,
+            "budget_bytes": self.memory.serving_bytes,
+            "resident_bytes": self.memory.used["serving"],
+            "peak_bytes": self.memory.peak["serving"],
             # What holds the bytes, as the stages see it (the arena's figures above cannot exceed
             # the budget by construction; these can, if the bookkeeping is wrong).
             "resident_stages": {

@@ -12,6 +12,8 @@ Pure bookkeeping: no torch, driven in-process by unit tests.
 from __future__ import annotations
 
 import bisect
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,3 +121,131 @@ class Arena:
 
     def free_extents(self) -> list[tuple[int, int]]:
         return [(e.offset, e.size) for e in self._free]
+
+
+class DeviceMemory:
+    """The one owner of a worker's device arena: serving stages and training tasks both take
+    their ranges here, and inference comes first.
+
+    - Serving is planned by the broker against `serving_bytes`; training is guaranteed
+      `train_bytes` (the broker places jobs against it). The arena is their sum.
+    - Training fills the gaps: a training task may take any free range, also one serving is not
+      using. Serving takes it back at once: a serving load that does not fit while training holds
+      ranges *claims* memory; from then on training admits nothing, and its executor gives back
+      every range whose task has not started computing (`reclaim`). A task already computing
+      released its range when its compute was ordered, so a serving load waits for at most one
+      training compute (the copy is ordered after it, as any reuse is).
+    - On the CPU stand-in copies and computes share the cores: training computes only while no
+      serving load or run is in flight (`serving_busy`); on a GPU, stream priorities order them.
+
+    Thread-safe: serving allocates on the event loop, training on its driver thread. Listeners
+    run on the thread that caused the event and must only hand work to their own thread.
+    """
+
+    def __init__(self, serving_bytes: int, train_bytes: int = 0, align: int = 256) -> None:
+        if serving_bytes < 0 or train_bytes < 0 or serving_bytes + train_bytes <= 0:
+            raise ValueError("device memory needs a positive serving or training budget")
+        self.serving_bytes = serving_bytes
+        self.train_bytes = train_bytes
+        self.arena = Arena(serving_bytes + train_bytes, align)
+        self._lock = threading.RLock()
+        self.used = {"serving": 0, "training": 0}
+        self.peak = {"serving": 0, "training": 0}
+        self.claims = 0  # serving loads waiting for training to give ranges back
+        self.busy = 0  # serving loads and runs in flight
+        self.counters = {"claims": 0, "reclaimed_bytes": 0, "borrowed_peak": 0}
+        # Called when training must give back every range it can.
+        self.on_claim: list[Callable[[], None]] = []
+        # Called when training freed a range: a waiting serving load may fit now.
+        self.wake_serving: list[Callable[[], None]] = []
+        # Called when serving freed a range, stopped claiming or went idle: training may go on.
+        self.wake_training: list[Callable[[], None]] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.arena.capacity
+
+    def round(self, nbytes: int) -> int:
+        return self.arena.round(nbytes)
+
+    def _took(self, tenant: str, size: int) -> None:
+        self.used[tenant] += size
+        self.peak[tenant] = max(self.peak[tenant], self.used[tenant])
+        if tenant == "training":
+            borrowed = self.used["training"] - self.train_bytes
+            self.counters["borrowed_peak"] = max(self.counters["borrowed_peak"], borrowed)
+
+    def alloc_serving(self, sizes: list[int]) -> list[Extent]:
+        """All or nothing; raises OutOfSpace (then `claim` if training holds ranges)."""
+        with self._lock:
+            got = self.arena.alloc_many(sizes)
+            self._took("serving", sum(e.size for e in got))
+            return got
+
+    def alloc_training(self, nbytes: int) -> Extent | None:
+        """A range for a training task, or None: no room, or serving is claiming memory."""
+        with self._lock:
+            if self.claims:
+                return None
+            try:
+                ext = self.arena.alloc(nbytes)
+            except OutOfSpace:
+                return None
+            self._took("training", ext.size)
+            return ext
+
+    def free(self, ext: Extent, after: list[Marker], tenant: str, reclaimed: bool = False) -> None:
+        """Return `ext`; its next owner is ordered after `after`. `reclaimed`: training gave it
+        back unused because serving claimed memory."""
+        with self._lock:
+            self.arena.free(ext, after)
+            self.used[tenant] -= ext.size
+            if reclaimed:
+                self.counters["reclaimed_bytes"] += ext.size
+        for fn in self.wake_serving if tenant == "training" else self.wake_training:
+            fn()
+
+    def claim(self) -> None:
+        """A serving load is waiting: training stops admitting and gives back what it can."""
+        with self._lock:
+            self.claims += 1
+            self.counters["claims"] += 1
+        for fn in self.on_claim:
+            fn()
+
+    def unclaim(self) -> None:
+        with self._lock:
+            self.claims -= 1
+            quiet = self.claims == 0
+        if quiet:
+            for fn in self.wake_training:
+                fn()
+
+    def serving_started(self) -> None:
+        with self._lock:
+            self.busy += 1
+
+    def serving_ended(self) -> None:
+        with self._lock:
+            self.busy -= 1
+            quiet = self.busy == 0
+        if quiet:
+            for fn in self.wake_training:
+                fn()
+
+    def serving_busy(self) -> bool:
+        return self.busy > 0 or self.claims > 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "arena_bytes": self.arena.capacity,
+                "arena_in_use": self.arena.in_use,
+                "arena_peak": self.arena.peak,
+                "arena_largest_free": self.arena.largest_free,
+                "serving_in_use": self.used["serving"],
+                "training_in_use": self.used["training"],
+                "memory_claims": self.counters["claims"],
+                "train_reclaimed_bytes": self.counters["reclaimed_bytes"],
+                "train_borrowed_peak": max(0, self.counters["borrowed_peak"]),
+            }

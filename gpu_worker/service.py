@@ -4,10 +4,11 @@ Commands are applied in arrival order on the event loop (allocation bookkeeping 
 ordered); stage preparation, copies and compute run on worker threads; results go back as soon as
 their futures resolve, so one slow model never holds up the others.
 
-Training jobs go to a `TrainingExecutor` on a second device of `train_bytes` (interim: a static
-split of device memory, serving budget + training bytes, until the worker owns one arena for
-both, issue 7 section 1). A job's steps are submitted in arrival order, which is the order the
-executor runs them in; `seq` guards against a step applied twice.
+The worker is the one owner of its device memory (`gpu_worker.memory.DeviceMemory`): one arena
+holds the serving stages (the broker plans them against the serving budget) and the training
+jobs' sub-model tasks (guaranteed `train_bytes`, and whatever serving leaves free, given back at
+once when a serving load needs it). A job's steps are submitted in arrival order, which is the
+order the executor runs them in; `seq` guards against a step applied twice.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from flowmesh.peer import MeshPeer
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 from gpu_worker.device import Device
 from gpu_worker.executor import Executor, LoadInfo, RunOutput
+from gpu_worker.host_tier import ALIGN
+from gpu_worker.memory import DeviceMemory
 from gpu_worker.stage_loader import prepare_stage
 from gpu_worker.train_job import StepResult, TrainConfig
 from gpu_worker.training import TrainingExecutor, config_from, open_job, read_meta
@@ -47,13 +50,16 @@ class WorkerService(MeshPeer):
         allow: tuple[str, ...] = DEFAULT_ALLOW,
         limits: p.Limits = p.DEFAULT_LIMITS,
         threads: int | None = None,
-        train_device: Device | None = None,
+        train_bytes: int = 0,
     ) -> None:
         super().__init__(name, broker, limits=limits)
         self.device = device
-        self.executor = Executor(device, compute_lanes)
-        self.train_device = train_device
-        self.trainer = TrainingExecutor(train_device) if train_device is not None else None
+        if not 0 <= train_bytes <= device.budget_bytes:
+            raise ValueError("training bytes must be within the device's arena")
+        self.memory = DeviceMemory(device.budget_bytes - train_bytes, train_bytes, ALIGN)
+        self.executor = Executor(device, compute_lanes, memory=self.memory)
+        self.train_bytes = train_bytes
+        self.trainer = TrainingExecutor(device, memory=self.memory) if train_bytes > 0 else None
         self._seqs: dict[str, int] = {}  # training job -> the highest step seq taken
         self.allow = allow
         self.threads = threads
@@ -68,17 +74,19 @@ class WorkerService(MeshPeer):
             pid=os.getpid(),
             device=getattr(self.device, "name", self.device.kind),
             kind=self.device.kind,
-            budget_bytes=self.device.budget_bytes,
+            # The broker plans serving residency against this; training has its own bytes.
+            budget_bytes=self.memory.serving_bytes,
             info={
                 "compute_lanes": self.executor.compute_lanes,
                 "threads": self.threads or 0,
-                "train_bytes": self.train_device.budget_bytes if self.train_device else 0,
+                "train_bytes": self.train_bytes,
+                "arena_bytes": self.memory.capacity,
                 **self.device.info(),
             },
         )
 
     def stats(self) -> dict[str, Any]:
-        out = {**self.executor.stats(), **self.device.info()}
+        out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
         if self.trainer is not None:
             # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
             t = self.trainer.stats()
@@ -97,6 +105,7 @@ class WorkerService(MeshPeer):
                 train_tasks_admitted=t["tasks_admitted"],
                 train_tasks_started=t["tasks_started"],
                 train_job_switches=t["job_switches"],
+                train_tasks_reclaimed=t["tasks_reclaimed"],
             )
         return out
 
@@ -240,7 +249,6 @@ class WorkerService(MeshPeer):
     def _open_job(self, msg: p.TrainOpen) -> dict[str, Any]:
         """On a thread: build, plan and lay out the job (profiling and weights take a while)."""
         trainer = self._trainer()
-        assert self.train_device is not None
         spec = ModelSpec.from_dict(msg.spec)
         if msg.config:
             config = TrainConfig.from_dict(msg.config)
@@ -248,14 +256,14 @@ class WorkerService(MeshPeer):
             config = config_from(read_meta(msg.resume))
         else:
             raise FlowmeshError(Code.BAD_REQUEST, "a training job needs a configuration")
-        # Interim chunk target: half the training bytes, so that one sub-model task computes
-        # while the next is brought in.
-        target = msg.chunk_bytes or self.train_device.budget_bytes // 2
+        # Chunk target: half the training bytes, so that one sub-model task computes while the
+        # next is brought in.
+        target = msg.chunk_bytes or self.train_bytes // 2
         job = open_job(
             msg.job,
             spec,
             config,
-            self.train_device,
+            self.device,
             batch=msg.batch,
             target_bytes=target,
             allow=self.allow,

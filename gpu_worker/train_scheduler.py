@@ -183,6 +183,19 @@ class FlowScheduler:
             if not progress:
                 return admitted
 
+    def unadmit(self) -> list[Task]:
+        """Take memory back from every admitted task that has not started (serving needs it):
+        they become candidates again, first in line. Returns them; the caller frees their
+        memory."""
+        taken = []
+        for chain in self.chains.values():
+            for t in chain:
+                if t.phase in (Phase.ADMITTED, Phase.COPIED):
+                    t.phase = Phase.PENDING
+                    self.log.append(("reclaim", t.label))
+                    taken.append(t)
+        return taken
+
     # -- running -------------------------------------------------------------------------
 
     def copied(self, task: Task) -> None:

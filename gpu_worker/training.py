@@ -15,6 +15,13 @@ Memory flow: a task's extent is freed the moment its compute is *ordered* (hande
 lane), with the compute's marker attached; the next owner's copy waits on that marker, never on a
 host-wide synchronisation (the Waterwave rule, `gpu_worker.memory.Arena`).
 
+One owner of device memory (`gpu_worker.memory.DeviceMemory`): on a worker that also serves, the
+arena is shared with the serving executor and inference comes first. Training may borrow any
+range serving is not using; when a serving load needs it back, the driver gives back at once
+every range of a task that has not started computing (the task is admitted again later, its copy
+redone), and admits nothing while serving claims memory. On the CPU stand-in training also starts
+no compute while serving has a load or a run in flight: there, copies and computes share cores.
+
 Accounting: parameters, gradients, optimizer state and buffers of a running task physically live
 in its extent. Activations are allocated by torch outside the arena and accounted by the
 reservation each extent carries (`TrainingJob.act_bytes`). `resident_peak` is measured on the
@@ -42,7 +49,7 @@ from flowmesh.build import build_seeded, declared_inputs
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from gpu_worker.device import Device
-from gpu_worker.memory import Arena, Extent, OutOfSpace
+from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_job import (
     LOSSES,
@@ -79,6 +86,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(eq=False)
+class _Admission:
+    """One grant of memory to a task: given back whole if serving reclaims it before it runs."""
+
+    extent: Extent | None
+    base: int
+    nbytes: int
+    plan: CopyPlan = field(default_factory=CopyPlan)
+    markers: list[Any] = field(default_factory=list)
+    ready: list[Any] = field(default_factory=list)
+    counted: bool = False  # its bytes count as resident (its copy started writing)
+    cancelled: bool = False  # it will not run: its copy, if not started, must not start
+
+
 @dataclass
 class _Request:
     job: str
@@ -101,15 +122,22 @@ class TrainingExecutor:
         prefetch: int = 1,
         max_skips: int = 8,
         queue_computes: int = 2,
-        arena: Arena | None = None,
+        memory: DeviceMemory | None = None,
     ) -> None:
         self.device = device
         # Computes handed to the (FIFO) compute lane ahead of time, so it never idles while the
         # driver settles the previous one; only chain heads run, so they are of other jobs.
         self.queue_computes = max(1, queue_computes)
-        # One owner of device memory: a worker that also serves passes the serving executor's
-        # arena, and then both must allocate from one thread (Arena is not thread-safe).
-        self.arena = arena if arena is not None else Arena(device.budget_bytes, BLOCK_ALIGN)
+        # One owner of device memory: a worker that also serves passes the memory its serving
+        # executor allocates from; alone, training owns the whole arena.
+        self.memory = (
+            memory if memory is not None else DeviceMemory(0, device.budget_bytes, BLOCK_ALIGN)
+        )
+        if self.memory.capacity > device.budget_bytes:
+            raise ValueError("device memory larger than the device's arena")
+        self.arena = self.memory.arena
+        # See the module docstring: on the CPU stand-in, computes wait for serving to be idle.
+        self.yield_compute = device.kind == "cpu" and self.memory.serving_bytes > 0
         self.sched = FlowScheduler(prefetch, max_skips)
         self.jobs: dict[str, TrainingJob] = {}
         self._requests: dict[tuple[str, int], _Request] = {}
@@ -134,11 +162,15 @@ class TrainingExecutor:
             "tasks_admitted": 0,
             "tasks_started": 0,
             "job_switches": 0,
+            # Tasks whose memory serving took back before they ran (admitted again later).
+            "tasks_reclaimed": 0,
         }
         self._last_job: str | None = None
         self._closed = False
         self._driver = threading.Thread(target=self._loop, name="train-driver", daemon=True)
         self._driver.start()
+        self.memory.on_claim.append(lambda: self._post_quiet(self._reclaim))
+        self.memory.wake_training.append(lambda: self._post_quiet(_nothing))
 
     # ------------------------------------------------------------------ public API
 
@@ -147,12 +179,12 @@ class TrainingExecutor:
         if job.device is not self.device:
             raise FlowmeshError(Code.INTERNAL, f"job {job.name!r} was laid out for another device")
         need = job.largest_task()
-        if need > self.arena.capacity:
+        if need > self.memory.train_bytes:
             raise FlowmeshError(
                 Code.TOO_BIG,
                 f"job {job.name!r}: its largest sub-model task needs {human_bytes(need)}, over "
-                f"the device budget of {human_bytes(self.arena.capacity)}; plan smaller "
-                "sub-models (a lower chunk target) or a smaller batch",
+                f"the device's training bytes of {human_bytes(self.memory.train_bytes)}; plan "
+                "smaller sub-models (a lower chunk target) or a smaller batch",
             )
         self._call(lambda: self._open(job))
 
@@ -221,9 +253,10 @@ class TrainingExecutor:
         }
         return {
             **self.counters,
-            "budget_bytes": self.arena.capacity,
-            "reserved_bytes": self.arena.in_use,
-            "reserved_peak": self.arena.peak,
+            "budget_bytes": self.memory.train_bytes,
+            "arena_bytes": self.memory.capacity,
+            "reserved_bytes": self.memory.used["training"],
+            "reserved_peak": self.memory.peak["training"],
             "resident_bytes": self.resident,
             "resident_peak": self.resident_peak,
             "jobs": jobs,
@@ -250,6 +283,11 @@ class TrainingExecutor:
         if self._closed:
             raise FlowmeshError(Code.UNAVAILABLE, "the training executor is closed")
         self._events.put(fn)
+
+    def _post_quiet(self, fn: Callable[[], None]) -> None:
+        """Post from a memory event (another executor's thread): never raise there."""
+        if not self._closed:
+            self._events.put(fn)
 
     def _call(self, fn: Callable[[], T]) -> T:
         done: Future[T] = Future()
@@ -295,13 +333,12 @@ class TrainingExecutor:
 
     def _try_alloc(self, task: Task) -> bool:
         if task.nbytes == 0:
-            task.payload["extent"], task.payload["base"] = None, 0
+            task.payload["adm"] = _Admission(None, 0, 0)
             return True
-        try:
-            ext = self.arena.alloc(task.nbytes)
-        except OutOfSpace:
+        ext = self.memory.alloc_training(task.nbytes)
+        if ext is None:
             return False
-        task.payload["extent"], task.payload["base"] = ext, ext.offset
+        task.payload["adm"] = _Admission(ext, ext.offset, task.nbytes)
         return True
 
     def _pump(self) -> None:
@@ -309,43 +346,60 @@ class TrainingExecutor:
             self.counters["tasks_admitted"] += 1
             self._start_copy(task)
         while self._computing < self.queue_computes:
+            if self.yield_compute and self.memory.serving_busy():
+                break  # woken by `wake_training` when serving goes quiet
             task = self.sched.next_runnable()
             if task is None:
                 break
             self._start_compute(task)
 
+    def _reclaim(self) -> None:
+        """Serving claims memory: give back every range of a task that is not computing yet."""
+        for task in self.sched.unadmit():
+            adm: _Admission = task.payload.pop("adm")
+            self._give_back(adm, reclaimed=True)
+            self.counters["tasks_reclaimed"] += 1
+
+    def _give_back(self, adm: _Admission, reclaimed: bool = False) -> None:
+        with self._lock:
+            adm.cancelled = True
+            if adm.counted:
+                adm.counted = False
+                self.resident -= adm.nbytes
+        if adm.extent is not None:
+            ext, adm.extent = adm.extent, None
+            # Ordered after its copy (if it ran): the next owner never races its writes.
+            self.memory.free(ext, list(adm.markers), "training", reclaimed)
+
     def _start_copy(self, task: Task) -> None:
         job: TrainingJob = task.payload["job"]
+        adm: _Admission = task.payload["adm"]
         try:
-            plan = job.copy_plan(task, task.payload["base"])
+            adm.plan = job.copy_plan(task, adm.base)
         except Exception as exc:
-            plan = CopyPlan()
-            task.payload["plan"], task.payload["markers"] = plan, []
             self._fail_request(task, self._internal(exc))
             return
-        task.payload["plan"] = plan
-        task.payload["markers"] = [self.device.new_marker() for _ in plan.copies]
-        fut = self._copy.submit(self._do_copy, task)
-        fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_copied(t, f)))
+        adm.markers = [self.device.new_marker() for _ in adm.plan.copies]
+        fut = self._copy.submit(self._do_copy, adm)
+        fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_copied(t, adm, f)))
 
-    def _do_copy(self, task: Task) -> None:
+    def _do_copy(self, adm: _Admission) -> None:
         """Copy lane: order after the extent's previous users, then bring the bytes in."""
-        ext: Extent | None = task.payload["extent"]
-        plan: CopyPlan = task.payload["plan"]
-        markers: list[Any] = task.payload["markers"]
+        ext, plan, markers = adm.extent, adm.plan, adm.markers
         after = list(ext.after) if ext is not None else []
         if self.device.kind == "cpu":
             for m in after:  # the stand-in copies on this thread: ordering is waiting
                 m.wait()
             after = []
         with self._lock:
-            if task.payload.get("cancelled"):
+            if adm.cancelled:
                 for m in markers:
                     self.device.mark_done(m)
                 return
-            task.payload["counted"] = True
-            self.resident += task.nbytes
-            self.resident_peak = max(self.resident_peak, self.resident)
+            if adm.nbytes:
+                adm.counted = True
+                self.resident += adm.nbytes
+                self.resident_peak = max(self.resident_peak, self.resident)
         arena = self.device.arena
         try:
             for (offset, src), marker in zip(plan.copies, markers, strict=True):
@@ -356,9 +410,11 @@ class TrainingExecutor:
                 if not m.done():
                     self.device.mark_done(m)
             raise
-        task.payload["ready"] = list(markers) if markers else after
+        adm.ready = list(markers) if markers else after
 
-    def _on_copied(self, task: Task, fut: Future[None]) -> None:
+    def _on_copied(self, task: Task, adm: _Admission, fut: Future[None]) -> None:
+        if task.payload.get("adm") is not adm:
+            return  # serving took its memory back before it ran; it will be admitted again
         exc = fut.exception()
         if task.phase is Phase.DROPPED:
             self._release(task)
@@ -376,27 +432,25 @@ class TrainingExecutor:
             self.counters["job_switches"] += 1
         self._last_job = task.job
         done = self.device.new_marker()
-        ext: Extent | None = task.payload["extent"]
-        if ext is not None:
+        adm: _Admission = task.payload["adm"]
+        if adm.extent is not None:
             # Its last use is now ordered: the bytes go back at once, and whoever takes them
             # next waits on this compute's marker.
-            task.payload["extent"] = None
-            self.arena.free(ext, [done])
-        fut = self._compute.submit(self._do_compute, task, done)
+            ext, adm.extent = adm.extent, None
+            self.memory.free(ext, [done], "training")
+        fut = self._compute.submit(self._do_compute, task, adm, done)
         fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_computed(t, f)))
 
-    def _do_compute(self, task: Task, done: Any) -> TaskResult:
+    def _do_compute(self, task: Task, adm: _Admission, done: Any) -> TaskResult:
         job: TrainingJob = task.payload["job"]
         t0 = time.perf_counter()
         try:
-            if task.payload.get("cancelled"):  # its job was closed while it waited in the lane
+            if adm.cancelled:  # its job was closed while it waited in the lane
                 return TaskResult()
             with self.device.compute():
-                for m in task.payload.get("ready", []):
+                for m in adm.ready:
                     m.order_current()
-                result = job.run(
-                    task, task.payload["base"], task.payload["plan"], self.device.arena
-                )
+                result = job.run(task, adm.base, adm.plan, self.device.arena)
                 if self.device.kind == "cuda":
                     # Write-backs and the next task's host reads happen on the host: settle now.
                     torch.cuda.current_stream().synchronize()
@@ -405,8 +459,9 @@ class TrainingExecutor:
             # Uncounted before the marker is set: the next user of these bytes counts itself
             # once the marker lets its copy start, and must never see this task still counted.
             with self._lock:
-                if task.payload.pop("counted", False):
-                    self.resident -= task.nbytes
+                if adm.counted:
+                    adm.counted = False
+                    self.resident -= adm.nbytes
             self.device.mark_done(done)
             self.counters["compute_s"] += time.perf_counter() - t0
 
@@ -423,7 +478,7 @@ class TrainingExecutor:
             return
         result = fut.result()
         self.sched.finished(task)
-        plan: CopyPlan = task.payload["plan"]
+        plan: CopyPlan = task.payload["adm"].plan
         request.tasks += 1
         request.bytes_in += plan.bytes_in
         request.bytes_out += result.bytes_out
@@ -455,14 +510,9 @@ class TrainingExecutor:
 
     def _release(self, task: Task) -> None:
         """Give back the memory of a task that will not run."""
-        with self._lock:
-            task.payload["cancelled"] = True
-            if task.payload.pop("counted", False):
-                self.resident -= task.nbytes
-        ext: Extent | None = task.payload.get("extent")
-        if ext is not None:
-            task.payload["extent"] = None
-            self.arena.free(ext, list(task.payload.get("markers", [])))
+        adm: _Admission | None = task.payload.get("adm")
+        if adm is not None:
+            self._give_back(adm)
 
     def _fail_request(self, task: Task, error: FlowmeshError) -> None:
         request = self._requests.pop((task.job, task.request), None)
@@ -486,7 +536,7 @@ class TrainingExecutor:
             raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {name!r}")
         for t in self.sched.chains.get(name, ()):
             if t.phase is Phase.RUNNING:
-                t.payload["cancelled"] = True
+                t.payload["adm"].cancelled = True
         for held in self.sched.remove_job(name):
             self._release(held)
         for key in [k for k in self._requests if k[0] == name]:
@@ -509,6 +559,10 @@ class TrainingExecutor:
 
 
 # ---------------------------------------------------------------------- jobs from specs
+
+
+def _nothing() -> None:
+    """A driver event that only makes it pump (memory or serving state changed)."""
 
 
 def reservations(

@@ -119,6 +119,9 @@ def tokens(seed: int, steps: int, vocab: int, t: int = 6) -> Data:
 # ================================================================== memory flow
 
 FLOW_BYTES = 48 * KIB  # one worker's training bytes; each job's footprint is about 62 KiB
+# Its serving budget: training borrows it too (one arena of both, FLOW_ARENA), and no job fits it.
+FLOW_SERVING = 8 * KIB
+FLOW_ARENA = FLOW_BYTES + FLOW_SERVING
 FLOW_CHUNK = 24 * KIB
 FLOW_STEPS = 10
 FLOW_OPT = {"name": "adam", "lr": 0.01}
@@ -143,7 +146,7 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
     finished: list[dict[str, Any]] = []
     with LocalMesh(
         cpu_workers=1,
-        memory_budget="8MiB",
+        memory_budget=f"{FLOW_SERVING}B",
         train_bytes=FLOW_BYTES,
         broker_args=ALLOW,
         worker_args=ALLOW,
@@ -202,8 +205,8 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
             last = fresh_stats(c, "worker-0")
 
     footprints = [i["footprint"] for i in infos.values()]
-    assert min(footprints) > FLOW_BYTES, f"each job must be larger than the budget: {footprints}"
-    assert sum(footprints) >= 3 * FLOW_BYTES, f"together at least 3x the budget: {footprints}"
+    assert min(footprints) > FLOW_ARENA, f"each job must be larger than the arena: {footprints}"
+    assert sum(footprints) >= 3 * FLOW_ARENA, f"together at least 3x the arena: {footprints}"
     for n, rs in results.items():
         close([r.loss for r in rs], solo[n], f"job {n} vs its solo run")
         assert [r.step for r in rs] == list(range(1, FLOW_STEPS + 1)), f"{n}: steps out of order"
@@ -213,10 +216,13 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
         st = s["stats"]
         if "train_budget_bytes" not in st:
             continue  # before the first heartbeat
-        assert st["train_budget_bytes"] == FLOW_BYTES
-        assert 0 <= st["train_resident_bytes"] <= FLOW_BYTES, st
-        assert st["train_resident_peak"] <= FLOW_BYTES, st
+        assert st["train_budget_bytes"] == FLOW_BYTES and st["arena_bytes"] == FLOW_ARENA
+        # What the worker reports resident never exceeds its one arena.
+        assert 0 <= st["train_resident_bytes"] + st["resident_bytes"] <= FLOW_ARENA, st
+        assert st["train_resident_peak"] <= FLOW_ARENA and st["arena_peak"] <= FLOW_ARENA, st
     assert last["train_resident_peak"] > 0
+    # Nothing served: training borrowed the idle serving budget besides its own bytes.
+    assert last["train_borrowed_peak"] > 0, last
     # Interleaving: one job after the other would switch jobs 3 times; a flow switches often.
     assert last["train_job_switches"] > 4 * FLOW_STEPS, last
     assert last["train_tasks_admitted"] >= last["train_tasks_started"] >= last["train_tasks"] > 0
