@@ -117,7 +117,11 @@ class Registry:
 
     def _ack(self, ref: int, *, kept: bool) -> p.RegisterAck:
         return p.RegisterAck(
-            id=ref, heartbeat_s=self.cfg.heartbeat_s, liveness=self.cfg.liveness, kept=kept
+            id=ref,
+            heartbeat_s=self.cfg.heartbeat_s,
+            liveness=self.cfg.liveness,
+            kept=kept,
+            allow=list(self.cfg.allow),
         )
 
     def heartbeat(self, peer: Peer, msg: p.Heartbeat, now: float) -> None:

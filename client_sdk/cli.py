@@ -224,6 +224,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         threads_per_worker=args.threads,
         train_bytes=args.train_bytes or 0,
+        allow=args.allow,
     )
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -667,6 +668,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-bytes",
         default=None,
         help="device bytes per worker for training jobs, besides --memory-budget (default: none)",
+    )
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=None,
+        metavar="MODULE",
+        help="module allowed to provide model and loss factories, for the whole mesh "
+        "(repeatable; default: flowmesh.examples and torch.nn)",
     )
     p.set_defaults(fn=cmd_up)
 

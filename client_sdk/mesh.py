@@ -78,6 +78,9 @@ class LocalMesh:
     host: str = "127.0.0.1"
     frontend_port: int = 0
     backend_port: int = 0
+    # Modules allowed to provide model (and loss) factories, set once on the broker: the
+    # partitioner and workers receive it at registration. None: the broker's default.
+    allow: list[str] | None = None
     broker_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     run_dir: Path | None = None
@@ -145,6 +148,7 @@ class LocalMesh:
                 str(self.liveness),
                 "--ready-file",
                 str(ready),
+                *[a for m in self.allow or () for a in ("--allow", m)],
                 *self.broker_args,
             ],
         )

@@ -65,6 +65,9 @@ class MeshPeer:
     def handle(self, msg: p.Message) -> None:
         raise NotImplementedError
 
+    def on_allow(self, allow: tuple[str, ...]) -> None:
+        """The broker's allow-list, received at registration (see `spec.narrow_allow`)."""
+
     def on_registered(self, again: bool) -> None:
         """Called after each ack; `again` when the broker may have forgotten this peer."""
 
@@ -125,6 +128,8 @@ class MeshPeer:
         self.last_heard = time.monotonic()
         if isinstance(msg, p.RegisterAck):
             self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
+            if msg.allow is not None:
+                self.on_allow(tuple(msg.allow))
             # A fresh socket of the same process finds its state kept by the broker; dropping
             # what we hold then would leave the broker counting on stages that are gone.
             again = self.registrations > 0 and not msg.kept

@@ -380,6 +380,9 @@ class RegisterAck(Message):
     # True when the broker already knew this very process and kept what it holds (it only
     # re-registered); False when the broker starts afresh with it, so it must drop its stages.
     kept: bool = False
+    # The mesh's allow-list of factory modules: set once on the broker, applied by every
+    # partitioner and worker (which may narrow it with their own --allow, never widen it).
+    allow: list[str] | None = None
 
 
 @message("heartbeat")

@@ -207,10 +207,31 @@ def factory_allowed(factory: str | None, allow: tuple[str, ...] | list[str]) -> 
     return any(module == p or module.startswith(p + ".") for p in allow)
 
 
-def check_factory(factory: str | None, allow: tuple[str, ...] | list[str]) -> None:
+def check_factory(
+    factory: str | None, allow: tuple[str, ...] | list[str], who: str = "broker"
+) -> None:
+    """Refuse a factory outside `allow`, naming the process (`who`) and the list it applied."""
     if not factory_allowed(factory, allow):
         raise FlowmeshError(
             Code.NOT_ALLOWED,
-            f"factory {factory!r} is not in the allow-list ({', '.join(allow)}); "
-            "a factory is code that workers execute, so the broker runs only allowed modules",
+            f"{who} refused factory {factory!r}: not in the allow-list it applies "
+            f"({', '.join(allow) or 'empty'}); a factory is code that workers execute, so only "
+            "allowed modules run (set the list once with the broker's --allow, or "
+            "`flowmesh up --allow`, or LocalMesh(allow=...))",
         )
+
+
+def narrow_allow(mesh: tuple[str, ...], own: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The allow-list a partitioner or worker applies: the broker's (`mesh`), narrowed by its
+    own --allow (`own`; None: not given) and never widened by it: a module is allowed iff both
+    lists allow it."""
+    if own is None:
+        return mesh
+    out = []
+    for m in mesh:
+        for o in own:
+            if m == o or m.startswith(o + "."):
+                out.append(m)
+            elif o.startswith(m + "."):
+                out.append(o)
+    return tuple(dict.fromkeys(out))

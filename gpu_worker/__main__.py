@@ -12,7 +12,6 @@ from flowmesh import logs
 from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
-from flowmesh.spec import DEFAULT_ALLOW
 from flowmesh.units import parse_size
 from gpu_worker.device import open_device
 from gpu_worker.service import WorkerService
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         args.broker,
         device,
         compute_lanes=args.compute_lanes,
-        allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
+        allow=tuple(args.allow) if args.allow else None,  # None: the broker's list
         limits=Limits(max_message_bytes=parse_size(args.max_message)),
         threads=args.threads,
         train_bytes=train_bytes,

@@ -25,7 +25,7 @@ import torch
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.peer import MeshPeer
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, narrow_allow
 from gpu_worker.device import Device
 from gpu_worker.executor import Executor, LoadInfo, RunOutput
 from gpu_worker.host_tier import ALIGN
@@ -47,7 +47,7 @@ class WorkerService(MeshPeer):
         device: Device,
         *,
         compute_lanes: int = 2,
-        allow: tuple[str, ...] = DEFAULT_ALLOW,
+        allow: tuple[str, ...] | None = None,
         limits: p.Limits = p.DEFAULT_LIMITS,
         threads: int | None = None,
         train_bytes: int = 0,
@@ -61,7 +61,9 @@ class WorkerService(MeshPeer):
         self.train_bytes = train_bytes
         self.trainer = TrainingExecutor(device, memory=self.memory) if train_bytes > 0 else None
         self._seqs: dict[str, int] = {}  # training job -> the highest step seq taken
-        self.allow = allow
+        # The mesh's list arrives at registration (`on_allow`); `own` may only narrow it.
+        self.own_allow = allow
+        self.allow = allow if allow is not None else DEFAULT_ALLOW
         self.threads = threads
         self._deploys = ThreadPoolExecutor(1, thread_name_prefix="deploy")
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -108,6 +110,9 @@ class WorkerService(MeshPeer):
                 train_tasks_reclaimed=t["tasks_reclaimed"],
             )
         return out
+
+    def on_allow(self, allow: tuple[str, ...]) -> None:
+        self.allow = narrow_allow(allow, self.own_allow)
 
     def on_registered(self, again: bool) -> None:
         if again:
@@ -176,6 +181,7 @@ class WorkerService(MeshPeer):
         t0 = time.perf_counter()
         try:
             spec = ModelSpec.from_dict(msg.spec)
+            check_factory(spec.factory, self.allow, f"worker {self.name}")
             blocks, host = await asyncio.get_running_loop().run_in_executor(
                 self._deploys, prepare_stage, spec, msg.plan, msg.stage, self.device, self.allow
             )
@@ -250,6 +256,7 @@ class WorkerService(MeshPeer):
         """On a thread: build, plan and lay out the job (profiling and weights take a while)."""
         trainer = self._trainer()
         spec = ModelSpec.from_dict(msg.spec)
+        check_factory(spec.factory, self.allow, f"worker {self.name}")
         if msg.config:
             config = TrainConfig.from_dict(msg.config)
         elif msg.resume is not None:

@@ -8,7 +8,6 @@ import socket
 from flowmesh import logs
 from flowmesh.config import INT, LOG_LEVEL, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
-from flowmesh.spec import DEFAULT_ALLOW
 from partitioner.service import PartitionerService
 
 OPTIONS = Options(
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     service = PartitionerService(
         args.name or f"{socket.gethostname()}-partitioner",
         args.broker,
-        allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
+        allow=tuple(args.allow) if args.allow else None,  # None: the broker's list
         threads=args.threads,
         measure_device=args.measure_device,
     )

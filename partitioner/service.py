@@ -14,7 +14,14 @@ from typing import Any
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.peer import MeshPeer
-from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, TENSOR_ALIGN, ModelSpec
+from flowmesh.spec import (
+    BLOCK_ALIGN,
+    DEFAULT_ALLOW,
+    TENSOR_ALIGN,
+    ModelSpec,
+    check_factory,
+    narrow_allow,
+)
 from partitioner.plan import chunk_plan, stage_plan
 from partitioner.profile import profile
 
@@ -23,9 +30,11 @@ def plan_for(
     request: dict[str, Any],
     allow: tuple[str, ...] = DEFAULT_ALLOW,
     measure_device: str | None = None,
+    who: str = "partitioner",
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(plan as data, declared inputs) for a PlanJob request. Pure apart from torch on meta."""
     spec = ModelSpec.from_dict(request["spec"])
+    check_factory(spec.factory, allow, who)
     kind = request.get("kind", "stages")
     batch = int(request.get("batch") or 1)
     prof = profile(
@@ -81,13 +90,15 @@ class PartitionerService(MeshPeer):
         name: str,
         broker: str,
         *,
-        allow: tuple[str, ...] = DEFAULT_ALLOW,
+        allow: tuple[str, ...] | None = None,
         threads: int = 2,
         measure_device: str = "cpu",
         limits: p.Limits = p.DEFAULT_LIMITS,
     ) -> None:
         super().__init__(name, broker, limits=limits)
-        self.allow = allow
+        # The mesh's list arrives at registration (`on_allow`); `own` may only narrow it.
+        self.own_allow = allow
+        self.allow = allow if allow is not None else DEFAULT_ALLOW
         self.measure_device = measure_device
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plan")
         self._tasks: set[asyncio.Task[None]] = set()
@@ -102,6 +113,9 @@ class PartitionerService(MeshPeer):
             pid=os.getpid(),
             info={"measure_device": self.measure_device},
         )
+
+    def on_allow(self, allow: tuple[str, ...]) -> None:
+        self.allow = narrow_allow(allow, self.own_allow)
 
     def stats(self) -> dict[str, Any]:
         return {"planned": self.planned, "failed": self.failed, "inflight": len(self._tasks)}
@@ -123,7 +137,12 @@ class PartitionerService(MeshPeer):
         loop = asyncio.get_running_loop()
         try:
             plan, inputs = await loop.run_in_executor(
-                self._pool, plan_for, msg.request, self.allow, self.measure_device
+                self._pool,
+                plan_for,
+                msg.request,
+                self.allow,
+                self.measure_device,
+                f"partitioner {self.name}",
             )
         except Exception as exc:
             self.failed += 1
