@@ -14,19 +14,25 @@ source code of a few standard-library modules (`inspect.getsource`): real text, 
 with Python, no download, and the same bytes on each run of one Python. Every job's steps are sent
 at once from one async client; afterwards the demo trains the same models in a plain PyTorch loop
 on the same seeds and batches, and compares the per-step losses (`flowmesh.testing.compare`).
+
+Alongside both, a small hyper-parameter sweep (`AsyncClient.sweep`: Optuna ask-and-tell with its
+successive-halving pruner) tunes an MLP's learning rate and width on the same kind of real text
+(next-byte prediction on standard-library source): its trials are training jobs on the same
+workers, a pruned trial's job closes at once; the demo prints the sweep's table and saves
+`trials.json` and `curves.png` (every trial's loss curve) in `demo-sweep/` of the working
+directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import inspect
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +42,8 @@ from client_sdk.client import AsyncClient
 from client_sdk.jobs import StepResult
 from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
 from client_sdk.mesh import LocalMesh
+from client_sdk.sweep import SweepResult
+from client_sdk.train_data import next_byte_rows, stdlib_corpus
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import compare, forward_tolerance
@@ -90,11 +98,99 @@ TRAIN_JOBS: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
 ]
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
+# The sweep: an MLP reading CONTEXT bytes predicts the next one; Optuna picks lr and width,
+# successive halving (every SWEEP_EVAL_EVERY steps a held-out evaluation, reported to the
+# pruner) stops the worse trials early.
+SWEEP_NAME = "demo-sweep"
+SWEEP_TRIALS = 6
+SWEEP_STEPS = 12
+SWEEP_EVAL_EVERY = 3
+SWEEP_SAMPLES = 640  # windows drawn from the corpus; the last fifth is held out
+SWEEP_SPACE: dict[str, dict[str, Any]] = {
+    "lr": {"type": "float", "low": 1e-4, "high": 0.3, "log": True},
+    "width": {"type": "int", "low": 32, "high": 128, "step": 32},
+}
+SWEEP_KWARGS = {"depth": 2, "in_features": CONTEXT, "out_features": 256}
+
 
 def corpus() -> torch.Tensor:
     """The bytes of a few standard-library modules' source: real text, offline, deterministic."""
-    text = "\n".join(inspect.getsource(importlib.import_module(m)) for m in CORPUS_MODULES)
-    return torch.tensor(list(text.encode()), dtype=torch.int64)
+    return stdlib_corpus(CORPUS_MODULES)
+
+
+async def run_sweep(
+    address: str,
+    text: torch.Tensor,
+    out_dir: Path,
+    *,
+    trials: int = SWEEP_TRIALS,
+    steps: int = SWEEP_STEPS,
+    eval_every: int = SWEEP_EVAL_EVERY,
+    seed: int = 0,
+) -> SweepResult:
+    """The demo's sweep (see the module docstring); trials.json and curves.png go to out_dir."""
+    data = next_byte_rows(text, CONTEXT, SWEEP_SAMPLES, seed + 300, "stdlib source")
+    async with AsyncClient(address, timeout=300.0) as client:
+        return await client.sweep(
+            name=SWEEP_NAME,
+            factory="flowmesh.examples:mlp",
+            space=SWEEP_SPACE,
+            data=data,
+            trials=trials,
+            steps=steps,
+            eval_every=eval_every,
+            pruner="successive_halving",
+            reduction_factor=2,
+            concurrency=2,
+            kwargs=SWEEP_KWARGS,
+            optimizer={"name": "adamw", "lr": 1e-3},
+            loss="cross_entropy",
+            batch=TRAIN_BATCH,
+            seed=seed,
+            out_dir=out_dir,
+            show=False,  # the demo prints its table at the end, not a live one among its own
+            timeout=300.0,
+        )
+
+
+async def sweep_after(opened: asyncio.Event, sweep: Awaitable[SweepResult]) -> SweepResult:
+    """The sweep, started once the training jobs are open, so that the jobs the demo checks
+    against plain PyTorch get their workers first. (Opening a job while others train is safe:
+    building and tracing a model and computing a task exclude each other on a worker, see
+    MODEL_CODE_LOCK in gpu_worker.train_job.)"""
+    await opened.wait()
+    return await sweep
+
+
+def pruner_consulted(result: SweepResult, steps: int = SWEEP_STEPS) -> int:
+    """Evaluations reported to the pruner before a trial's last step: each one was a
+    `should_prune` decision."""
+    return sum(1 for t in result.trials for step, _ in t.evals if step < steps)
+
+
+def report_sweep(result: SweepResult, steps: int = SWEEP_STEPS) -> int:
+    states = [t.state for t in result.trials]
+    counts = ", ".join(f"{states.count(s)} {s.lower()}" for s in sorted(set(states)))
+    print(
+        f"\nsweep {result.name} ({len(states)} trials: {counts}; successive halving consulted "
+        f"at {pruner_consulted(result, steps)} evaluations), next-byte prediction on stdlib "
+        "source, alongside the serving and the training jobs above:"
+    )
+    print(result.table())
+    best = result.best
+    if best is not None:
+        params = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items()
+        )
+        print(f"best: trial {best.number}, held-out loss {best.value:.4f} ({params})")
+    print(f"saved {result.json_path} and {result.png_path}")
+    failed = states.count("FAIL")
+    if best is None or failed:
+        reasons = "; ".join(t.reason for t in result.trials if t.state == "FAIL")[:300]
+        print(f"FAILED: the sweep completed no trial or had {failed} failed trials ({reasons})")
+        return 1
+    print("OK: the sweep ran its trials through the mesh and saved its table and plot")
+    return 0
 
 
 def train_batches(
@@ -145,8 +241,13 @@ class Trained:
 
 
 async def train_all(
-    address: str, specs: dict[str, ModelSpec], optimizers: dict[str, Any], data: dict[str, Batches]
+    address: str,
+    specs: dict[str, ModelSpec],
+    optimizers: dict[str, Any],
+    data: dict[str, Batches],
+    opened: asyncio.Event | None = None,
 ) -> dict[str, Trained]:
+    """Open the jobs (then set `opened`), send every step at once, close them."""
     async with AsyncClient(address, timeout=300.0) as client:
         jobs = {}
         for name, s in specs.items():  # one at a time: placement sees the footprints so far
@@ -159,6 +260,8 @@ async def train_all(
                 loss="cross_entropy",
                 batch_size=TRAIN_BATCH,
             )
+        if opened is not None:
+            opened.set()
 
         async def run(name: str) -> Trained:
             job = jobs[name]
@@ -247,7 +350,7 @@ def main(args: argparse.Namespace | None = None) -> int:
         f"flowmesh demo: {args.workers} CPU stand-in workers of {fmt_bytes(budget)} each "
         f"(+ {fmt_bytes(parse_size(TRAIN_BYTES))} for training), {len(specs)} models served, "
         f"{args.requests} requests from {args.clients} clients; {len(train_specs)} training jobs "
-        f"of {TRAIN_STEPS} steps at the same time\n",
+        f"of {TRAIN_STEPS} steps and a sweep of {SWEEP_TRIALS} trials at the same time\n",
         flush=True,
     )
     t_start = time.perf_counter()
@@ -287,7 +390,11 @@ def main(args: argparse.Namespace | None = None) -> int:
         trace = list(zip(times, zipf_choices(list(specs), args.requests, 1.1, rng), strict=True))
         checked = {n: Checked() for n in specs}
 
-        async def serve_and_train() -> tuple[tuple[dict[str, Tally], float], dict[str, Trained]]:
+        sweep_dir = Path.cwd() / SWEEP_NAME
+
+        async def serve_and_train() -> tuple[
+            tuple[dict[str, Tally], float], dict[str, Trained], SweepResult
+        ]:
             serving = run_trace(
                 mesh.frontend,
                 trace,
@@ -296,16 +403,20 @@ def main(args: argparse.Namespace | None = None) -> int:
                 timeout=120.0,
                 check=checker(refs, checked),
             )
-            training = train_all(mesh.frontend, train_specs, optimizers, data)
-            return await asyncio.gather(serving, training)
+            opened = asyncio.Event()
+            training = train_all(mesh.frontend, train_specs, optimizers, data, opened)
+            sweep = run_sweep(mesh.frontend, text, sweep_dir, seed=args.seed)
+            sweeping = sweep_after(opened, sweep)
+            return await asyncio.gather(serving, training, sweeping)
 
-        (tallies, wall), trained = asyncio.run(serve_and_train())
+        (tallies, wall), trained, swept = asyncio.run(serve_and_train())
         status = asyncio.run(fetch_status(mesh.frontend, after_s=3 * 0.5))
     code = report(status, tallies, checked, wall)
     t_ref = time.perf_counter()
     expected = {n: plain_losses(s, optimizers[n], data[n]) for n, s in train_specs.items()}
     ref_s = time.perf_counter() - t_ref
     code = max(code, report_training(status, train_specs, optimizers, trained, expected, ref_s))
+    code = max(code, report_sweep(swept))
     print(f"\ndemo done in {time.perf_counter() - t_start:.0f} s")
     return code
 
@@ -471,13 +582,19 @@ def report_training(
         held = [n for n, t in trained.items() if t.worker == w["name"]]
         footprint = sum(trained[n].footprint for n in held)
         budget = st.get("train_budget_bytes", 0)
-        if st.get("train_resident_peak", 0) > budget:
+        # Training is guaranteed its bytes and may borrow what serving leaves free of the one
+        # arena the worker owns (when the worker reports one): the arena is the hard limit.
+        limit = st.get("arena_bytes", budget)
+        if st.get("train_resident_peak", 0) > limit:
             over.append(w["name"])
+        borrowed = st.get("train_borrowed_peak", 0)
         print(
             f"{w['name']}: jobs {', '.join(held) or '-'} ({fmt_bytes(footprint)} of footprints) "
             f"in {fmt_bytes(budget)} of training bytes: peak resident "
-            f"{fmt_bytes(st.get('train_resident_peak', 0))}, "
-            f"{fmt_bytes(st.get('train_bytes_in', 0))} moved in, {st.get('train_steps', 0)} steps"
+            f"{fmt_bytes(st.get('train_resident_peak', 0))}"
+            + (f" (borrowed up to {fmt_bytes(borrowed)} from serving)" if borrowed else "")
+            + f", {fmt_bytes(st.get('train_bytes_in', 0))} moved in, "
+            f"{st.get('train_steps', 0)} steps"
         )
     rtol, atol = forward_tolerance(torch.float32)
     print(
@@ -487,9 +604,9 @@ def report_training(
         "'wrong' otherwise; steps/s while serving and the other jobs share the 2 workers"
     )
     if bad or over:
-        print(f"FAILED: {bad} training jobs wrong, {len(over)} workers over their training bytes")
+        print(f"FAILED: {bad} training jobs wrong, {len(over)} workers over their memory")
         return 1
-    print("OK: every job's losses match plain PyTorch and no worker exceeded its training bytes")
+    print("OK: every job's losses match plain PyTorch and no worker exceeded its memory")
     return 0
 
 

@@ -11,7 +11,13 @@
   device, which reads no values and allocates nothing. The same arguments give the same rows, so
   a run can be repeated, or compared with a plain PyTorch loop.
 - **File** (`from_file(path)`): a .safetensors file with an `inputs` tensor (or `inputs/<name>`
-  tensors for a model of several inputs) and a `targets` tensor, rows along dim 0.
+  tensors for a model of several inputs) and a `targets` tensor, rows along dim 0; any other file
+  is read as a **text corpus** (`text_windows`): next-byte prediction for a language model over
+  its bytes (vocabulary 256), rows of `seq` byte ids and the same rows shifted by one byte.
+- **Real text, offline** (`stdlib_corpus()`): the source of a few Python standard-library
+  modules (`inspect.getsource`), on every machine with Python, no download; `text_windows`
+  makes a language model's rows from it, `next_byte_rows` an MLP's (a window of bytes as
+  numbers in [-1, 3) -> the byte after it).
 
 `batches(data, batch, steps)` walks the rows in order, `batch` at a time, wrapping around at the
 end: step i takes rows i*batch .. (i+1)*batch - 1 modulo the number of rows.
@@ -19,7 +25,10 @@ end: step i takes rows i*batch .. (i+1)*batch - 1 modulo the number of rows.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,9 +105,55 @@ def synthetic(
     return Dataset(inputs, targets, f"synthetic ({samples} rows, seed {seed})")
 
 
-def from_file(path: str) -> Dataset:
-    """A .safetensors file with `inputs` (or `inputs/<name>`) and `targets`, rows on dim 0."""
+STDLIB_MODULES = ("textwrap", "heapq", "bisect", "fnmatch", "shlex", "difflib")
+
+
+def stdlib_corpus(modules: tuple[str, ...] = STDLIB_MODULES) -> torch.Tensor:
+    """The bytes (int64) of some standard-library modules' source: real text, offline, the same
+    bytes on every run of one Python."""
+    text = "\n".join(inspect.getsource(importlib.import_module(m)) for m in modules)
+    return torch.tensor(list(text.encode()), dtype=torch.int64)
+
+
+def text_windows(text: torch.Tensor, seq: int, source: str) -> Dataset:
+    """A language model's rows from a byte corpus: consecutive, non-overlapping windows of
+    `seq` + 1 bytes, in order; inputs the first `seq` byte ids, targets the last `seq` (each
+    byte's successor)."""
+    if seq < 1 or text.numel() < seq + 1:
+        raise _bad(f"{source}: {text.numel()} bytes make no window of {seq} + 1 bytes")
+    rows = (text.numel() - 1) // seq
+    ids = text[: rows * seq + 1]
+    inputs = ids[:-1].reshape(rows, seq).contiguous()
+    targets = ids[1:].reshape(rows, seq).contiguous()
+    return Dataset({"": inputs}, targets, f"{source}: {rows} windows of {seq} bytes")
+
+
+def next_byte_rows(
+    text: torch.Tensor, context: int, samples: int, seed: int, source: str
+) -> Dataset:
+    """An MLP's rows from a byte corpus: `samples` windows at positions drawn with `seed`; inputs
+    the `context` bytes as numbers in [-1, 3) (byte / 64 - 1), target the byte after them."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, text.numel() - context - 1, (samples,), generator=g)
+    windows = torch.stack([text[i : i + context + 1] for i in starts.tolist()])
+    return Dataset(
+        {"": windows[:, :-1].float() / 64 - 1},
+        windows[:, -1].contiguous(),
+        f"{source}: {samples} windows of {context} bytes -> the next byte",
+    )
+
+
+def from_file(path: str, seq: int = 32) -> Dataset:
+    """A .safetensors file with `inputs` (or `inputs/<name>`) and `targets`, rows on dim 0; any
+    other file a text corpus for next-byte prediction in windows of `seq` (`text_windows`)."""
     from safetensors.torch import load_file
+
+    if Path(path).suffix != ".safetensors":
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise _bad(f"{path}: {exc}") from None
+        return text_windows(torch.tensor(list(raw), dtype=torch.int64), seq, path)
 
     tensors = load_file(path)
     targets = tensors.pop("targets", None)

@@ -14,6 +14,7 @@ from torch import nn
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import Device
 from gpu_worker.host_tier import HostStage
+from gpu_worker.train_job import MODEL_CODE_LOCK
 from partitioner.plan import Plan
 from partitioner.stages import materialize_stage
 
@@ -21,7 +22,9 @@ from partitioner.stages import materialize_stage
 def prepare_stage(
     spec: ModelSpec, plan: dict[str, Any], index: int, device: Device, allow: tuple[str, ...]
 ) -> tuple[list[nn.Module], HostStage]:
-    stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
+    # Seeding and tracing touch process-wide state a training task uses (see MODEL_CODE_LOCK).
+    with MODEL_CODE_LOCK:
+        stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
     # keep_vars: the tensors themselves, so ties across blocks are seen and stored once
     groups = [dict(block.state_dict(keep_vars=True)) for block in stage.blocks]
     host = HostStage.build(groups, allocate=device.host_buffer)

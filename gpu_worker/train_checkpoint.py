@@ -6,8 +6,10 @@ A checkpoint is a directory holding
   doubles as a weights file for serving the trained model), each optimizer state tensor as
   `optimizer/<parameter>/<key>` (the step counters too) and the job's RNG state as `rng/cpu`
   (and `rng/cuda`);
-- `job.json`: the job's training configuration, step, sub-model ranges and optimizer
-  hyper-parameters (also embedded in the safetensors header under "flowmesh").
+- `job.json`: the job's training configuration (optimizer, loss spec: a built-in name or a loss
+  factory with its kwargs, clipping, accumulation, seed), step, sub-model ranges and optimizer
+  hyper-parameters (also embedded in the safetensors header under "flowmesh"). A resume without
+  a configuration continues with this one; one with another loss is refused.
 
 Tensors are matched by name, not by sub-model, so a job may resume under another chunk plan.
 """
@@ -129,6 +131,14 @@ def load_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> int:
         != str(want.get("name", want.get("type"))).lower()
     ):
         raise _bad(f"checkpoint {str(path)!r} was trained with {saved}, the job uses {want}")
+    saved_loss = meta["config"].get("loss", "cross_entropy")
+    want_loss = job.config.to_dict()["loss"]
+    if saved_loss != want_loss:
+        raise _bad(
+            f"checkpoint {str(path)!r} was trained with loss {saved_loss!r}, the job asks for "
+            f"{want_loss!r}; resume without a training configuration to continue with the "
+            "checkpoint's own (its optimizer and loss)"
+        )
     file = Path(path) / STATE_FILE
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")

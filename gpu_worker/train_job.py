@@ -37,9 +37,12 @@ norm) is known. What makes it exact (DESIGN section 6.9):
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
+import threading
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +53,15 @@ from torch.nn import functional as F
 
 from flowmesh.build import TORCH_DTYPES, call_model
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import BLOCK_ALIGN, TENSOR_ALIGN, TensorSpec
+from flowmesh.spec import (
+    BLOCK_ALIGN,
+    DEFAULT_ALLOW,
+    FACTORY_RE,
+    MAX_KWARGS_BYTES,
+    TENSOR_ALIGN,
+    TensorSpec,
+    factory_allowed,
+)
 from gpu_worker.device import Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.train_scheduler import ANY, Task
@@ -71,6 +82,15 @@ _IMPL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 FORWARD, LAST, BACKWARD, UPDATE, SAVE = "forward", "last", "backward", "update", "save"
 EVAL = "eval"
 
+# Held while model code runs in this process. Two things model code touches are process-wide,
+# not per thread: torch's default generator (a task sets it to its job's RNG state; building a
+# seeded model reseeds it) and torch.fx's tracer, which patches nn.Module.__call__ for every
+# thread while it traces (a forward elsewhere then fails with "module is not installed as a
+# submodule"). A task's compute holds it; whatever builds, seeds, traces or profiles a model on
+# a worker that trains (`gpu_worker.training.open_job`, a stage load) must hold it too, or a job
+# opened while others train changes their dropout masks and its own initial weights.
+MODEL_CODE_LOCK = threading.RLock()
+
 
 def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # Language-model logits (batch, time, vocab) against ids (batch, time): classes are last.
@@ -79,10 +99,97 @@ def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, target)
 
 
-LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LOSSES: dict[str, LossFn] = {
     "cross_entropy": _cross_entropy,
     "mse": F.mse_loss,
 }
+# Loss factories shipped with flowmesh: allowed on every worker, whatever its --allow (they are
+# flowmesh's own code, like the built-in losses above).
+LOSS_ALLOW = ("flowmesh.losses",)
+LossSpec = str | Mapping[str, Any]
+
+
+def loss_name(loss: LossSpec) -> str:
+    """How a loss spec reads in messages: its name or factory, with its kwargs."""
+    if isinstance(loss, str):
+        return loss
+    kwargs = loss.get("kwargs") or {}
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return f"{loss.get('factory')}({args})"
+
+
+def check_loss_spec(loss: Any) -> LossSpec:
+    """A loss spec's form (no import): a built-in name, 'package.module:callable', or
+    {"factory": "package.module:callable", "kwargs": {...}}; returns it as plain data."""
+    if isinstance(loss, str):
+        if loss in LOSSES or FACTORY_RE.match(loss):
+            return loss
+        raise _bad(
+            f"loss {loss!r}: expected one of {', '.join(LOSSES)}, or a loss factory "
+            "'package.module:callable' from the worker's allow-list"
+        )
+    if isinstance(loss, Mapping):
+        unknown = sorted(set(loss) - {"factory", "kwargs"})
+        factory, kwargs = loss.get("factory"), loss.get("kwargs") or {}
+        if unknown or not isinstance(factory, str) or not FACTORY_RE.match(factory):
+            raise _bad(
+                f"loss {dict(loss)!r}: a mapping needs 'factory': 'package.module:callable' "
+                "and optionally 'kwargs' (nothing else)"
+            )
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise _bad(f"loss {factory}: kwargs must be a mapping with string keys")
+        try:
+            size = len(json.dumps(dict(kwargs)))
+        except (TypeError, ValueError) as exc:
+            raise _bad(f"loss {factory}: kwargs must be plain data: {exc}") from None
+        if size > MAX_KWARGS_BYTES:
+            raise _bad(f"loss {factory}: kwargs are {size} bytes, limit {MAX_KWARGS_BYTES}")
+        return {"factory": factory, "kwargs": dict(kwargs)}
+    raise _bad(f"loss must be a name, a factory string or a mapping, got {type(loss).__name__}")
+
+
+def resolve_loss(loss: LossSpec, allow: Iterable[str] | None = None) -> LossFn:
+    """The callable `loss(output, target) -> scalar tensor` of a loss spec, on this worker.
+
+    A factory runs only if its module is on `allow` (the worker's --allow; DEFAULT_ALLOW when not
+    given) or is one of flowmesh's own loss modules (LOSS_ALLOW); it is called with its kwargs
+    and must return a callable. Refusals are NOT_ALLOWED, other problems BAD_REQUEST; both say
+    that the worker refused, at open, before any step runs.
+    """
+    loss = check_loss_spec(loss)
+    if isinstance(loss, str) and loss in LOSSES:
+        return LOSSES[loss]
+    factory = loss if isinstance(loss, str) else loss["factory"]
+    kwargs = {} if isinstance(loss, str) else dict(loss["kwargs"])
+    allowed = (*(DEFAULT_ALLOW if allow is None else tuple(allow)), *LOSS_ALLOW)
+    if not factory_allowed(factory, allowed):
+        raise FlowmeshError(
+            Code.NOT_ALLOWED,
+            f"the worker refused loss factory {factory!r}: its module is not in the worker's "
+            f"allow-list ({', '.join(allowed)}); a loss factory is code the worker runs, so "
+            "start workers with --allow for its module",
+        )
+    module_name, attr = factory.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise _bad(f"the worker could not import loss factory {factory!r}: {exc}") from None
+    make = getattr(module, attr, None)
+    if not callable(make):
+        raise _bad(f"loss factory {factory!r} is not a callable on the worker")
+    try:
+        fn = make(**kwargs)
+    except Exception as exc:
+        raise _bad(
+            f"loss factory {loss_name(loss)} failed on the worker: {type(exc).__name__}: {exc}"
+        ) from None
+    if not callable(fn):
+        raise _bad(
+            f"loss factory {loss_name(loss)} returned {type(fn).__name__}, not a callable "
+            "loss(output, target) -> scalar tensor"
+        )
+    return fn
 
 
 def _bad(reason: str) -> FlowmeshError:
@@ -98,7 +205,9 @@ class TrainConfig:
     """How a job trains: optimizer, loss and step options (plain data, JSON-able)."""
 
     optimizer: Mapping[str, Any]
-    loss: str = "cross_entropy"
+    # A built-in name, "package.module:callable" or {"factory": ..., "kwargs": {...}}: a factory
+    # from the worker's allow-list returning loss(output, target) -> scalar (resolve_loss).
+    loss: LossSpec = "cross_entropy"
     clip_grad_norm: float | None = None
     accumulate: int = 1  # micro-batches per step: the step's batch is split into this many
     seed: int = 0  # the job's RNG stream (dropout); weights come from the model's own seed
@@ -111,8 +220,7 @@ class TrainConfig:
         if not isinstance(name, str) or name.lower() not in OPTIMIZERS:
             raise _bad(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
         object.__setattr__(self, "optimizer", dict(self.optimizer))
-        if self.loss not in LOSSES:
-            raise _bad(f"loss {self.loss!r}: expected one of {', '.join(LOSSES)}")
+        object.__setattr__(self, "loss", check_loss_spec(self.loss))
         clip = self.clip_grad_norm
         if clip is not None and (
             isinstance(clip, bool)
@@ -140,7 +248,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "optimizer": dict(self.optimizer),
-            "loss": self.loss,
+            "loss": self.loss if isinstance(self.loss, str) else dict(self.loss),
             "clip_grad_norm": self.clip_grad_norm,
             "accumulate": self.accumulate,
             "seed": self.seed,
@@ -305,7 +413,8 @@ class TrainingJob:
     bytes a backward / forward task of sub-model i holds besides its tensors (from the model's
     profile; see `gpu_worker.training.open_job`); they are reserved in the arena so that the
     budget accounts for them. Calls into a job come from one executor: the driver thread plans
-    copies, the compute lane runs tasks, never two tasks of one job at once.
+    copies, the compute lane runs tasks, never two tasks of one job at once. `allow` is the
+    worker's allow-list for a loss factory (`resolve_loss`).
     """
 
     def __init__(
@@ -319,9 +428,12 @@ class TrainingJob:
         inputs: Mapping[str, TensorSpec] | None = None,
         act_bytes: Sequence[int] | None = None,
         fwd_bytes: Sequence[int] | None = None,
+        allow: Iterable[str] | None = None,
     ) -> None:
         self.name = name
         self.config = config
+        # Resolved at open: a refused or broken loss factory fails the open, not a step.
+        self.loss_fn = resolve_loss(config.loss, allow)
         self.device = device
         self.inputs = dict(inputs) if inputs is not None else None
         self.ranges = [(int(a), int(b)) for a, b in ranges]
@@ -779,17 +891,18 @@ class TrainingJob:
         for off, size in plan.zero:
             arena[off : off + size].zero_()
         sub = self.subs[task.sub]
-        bound = self._bind(task, sub, base, arena)
-        try:
-            if task.kind == FORWARD:
-                return self._run_forward(task, sub, base, arena)
-            if task.kind == EVAL:
-                return self._run_eval(task, sub)
-            if task.kind == UPDATE:
-                return self._run_update(task, sub, base, arena)
-            return self._run_backward(task, sub, base, arena)
-        finally:
-            self._unbind(bound)
+        with MODEL_CODE_LOCK:
+            bound = self._bind(task, sub, base, arena)
+            try:
+                if task.kind == FORWARD:
+                    return self._run_forward(task, sub, base, arena)
+                if task.kind == EVAL:
+                    return self._run_eval(task, sub)
+                if task.kind == UPDATE:
+                    return self._run_update(task, sub, base, arena)
+                return self._run_backward(task, sub, base, arena)
+            finally:
+                self._unbind(bound)
 
     def _view(self, arena: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
         return view_of(arena, offset, slot)
@@ -920,18 +1033,12 @@ class TrainingJob:
             self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
             return TaskResult()
         target = self._unstash(self._data[task.request][1][task.micro])
-        try:
-            with torch.no_grad():
-                loss = LOSSES[self.config.loss](out, target) / self.config.accumulate
-        except Exception as exc:
-            raise _bad(
-                f"job {self.name!r}: loss {self.config.loss!r} failed on outputs of shape "
-                f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
-            ) from None
+        with torch.no_grad():
+            loss = self._loss(out, target) / self.config.accumulate
         value = float(loss.item())
         self._losses[task.request].append(value)
         self._nonfinite[task.request] |= not math.isfinite(value)
-        if self.config.loss == "cross_entropy" and not target.is_floating_point():
+        if not target.is_floating_point():  # class ids: the predictions' accuracy too
             classes = out.argmax(-1) if out.dim() == target.dim() + 1 else None
             if classes is not None:
                 counts = self._correct[task.request]
@@ -1043,15 +1150,33 @@ class TrainingJob:
         self.grad_valid[n] = True
         return info.slot.nbytes
 
-    def _loss_and_backward(self, task: Task, out: torch.Tensor) -> TaskResult:
-        target = self._unstash(self._data[task.request][1][task.micro])
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The job's loss on one micro-batch, checked to be a floating scalar tensor."""
+        spec = self.config.loss
+        name = repr(spec) if isinstance(spec, str) else loss_name(spec)
         try:
-            loss = LOSSES[self.config.loss](out, target) / self.config.accumulate
+            loss = self.loss_fn(out, target)
         except Exception as exc:
             raise _bad(
-                f"job {self.name!r}: loss {self.config.loss!r} failed on outputs of shape "
+                f"job {self.name!r}: loss {name} failed on outputs of shape "
                 f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
             ) from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            what = (
+                f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+            raise FlowmeshError(
+                Code.MODEL_ERROR,
+                f"job {self.name!r}: loss {name} returned {what}; a loss must return a "
+                "floating scalar tensor",
+            )
+        return loss.reshape(())
+
+    def _loss_and_backward(self, task: Task, out: torch.Tensor) -> TaskResult:
+        target = self._unstash(self._data[task.request][1][task.micro])
+        loss = self._loss(out, target) / self.config.accumulate
         value = float(loss.detach().item())
         nonfinite = not math.isfinite(value)
         if nonfinite and self.config.stop_on_nonfinite:

@@ -53,6 +53,7 @@ from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_job import (
     LOSSES,
+    MODEL_CODE_LOCK,
     OPTIMIZERS,
     CopyPlan,
     Inputs,
@@ -607,22 +608,34 @@ def open_job(
         )
     micro = batch // config.accumulate
     allow = tuple(allow)
-    prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow)
-    if plan is None:
-        if target_bytes is None:
-            raise FlowmeshError(Code.BAD_REQUEST, "give a chunk target in bytes or a chunk plan")
-        plan = chunk_plan(prof, target_bytes, config.optimizer, micro)
-    model = build_seeded(spec, allow)
-    inputs = declared_inputs(spec, model)
-    example = make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None
-    blocks = chain_of(model, example)
+    if plan is None and target_bytes is None:
+        raise FlowmeshError(Code.BAD_REQUEST, "give a chunk target in bytes or a chunk plan")
+    # Profiling, seeding and tracing touch process-wide state that running tasks use (torch's
+    # default generator, torch.fx's patch of nn.Module.__call__): not while a task computes.
+    with MODEL_CODE_LOCK:
+        prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow)
+        if plan is None:
+            assert target_bytes is not None
+            plan = chunk_plan(prof, target_bytes, config.optimizer, micro)
+        model = build_seeded(spec, allow)
+        inputs = declared_inputs(spec, model)
+        example = make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None
+        blocks = chain_of(model, example)
     if tuple(b.name for b in blocks) != plan.block_names:
         raise FlowmeshError(
             Code.PLAN_ERROR, f"the plan's blocks are not {spec.name!r}'s chain; re-plan the model"
         )
     act, fwd = reservations(prof, plan.ranges, micro)
     job = TrainingJob(
-        name, blocks, plan.ranges, config, device, inputs=inputs, act_bytes=act, fwd_bytes=fwd
+        name,
+        blocks,
+        plan.ranges,
+        config,
+        device,
+        inputs=inputs,
+        act_bytes=act,
+        fwd_bytes=fwd,
+        allow=allow,
     )
     if resume is not None:
         load_checkpoint(job, resume)

@@ -721,3 +721,140 @@ def test_eval_matches_plain_pytorch_and_leaves_later_steps_unchanged(
     close([r.loss for r in steps], plain, "steps around an eval vs a run without it")
     for name, t in without.state_dict().items():
         close(with_eval.state_dict()[name], t, f"{name} (buffers included) after the eval")
+
+
+# -- loss factories ----------------------------------------------------------------------------
+
+SMOOTHED = {"factory": "flowmesh.losses:label_smoothing", "kwargs": {"eps": 0.2}}
+
+
+@pytest.mark.parametrize("loss", ["flowmesh.losses:label_smoothing", SMOOTHED])
+def test_a_loss_factory_trains_like_plain_pytorch(loss: Any) -> None:
+    """A factory from the allow-list (flowmesh.losses is allowed on every worker), with and
+    without kwargs, through three sub-models of the example MLP with clipping."""
+    cfg = TrainConfig({"name": "adamw", "lr": 0.01}, loss=loss, clip_grad_norm=0.5, seed=3)
+    eps = 0.2 if isinstance(loss, dict) else 0.1
+    data = data_for("mlp")
+    model = build("mlp")
+    blocks = blocks_of("mlp", model)
+    job = TrainingJob("smooth", blocks, even_ranges(len(blocks), 3), cfg, CpuStandIn(MIB))
+    results = flow_run(job, data)
+
+    reference = build("mlp").train()
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected = []
+    for x, y in data:
+        opt.zero_grad()
+        value = F.cross_entropy(reference(x), y, label_smoothing=eps)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        opt.step()
+        expected.append(value.item())
+    close([r.loss for r in results], expected, "per-step losses with label smoothing")
+    assert_same_model(job, reference)
+
+
+def test_mse_and_huber_losses_on_regression_targets() -> None:
+    g = torch.Generator().manual_seed(9)
+    data = [(torch.randn(8, 8, generator=g), 3 * torch.randn(8, 5, generator=g)) for _ in range(6)]
+    for loss, fn in [
+        ("mse", F.mse_loss),
+        ({"factory": "flowmesh.losses:huber", "kwargs": {"delta": 0.5}}, None),
+    ]:
+        cfg = TrainConfig({"name": "sgd", "lr": 0.05, "momentum": 0.9}, loss=loss)
+        model = build("mlp")
+        blocks = blocks_of("mlp", model)
+        job = TrainingJob("reg", blocks, even_ranges(len(blocks), 2), cfg, CpuStandIn(MIB))
+        results = flow_run(job, data)
+        reference = build("mlp").train()
+        opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        expected = []
+        for x, y in data:
+            opt.zero_grad()
+            out = reference(x)
+            value = fn(out, y) if fn is not None else F.huber_loss(out, y, delta=0.5)
+            value.backward()
+            opt.step()
+            expected.append(value.item())
+        close([r.loss for r in results], expected, f"per-step losses with {loss}")
+
+
+@pytest.mark.parametrize(
+    ("loss", "code", "says"),
+    [
+        ("json:loads", Code.NOT_ALLOWED, "the worker refused loss factory 'json:loads'"),
+        ("tests.worker.test_training:dropout_net", Code.NOT_ALLOWED, "not in the worker's"),
+        ("hinge", Code.BAD_REQUEST, "expected one of cross_entropy, mse"),
+        ({"factory": "flowmesh.losses:label_smoothing", "extra": 1}, Code.BAD_REQUEST, "nothing"),
+        ({"factory": "flowmesh.losses:label_smoothing", "kwargs": {"eps": 2}}, Code.BAD_REQUEST,
+         "eps must be a number in [0, 1)"),
+        ({"factory": "flowmesh.losses:label_smoothing", "kwargs": {"bad": 1}}, Code.BAD_REQUEST,
+         "unexpected keyword argument"),
+        ("flowmesh.losses:missing", Code.BAD_REQUEST, "is not a callable"),
+        ("flowmesh.losses:Loss", Code.BAD_REQUEST, "failed on the worker"),
+    ],
+)  # fmt: skip
+def test_a_refused_or_broken_loss_fails_the_open(loss: Any, code: Code, says: str) -> None:
+    model = build("mlp")
+    blocks = blocks_of("mlp", model)
+    with pytest.raises(FlowmeshError) as info:
+        cfg = TrainConfig({"name": "adam", "lr": 0.01}, loss=loss)
+        TrainingJob("refused", blocks, [(0, len(blocks))], cfg, CpuStandIn(MIB))
+    assert info.value.code == code and says in info.value.reason, info.value.reason
+
+
+def test_a_loss_that_returns_no_scalar_fails_the_step_alone(tmp_path: Path) -> None:
+    """A worker's own --allow admits test modules; a loss returning per-row values is a clear
+    error of that step, and the job keeps training afterwards."""
+    loss = {"factory": "tests.worker.test_training:per_row_loss", "kwargs": {}}
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, loss=loss)
+    model = build("mlp")
+    blocks = blocks_of("mlp", model)
+    job = TrainingJob(
+        "rows", blocks, even_ranges(len(blocks), 2), cfg, CpuStandIn(MIB),
+        allow=("flowmesh.examples", "tests.worker.test_training"),
+    )  # fmt: skip
+    with TrainingExecutor(job.device) as ex:
+        ex.open(job)
+        with pytest.raises(FlowmeshError) as info:
+            ex.step("rows", *data_for("mlp", 1)[0], timeout=60)
+    assert info.value.code == Code.MODEL_ERROR
+    assert "returned a torch.float32 tensor of shape (8,)" in info.value.reason
+
+
+def per_row_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda out, y: F.cross_entropy(out, y, reduction="none")
+
+
+def test_a_checkpoint_keeps_the_loss_and_resumes_with_it(tmp_path: Path) -> None:
+    from gpu_worker.train_checkpoint import load_checkpoint
+    from gpu_worker.training import config_from
+
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, loss=SMOOTHED, seed=2)
+    data = data_for("mlp", 8, seed=6)
+    model = build("mlp")
+    blocks = blocks_of("mlp", model)
+    whole = TrainingJob("run", blocks, even_ranges(len(blocks), 2), cfg, CpuStandIn(MIB))
+    with TrainingExecutor(whole.device) as ex:
+        ex.open(whole)
+        first = [ex.submit("run", x, y) for x, y in data[:4]]
+        saved = ex.save("run", tmp_path / "ckpt")
+        rest = [ex.submit("run", x, y) for x, y in data[4:]]
+        uninterrupted = [f.result(timeout=120).loss for f in first + rest]
+        saved.result(timeout=60)
+
+    meta = read_meta(tmp_path / "ckpt")
+    assert meta["config"]["loss"] == SMOOTHED
+    again_cfg = config_from(meta)  # what a resume without a configuration uses
+    assert again_cfg.loss == SMOOTHED
+    blocks2 = blocks_of("mlp", build("mlp"))
+    resumed = TrainingJob("again", blocks2, even_ranges(len(blocks2), 3), again_cfg,
+                          CpuStandIn(MIB))  # fmt: skip
+    assert load_checkpoint(resumed, tmp_path / "ckpt") == 4
+    close([r.loss for r in flow_run(resumed, data[4:])], uninterrupted[4:], "after resuming")
+
+    other = TrainingJob("plain-ce", blocks_of("mlp", build("mlp")), [(0, len(blocks2))],
+                        TrainConfig({"name": "adam", "lr": 0.01}), CpuStandIn(MIB))  # fmt: skip
+    with pytest.raises(FlowmeshError) as info:
+        load_checkpoint(other, tmp_path / "ckpt")
+    assert "trained with loss" in info.value.reason

@@ -1,0 +1,395 @@
+"""Exactness through the mesh, the whole grid (issue 7, section 3): the example MLP, a tiny GPT
+with dropout, a small ResNet with BatchNorm and Hugging Face GPT-2 with its tied embedding and
+head, each with SGD+momentum, Adam and AdamW, cut into one to four sub-models, with and without
+gradient clipping: 96 jobs open at once on one mesh, 20 steps each, all in flight together.
+
+Per-step losses and final parameters (read back from each job's checkpoint) are compared with a
+plain PyTorch loop on the same seeds and data, with `torch.testing.assert_close` at rtol 1e-5 /
+atol 1e-6 (README "Tests": training results are compared within tolerance, never bit for bit).
+Plain PyTorch does not depend on the cut, so one reference run serves the four sub-model counts
+of a (model, optimizer, clip) cell. The sub-model count of a job is forced by its chunk target
+(`chunk_bytes`), found here with the partitioner the worker itself plans with.
+
+The last test opens jobs while another trains: building, seeding and tracing a model touch
+process-wide state a computing task uses, so `open_job` and stage loads hold
+`gpu_worker.train_job.MODEL_CODE_LOCK`, as task computes do (without it that test fails).
+
+`pytest -s` prints the exactness table (model x optimizer x sub-models x clip -> max relative
+difference of the losses and of the parameters); it is also written to
+`$FLOWMESH_EXACTNESS_TABLE` when that is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh.build import build_seeded
+from flowmesh.spec import ModelSpec
+from partitioner.plan import chunk_plan
+from partitioner.profile import profile
+from tests.mesh.conftest import FAST
+
+KIB = 1 << 10
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 20
+BATCH = 8
+SEQ = 6
+VOCAB = 40
+CLIP = 0.5
+RNG_SEED = 21  # every job's own random stream (dropout), as `rng_seed=` of train_open
+TRAIN_BYTES = 512 * KIB  # far below the 96 jobs' footprints together: memory flows between them
+ALLOW = ("flowmesh.examples", "torch.nn", "tests.mesh.train_models")
+ALLOW_ARGS = [a for m in ALLOW for a in ("--allow", m)]
+
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec(
+        name="mlp",
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": 32, "depth": 4, "in_features": 8, "out_features": 5},
+        seed=3,
+    ),
+    "gpt-dropout": ModelSpec(
+        name="gpt-dropout",
+        factory="tests.mesh.train_models:dropout_gpt",
+        kwargs={"vocab": VOCAB, "d_model": 16, "n_layers": 2, "n_heads": 2},
+        seed=4,
+    ),
+    "resnet-bn": ModelSpec(
+        name="resnet-bn",
+        factory="flowmesh.examples:small_resnet",
+        kwargs={"num_classes": 5, "width": 4, "blocks": [1, 1, 1], "image": 8},
+        seed=5,
+    ),
+    "hf-gpt2-tied": ModelSpec(
+        name="hf-gpt2-tied",
+        factory="flowmesh.examples:hf_gpt2",
+        kwargs={"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": VOCAB, "n_positions": 16},
+        seed=6,
+    ),
+}
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "sgd+momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+    "adam": {"name": "adam", "lr": 0.01},
+    "adamw": {"name": "adamw", "lr": 0.01, "weight_decay": 0.05},
+}
+TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+PARTS = (1, 2, 3, 4)
+CLIPS: tuple[float | None, ...] = (None, CLIP)
+Data = list[tuple[torch.Tensor, torch.Tensor]]
+Cell = tuple[str, str, float | None]  # model, optimizer, clip: one plain PyTorch run
+
+
+def data_for(model: str, seed: int) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    out: Data = []
+    for _ in range(STEPS):
+        if model in ("gpt-dropout", "hf-gpt2-tied"):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            out.append((ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)))
+        elif model == "resnet-bn":
+            x = torch.randn(BATCH, 3, 8, 8, generator=g)
+            out.append((x, torch.randint(0, 5, (BATCH,), generator=g)))
+        else:
+            x = torch.randn(BATCH, 8, generator=g)
+            out.append((x, torch.randint(0, 5, (BATCH,), generator=g)))
+    return out
+
+
+@dataclass
+class Plain:
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    params: set[str]
+
+
+def plain_run(model_name: str, optimizer: dict[str, Any], clip: float | None, data: Data) -> Plain:
+    """What a PyTorch user writes: zero_grad, loss, backward, clip by global norm, step."""
+    model: nn.Module = build_seeded(MODELS[model_name], ALLOW).train()
+    options = dict(optimizer)
+    opt = TORCH_OPTIMIZERS[options.pop("name")](model.parameters(), **options)
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RNG_SEED)
+        for x, y in data:
+            opt.zero_grad()
+            out = model(x)
+            logits = out if isinstance(out, torch.Tensor) else out.logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Plain(losses, state, {n for n, _ in model.named_parameters()})
+
+
+def chunk_targets(spec: ModelSpec, prof: Any, optimizer: dict[str, Any]) -> dict[int, int]:
+    """A chunk target that makes the worker cut `spec` into k sub-models, for each k of PARTS:
+    the middle of the range of targets that give k (the worker plans with the same profile:
+    bytes only, at the micro-batch, sequence length 1)."""
+    found: dict[int, list[int]] = {}
+    target = 2 * KIB
+    while target < 2048 * KIB:
+        try:
+            k = len(chunk_plan(prof, target, optimizer, BATCH).ranges)
+        except Exception:  # below the largest block: no plan
+            k = 0
+        found.setdefault(k, []).append(target)
+        target = math.ceil(target * 1.015)
+    missing = [k for k in PARTS if k not in found]
+    assert not missing, f"{spec.name}/{optimizer['name']}: no chunk target gives {missing} parts"
+    return {k: found[k][len(found[k]) // 2] for k in PARTS}
+
+
+@dataclass
+class Case:
+    model: str
+    optimizer: str
+    parts: int
+    clip: float | None
+    chunk_bytes: int
+    name: str = ""
+    sub_models: int = 0
+    losses: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def cell(self) -> Cell:
+        return (self.model, self.optimizer, self.clip)
+
+
+def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| relative to the largest |expected| (the tensor's scale)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    diff = float((a - e).abs().max()) if e.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def check(case: Case, want: Plain) -> tuple[float, float, list[str]]:
+    """(losses' max relative difference, parameters' max relative difference, failures)."""
+    problems: list[str] = []
+    if case.error:
+        return math.inf, math.inf, [case.error]
+    if case.sub_models != case.parts:
+        problems.append(f"cut into {case.sub_models} sub-models, not {case.parts}")
+    if case.steps != list(range(1, STEPS + 1)):
+        problems.append(f"steps {case.steps}")
+    got_l, want_l = torch.tensor(case.losses, dtype=torch.float64), torch.tensor(want.losses)
+    loss_rel = float(((got_l - want_l).abs() / want_l.abs()).max())
+    try:
+        torch.testing.assert_close(got_l, want_l.double(), rtol=RTOL, atol=ATOL)
+    except AssertionError as exc:
+        problems.append(f"losses: {exc}")
+    missing = want.params - set(case.state)
+    if missing:
+        problems.append(f"parameters missing from the checkpoint: {sorted(missing)}")
+    param_rel = 0.0
+    for n in sorted(set(case.state) & set(want.state)):
+        got, exp = case.state[n], want.state[n]
+        if exp.is_floating_point():
+            param_rel = max(param_rel, rel_diff(got, exp))
+        try:
+            torch.testing.assert_close(got, exp, rtol=RTOL, atol=ATOL)
+        except AssertionError as exc:
+            problems.append(f"{n}: {exc}")
+    if case.clip is not None and not any(g > case.clip for g in case.grad_norms):
+        problems.append(f"the clip at {case.clip} was never exercised")
+    return loss_rel, param_rel, problems
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+async def run_all(address: str, cases: list[Case], data: dict[str, Data], out: Path) -> None:
+    async with AsyncClient(address, timeout=600.0) as client:
+
+        async def open_job(case: Case) -> Any:
+            s = MODELS[case.model]
+            try:
+                job = await client.train_open(
+                    case.name,
+                    s.factory,
+                    kwargs=s.kwargs,
+                    seed=s.seed,
+                    optimizer=OPTIMIZERS[case.optimizer],
+                    loss="cross_entropy",
+                    batch_size=BATCH,
+                    clip_grad_norm=case.clip,
+                    rng_seed=RNG_SEED,
+                    chunk_bytes=case.chunk_bytes,
+                    timeout=600.0,
+                )
+            except Exception as exc:
+                case.error = f"open: {type(exc).__name__}: {exc}"
+                return None
+            case.sub_models = len(job.info["sub_models"])
+            return job
+
+        async def train(case: Case, job: Any) -> None:
+            try:
+                # Every step of the job in flight at once; all the jobs' steps interleave.
+                pending = [job.step_async(x, y, timeout=600.0) for x, y in data[case.model]]
+                results = await asyncio.gather(*pending)
+                case.losses = [r.loss for r in results]
+                case.steps = [r.step for r in results]
+                case.grad_norms = [r.metrics.get("grad_norm", 0.0) for r in results]
+                saved = await job.save(str(out / case.name), timeout=600.0)
+                await job.close(timeout=600.0)
+            except Exception as exc:
+                case.error = f"{type(exc).__name__}: {exc}"
+                return
+            tensors = load_file(str(Path(saved["path"]) / "state.safetensors"))
+            case.state = {k: v for k, v in tensors.items() if "/" not in k}  # not optimizer/rng
+
+        # Every job opened before any step is sent: see the module docstring.
+        t0 = time.perf_counter()
+        jobs = await asyncio.gather(*(open_job(c) for c in cases))
+        t1 = time.perf_counter()
+        await asyncio.gather(*(train(c, j) for c, j in zip(cases, jobs, strict=True) if j))
+        t2 = time.perf_counter()
+        print(f"\nopened {len(cases)} jobs in {t1 - t0:.1f} s, trained in {t2 - t1:.1f} s")
+
+
+def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    torch.set_num_threads(1)  # the workers keep both cores busy
+    t0 = time.perf_counter()
+    data = {m: data_for(m, seed=40 + i) for i, m in enumerate(MODELS)}
+    cases: list[Case] = []
+    for model, spec in MODELS.items():
+        prof = profile(spec, batch=BATCH, seq_len=1, allow=ALLOW)
+        for opt_name, opt in OPTIMIZERS.items():
+            targets = chunk_targets(spec, prof, opt)
+            for clip in CLIPS:
+                for k in PARTS:
+                    cases.append(Case(model, opt_name, k, clip, targets[k]))
+    for i, c in enumerate(cases):
+        c.name = f"x{i:02d}-{c.model}-{c.optimizer.split('+')[0]}-k{c.parts}-c{int(bool(c.clip))}"
+
+    print(f"\nchunk targets in {time.perf_counter() - t0:.1f} s")
+    with LocalMesh(
+        cpu_workers=2,
+        memory_budget="8MiB",
+        train_bytes=TRAIN_BYTES,
+        broker_args=ALLOW_ARGS,
+        worker_args=ALLOW_ARGS,
+        **FAST,
+    ) as mesh:
+        asyncio.run(run_all(mesh.frontend, cases, data, tmp_path))
+
+    # The plain PyTorch runs, after the mesh is gone (one per model x optimizer x clip).
+    plain: dict[Cell, Plain] = {}
+    for c in cases:
+        if c.cell not in plain:
+            plain[c.cell] = plain_run(c.model, OPTIMIZERS[c.optimizer], c.clip, data[c.model])
+
+    print(f"plain runs done at {time.perf_counter() - t0:.1f} s")
+    rows, failures = [], []
+    for c in cases:
+        loss_rel, param_rel, problems = check(c, plain[c.cell])
+        rows.append(
+            [
+                c.model,
+                c.optimizer,
+                str(c.parts),
+                "-" if c.clip is None else f"{c.clip:g}",
+                f"{loss_rel:.1e}",
+                f"{param_rel:.1e}",
+                "ok" if not problems else "FAIL",
+            ]
+        )
+        if problems:
+            failures.append(f"{c.name}: " + "; ".join(p.splitlines()[0] for p in problems[:3]))
+    header = ["model", "optimizer", "sub-models", "clip", "losses rel", "params rel", ""]
+    text = (
+        f"exactness through the mesh: {len(cases)} jobs x {STEPS} steps vs plain PyTorch "
+        f"(assert_close rtol {RTOL:g}, atol {ATOL:g}); 'rel' = max |mesh - plain| / |plain| per "
+        "loss, and per tensor relative to its largest |plain| value\n" + table(rows, header)
+    )
+    print("\n" + text)
+    if os.environ.get("FLOWMESH_EXACTNESS_TABLE"):
+        Path(os.environ["FLOWMESH_EXACTNESS_TABLE"]).write_text(text + "\n")
+    assert not failures, f"{len(failures)} of {len(cases)} jobs differ:\n" + "\n".join(failures)
+
+
+def test_opening_jobs_while_a_job_trains_changes_nothing(tmp_path: Path) -> None:
+    """The dropout GPT trains 20 steps while ResNets (traced by torch.fx) and MLPs (seeded)
+    open on the same worker: its losses must still equal plain PyTorch, and so must the
+    initial weights of the jobs opened meanwhile."""
+    torch.set_num_threads(1)
+    data = data_for("gpt-dropout", seed=7)
+    want = plain_run("gpt-dropout", OPTIMIZERS["adam"], None, data)
+    spec = MODELS["gpt-dropout"]
+    mlp = MODELS["mlp"]
+    init = build_seeded(mlp, ALLOW).state_dict()
+
+    async def run(address: str) -> tuple[list[float], list[dict[str, torch.Tensor]], list[str]]:
+        async with AsyncClient(address, timeout=300.0) as client:
+            job = await client.train_open(
+                "trains", spec.factory, kwargs=spec.kwargs, seed=spec.seed,
+                optimizer=OPTIMIZERS["adam"], batch_size=BATCH, rng_seed=RNG_SEED,
+                chunk_bytes=70 * KIB, timeout=300.0,
+            )  # fmt: skip
+            steps = [asyncio.ensure_future(job.step_async(x, y)) for x, y in data]
+            errors: list[str] = []
+            opened: list[dict[str, torch.Tensor]] = []
+            for i in range(6):
+                s = MODELS["resnet-bn"] if i % 2 else mlp
+                try:
+                    other = await client.train_open(
+                        f"opened-{i}", s.factory, kwargs=s.kwargs, seed=s.seed,
+                        optimizer=OPTIMIZERS["sgd+momentum"], batch_size=BATCH, timeout=300.0,
+                    )  # fmt: skip
+                    if s is mlp:  # its weights as opened: a checkpoint before any step
+                        saved = await other.save(str(tmp_path / f"opened-{i}"))
+                        path = Path(saved["path"]) / "state.safetensors"
+                        opened.append(
+                            {k: v for k, v in load_file(str(path)).items() if "/" not in k}
+                        )
+                    await other.close()
+                except Exception as exc:
+                    errors.append(f"open {i}: {exc}")
+            results = await asyncio.gather(*steps, return_exceptions=True)
+            losses = [r.loss for r in results if not isinstance(r, BaseException)]
+            errors += [str(r) for r in results if isinstance(r, BaseException)]
+            return losses, opened, errors
+
+    with LocalMesh(
+        cpu_workers=1, memory_budget="8MiB", train_bytes=TRAIN_BYTES,
+        broker_args=ALLOW_ARGS, worker_args=ALLOW_ARGS, **FAST,
+    ) as mesh:  # fmt: skip
+        losses, opened, errors = asyncio.run(run(mesh.frontend))
+    assert not errors, errors
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(want.losses), rtol=RTOL, atol=ATOL
+    )
+    for state in opened:
+        for n, t in init.items():
+            torch.testing.assert_close(state[n], t, rtol=RTOL, atol=ATOL, msg=f"opened {n}")
