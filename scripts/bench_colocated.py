@@ -1,0 +1,214 @@
+"""Serving and training on one worker, through the mesh: what each costs the other.
+
+One worker (real broker, partitioner and worker processes on loopback) serves one model while K
+training jobs whose footprints add up to R times the worker's training bytes train beside it, in
+one arena (serving first: training borrows what serving leaves free and gives it back at once,
+and on the CPU stand-in starts no compute while serving has a load or a run in flight). In the
+same run:
+
+- **inference alone**: closed-loop requests (one in flight), latency p50 / p99;
+- **training alone**: every job keeps `--inflight` steps queued; steps/s over the window;
+- **together**: both at once for the same number of requests.
+
+Printed: latency with training / alone, training steps/s with serving / alone, and the worker's
+memory counters (claims by serving, bytes training gave back, most it borrowed). Every answer is
+checked against the model's own forward.
+
+    python scripts/bench_colocated.py [--jobs 4] [--ratio 3] [--requests 200] [--width 512]
+        [--train-width 96] [--out bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh.build import build_seeded
+from flowmesh.spec import ModelSpec
+from flowmesh.testing import assert_forward_close
+
+KIB = 1 << 10
+
+
+def served_spec(width: int) -> ModelSpec:
+    return ModelSpec(
+        name="served",
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": width, "depth": 4, "in_features": width, "out_features": 10},
+        seed=7,
+    )
+
+
+def train_spec(i: int, width: int) -> ModelSpec:
+    return ModelSpec(
+        name=f"job{i}",
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": width, "depth": 6, "in_features": width, "out_features": 10},
+        seed=100 + i,
+    )
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def infer_loop(
+    ac: AsyncClient, n: int, width: int, ref: torch.nn.Module, seed: int
+) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    lat = []
+    for _ in range(n):
+        x = torch.randn(4, width, generator=g)
+        t0 = time.perf_counter()
+        out = await ac.infer("served", x)
+        lat.append(time.perf_counter() - t0)
+        with torch.inference_mode():
+            assert_forward_close(out, ref(x))
+    return lat
+
+
+async def train_loop(jobs: list[Any], width: int, stop: asyncio.Event, inflight: int) -> int:
+    """Keep `inflight` steps queued per job until `stop`; returns the steps completed."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, width, generator=g)
+    y = torch.randint(0, 10, (32,), generator=g)
+    done = 0
+
+    async def one(job: Any) -> None:
+        nonlocal done
+        pending: list[asyncio.Future[Any]] = []
+        while not stop.is_set() or pending:
+            while not stop.is_set() and len(pending) < inflight:
+                pending.append(asyncio.ensure_future(job.step_async(x, y)))
+            await pending.pop(0)
+            done += 1
+
+    await asyncio.gather(*(one(j) for j in jobs))
+    return done
+
+
+async def measure(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
+    serve = served_spec(args.width)
+    ref = build_seeded(serve).eval()
+    async with AsyncClient(mesh.frontend, timeout=300) as ac:
+        await ac.deploy("served", serve.factory, kwargs=serve.kwargs, seed=serve.seed, stages=1)
+        await infer_loop(ac, 5, args.width, ref, 0)  # warm: loaded, code paths hot
+        alone = await infer_loop(ac, args.requests, args.width, ref, 1)
+
+        jobs = []
+        for i in range(args.jobs):
+            s = train_spec(i, args.train_width)
+            jobs.append(
+                await ac.train_open(
+                    s.name,
+                    s.factory,
+                    kwargs=s.kwargs,
+                    seed=s.seed,
+                    optimizer={"name": "adam", "lr": 1e-3},
+                    batch_size=32,
+                    timeout=300,
+                )
+            )
+        footprint = sum(j.info["footprint"] for j in jobs)
+
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        training = asyncio.ensure_future(train_loop(jobs, args.train_width, stop, args.inflight))
+        together = await infer_loop(ac, args.requests, args.width, ref, 2)
+        window = time.perf_counter() - t0
+        stop.set()
+        steps_together = await training
+        together_s = time.perf_counter() - t0
+
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        training = asyncio.ensure_future(train_loop(jobs, args.train_width, stop, args.inflight))
+        await asyncio.sleep(window)
+        stop.set()
+        steps_alone = await training
+        alone_s = time.perf_counter() - t0
+        for j in jobs:
+            await j.close()
+        st = await ac.status()
+    (w,) = st["workers"]
+    return {
+        "alone": alone,
+        "together": together,
+        "steps_alone_per_s": steps_alone / alone_s,
+        "steps_together_per_s": steps_together / together_s,
+        "footprint": footprint,
+        "stats": w["stats"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--ratio", type=float, default=3.0, help="jobs' footprint / training bytes")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--width", type=int, default=512, help="served model width")
+    ap.add_argument("--train-width", type=int, default=96)
+    ap.add_argument("--inflight", type=int, default=2, help="steps queued per job")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+
+    serve_bytes = sum(p.numel() * 4 for p in build_seeded(served_spec(args.width)).parameters())
+    # One job's footprint, measured the way a worker reports it, sets the training bytes.
+    probe = train_spec(0, args.train_width)
+    per_job = sum(p.numel() * 4 for p in build_seeded(probe).parameters()) * 4  # p, g, Adam m, v
+    train_bytes = max(64 * KIB, int(args.jobs * per_job / args.ratio))
+    mesh = LocalMesh(
+        cpu_workers=1,
+        memory_budget=f"{2 * serve_bytes}B",
+        train_bytes=train_bytes,
+        heartbeat_s=0.5,
+        threads_per_worker=args.threads,
+    )
+    with mesh:
+        r = asyncio.run(measure(mesh, args))
+    a, t = r["alone"], r["together"]
+    st = r["stats"]
+    rows = {
+        "inference p50 ms (alone / with training)": (
+            1e3 * statistics.median(a),
+            1e3 * statistics.median(t),
+        ),
+        "inference p99 ms (alone / with training)": (1e3 * pct(a, 0.99), 1e3 * pct(t, 0.99)),
+        "training steps/s (alone / with serving)": (
+            r["steps_alone_per_s"],
+            r["steps_together_per_s"],
+        ),
+    }
+    print(
+        f"{args.jobs} jobs, footprint {r['footprint'] / KIB:.0f} KiB = "
+        f"{r['footprint'] / train_bytes:.1f}x the {train_bytes / KIB:.0f} KiB of training bytes; "
+        f"served model {serve_bytes / KIB:.0f} KiB; {args.requests} requests per phase"
+    )
+    for name, (x, y) in rows.items():
+        print(f"  {name:44s} {x:9.2f} {y:9.2f}   ratio {y / x:5.2f}x")
+    print(
+        f"  memory: serving claims {st.get('memory_claims', 0)}, training gave back "
+        f"{st.get('train_reclaimed_bytes', 0) / KIB:.0f} KiB, borrowed at most "
+        f"{st.get('train_borrowed_peak', 0) / KIB:.0f} KiB, arena peak "
+        f"{st.get('arena_peak', 0) / KIB:.0f} of {st.get('arena_bytes', 0) / KIB:.0f} KiB"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_colocated.json").write_text(
+        json.dumps({"args": vars(args), **{k: v for k, v in r.items() if k != "stats"}}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
