@@ -85,8 +85,13 @@ class CudaMarker:
         torch.cuda.current_stream().wait_event(self.event)
 
 
+# The training executor's copy lane (a stream of its own on CUDA), apart from serving's lanes.
+TRAIN_LANE = -1
+
+
 class Device:
     kind = "abstract"
+    copy_lanes = 1
     # Largest single host->device copy of a load. Smaller copies let a run start computing on
     # the first blocks sooner; each copy has a fixed cost.
     copy_chunk_bytes = 64 << 20
@@ -135,10 +140,19 @@ class Device:
         raise NotImplementedError
 
     def copy_in(
-        self, dst: torch.Tensor, src: torch.Tensor, after: list[Marker], marker: Any
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: list[Marker],
+        marker: Any,
+        lane: int = 0,
     ) -> None:
-        """On the copy lane: order after `after`, copy, then mark `marker`."""
+        """On copy lane `lane`: order after `after`, copy, then mark `marker`."""
         raise NotImplementedError
+
+    def mark_copied(self, marker: Any, lane: int = 0) -> None:
+        """Mark `marker` at the current point of copy lane `lane` (after what it issued)."""
+        marker.set()
 
     @contextlib.contextmanager
     def compute(self, serving: bool = False) -> Iterator[None]:
@@ -155,6 +169,9 @@ class Device:
 
 class CpuStandIn(Device):
     kind = "cpu"
+    # Copy threads: on two shared cores a second memcpy thread only competes with the first and
+    # with compute (scripts/bench_coldstart.py --lanes measures it); raise with --copy-lanes.
+    copy_lanes = 1
     # On the CPU, copies and compute share the cores (nothing to overlap) and each copy wakes
     # torch's helper threads: few, large copies are fastest.
     copy_chunk_bytes = 1 << 30
@@ -185,7 +202,12 @@ class CpuStandIn(Device):
         return CpuMarker(done=True)
 
     def copy_in(
-        self, dst: torch.Tensor, src: torch.Tensor, after: list[Marker], marker: CpuMarker
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: list[Marker],
+        marker: CpuMarker,
+        lane: int = 0,
     ) -> None:
         for m in after:
             m.order_current()  # type: ignore[attr-defined]
@@ -201,6 +223,8 @@ class CudaDevice(Device):
     # The copy engine runs beside the SMs and a memcpy call costs microseconds: copy in pieces
     # small enough that compute on the first blocks overlaps the transfer of the rest.
     copy_chunk_bytes = 32 << 20
+    # Host-to-device copy lanes (streams): GPUs have two or more copy engines.
+    copy_lanes = 2
 
     def __init__(
         self,
@@ -214,7 +238,10 @@ class CudaDevice(Device):
         self.name = f"cuda:{index}"
         torch.cuda.set_device(index)
         self.arena = torch.empty(budget_bytes, dtype=torch.uint8, device=self.name)
-        self.copy_stream = torch.cuda.Stream(device=index)
+        # One stream per copy lane (lane TRAIN_LANE: the training executor's): loads of
+        # different stages proceed side by side instead of queueing on one stream.
+        self._copy_streams: dict[int, torch.cuda.Stream] = {}
+        self.copy_stream = self.lane_stream(0)
         self._local = threading.local()
         self._prefault_arena()
         # The host tier: one pinned slab of a fixed size, reserved now, sub-allocated per stage.
@@ -242,14 +269,29 @@ class CudaDevice(Device):
         m.record(torch.cuda.current_stream(self.index))
         return m
 
+    def lane_stream(self, lane: int) -> torch.cuda.Stream:
+        stream = self._copy_streams.get(lane)
+        if stream is None:
+            stream = self._copy_streams[lane] = torch.cuda.Stream(device=self.index)
+        return stream
+
     def copy_in(
-        self, dst: torch.Tensor, src: torch.Tensor, after: list[Marker], marker: CudaMarker
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: list[Marker],
+        marker: CudaMarker,
+        lane: int = 0,
     ) -> None:
-        with torch.cuda.stream(self.copy_stream):
+        stream = self.lane_stream(lane)
+        with torch.cuda.stream(stream):
             for m in after:
                 m.order_current()  # type: ignore[attr-defined]
             dst.copy_(src, non_blocking=True)
-            marker.record(self.copy_stream)
+            marker.record(stream)
+
+    def mark_copied(self, marker: CudaMarker, lane: int = 0) -> None:
+        marker.record(self.lane_stream(lane))
 
     @contextlib.contextmanager
     def compute(self, serving: bool = False) -> Iterator[None]:

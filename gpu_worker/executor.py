@@ -144,6 +144,7 @@ class Executor:
         compute_lanes: int = 2,
         copy_chunk_bytes: int | None = None,
         memory: DeviceMemory | None = None,
+        copy_lanes: int | None = None,
     ) -> None:
         self.device = device
         self.copy_chunk_bytes = copy_chunk_bytes or device.copy_chunk_bytes
@@ -155,7 +156,14 @@ class Executor:
         self._waiting: deque[StageKey] = deque()  # loads waiting for training's ranges, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self.memory.wake_serving.append(self._wake)
-        self._copy = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        # Copy lanes: a load goes to the lane with the fewest bytes queued, all of a stage's
+        # copies on one lane (its blocks' markers stay in order).
+        self.copy_lanes = max(1, copy_lanes or device.copy_lanes)
+        self._copies = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"copy-{i}") for i in range(self.copy_lanes)
+        ]
+        self._queued = [0] * self.copy_lanes
+        self._warm_lanes()
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="copy-wait")
         self._compute = ThreadPoolExecutor(compute_lanes, thread_name_prefix="compute")
         self.compute_lanes = compute_lanes
@@ -280,18 +288,29 @@ class Executor:
             self.memory.unclaim()
             self._issue(st, got)
 
-    def _mark_copied(self, marker: Any) -> None:
-        """Mark `marker` at the current point of the copy lane (after the copies issued)."""
-        stream = getattr(self.device, "copy_stream", None)
-        if stream is None:
-            marker.set()
-        else:
-            marker.record(stream)
+    def _warm_lanes(self) -> None:
+        """One small copy on each lane now: the first load of a worker would otherwise also pay
+        for starting the lane's thread and torch's helper threads (up to 3.6x a later load)."""
+        n = min(1 << 20, self.arena.capacity)
+        src = torch.zeros(n, dtype=torch.uint8)
+        for lane, pool in enumerate(self._copies):
+            marker = self.device.new_marker()
+            dst = self.device.arena[:n]  # nothing is allocated yet: no owner to order after
+            pool.submit(self.device.copy_in, dst, src, [], marker, lane).result()
+            marker.wait()
+
+    def _mark_copied(self, marker: Any, lane: int = 0) -> None:
+        """Mark `marker` at the current point of copy lane `lane` (after the copies issued)."""
+        self.device.mark_copied(marker, lane)
 
     def _start_copy(self, st: Stage, generation: int, t0: float) -> None:
         loop = asyncio.get_running_loop()
         extents, ready = list(st.extents), list(st.ready)
-        copied = loop.run_in_executor(self._copy, self._copy_blocks, st, extents, st.copies, ready)
+        lane = min(range(self.copy_lanes), key=self._queued.__getitem__)
+        self._queued[lane] += st.host.nbytes
+        copied = loop.run_in_executor(
+            self._copies[lane], self._copy_blocks, st, extents, st.copies, ready, lane
+        )
 
         async def finish() -> None:
             try:
@@ -301,13 +320,20 @@ class Executor:
                 self._finish_load(st, generation, exc, t0)
             else:
                 self._finish_load(st, generation, None, t0)
+            finally:
+                self._queued[lane] -= st.host.nbytes
 
         task = loop.create_task(finish())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def _copy_blocks(
-        self, st: Stage, extents: list[Extent | None], runs: list[CopyRun], ready: list[Any]
+        self,
+        st: Stage,
+        extents: list[Extent | None],
+        runs: list[CopyRun],
+        ready: list[Any],
+        lane: int = 0,
     ) -> None:
         arena, host = self.device.arena, st.host
         for run in runs:
@@ -326,14 +352,14 @@ class Executor:
                 # Bind before the copy: a run waiting on block i's marker finds it wired.
                 st.blocks[i].load_state_dict(views, assign=True, strict=True)
             if run.nbytes == 0:
-                self._mark_copied(run.marker)  # aliases only: nothing to move
+                self._mark_copied(run.marker, lane)  # aliases only: nothing to move
             else:
                 dst = arena[run.dst : run.dst + run.nbytes]
                 src = host.buffer[run.src : run.src + run.nbytes]
-                self.device.copy_in(dst, src, run.after, run.marker)
+                self.device.copy_in(dst, src, run.after, run.marker, lane)
             for i in run.blocks:
                 if ready[i] is not run.marker:
-                    self._mark_copied(ready[i])
+                    self._mark_copied(ready[i], lane)
 
     def _finish_load(
         self, st: Stage, generation: int, exc: BaseException | None, t0: float
@@ -502,7 +528,7 @@ class Executor:
         }
 
     def close(self) -> None:
-        for pool in (self._compute, self._copy, self._waiter):
+        for pool in (self._compute, *self._copies, self._waiter):
             pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -48,7 +48,7 @@ import torch
 from flowmesh.build import build_seeded, declared_inputs
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
-from gpu_worker.device import Device
+from gpu_worker.device import TRAIN_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_job import (
@@ -404,7 +404,9 @@ class TrainingExecutor:
         arena = self.device.arena
         try:
             for (offset, src), marker in zip(plan.copies, markers, strict=True):
-                self.device.copy_in(arena[offset : offset + src.numel()], src, after, marker)
+                self.device.copy_in(
+                    arena[offset : offset + src.numel()], src, after, marker, lane=TRAIN_LANE
+                )
                 after = []
         except BaseException:
             for m in markers:  # whoever waits on these bytes must not wait forever

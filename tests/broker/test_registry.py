@@ -19,11 +19,16 @@ from broker.state import Model, ModelState, Peer, Phase, Replica, Request, Resid
 from broker.status import model_status
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import ModelSpec
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 
 MIB = 1 << 20
 C = b"client"
 PART = b"part"
+
+
+def ack(ref: int, *, kept: bool) -> p.RegisterAck:
+    """The broker's answer to a registration: timing, and the mesh's allow-list to apply."""
+    return p.RegisterAck(id=ref, heartbeat_s=1.0, liveness=3, kept=kept, allow=list(DEFAULT_ALLOW))
 
 
 def spec_of(name: str, **extra: Any) -> dict[str, Any]:
@@ -96,9 +101,7 @@ class Rig:
 def test_a_peer_is_acknowledged_then_ready_on_its_first_heartbeat() -> None:
     rig = Rig()
     peer = rig.register("w0")
-    assert rig.out() == [
-        (BACKEND, b"w0", p.RegisterAck(id=1, heartbeat_s=1.0, liveness=3, kept=False))
-    ]
+    assert rig.out() == [(BACKEND, b"w0", ack(1, kept=False))]
     assert (peer.ready, peer.max_inflight) == (False, 4)  # 2 compute lanes by default
     rig.reg.heartbeat(peer, p.Heartbeat(stats={"peak_bytes": 5}), 0.5)
     assert peer.ready and peer.stats == {"peak_bytes": 5}
@@ -113,9 +116,7 @@ def test_the_same_process_registering_again_keeps_what_it_holds() -> None:
     peer.hosted[("m", 0)] = MIB
     msg = p.Register(id=9, role="worker", name="w0", pid=1, budget_bytes=100 * MIB)
     rig.reg.register(b"w0-new-socket", msg, 1.0)
-    assert rig.out() == [
-        (BACKEND, b"w0-new-socket", p.RegisterAck(id=9, heartbeat_s=1.0, liveness=3, kept=True))
-    ]
+    assert rig.out() == [(BACKEND, b"w0-new-socket", ack(9, kept=True))]
     assert rig.peer("w0") is peer and peer.hosted == {("m", 0): MIB}
     assert rig.ctx.by_addr == {b"w0-new-socket": "w0"} and peer.registrations == 2
     assert rig.events == []
@@ -127,9 +128,7 @@ def test_a_restarted_worker_replaces_its_old_self_and_loses_its_replicas() -> No
     rig.join("w0")
     rig.deploy("m", [MIB], replicas=1)
     rig.register("w0", pid=2)  # another process under the same name
-    assert rig.out() == [
-        (BACKEND, b"w0", p.RegisterAck(id=1, heartbeat_s=1.0, liveness=3, kept=False))
-    ]
+    assert rig.out() == [(BACKEND, b"w0", ack(1, kept=False))]
     assert rig.events == [
         ("worker_lost", "w0"),
         ("replica_lost", "m", ["w0"], "w0"),

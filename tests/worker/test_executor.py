@@ -106,11 +106,11 @@ class RecordingCpu(CpuStandIn):
     def new_marker(self) -> LoggedMarker:
         return LoggedMarker(self.log)
 
-    def copy_in(self, dst: Any, src: Any, after: list[Any], marker: Any) -> None:
+    def copy_in(self, dst: Any, src: Any, after: list[Any], marker: Any, lane: int = 0) -> None:
         if self.before_copy is not None:
             self.before_copy(marker)
         self.log.add("copy", marker)  # issued; it still orders after `after` below
-        super().copy_in(dst, src, after, marker)
+        super().copy_in(dst, src, after, marker, lane)
 
 
 def log_computes(blocks: list[nn.Module], log: Log) -> None:
@@ -364,4 +364,37 @@ async def test_an_output_viewing_the_arena_is_copied_before_the_bytes_are_releas
     ex.evict(("w", 0))
     ex.device.arena.fill_(0xFF)  # the next owner writes over the range
     assert_same_bits(out, source.w.detach())  # bit-exact: a copy of the weight's bytes
+    ex.close()
+
+
+async def test_two_copy_lanes_load_two_stages_side_by_side() -> None:
+    """A load held on one copy lane does not hold up another stage's load on the other lane."""
+    dev = RecordingCpu(16 * MIB)
+    ex = Executor(dev, copy_lanes=2)
+    blocks_a, host_a, ref_a = stage_of(mlp("a"))
+    blocks_b, host_b, ref_b = stage_of(mlp("b", seed=1))
+    ex.add_stage(("a", 0), blocks_a, host_a)
+    ex.add_stage(("b", 0), blocks_b, host_b)
+    release = threading.Event()
+    held: list[Any] = []
+
+    def hold_first(marker: Any) -> None:  # stage a's copies wait until released
+        if any(marker is m for m in ex.stages[("a", 0)].ready):
+            held.append(marker)
+            release.wait(30)
+
+    dev.before_copy = hold_first
+    load_a = ex.load(("a", 0))
+    load_b = ex.load(("b", 0))
+    try:
+        await until(lambda: bool(held), "stage a's copy to be held on its lane")
+        await asyncio.wait_for(asyncio.shield(load_b), 5)  # one lane: b queues behind a
+        assert not load_a.done()
+    finally:
+        release.set()
+    await load_a
+    x = torch.randn(2, 256)
+    for key, ref in ((("a", 0), ref_a), (("b", 0), ref_b)):
+        out = await ex.run(key, [{"x": x}])
+        assert_forward_close(out.parts[0][""], forward(ref, x))
     ex.close()
