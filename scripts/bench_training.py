@@ -1,31 +1,68 @@
-"""Training under memory pressure: memory flow against temporal sharing and the transfer/compute
-bound, all measured in the same run (figures are ratios; machines are noisy).
+"""Training under memory pressure (issue 7 §5): memory flow against temporal sharing, the
+transfer/compute bound and each job alone, all measured in the same run; and the largest batch a
+job trains at under a budget. Figures are same-run ratios; machines are noisy.
 
-K MLP jobs (Adam) whose combined training footprint is R times one device budget; each job alone
-fits the budget, so temporal sharing can run too:
+**Throughput.** K MLP jobs (Adam), all of the same width or of widths spread 0.5x-1.5x, whose
+combined training footprint (the arena bytes of each job as one whole task) is R times the
+device budget. Samples/s of:
 
-- **memory flow**: each job cut into sub-models of about a third of the budget; every job's steps
-  are submitted at once and the executor interleaves their tasks (recompute included);
-- **temporal sharing**: each job is one sub-model: its whole state is copied in, it takes a step,
-  its state is copied out, one job step at a time with no prefetch (what a user does by hand);
-- **resident**: plain PyTorch steps with every model and optimizer in place, nothing copied: the
-  total compute, which is also "one job after another" where the jobs fit;
-- **bound**: max(resident compute, bytes moved by memory flow / measured copy bandwidth).
+- **flow** (flowmesh memory flow): every job cut into sub-models under one chunk target (a third
+  of the budget, or a half / the whole budget where a block needs more), so sub-models of all
+  jobs are of even size; every job's steps are submitted at once and the `TrainingExecutor`
+  interleaves their tasks on one arena (one extra forward per sub-model: the recompute);
+- **(a) turns** (temporal sharing): each job is one sub-model: its whole state is copied in, it
+  takes a step, its state is copied out, one job step at a time with no prefetch (what a user
+  does by hand today); only where every job fits the budget whole;
+- **(b) bound**: max(total compute time, total bytes moved / copy bandwidth). Compute is the
+  plain PyTorch time of (c); bytes are what memory flow moved (the executor's bytes_in +
+  bytes_out: parameters, gradients, optimizer state, buffers; not the sub-models' kept inputs,
+  which a job moves to host memory and back itself on a GPU, a batch x width tensor per
+  boundary); the bandwidth is measured in the same run by replaying, host -> arena on the same
+  device, the copies memory flow issued (their exact sizes, recorded on the copy lane);
+- **(c) alone**: plain PyTorch, each job alone and whole on the device, all its steps, then the
+  next job (nothing copied); a baseline only where every job fits the budget whole, and always
+  the compute term of the bound.
 
-On the CPU stand-in copies and compute share the machine's cores and memory bandwidth, so overlap
-shows only as far as spare cores allow (use --threads 1 on a 2-core box: one core computes, one
-copies); memory flow also pays one extra forward per sub-model (the recompute). The figures that
-matter for GPUs come from the same script on a CUDA device (--device cuda:0).
+Each figure is the best of `--repeats`, the modes interleaved; the same ratios are also given in
+samples per process CPU second (every thread of the process: the work done, not the waiting),
+which a shared CPU box disturbs less than wall time.
 
-    python scripts/bench_training.py [--configs 2x2,4x2,4x4] [--width 512] [--depth 6]
-        [--batch 64] [--steps 4] [--repeats 2] [--threads 1] [--device cpu] [--out bench-out]
+**Largest batch.** For the MLP, tiny GPT and small ResNet: the budget is what the whole model
+needs to train at `--ref-batch` (parameters, gradients, Adam state and activations: the arena
+bytes of its whole-job task). A binary search on the batch finds the largest batch the model
+trains at alone, whole, in that budget (whole-job task <= budget) and the largest under flowmesh
+(`open_job` cuts it with the budget as chunk target and refuses when one block's footprint at
+that batch exceeds it), and with half the budget as chunk target (two tasks in memory at once,
+so the next task's copy can run under the current compute). Both ends are then trained for one
+step through the executor on an arena of exactly the budget (resident peak checked).
+
+What the CPU stand-in cannot show: copies and compute share the machine's cores and memory
+bandwidth, so a copy "under" a compute slows it down instead of hiding behind it, and the
+measured copy bandwidth (taken while nothing else runs) is more than the copy lane gets during a
+run: the bound is optimistic there, and flow pays for its recompute with nothing to gain from
+overlap (use --threads 1 on a 2-core box: one core computes, one copies). On a GPU copies run on
+the copy engine beside the SMs; the same script takes `--device cuda:0` (pinned host tier,
+copies on the training copy lane's stream) and prints which device the figures come from; there
+the CPU-second ratios mean little (host time only).
+
+    python scripts/bench_training.py [--configs 2x2,2x4,4x2,4x4,8x2,8x4] [--sizes same,mixed]
+        [--width 512] [--depth 6] [--batch 64] [--steps 4] [--repeats 3] [--threads 1]
+        [--batch-models mlp,tiny_gpt,small_resnet] [--ref-batch 32] [--device cpu]
+        [--out bench-out]
+
+On a GPU, give the jobs some size, e.g. `--device cuda:0 --width 4096 --depth 8 --batch 256
+--threads 0`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +70,21 @@ import torch
 from torch.nn import functional as F
 
 from flowmesh.build import build_seeded
+from flowmesh.errors import FlowmeshError
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import CpuStandIn, Device, open_device
 from gpu_worker.train_job import TrainConfig, TrainingJob
 from gpu_worker.training import TrainingExecutor, open_job
 
-BIG = 1 << 40  # a chunk target no job reaches: the whole job is one sub-model
+BIG = 1 << 50  # a chunk target no job reaches: the whole job is one sub-model
+MIB = 1 << 20
+PROBE = CpuStandIn(1)  # lays jobs out to read their footprints; never runs anything
 
 
-def spec(i: int, width: int, depth: int) -> ModelSpec:
+# ----------------------------------------------------------------------------- jobs and data
+
+
+def mlp_spec(i: int, width: int, depth: int) -> ModelSpec:
     return ModelSpec(
         name=f"job{i}",
         factory="flowmesh.examples:mlp",
@@ -54,25 +97,18 @@ def config(i: int) -> TrainConfig:
     return TrainConfig({"name": "adam", "lr": 1e-3}, seed=i)
 
 
-def jobs(k: int, args: argparse.Namespace, dev: Device, target: int) -> list[TrainingJob]:
-    return [
-        open_job(
-            f"job{i}",
-            spec(i, args.width, args.depth),
-            config(i),
-            dev,
-            batch=args.batch,
-            target_bytes=target,
-        )
-        for i in range(k)
-    ]
+def widths(k: int, width: int, sizes: str) -> list[int]:
+    """Same: every job `width`; mixed: spread evenly over 0.5x-1.5x (multiples of 32)."""
+    if sizes == "same" or k == 1:
+        return [width] * k
+    return [max(32, round(width * (0.5 + i / (k - 1)) / 32) * 32) for i in range(k)]
 
 
-def data(args: argparse.Namespace, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(ws: list[int], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,)))
-        for _ in range(k)
+        (torch.randn(batch, w, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for w in ws
     ]
 
 
@@ -81,28 +117,68 @@ def sync(dev: Device) -> None:
         torch.cuda.synchronize()
 
 
-def copy_bandwidth(dev: Device, nbytes: int) -> float:
-    """Bytes/s of one host->device copy of `nbytes` (best of three), as the copy lane does it."""
-    src = dev.host_buffer(nbytes)
+def release() -> None:
+    """Free dropped jobs and devices now (executors and jobs hold reference cycles): host
+    tiers and arenas of one configuration must not pile up under the next."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def device_name(dev: Device) -> str:
+    if dev.kind == "cuda":
+        return f"{dev.name} ({torch.cuda.get_device_name(dev.torch_device)})"
+    return f"cpu stand-in ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+class CopyLog:
+    """Records the size of every host->arena copy the executor's copy lane issues."""
+
+    def __init__(self, dev: Device) -> None:
+        self.dev = dev
+        self.sizes: list[int] = []
+        self.lane: dict[str, Any] = {}  # the copy lane's arguments past the marker, to replay
+
+    def __enter__(self) -> CopyLog:
+        copy_in = self.dev.copy_in
+
+        def logged(dst: torch.Tensor, src: torch.Tensor, *rest: Any, **kw: Any) -> None:
+            self.sizes.append(src.numel() * src.element_size())
+            self.lane = {"lane": rest[2]} if len(rest) > 2 else dict(kw)
+            copy_in(dst, src, *rest, **kw)
+
+        self.dev.copy_in = logged  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.dev.copy_in  # the class's method again
+
+
+def copy_bandwidth(dev: Device, sizes: list[int], lane: dict[str, Any], repeats: int = 3) -> float:
+    """Bytes/s of the copies `sizes`, replayed host -> arena as the copy lane does them (from
+    the device's host buffers: pinned on CUDA), best of `repeats`."""
+    src = dev.host_buffer(max(sizes))
     src.fill_(1)
-    dst = dev.arena[:nbytes]
+    arena = dev.arena
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         sync(dev)
         t = time.perf_counter()
-        marker = dev.new_marker()
-        dev.copy_in(dst, src, [], marker)
-        marker.wait()
+        for s in sizes:
+            dev.copy_in(arena[:s], src[:s], [], dev.new_marker(), **lane)
         sync(dev)
         best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return sum(sizes) / best
+
+
+# ----------------------------------------------------------------------------- throughput
 
 
 def run_flow(ex: TrainingExecutor, names: list[str], batches: list[Any], steps: int) -> float:
     t = time.perf_counter()
     futures = [ex.submit(n, *batches[i]) for _ in range(steps) for i, n in enumerate(names)]
     for f in futures:
-        f.result(timeout=600)
+        f.result(timeout=1200)
     return time.perf_counter() - t
 
 
@@ -110,137 +186,421 @@ def run_turns(ex: TrainingExecutor, names: list[str], batches: list[Any], steps:
     t = time.perf_counter()
     for _ in range(steps):
         for i, n in enumerate(names):
-            ex.step(n, *batches[i], timeout=600)
+            ex.step(n, *batches[i], timeout=1200)
     return time.perf_counter() - t
 
 
-def run_resident(k: int, args: argparse.Namespace, dev: Device, batches: list[Any]) -> float:
+def run_alone(
+    ws: list[int], depth: int, dev: Device, batches: list[Any], steps: int
+) -> tuple[float, float]:
+    """Plain PyTorch: each job alone and whole on the device, its steps back to back, then the
+    next job. Returns the summed wall and process CPU seconds of the timed steps (each job
+    warmed up by one step)."""
     device = dev.torch_device
-    models = [build_seeded(spec(i, args.width, args.depth)).to(device).train() for i in range(k)]
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
-    on_dev = [(x.to(device), y.to(device)) for x, y in batches]
+    total = cpu = 0.0
+    for i, (w, (x, y)) in enumerate(zip(ws, batches, strict=True)):
+        model = build_seeded(mlp_spec(i, w, depth)).to(device).train()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x, y = x.to(device), y.to(device)
 
-    def one_round() -> None:
-        for m, opt, (x, y) in zip(models, opts, on_dev, strict=True):
+        def step(model: torch.nn.Module = model, opt: Any = opt, x: Any = x, y: Any = y) -> None:
             opt.zero_grad()
-            F.cross_entropy(m(x), y).backward()
+            F.cross_entropy(model(x), y).backward()
             opt.step()
 
-    one_round()  # warm-up: kernels, optimizer state
-    sync(dev)
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        one_round()
-    sync(dev)
-    return time.perf_counter() - t
+        step()  # warm-up: kernels, optimizer state
+        sync(dev)
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            step()
+        sync(dev)
+        total += time.perf_counter() - t
+        cpu += time.process_time() - c
+        del model, opt
+    return total, cpu
 
 
-def bench(k: int, pressure: float, args: argparse.Namespace) -> dict[str, Any]:
-    probe_dev = CpuStandIn(1)  # only to lay out a whole job and read its footprint
-    whole = open_job(
-        "probe",
-        spec(0, args.width, args.depth),
-        config(0),
-        probe_dev,
-        batch=args.batch,
-        target_bytes=BIG,
-    )
-    footprint = whole.largest_task()
-    budget = int(k * footprint / pressure) + 4096
-    if budget < footprint:
-        raise SystemExit(
-            f"{k} jobs at {pressure}x: a job does not fit alone; use fewer x or more K"
+def make_jobs(
+    ws: list[int], args: argparse.Namespace, dev: Device, target: int
+) -> list[TrainingJob]:
+    return [
+        open_job(
+            f"job{i}",
+            mlp_spec(i, w, args.depth),
+            config(i),
+            dev,
+            batch=args.batch,
+            target_bytes=target,
         )
-    dev = open_device(args.device, budget)
-    batches = data(args, k)
+        for i, w in enumerate(ws)
+    ]
+
+
+def flow_target(ws: list[int], args: argparse.Namespace, budget: int) -> int:
+    """The chunk target of memory flow: a third of the budget where every block fits it (so a
+    task computes while the next ones copy in), else a half, else the whole budget."""
+    for target in (budget // 3, budget // 2, budget):
+        try:
+            js = make_jobs(ws, args, PROBE, target)
+        except FlowmeshError:
+            continue
+        if max(j.largest_task() for j in js) <= budget:
+            return target
+    raise SystemExit(f"widths {ws}: a block does not fit a budget of {budget / MIB:.1f} MiB")
+
+
+def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict[str, Any]:
+    ws = widths(k, args.width, sizes)
+    whole = [j.largest_task() for j in make_jobs(ws, args, PROBE, BIG)]
+    total = sum(whole)
+    budget = int(total / pressure) + 4096
+    fits = max(whole) <= budget
+    target = flow_target(ws, args, budget)
+    release()  # the probe layouts
+    # The host tier holds every job's state once (jobs of one mode are dropped before the next
+    # mode's are made), plus the replayed copies' source; CPU: plain memory, this is ignored.
+    host_tier = int(1.5 * total) + 2 * budget + (64 << 20)
+    dev = open_device(args.device, budget, host_tier_bytes=host_tier)
+    batches = data(ws, args.batch)
     names = [f"job{i}" for i in range(k)]
-    bandwidth = copy_bandwidth(dev, min(budget, 256 << 20))
 
     best: dict[str, float] = {}
-    moved: dict[str, int] = {}
-    parts = 0
+    cpu: dict[str, float] = {}  # process CPU seconds (all threads): the work, not the wait
+    moved: dict[str, dict[str, int]] = {}
+    parts: list[int] = []
+    task_compute_s = 0.0
+    copies: list[int] = []
+    lane: dict[str, Any] = {}
+    modes = ["flow", "turns"] if fits else ["flow"]
     for _ in range(args.repeats):  # interleaved so that noise hits every figure alike
-        for mode in ("flow", "turns"):
-            target = budget // 3 if mode == "flow" else BIG
-            ex = TrainingExecutor(dev, prefetch=1 if mode == "flow" else 0)
+        for mode in modes:
+            flow = mode == "flow"
+            ex = TrainingExecutor(dev, prefetch=1 if flow else 0)
             try:
-                js = jobs(k, args, dev, target)
-                parts = js[0].parts if mode == "flow" else parts
+                js = make_jobs(ws, args, dev, target if flow else BIG)
+                if flow:
+                    parts = [j.parts for j in js]
                 for j in js:
                     ex.open(j)
                 for i, n in enumerate(names):  # warm-up step: optimizer state, kernels
-                    ex.step(n, *batches[i], timeout=600)
-                before = ex.counters["bytes_in"] + ex.counters["bytes_out"]
-                run = run_flow if mode == "flow" else run_turns
-                seconds = run(ex, names, batches, args.steps)
-                assert ex.stats()["resident_peak"] <= budget
-                moved[mode] = ex.counters["bytes_in"] + ex.counters["bytes_out"] - before
+                    ex.step(n, *batches[i], timeout=1200)
+                before = {key: ex.counters[key] for key in ("bytes_in", "bytes_out", "compute_s")}
+                c = time.process_time()
+                if flow:
+                    with CopyLog(dev) as log:
+                        seconds = run_flow(ex, names, batches, args.steps)
+                    copies, lane = log.sizes, log.lane
+                else:
+                    seconds = run_turns(ex, names, batches, args.steps)
+                cpu[mode] = min(cpu.get(mode, float("inf")), time.process_time() - c)
+                assert ex.stats()["resident_peak"] <= budget, "resident bytes over the budget"
+                moved[mode] = {
+                    key: int(ex.counters[key] - before[key]) for key in ("bytes_in", "bytes_out")
+                }
+                if flow and seconds < best.get("flow", float("inf")):
+                    task_compute_s = ex.counters["compute_s"] - before["compute_s"]
             finally:
                 ex.close()
+                js, j = [], None  # no job of this mode may outlive it (host tier)
+                del ex
+                release()
             best[mode] = min(best.get(mode, float("inf")), seconds)
-        best["resident"] = min(
-            best.get("resident", float("inf")), run_resident(k, args, dev, batches)
-        )
+        alone, alone_cpu = run_alone(ws, args.depth, dev, batches, args.steps)
+        best["alone"] = min(best.get("alone", float("inf")), alone)
+        cpu["alone"] = min(cpu.get("alone", float("inf")), alone_cpu)
+
+    bandwidth = copy_bandwidth(dev, copies, lane)
+    bytes_flow = moved["flow"]["bytes_in"] + moved["flow"]["bytes_out"]
+    transfer_s = bytes_flow / bandwidth
+    bound_s = max(best["alone"], transfer_s)
     samples = k * args.steps * args.batch
-    transfer_s = moved["flow"] / bandwidth
-    bound_s = max(best["resident"], transfer_s)
-    return {
+    sps = {m: samples / s for m, s in best.items()}
+    sps["bound"] = samples / bound_s
+    row = {
         "jobs": k,
+        "sizes": sizes,
+        "widths": ws,
         "pressure": pressure,
-        "device": dev.kind,
+        "device": device_name(dev),
         "budget_bytes": budget,
-        "job_footprint_bytes": footprint,
+        "job_footprint_bytes": whole,
+        "fits_whole": fits,
+        "chunk_target_bytes": target,
         "sub_models_per_job": parts,
         "steps": args.steps,
         "batch": args.batch,
         "seconds": best,
-        "samples_per_s": {m: samples / s for m, s in best.items()},
+        "samples_per_s": sps,
         "bytes_moved": moved,
+        "copies_replayed": len(copies),
+        "copy_bytes_replayed": sum(copies),
         "copy_gib_s": bandwidth / 2**30,
+        "compute_s": best["alone"],
+        "flow_task_compute_s": task_compute_s,
         "transfer_s": transfer_s,
         "bound_s": bound_s,
-        "flow_vs_turns": best["turns"] / best["flow"],
+        "bound_term": "compute" if best["alone"] >= transfer_s else "transfer",
+        "flow_vs_turns": best["turns"] / best["flow"] if fits else None,
         "flow_vs_bound": bound_s / best["flow"],
-        "turns_vs_bound": bound_s / best["turns"],
+        "flow_vs_alone": best["alone"] / best["flow"] if fits else None,
+        "turns_vs_bound": bound_s / best["turns"] if fits else None,
+        "cpu_seconds": cpu,
+        "cpu_flow_vs_turns": cpu["turns"] / cpu["flow"] if fits else None,
+        "cpu_flow_vs_alone": cpu["alone"] / cpu["flow"],
+    }
+    del dev
+    release()
+    return row
+
+
+# ----------------------------------------------------------------------------- largest batch
+
+
+def batch_models(
+    args: argparse.Namespace,
+) -> dict[str, tuple[ModelSpec, int, Callable[[int], Any]]]:
+    """name -> (spec, seq_len, batch of that size: (inputs, targets))."""
+    g = torch.Generator().manual_seed(0)
+    seq = 64
+    return {
+        "mlp": (
+            ModelSpec(
+                name="mlp",
+                factory="flowmesh.examples:mlp",
+                kwargs={"width": args.width, "depth": args.depth, "out_features": 10},
+                seed=0,
+            ),
+            1,
+            lambda b: (torch.randn(b, args.width, generator=g), torch.randint(0, 10, (b,))),
+        ),
+        "tiny_gpt": (
+            ModelSpec(
+                name="tiny_gpt",
+                factory="flowmesh.examples:tiny_gpt",
+                kwargs={"vocab": 512, "d_model": 128, "n_layers": 4, "max_len": seq},
+                seed=0,
+            ),
+            seq,
+            lambda b: (
+                torch.randint(0, 512, (b, seq), generator=g),
+                torch.randint(0, 512, (b, seq), generator=g),
+            ),
+        ),
+        "small_resnet": (
+            ModelSpec(name="small_resnet", factory="flowmesh.examples:small_resnet", seed=0),
+            1,
+            lambda b: (torch.randn(b, 3, 32, 32, generator=g), torch.randint(0, 10, (b,))),
+        ),
     }
 
 
+def task_bytes(spec: ModelSpec, seq: int, batch: int, target: int) -> int | None:
+    """The arena bytes of the job's largest task at `batch` cut under `target`; None where
+    `open_job` refuses (a block's footprint at that batch is over the target)."""
+    try:
+        job = open_job(
+            "probe", spec, config(0), PROBE, batch=batch, target_bytes=target, seq_len=seq
+        )
+    except FlowmeshError:
+        return None
+    return job.largest_task()
+
+
+def largest_batch(fits: Callable[[int], bool], cap: int = 1 << 20) -> int:
+    """The largest batch b with fits(b) (0 if none), assuming fits is monotone."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def train_once(
+    dev: Device, spec: ModelSpec, seq: int, batch: int, target: int, make: Callable[[int], Any]
+) -> tuple[int, int, float]:
+    """One step through the executor on `dev`: (sub-models, resident peak, loss)."""
+    job = open_job("check", spec, config(0), dev, batch=batch, target_bytes=target, seq_len=seq)
+    with TrainingExecutor(dev, prefetch=1) as ex:
+        ex.open(job)  # refuses a task over the arena
+        loss = ex.step("check", *make(batch), timeout=1200).loss
+        peak = ex.stats()["resident_peak"]
+    assert peak <= dev.budget_bytes, "resident bytes over the budget"
+    return job.parts, peak, loss
+
+
+def bench_batch(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec, seq, make = batch_models(args)[name]
+    budget = task_bytes(spec, seq, args.ref_batch, BIG)
+    assert budget is not None
+
+    def under(target: int) -> Callable[[int], bool]:
+        def fits(b: int) -> bool:
+            need = task_bytes(spec, seq, b, target)
+            return need is not None and need <= budget
+
+        return fits
+
+    t = time.perf_counter()
+    whole = largest_batch(under(BIG))
+    flow = largest_batch(under(budget))
+    flow_half = largest_batch(under(budget // 2))
+    search_s = time.perf_counter() - t
+    state = task_bytes(spec, seq, 1, BIG)
+    row: dict[str, Any] = {
+        "model": name,
+        "seq_len": seq,
+        "budget_bytes": budget,
+        "ref_batch": args.ref_batch,
+        "state_bytes_at_batch_1": state,
+        "whole_batch": whole,
+        "flow_batch": flow,
+        "flow_batch_half_target": flow_half,
+        "flow_vs_whole": flow / whole if whole else None,
+        "flow_half_vs_whole": flow_half / whole if whole else None,
+        "search_s": search_s,
+    }
+    if args.batch_check:
+        dev = open_device(args.device, budget, host_tier_bytes=4 * budget + (64 << 20))
+        row["checked_on"] = device_name(dev)
+        for key, batch, target in (("whole", whole, BIG), ("flow", flow, budget)):
+            parts, peak, loss = train_once(dev, spec, seq, batch, target, make)
+            row[f"{key}_check"] = {"sub_models": parts, "resident_peak": peak, "loss": loss}
+        del dev
+        release()
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="2x2,4x2,4x4", help="K x pressure, comma-separated")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--configs", default="2x2,2x4,4x2,4x4,8x2,8x4", help="K x pressure, comma-separated"
+    )
+    ap.add_argument("--sizes", default="same,mixed", help="same and/or mixed (widths 0.5x-1.5x)")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: keep)")
+    ap.add_argument("--batch-models", default="mlp,tiny_gpt,small_resnet", help="'' to skip")
+    ap.add_argument(
+        "--ref-batch", type=int, default=32, help="the whole model fits the budget at this batch"
+    )
+    ap.add_argument(
+        "--no-batch-check",
+        dest="batch_check",
+        action="store_false",
+        help="skip training one step at each found batch",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     if args.threads:
         torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    load = [os.getloadavg()[0]]
+
     rows = []
-    for item in args.configs.split(","):
-        k, pressure = item.lower().split("x")
-        rows.append(bench(int(k), float(pressure), args))
-    header = (
-        f"{'K':>2} {'mem':>4} {'parts':>5} {'flow/s':>8} {'turns/s':>8} {'resid/s':>8} "
-        f"{'flow/turns':>10} {'flow/bound':>10} {'turns/bound':>11} {'moved MiB':>9}"
+    for sizes in [s for s in args.sizes.split(",") if s]:
+        if sizes not in ("same", "mixed"):
+            raise SystemExit(f"--sizes: {sizes!r} is neither same nor mixed")
+        for item in [c for c in args.configs.split(",") if c]:
+            k, pressure = item.lower().split("x")
+            rows.append(bench(int(k), float(pressure), sizes, args))
+            print(f"  {item} {sizes}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    batch_rows = []
+    for name in [m for m in args.batch_models.split(",") if m]:
+        batch_rows.append(bench_batch(name, args))
+        print(f"  largest batch, {name}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    load.append(os.getloadavg()[0])
+    where = rows[0]["device"] if rows else batch_rows[0].get("checked_on", args.device)
+    print(
+        f"\nfigures from device {where}; torch threads {torch.get_num_threads()}; "
+        f"1-min load average {load[0]:.1f} at start, {load[1]:.1f} at end"
     )
-    print(f"device {rows[0]['device']}, torch threads {torch.get_num_threads()}, samples/s:")
-    print(header)
-    for r in rows:
-        sps = r["samples_per_s"]
+    if rows:
         print(
-            f"{r['jobs']:>2} {r['pressure']:>3.0f}x {r['sub_models_per_job']:>5} "
-            f"{sps['flow']:>8.0f} {sps['turns']:>8.0f} {sps['resident']:>8.0f} "
-            f"{r['flow_vs_turns']:>10.2f} {r['flow_vs_bound']:>10.2f} {r['turns_vs_bound']:>11.2f} "
-            f"{r['bytes_moved']['flow'] / 2**20:>9.0f}"
+            f"throughput: MLP jobs width {args.width} (mixed: 0.5x-1.5x), depth {args.depth}, "
+            f"Adam, batch {args.batch}, {args.steps} timed steps per job, best of {args.repeats}; "
+            "samples/s"
+        )
+        print(
+            f"{'K':>2} {'sizes':>5} {'mem':>4} {'parts':>7} {'flow':>7} {'turns':>7} "
+            f"{'alone':>7} {'bound':>7} {'bnd by':>8} {'fl/turns':>8} {'fl/bound':>8} "
+            f"{'fl/alone':>8} {'cpu fl/t':>8} {'cpu fl/a':>8} {'moved MiB':>9} {'copy GiB/s':>10}"
+        )
+        for r in rows:
+            sps = r["samples_per_s"]
+            p = r["sub_models_per_job"]
+            parts = f"{min(p)}-{max(p)}" if min(p) != max(p) else str(p[0])
+            mb = sum(r["bytes_moved"]["flow"].values()) / MIB
+            print(
+                f"{r['jobs']:>2} {r['sizes']:>5} {r['pressure']:>3.0f}x {parts:>7} "
+                f"{sps['flow']:>7.0f} {fmt(sps.get('turns'), '7.0f'):>7} "
+                f"{sps['alone']:>7.0f} {sps['bound']:>7.0f} {r['bound_term']:>8} "
+                f"{fmt(r['flow_vs_turns'], '.2f'):>8} {r['flow_vs_bound']:>8.2f} "
+                f"{fmt(r['flow_vs_alone'], '.2f'):>8} {fmt(r['cpu_flow_vs_turns'], '.2f'):>8} "
+                f"{r['cpu_flow_vs_alone']:>8.2f} {mb:>9.0f} "
+                f"{r['copy_gib_s']:>10.2f}"
+            )
+        print(
+            "turns and fl/alone are n/a where a job does not fit the budget whole; 'alone' is "
+            "still the compute term of the bound there. cpu fl/t, cpu fl/a: the same ratios in "
+            "samples per process CPU second (all threads: the work done, not the waiting), "
+            "steadier than wall time on a shared CPU box"
+        )
+    if batch_rows:
+        print(
+            f"\nlargest batch under a budget (the whole model's footprint at batch "
+            f"{args.ref_batch}):"
+        )
+        print(
+            f"{'model':>13} {'budget MiB':>10} {'whole':>6} {'flow':>7} {'flow/whole':>10} "
+            f"{'flow@1/2':>8} {'@1/2/whole':>10}"
+        )
+        for b in batch_rows:
+            print(
+                f"{b['model']:>13} {b['budget_bytes'] / MIB:>10.1f} {b['whole_batch']:>6} "
+                f"{b['flow_batch']:>7} {fmt(b['flow_vs_whole'], '.1f'):>10} "
+                f"{b['flow_batch_half_target']:>8} {fmt(b['flow_half_vs_whole'], '.1f'):>10}"
+            )
+    if args.device == "cpu":
+        print(
+            "\nCPU stand-in: copies and compute share the cores and memory bandwidth, so nothing "
+            "overlaps and the bound (bandwidth measured with the machine otherwise idle) is "
+            "optimistic; run with --device cuda:0 for the figures that matter."
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "training.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print(f"wrote {out / 'training.json'}")
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "load_average": load,
+                "rows": rows,
+                "largest_batch": batch_rows,
+                "seconds": time.perf_counter() - t0,
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {out / 'training.json'} ({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
