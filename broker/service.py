@@ -4,6 +4,10 @@ Clients (DEALER) talk to the frontend; workers and partitioners (DEALER) to the 
 socket has exactly one reader; every handler is synchronous and quick (state changes, then sends),
 so the loop never blocks. Tensor frames pass through untouched: the broker reads their headers,
 never their bytes.
+
+With `keys` (a key directory, `flowmesh.auth`), both sockets are CURVE servers behind a ZAP
+handler on this loop, started before either binds: a key not in the directory never gets a
+message through. Each message then reaches the core with the Identity of its connection's key.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import zmq.asyncio
 
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
 from flowmesh import protocol as p
+from flowmesh.auth import BACKEND_DOMAIN, FRONTEND_DOMAIN, KeyRing, MeshAuthenticator
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
@@ -42,9 +47,14 @@ class BrokerService:
         *,
         limits: p.Limits = p.DEFAULT_LIMITS,
         ready_file: str | None = None,
+        keys: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.core = BrokerCore(cfg, now=time.monotonic())
+        # Read now, so that a missing or broken key directory stops the broker at start.
+        self.keyring = KeyRing(keys) if keys else None
+        self.core.auth = self.keyring is not None
+        self.auth: MeshAuthenticator | None = None
         self.frontend_ep, self.backend_ep = frontend, backend
         self.limits = limits
         self.ready_file = ready_file
@@ -83,17 +93,25 @@ class BrokerService:
         except Exception:
             log.exception("handling a failed send of %s to %r", msg.TYPE, addr)
 
-    def _on_client(self, addr: bytes | None, msg: p.Message) -> None:
+    def _on_client(self, addr: bytes | None, msg: p.Message, user: str | None = None) -> None:
         assert addr is not None
         try:
-            self.core.on_client(addr, msg, time.monotonic())
+            if self.keyring is None:
+                self.core.on_client(addr, msg, time.monotonic())
+            else:
+                ident = self.keyring.identity(user)
+                self.core.on_client(addr, msg, time.monotonic(), ident)
         finally:
             self._flush()
 
-    def _on_backend(self, addr: bytes | None, msg: p.Message) -> None:
+    def _on_backend(self, addr: bytes | None, msg: p.Message, user: str | None = None) -> None:
         assert addr is not None
         try:
-            self.core.on_backend(addr, msg, time.monotonic())
+            if self.keyring is None:
+                self.core.on_backend(addr, msg, time.monotonic())
+            else:
+                ident = self.keyring.identity(user)
+                self.core.on_backend(addr, msg, time.monotonic(), ident)
         finally:
             self._flush()
 
@@ -107,6 +125,8 @@ class BrokerService:
         failures = 0
         next_at = time.monotonic()
         while not self._stop.is_set():
+            if self.auth is not None:  # connections ZAP refused, shown by status
+                self.core.totals["zap_refused"] = self.auth.refused
             try:
                 self.core.tick(time.monotonic())
                 failures = 0
@@ -133,24 +153,54 @@ class BrokerService:
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()
-        self.socks[CLIENT], front = bind_router(ctx, self.frontend_ep, self.limits)
-        self.socks[BACKEND], back = bind_router(ctx, self.backend_ep, self.limits)
+        auth: MeshAuthenticator | None = None
+        front_curve = back_curve = None
+        if self.keyring is not None:
+            # Before the sockets bind: a CURVE socket with no ZAP handler lets every key in.
+            auth = self.auth = MeshAuthenticator(ctx, self.keyring)
+            auth.start()
+            front_curve = (self.keyring.secret, FRONTEND_DOMAIN)
+            back_curve = (self.keyring.secret, BACKEND_DOMAIN)
+        self.socks[CLIENT], front = bind_router(
+            ctx, self.frontend_ep, self.limits, curve=front_curve
+        )
+        self.socks[BACKEND], back = bind_router(ctx, self.backend_ep, self.limits, curve=back_curve)
+        keyed = auth is not None
         tasks = [
             asyncio.create_task(
-                pump(self.socks[CLIENT], self._on_client, routed=True, log=log, limits=self.limits)
+                pump(
+                    self.socks[CLIENT],
+                    self._on_client,
+                    routed=True,
+                    log=log,
+                    limits=self.limits,
+                    with_user=keyed,
+                )
             ),
             asyncio.create_task(
                 pump(
-                    self.socks[BACKEND], self._on_backend, routed=True, log=log, limits=self.limits
+                    self.socks[BACKEND],
+                    self._on_backend,
+                    routed=True,
+                    log=log,
+                    limits=self.limits,
+                    with_user=keyed,
                 )
             ),
             asyncio.create_task(self._ticks()),
         ]
         self._write_ready({"frontend": front, "backend": back, "pid": os.getpid()})
-        log.info("serving frontend=%s backend=%s", front, back)
+        log.info(
+            "serving frontend=%s backend=%s%s",
+            front,
+            back,
+            f" (CURVE, keys from {self.keyring.dir})" if self.keyring else "",
+        )
         notify("READY=1")
         await run_until_stopped(tasks, self._stop, log)
         for s in self.socks.values():
             s.close(linger=0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
         log.info("stopped")

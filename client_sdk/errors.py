@@ -60,6 +60,15 @@ class TooLarge(ProtocolError):
     `ProtocolError`, so code that caught oversized messages as protocol errors still does."""
 
 
+class Unauthorized(ClientError):
+    """The broker does not know this client's key (CURVE on), or this client has none."""
+
+
+class Forbidden(ClientError):
+    """The key is known, but its role (or name) does not grant this call: e.g. a deploy with a
+    client key instead of an operator key."""
+
+
 class InternalError(ClientError):
     pass
 
@@ -84,6 +93,8 @@ _BY_CODE: dict[str, type[ClientError]] = {
     Code.UNKNOWN_TYPE: ProtocolError,
     Code.TOO_LARGE: TooLarge,
     Code.VERSION: ProtocolError,
+    Code.UNAUTHORIZED: Unauthorized,
+    Code.FORBIDDEN: Forbidden,
 }
 
 

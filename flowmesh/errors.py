@@ -16,6 +16,8 @@ class Code(StrEnum):
     # requests
     BAD_REQUEST = "bad_request"
     NOT_ALLOWED = "not_allowed"
+    UNAUTHORIZED = "unauthorized"  # no key the broker knows (CURVE on)
+    FORBIDDEN = "forbidden"  # a known key whose role or name does not grant the call
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_EXISTS = "model_exists"
     TOO_BIG = "too_big"  # cannot fit the devices, whatever is evicted

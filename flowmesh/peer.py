@@ -5,6 +5,11 @@ A worker or partitioner subclasses `MeshPeer`, says who it is (`registration`), 
 (`stats`), and handles its commands (`handle`). Registration is confirmed by the broker's ack; the
 broker counts the peer as ready once its first heartbeat follows. A registration left unanswered,
 or a broker silent past its liveness, gets a fresh socket under the same identity.
+
+With CURVE keys (`curve`, set before `serve`), the socket is a CURVE client and the broker picks
+its routing id: the name registered is the one the key's certificate grants, and a refused key or
+registration is logged as such (and counted in `auth_refusals`), then tried again like any other
+unanswered registration.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from flowmesh import protocol as p
+from flowmesh.auth import CurveKeys, stop_watching, watch_handshakes
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
@@ -53,6 +59,9 @@ class MeshPeer:
         self._acked = asyncio.Event()
         self._stop = asyncio.Event()
         self.sock: zmq.asyncio.Socket | None = None
+        # CURVE keys (flowmesh.auth.load_keys), or None for a plain socket.
+        self.curve: CurveKeys | None = None
+        self.auth_refusals = 0
 
     # -- to override
 
@@ -78,7 +87,10 @@ class MeshPeer:
 
     def peer_stats(self) -> dict[str, Any]:
         """What every peer reports with its heartbeats, next to its own `stats()`."""
-        return {"dropped_sends": self.dropped_sends, "reconnects": self.reconnects}
+        out = {"dropped_sends": self.dropped_sends, "reconnects": self.reconnects}
+        if self.curve is not None:  # keyless stats stay as they were
+            out["auth_refusals"] = self.auth_refusals
+        return out
 
     def _heartbeat(self) -> p.Heartbeat:
         return p.Heartbeat(stats={**self.stats(), **self.peer_stats()})
@@ -147,6 +159,11 @@ class MeshPeer:
             self._acked.clear()
         elif isinstance(msg, p.Error) and msg.id is None:
             self.log.warning("broker error: %s %s", msg.code, msg.reason)
+        elif isinstance(msg, p.Error) and msg.code in (Code.FORBIDDEN, Code.UNAUTHORIZED):
+            # Our key does not grant what we asked (registering under this name, say): the
+            # next try is at the registration timeout, on a fresh socket.
+            self.auth_refusals += 1
+            self.log.error("the broker refused us: %s %s", msg.code, msg.reason)
         else:
             self.handle(msg)
 
@@ -187,7 +204,21 @@ class MeshPeer:
         while not self._stop.is_set():
             self._acked.clear()
             sock = connect_dealer(
-                ctx, self.broker, identity=self.name, limits=self.limits, hwm=self.send_hwm
+                ctx,
+                self.broker,
+                # With keys, the broker names the connection, so no key holder can take over
+                # another's routing id; the registration binds the name to the key.
+                identity=None if self.curve else self.name,
+                limits=self.limits,
+                hwm=self.send_hwm,
+                curve=self.curve,
+            )
+            # A refused handshake is said so, not left to look like a silent broker.
+            watcher = asyncio.create_task(
+                watch_handshakes(
+                    sock, self._refused, f"{self.role} {self.name}", keyed=self.curve is not None
+                ),
+                name=f"{self.role}-handshakes",
             )
             reader = asyncio.create_task(
                 pump(sock, self._on_message, routed=False, log=self.log, limits=self.limits),
@@ -203,7 +234,9 @@ class MeshPeer:
                 self.sock = None
                 session.cancel()
                 reader.cancel()
-                await asyncio.gather(session, reader, return_exceptions=True)
+                stop_watching(sock)
+                watcher.cancel()
+                await asyncio.gather(session, reader, watcher, return_exceptions=True)
                 sock.close(linger=0)
             if not reader.cancelled():
                 # Only a failing socket ends the reader: stop the process (exit status 1)
@@ -220,6 +253,11 @@ class MeshPeer:
                 self.broker,
                 self.reconnects,
             )
+
+    def _refused(self, reason: str) -> None:
+        self.auth_refusals += 1
+        if self.auth_refusals <= 5 or self.auth_refusals % 100 == 0:
+            self.log.error("%s at %s (%d refusals)", reason, self.broker, self.auth_refusals)
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()

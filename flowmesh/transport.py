@@ -5,6 +5,9 @@ Pitfalls handled here once (see STYLE.md): ROUTER_MANDATORY so mail to a vanishe
 instead of being dropped; ROUTER_HANDOVER so a restarted worker can reuse its identity; a short
 LINGER so closing never hangs; every send is non-blocking, so a full high-water mark becomes an
 OVERLOADED error for the sender of the request rather than a stalled event loop.
+
+With CURVE keys (`flowmesh.auth`), the ROUTERs are CURVE servers checked by ZAP, and a reader
+passes each message's ZAP User-Id (its key's certificate name) on to the handler (`with_user`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from flowmesh.auth import CurveKeys, curve_client, curve_server, user_id
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.protocol import (
     DEFAULT_LIMITS,
@@ -50,13 +54,24 @@ def _common(sock: zmq.Socket, limits: Limits, hwm: int) -> None:
 
 
 def bind_router(
-    ctx: zmq.asyncio.Context, endpoint: str, limits: Limits = DEFAULT_LIMITS, hwm: int = 10_000
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    limits: Limits = DEFAULT_LIMITS,
+    hwm: int = 10_000,
+    *,
+    curve: tuple[bytes, str] | None = None,
 ) -> tuple[zmq.asyncio.Socket, str]:
-    """A bound ROUTER and the endpoint it really got (port 0 / '*' picks a free port)."""
+    """A bound ROUTER and the endpoint it really got (port 0 / '*' picks a free port).
+
+    `curve`: (the broker's secret key, ZAP domain) to make it a CURVE server. Peers then do not
+    choose their routing ids, and ROUTER_HANDOVER is off: no connection can take another's id,
+    whatever key it holds."""
     sock = ctx.socket(zmq.ROUTER)
     _common(sock, limits, hwm)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve else 1)
+    if curve:
+        curve_server(sock, *curve)
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
     sock.bind(endpoint)
@@ -69,9 +84,14 @@ def connect_dealer(
     identity: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
     hwm: int = 10_000,
+    *,
+    curve: CurveKeys | None = None,
 ) -> zmq.asyncio.Socket:
+    """A DEALER connected to `endpoint`; a CURVE client of it with `curve` keys."""
     sock = ctx.socket(zmq.DEALER)
     _common(sock, limits, hwm)
+    if curve:
+        curve_client(sock, curve)
     if identity:
         sock.setsockopt(zmq.ROUTING_ID, identity.encode())
     sock.connect(endpoint)
@@ -92,7 +112,8 @@ def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = No
     raise exc
 
 
-Handler = Callable[[bytes | None, Message], Awaitable[None] | None]
+# (sender's address, message), and with `with_user` the connection's ZAP User-Id third.
+Handler = Callable[..., Awaitable[None] | None]
 
 # A recv on a socket with queued messages completes without yielding to the event loop, so a
 # reader fed faster than it handles would starve every other task (timers, heartbeats, the
@@ -130,6 +151,7 @@ async def pump(
     routed: bool,
     log: logging.Logger,
     limits: Limits = DEFAULT_LIMITS,
+    with_user: bool = False,
 ) -> None:
     """The socket's only reader: decode, validate, dispatch; answer every failure, never die.
 
@@ -142,7 +164,14 @@ async def pump(
     while True:
         frames = await sock.recv_multipart(copy=False)
         await handle_one(
-            sock, frames, handle, routed=routed, log=log, limits=limits, throttle=throttle
+            sock,
+            frames,
+            handle,
+            routed=routed,
+            log=log,
+            limits=limits,
+            throttle=throttle,
+            with_user=with_user,
         )
         since_yield += 1
         if since_yield >= YIELD_EVERY:
@@ -159,9 +188,13 @@ async def handle_one(
     log: logging.Logger,
     limits: Limits = DEFAULT_LIMITS,
     throttle: LogThrottle | None = None,
+    with_user: bool = False,
 ) -> None:
     """Decode and dispatch one received message; answer any failure with an Error. Never
-    raises (except cancellation): one message must not end its socket's reader."""
+    raises (except cancellation): one message must not end its socket's reader.
+
+    `with_user`: the handler takes the ZAP User-Id of the connection as a third argument
+    (None when the connection has none)."""
     throttle = throttle or LogThrottle(log)
     if routed:
         if not frames:
@@ -184,7 +217,7 @@ async def handle_one(
         _answer(sock, envelope, Error(id=None, code=str(Code.BAD_MESSAGE), reason=reason), log)
         return
     try:
-        result = handle(peer, msg)
+        result = handle(peer, msg, user_id(frames[-1])) if with_user else handle(peer, msg)
         if result is not None:
             await result
     except Exception as exc:

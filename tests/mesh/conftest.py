@@ -1,14 +1,21 @@
-"""Real meshes for end-to-end tests: broker, partitioner and workers as processes on loopback."""
+"""Real meshes for end-to-end tests: broker, partitioner and workers as processes on loopback.
+
+`FLOWMESH_TEST_KEYS=1` runs them with CURVE keys on: every `LocalMesh` of the session (the shared
+fixtures' and those tests build) takes one session key directory, and plain SDK clients its
+operator key (FLOWMESH_KEYS). Tests whose premise is a raw socket without a key are skipped then.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from client_sdk.mesh import LocalMesh, wait_until
+from client_sdk.mesh import LOCAL_OPERATOR, LocalMesh, wait_until
+from flowmesh.auth import ensure_key, init_keys
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
 
@@ -17,10 +24,47 @@ from flowmesh.spec import ModelSpec
 # for over half a second, and a live worker declared lost fails the test for nothing.
 FAST = {"heartbeat_s": 0.2, "liveness": 10, "threads_per_worker": 1}
 
+TEST_KEYS = os.environ.get("FLOWMESH_TEST_KEYS") == "1"
+# Tests built on a raw socket with no key (taking a routing id, forging a peer): with keys on,
+# the broker refuses that socket before anything the test checks can happen.
+KEYLESS_PREMISE = {"test_worker_whose_routing_id_is_taken_comes_back"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not TEST_KEYS:
+        return
+    skip = pytest.mark.skip(reason="a raw socket without a key: FLOWMESH_TEST_KEYS=1 refuses it")
+    for item in items:
+        if getattr(item, "originalname", item.name) in KEYLESS_PREMISE:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """With FLOWMESH_TEST_KEYS=1, keys on for every mesh of the session (see the module)."""
+    if not TEST_KEYS:
+        yield
+        return
+    key_dir = tmp_path_factory.mktemp("flowmesh-keys") / "keys"
+    init_keys(key_dir)
+    operator = ensure_key(key_dir, LOCAL_OPERATOR, "operator")
+    post_init = LocalMesh.__post_init__
+
+    def keyed_post_init(self: LocalMesh) -> None:
+        post_init(self)
+        if self.keys is None:  # a test asking for keys=True gets its own directory
+            self.keys = key_dir
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalMesh, "__post_init__", keyed_post_init)
+        mp.setenv("FLOWMESH_KEYS", str(operator))
+        yield
+
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
-    """Two CPU stand-in workers of 8 MiB each, shared by a test module."""
+    """Two CPU stand-in workers of 8 MiB each, shared by a test module (keys on with
+    FLOWMESH_TEST_KEYS=1)."""
     with LocalMesh(cpu_workers=2, memory_budget="8MiB", **FAST) as m:
         yield m
 

@@ -1,0 +1,400 @@
+"""CURVE keys, the broker's ZAP authenticator, and who may do what.
+
+A key directory (`flowmesh keys init DIR`, `flowmesh keys add NAME --role ROLE --dir DIR`) holds
+zmq.auth certificates, each with its `name` and `role` in the certificate's metadata:
+
+    DIR/broker.key            the broker's public key: every peer and client needs it
+    DIR/broker.key_secret     the broker's secret key: the broker only
+    DIR/NAME.key              NAME's public key: its presence in DIR is what allows NAME in
+    DIR/NAME.key_secret       NAME's secret key: give it to NAME only
+
+With `--keys DIR` the broker's two ROUTERs are CURVE servers and a ZAP handler (`MeshAuthenticator`,
+on the broker's event loop) lets in only the public keys of DIR: worker and partitioner keys on the
+backend, client and operator keys on the frontend. A refused key never gets a message through to
+the broker. Each connection's ZAP User-Id is its certificate's name; the broker reads it from every
+message (`user_id`) and `authorize_client` / `check_registration` bind what the connection may do
+to it. Removing NAME.key refuses NAME's new connections and every further message of its open ones.
+
+A worker or partitioner given `--keys DIR` uses DIR/<its name>.key_secret (or `--keys` names the
+secret file itself); the broker's public key is broker.key next to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.certs import create_certificates
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from flowmesh.errors import Code, FlowmeshError
+
+log = logging.getLogger("flowmesh.auth")
+
+BROKER = "broker"
+PEER_ROLES = ("worker", "partitioner")  # backend
+CLIENT_ROLES = ("client", "operator")  # frontend
+ROLES = (*PEER_ROLES, *CLIENT_ROLES)
+# ZAP domains of the broker's two sockets: a key is let in on the one its role belongs to.
+FRONTEND_DOMAIN = "flowmesh-frontend"
+BACKEND_DOMAIN = "flowmesh-backend"
+# Client calls every client key may make; everything else (deploy, undeploy, train_*) needs the
+# operator role.
+READ_ONLY = frozenset({"infer", "status", "plan", "jobs"})
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a connection is, by the certificate its key belongs to."""
+
+    name: str
+    role: str
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The keys a connecting side (worker, partitioner, client) needs: its own pair and the
+    broker's public key, all z85 text."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+    name: str = ""
+
+
+# ---------------------------------------------------------------------- certificate files
+
+
+def read_cert(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None, dict[str, str]]:
+    """(public key, secret key or None, metadata) of a zmq.auth certificate file."""
+    public: bytes | None = None
+    secret: bytes | None = None
+    meta: dict[str, str] = {}
+    section = ""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FlowmeshError(Code.UNAUTHORIZED, f"cannot read key file {path}: {exc}") from None
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            section = line.strip()
+            continue
+        key, sep, value = line.strip().partition("=")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip().strip('"')
+        if section == "curve" and key == "public-key":
+            public = value.encode("ascii")
+        elif section == "curve" and key == "secret-key":
+            secret = value.encode("ascii")
+        elif section == "metadata":
+            meta[key] = value
+    if public is None or len(public) != 40 or (secret is not None and len(secret) != 40):
+        raise FlowmeshError(Code.UNAUTHORIZED, f"{path} is not a CURVE certificate")
+    return public, secret, meta
+
+
+def _create(directory: Path, name: str, role: str) -> Path:
+    """NAME.key and NAME.key_secret, both carrying (name, role) as metadata (pyzmq writes it
+    in the secret file only); the secret file's path."""
+    public_file, secret_file = create_certificates(
+        directory, name, metadata={"name": name, "role": role}
+    )
+    os.chmod(secret_file, 0o600)
+    public, _, _ = read_cert(secret_file)
+    text = Path(public_file).read_text(encoding="utf-8")
+    head, sep, tail = text.partition("metadata\n")
+    assert sep, f"{public_file}: unexpected certificate layout"
+    meta = f'    name = "{name}"\n    role = "{role}"\n'
+    Path(public_file).write_text(head + sep + meta + tail, encoding="utf-8")
+    if read_cert(public_file)[0] != public:
+        raise FlowmeshError(Code.INTERNAL, f"{public_file} does not match {secret_file}")
+    return Path(secret_file)
+
+
+def init_keys(directory: str | os.PathLike[str]) -> Path:
+    """Create DIR and the broker's key pair in it; refuses to replace an existing one."""
+    d = Path(directory)
+    if (d / f"{BROKER}.key_secret").exists():
+        raise FlowmeshError(Code.BAD_REQUEST, f"{d} already holds a broker key pair")
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    _create(d, BROKER, BROKER)
+    return d
+
+
+def add_key(directory: str | os.PathLike[str], name: str, role: str) -> Path:
+    """Create NAME's key pair in DIR (which allows it in); the secret file's path."""
+    d = Path(directory)
+    if role not in ROLES:
+        raise FlowmeshError(Code.BAD_REQUEST, f"role {role!r}: one of {', '.join(ROLES)}")
+    if not name or name == BROKER or "/" in name or name.startswith(".") or name != name.strip():
+        raise FlowmeshError(Code.BAD_REQUEST, f"bad key name {name!r}")
+    if not (d / f"{BROKER}.key").exists():
+        raise FlowmeshError(
+            Code.BAD_REQUEST, f"{d} has no broker key: run 'flowmesh keys init {d}' first"
+        )
+    if (d / f"{name}.key").exists() or (d / f"{name}.key_secret").exists():
+        raise FlowmeshError(Code.BAD_REQUEST, f"{d} already holds a key named {name!r}")
+    return _create(d, name, role)
+
+
+def ensure_key(directory: str | os.PathLike[str], name: str, role: str) -> Path:
+    """NAME's secret file in DIR, created if missing (for the processes `flowmesh up` starts)."""
+    secret = Path(directory) / f"{name}.key_secret"
+    if secret.exists():
+        _, _, meta = read_cert(secret)
+        if meta.get("role") != role:
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"{secret} has role {meta.get('role')!r}, not {role!r}"
+            )
+        return secret
+    return add_key(directory, name, role)
+
+
+def load_keys(keys: Any, name: str | None = None) -> CurveKeys:
+    """The keys of a connecting side from `keys`: a (public, secret, server_public) triple; a
+    secret certificate file (broker.key next to it); or a key directory, where the certificate
+    is DIR/<name>.key_secret."""
+    if isinstance(keys, CurveKeys):
+        return keys
+    if isinstance(keys, tuple | list):
+        if len(keys) != 3:
+            raise FlowmeshError(Code.BAD_REQUEST, "keys: (public, secret, server_public)")
+        public, secret, server = (k.encode("ascii") if isinstance(k, str) else k for k in keys)
+        return CurveKeys(public, secret, server)
+    path = Path(os.path.expanduser(str(keys)))
+    if path.is_dir():
+        if not name:
+            raise FlowmeshError(
+                Code.BAD_REQUEST,
+                f"keys: {path} is a key directory; name the secret file (DIR/NAME.key_secret)",
+            )
+        path = path / f"{name}.key_secret"
+    public, secret, meta = read_cert(path)
+    if secret is None:
+        raise FlowmeshError(Code.UNAUTHORIZED, f"{path} holds no secret key (a .key_secret file)")
+    server, _, _ = read_cert(path.parent / f"{BROKER}.key")
+    return CurveKeys(public, secret, server, meta.get("name", ""))
+
+
+# ---------------------------------------------------------------------- sockets
+
+
+def curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make `sock` (before it connects) a CURVE client of the broker."""
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = keys.server_public
+
+
+def curve_server(sock: zmq.Socket, secret: bytes, domain: str) -> None:
+    """Make `sock` (before it binds) a CURVE server whose peers ZAP checks in `domain`."""
+    sock.curve_server = True
+    sock.curve_secretkey = secret
+    sock.zap_domain = domain.encode()
+
+
+def user_id(frame: Any) -> str | None:
+    """The ZAP User-Id of the connection `frame` came in on (None without ZAP)."""
+    try:
+        return frame.get("User-Id")  # type: ignore[no-any-return]
+    except (zmq.ZMQError, AttributeError):
+        return None
+
+
+def _why(kind: int, keyed: bool) -> str:
+    if not keyed:
+        return "the broker requires a CURVE key (it runs with --keys): give this side keys"
+    return {
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the broker refused this key",
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the broker takes no CURVE keys (no --keys?)",
+    }.get(kind, "the CURVE handshake failed (the wrong broker.key?)")
+
+
+async def watch_handshakes(
+    sock: zmq.asyncio.Socket,
+    on_refused: Callable[[str], None],
+    where: str,
+    keyed: bool = True,
+    on_link: Callable[[bool], None] | None = None,
+) -> None:
+    """Call `on_refused(reason)` on each failed handshake of `sock` (a refused key, a key for a
+    broker without keys or none for one with them), until its monitor stops (`stop_watching`).
+    Without it a refused DEALER only queues, silently. `on_link(up)`, when given, hears of the
+    connection itself: False when it is lost, True when a handshake (again) succeeds (a socket
+    has one monitor, so this one watcher tells both)."""
+    events = (
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_MONITOR_STOPPED
+    )
+    if on_link is not None:
+        events |= zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    mon = sock.get_monitor_socket(events)
+    try:
+        while True:
+            event = parse_monitor_message(await mon.recv_multipart())
+            kind = event["event"]
+            if kind == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if on_link is not None and kind in (
+                zmq.EVENT_DISCONNECTED,
+                zmq.EVENT_HANDSHAKE_SUCCEEDED,
+            ):
+                on_link(kind == zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                continue
+            status = (
+                f", ZAP status {int(event['value'])}"
+                if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                else ""
+            )
+            on_refused(f"{where}: {_why(kind, keyed)} (CURVE handshake failed{status})")
+    finally:
+        mon.close(linger=0)
+
+
+def stop_watching(sock: zmq.Socket) -> None:
+    """Stop `sock`'s monitor (before closing it), so that its watcher ends."""
+    if not sock.closed:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+
+
+# ---------------------------------------------------------------------- the broker's side
+
+
+class KeyRing:
+    """The broker's view of a key directory: its own secret key and the allowed public keys,
+    by key and by name. Read again when the directory changes, so `flowmesh keys add` (or
+    removing NAME.key) takes effect without a restart."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(os.path.expanduser(str(directory)))
+        self.public, secret, _ = read_cert(self.dir / f"{BROKER}.key_secret")
+        if secret is None:
+            raise FlowmeshError(Code.UNAUTHORIZED, f"{self.dir}: the broker has no secret key")
+        self.secret = secret
+        self.by_key: dict[bytes, Identity] = {}
+        self.by_name: dict[str, Identity] = {}
+        self._stamp: tuple[int, int] | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        st = self.dir.stat()
+        stamp = (st.st_mtime_ns, st.st_ino)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        by_key: dict[bytes, Identity] = {}
+        for path in sorted(self.dir.glob("*.key")):
+            if path.stem == BROKER:
+                continue
+            try:
+                public, _, meta = read_cert(path)
+            except FlowmeshError as exc:
+                log.warning("key %s skipped: %s", path, exc.reason)
+                continue
+            name, role = meta.get("name", path.stem), meta.get("role", "")
+            if role not in ROLES:
+                log.warning("key %s skipped: role %r is not one of %s", path, role, ROLES)
+                continue
+            by_key[public] = Identity(name, role)
+        self.by_key = by_key
+        self.by_name = {i.name: i for i in by_key.values()}
+        log.info("keys from %s: %d allowed", self.dir, len(by_key))
+
+    def domains(self) -> dict[str, dict[bytes, Identity]]:
+        """The allowed keys of each ZAP domain (the shape `Authenticator.certs` takes)."""
+        return {
+            FRONTEND_DOMAIN: {k: i for k, i in self.by_key.items() if i.role in CLIENT_ROLES},
+            BACKEND_DOMAIN: {k: i for k, i in self.by_key.items() if i.role in PEER_ROLES},
+        }
+
+    def identity(self, name: str | None) -> Identity | None:
+        return self.by_name.get(name) if name else None
+
+
+class MeshAuthenticator(AsyncioAuthenticator):
+    """ZAP on the broker's loop: a key is let in only on the socket its role belongs to, and
+    its connection's User-Id is its certificate's name."""
+
+    def __init__(self, context: zmq.asyncio.Context, keyring: KeyRing) -> None:
+        super().__init__(context, log=logging.getLogger("flowmesh.zap"))
+        self.keyring = keyring
+        self.refused = 0
+        self._load()
+
+    def _load(self) -> None:
+        self.certs = self.keyring.domains()  # type: ignore[assignment]
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        try:
+            self.keyring.refresh()
+            self._load()
+        except Exception:  # an unreadable directory: keep the keys already loaded
+            log.exception("could not read the key directory %s", self.keyring.dir)
+        await super().handle_zap_message(msg)
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        allowed, reason = await super()._authenticate_curve(domain, client_key)
+        if not allowed:
+            self.refused += 1
+            if self.refused <= 20 or self.refused % 1000 == 0:
+                log.warning(
+                    "refused a connection on %s: %s (%d refused so far)",
+                    domain,
+                    reason.decode(errors="replace"),
+                    self.refused,
+                )
+        return allowed, reason
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        ident = self.keyring.by_key.get(z85.encode(client_public_key))
+        return ident.name if ident else ""
+
+
+# ---------------------------------------------------------------------- who may do what
+
+
+def authorize_client(identity: Identity | None, call: str) -> None:
+    """Raise FORBIDDEN unless `identity` may make client call `call` (a message TYPE)."""
+    if identity is None:
+        raise FlowmeshError(Code.UNAUTHORIZED, f"{call} refused: this connection has no known key")
+    if identity.role not in CLIENT_ROLES:
+        raise FlowmeshError(
+            Code.FORBIDDEN, f"{call} refused: key {identity.name!r} has role {identity.role!r}"
+        )
+    if call not in READ_ONLY and identity.role != "operator":
+        raise FlowmeshError(
+            Code.FORBIDDEN,
+            f"{call} refused: key {identity.name!r} has role {identity.role!r}; "
+            f"{call} needs an operator key",
+        )
+
+
+def check_registration(identity: Identity | None, name: str, role: str) -> None:
+    """Raise FORBIDDEN unless `identity`'s certificate grants registering as `name` (`role`)."""
+    if identity is None:
+        raise FlowmeshError(
+            Code.UNAUTHORIZED, f"registration as {name!r} refused: this connection has no key"
+        )
+    if identity.name != name or identity.role != role:
+        raise FlowmeshError(
+            Code.FORBIDDEN,
+            f"registration as {role} {name!r} refused: this key belongs to "
+            f"{identity.role} {identity.name!r}",
+        )

@@ -1,0 +1,270 @@
+"""CURVE keys on a real mesh: strangers are refused before the broker reads a message, a worker
+key cannot take another worker's name, and only operator keys may change what is deployed.
+
+One keyed mesh (`LocalMesh(keys=True)`) serves the module; the processes refused here are started
+beside it and stopped by the test that started them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from client_sdk import errors
+from client_sdk.client import AsyncClient, Client
+from client_sdk.mesh import LocalMesh
+from flowmesh.auth import (
+    Identity,
+    add_key,
+    authorize_client,
+    check_registration,
+    init_keys,
+    read_cert,
+)
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.testing import assert_forward_close
+from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+
+WIDTH = 64
+SPEC = mlp_spec("auth-mlp", width=WIDTH, depth=2, seed=11)
+# A refused client must fail in about a handshake, not at its timeout.
+REFUSED_WITHIN_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def keyed_mesh() -> Iterator[LocalMesh]:
+    with LocalMesh(cpu_workers=2, memory_budget="8MiB", keys=True, **FAST) as m:
+        with m.client(timeout=30) as c:
+            deploy(c, SPEC)
+        yield m
+
+
+@pytest.fixture(scope="module")
+def ref() -> torch.nn.Module:
+    return reference(SPEC)
+
+
+def stranger_keys(mesh: LocalMesh, tmp: Path, name: str, role: str) -> Path:
+    """A key directory the mesh's broker does not know, holding `name`'s key (and the real
+    broker's public key, so only the broker's refusal stands in the way)."""
+    d = tmp / "strangers"
+    if not d.exists():
+        init_keys(d)
+        assert mesh.key_dir is not None
+        shutil.copy(mesh.key_dir / "broker.key", d / "broker.key")
+    return add_key(d, name, role)
+
+
+def peer_rows(client: Client) -> dict[str, dict]:
+    st = client.status(timeout=10)
+    return {r["name"]: r for r in (*st["workers"], *st["partitioners"])}
+
+
+def spawn_worker(mesh: LocalMesh, name: str, extra: list[str]) -> str:
+    """A worker process beside the mesh (stopped with it, or by the test); its child name."""
+    child = f"extra-{name}-{len(mesh.children)}"
+    mesh._spawn(
+        child,
+        "gpu_worker",
+        [
+            *("--broker", mesh.backend, "--device", "cpu", "--memory-budget", "8MiB"),
+            *("--name", name, "--threads", "1", *extra),
+        ],
+    )
+    return child
+
+
+def wait_log(mesh: LocalMesh, child: str, text: str, timeout: float = 30) -> str:
+    def probe() -> str | None:
+        log = mesh.child(child).tail(200)
+        return log if text in log else None
+
+    return mesh.wait_until(probe, f"{child} to log {text!r}", timeout)
+
+
+# ---------------------------------------------------------------------------- pure rules
+
+
+def test_roles_and_names_bind_what_a_key_may_do() -> None:
+    ops, app, w0 = Identity("ops", "operator"), Identity("app", "client"), Identity("w0", "worker")
+    for call in ("infer", "status", "plan", "jobs"):
+        authorize_client(app, call)
+        authorize_client(ops, call)
+    for call in ("deploy", "undeploy", "train_open", "train_step", "train_close"):
+        authorize_client(ops, call)
+        with pytest.raises(FlowmeshError, match=f"{call} refused.*operator") as exc:
+            authorize_client(app, call)
+        assert exc.value.code == Code.FORBIDDEN
+    with pytest.raises(FlowmeshError) as exc:
+        authorize_client(w0, "infer")  # a worker's key is no client key
+    assert exc.value.code == Code.FORBIDDEN
+    with pytest.raises(FlowmeshError) as exc:
+        authorize_client(None, "infer")
+    assert exc.value.code == Code.UNAUTHORIZED
+    check_registration(w0, "w0", "worker")
+    with pytest.raises(FlowmeshError, match="'w1' refused: this key belongs to worker 'w0'"):
+        check_registration(w0, "w1", "worker")
+    with pytest.raises(FlowmeshError, match="partitioner 'w0' refused"):
+        check_registration(w0, "w0", "partitioner")
+
+
+def test_certificates_carry_name_and_role(tmp_path: Path) -> None:
+    init_keys(tmp_path / "k")
+    secret = add_key(tmp_path / "k", "ops", "operator")
+    pub, sec, meta = read_cert(secret.with_suffix(".key"))
+    assert sec is None and meta == {"name": "ops", "role": "operator"}
+    assert read_cert(secret)[:2] == (pub, read_cert(secret)[1]) and read_cert(secret)[1]
+    with pytest.raises(FlowmeshError, match="already holds a key named 'ops'"):
+        add_key(tmp_path / "k", "ops", "client")
+    with pytest.raises(FlowmeshError, match="role 'root'"):
+        add_key(tmp_path / "k", "x", "root")
+
+
+# ---------------------------------------------------------------------------- (a) strangers
+
+
+async def _refused_call(client: AsyncClient) -> errors.ClientError:
+    started = time.monotonic()
+    with pytest.raises(errors.ClientError) as exc:
+        await asyncio.wait_for(client.status(timeout=30), REFUSED_WITHIN_S)
+    assert time.monotonic() - started < REFUSED_WITHIN_S
+    return exc.value
+
+
+async def test_unknown_and_missing_client_keys_are_refused_fast(
+    keyed_mesh: LocalMesh, ref: torch.nn.Module, tmp_path: Path
+) -> None:
+    secret = stranger_keys(keyed_mesh, tmp_path, "eve", "operator")
+    async with AsyncClient(keyed_mesh.frontend, timeout=20, keys=keyed_mesh.client_keys) as ok:
+        st = await ok.status()
+        refused_before, zap_before = st["auth_refused"], st["zap_refused"]
+    async with AsyncClient(keyed_mesh.frontend, timeout=30, keys=str(secret)) as eve:
+        exc = await _refused_call(eve)
+        assert exc.code == Code.UNAUTHORIZED and "refused this key" in exc.reason, exc
+        again = await _refused_call(eve)  # the next call tries again, and fails as fast
+        assert again.code == Code.UNAUTHORIZED
+    async with AsyncClient(keyed_mesh.frontend, timeout=30, keys=False) as anon:
+        exc = await _refused_call(anon)
+        assert exc.code == Code.UNAUTHORIZED and "requires a CURVE key" in exc.reason, exc
+    # A raw socket with a stranger's key gets no answer at all.
+    pub, sec, _ = read_cert(secret)
+    server = read_cert(secret.parent / "broker.key")[0]
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.curve_publickey, raw.curve_secretkey, raw.curve_serverkey = pub, sec, server
+    try:
+        raw.connect(keyed_mesh.frontend)
+        raw.send_multipart([b"\x92\xa6status\x01"])  # never even decoded: ZAP refuses first
+        assert not raw.poll(1000), "a refused key got an answer"
+    finally:
+        raw.close(0)
+        ctx.term()
+    # The mesh keeps serving its own clients.
+    async with AsyncClient(keyed_mesh.frontend, timeout=20, keys=keyed_mesh.client_keys) as ok:
+        x = torch.randn(3, WIDTH)
+        assert_forward_close(await ok.infer(SPEC.name, x), ref(x))
+        # Refused by ZAP: not one of these messages reached the broker's logic.
+        st = await ok.status()
+        assert st["auth_refused"] == refused_before, st["auth_refused"]
+        assert st["zap_refused"] >= zap_before + 2, (zap_before, st["zap_refused"])
+
+
+def test_unauthenticated_workers_are_refused_and_the_mesh_keeps_serving(
+    keyed_mesh: LocalMesh, ref: torch.nn.Module, tmp_path: Path
+) -> None:
+    secret = stranger_keys(keyed_mesh, tmp_path, "worker-9", "worker")
+    stranger = spawn_worker(keyed_mesh, "worker-9", ["--keys", str(secret.parent)])
+    anon = spawn_worker(keyed_mesh, "worker-8", [])
+    try:
+        wait_log(keyed_mesh, stranger, "the broker refused this key")
+        wait_log(keyed_mesh, anon, "the broker requires a CURVE key")
+        with keyed_mesh.client(timeout=20) as c:
+            rows = peer_rows(c)
+            assert "worker-9" not in rows and "worker-8" not in rows, sorted(rows)
+            assert {"worker-0", "worker-1", "partitioner-0"} <= set(rows)
+            x = torch.randn(2, WIDTH)
+            assert_forward_close(c.infer(SPEC.name, x), ref(x))
+        for child in (stranger, anon):
+            assert keyed_mesh.child(child).proc.poll() is None  # refused, still trying
+    finally:
+        keyed_mesh.kill(stranger)
+        keyed_mesh.kill(anon)
+
+
+# ---------------------------------------------------------------------------- (b) names
+
+
+def test_a_worker_key_cannot_register_under_another_workers_name(
+    keyed_mesh: LocalMesh, ref: torch.nn.Module
+) -> None:
+    assert keyed_mesh.key_dir is not None
+    secret = keyed_mesh.key_dir / "intruder.key_secret"
+    if not secret.exists():
+        add_key(keyed_mesh.key_dir, "intruder", "worker")  # an allowed worker key
+    with keyed_mesh.client(timeout=20) as c:
+        before = peer_rows(c)["worker-0"]
+        refused_before = c.status()["auth_refused"]
+        intruder = spawn_worker(keyed_mesh, "worker-0", ["--keys", str(secret)])
+        try:
+            log = wait_log(
+                keyed_mesh, intruder, "registration as worker 'worker-0' refused: this key "
+            )
+            assert "belongs to worker 'intruder'" in log and "forbidden" in log, log
+            assert c.status()["auth_refused"] > refused_before
+            after = peer_rows(c)["worker-0"]
+            assert (after["pid"], after["registrations"]) == (
+                before["pid"],
+                before["registrations"],
+            ), (before, after)
+            assert "intruder" not in peer_rows(c)
+            x = torch.randn(2, WIDTH)
+            assert_forward_close(c.infer(SPEC.name, x), ref(x))
+        finally:
+            keyed_mesh.kill(intruder)
+
+
+# ---------------------------------------------------------------------------- (c, d) roles
+
+
+def test_a_client_key_can_infer_but_not_deploy(keyed_mesh: LocalMesh, ref: torch.nn.Module) -> None:
+    assert keyed_mesh.key_dir is not None
+    secret = keyed_mesh.key_dir / "app.key_secret"
+    if not secret.exists():
+        add_key(keyed_mesh.key_dir, "app", "client")
+    with Client(keyed_mesh.frontend, timeout=20, keys=str(secret)) as app:
+        x = torch.randn(4, WIDTH)
+        assert_forward_close(app.infer(SPEC.name, x), ref(x))
+        assert app.status()["models"][0]["name"] == SPEC.name
+        other = mlp_spec("auth-denied", width=WIDTH, depth=2, seed=1)
+        with pytest.raises(errors.Forbidden, match="deploy refused: key 'app' has role 'client'"):
+            deploy(app, other)
+        with pytest.raises(errors.Forbidden, match="undeploy refused") as exc:
+            app.undeploy(SPEC.name)
+        assert exc.value.code == Code.FORBIDDEN
+        with pytest.raises(errors.Forbidden, match="train_open refused") as exc:
+            app.train_open(
+                "auth-job", "flowmesh.examples:mlp", batch_size=2, optimizer={"name": "sgd"}
+            )
+        assert exc.value.code == Code.FORBIDDEN
+        st = app.status()
+        assert [m["name"] for m in st["models"]] == [SPEC.name] and st["auth_refused"] >= 3
+
+
+def test_an_operator_deploys_and_infers_end_to_end(keyed_mesh: LocalMesh) -> None:
+    spec = mlp_spec("auth-operator", width=128, depth=3, seed=5)
+    model = reference(spec)
+    with keyed_mesh.client(timeout=30) as ops:
+        deploy(ops, spec, stages=2)
+        for _ in range(3):
+            x = torch.randn(3, 128)
+            assert_forward_close(ops.infer(spec.name, x), model(x))
+        ops.undeploy(spec.name)
+        assert spec.name not in [m["name"] for m in ops.status()["models"]]
