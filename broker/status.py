@@ -6,14 +6,149 @@ the registry (which answers a deploy with its model's row) and the facade build 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.metrics_core import Metric
 
 from broker.policy import percentile
 from broker.state import Model, Peer
 
+# Seconds, from a warm sub-millisecond run to a cold load of a large model.
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-def model_status(model: Model, peers: Mapping[str, Peer]) -> dict[str, Any]:
+
+class Timings:
+    """What each answered request waited for and ran, by model, and each worker's loads.
+
+    prometheus_client histograms, not registered anywhere global: the broker's /metrics
+    collector yields them whole (`collect`), and `flowmesh status` reads their sums and counts
+    (`means`), so both show the same figures. Observed by the serving router as it answers a
+    request, starts a batch, or hears that a load finished.
+    """
+
+    def __init__(self) -> None:
+        def hist(name: str, doc: str, label: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, [label], buckets=buckets, registry=None)
+
+        self.latency = hist(
+            "flowmesh_broker_request_latency_seconds",
+            "Arrival at the broker to the answer, per answered request",
+            "model",
+            TIME_BUCKETS,
+        )
+        self.queue_wait = hist(
+            "flowmesh_broker_request_queue_wait_seconds",
+            "Arrival to the start of the request's batch",
+            "model",
+            TIME_BUCKETS,
+        )
+        self.load_wait = hist(
+            "flowmesh_broker_request_load_wait_seconds",
+            "Time the request's runs waited on the workers for stage weights to arrive",
+            "model",
+            TIME_BUCKETS,
+        )
+        self.run = hist(
+            "flowmesh_broker_request_run_seconds",
+            "Start of the request's batch to the last stage's answer (load wait included)",
+            "model",
+            TIME_BUCKETS,
+        )
+        self.batch = hist(
+            "flowmesh_broker_batch_size",
+            "Requests per batch started",
+            "model",
+            BATCH_BUCKETS,
+        )
+        self.load = hist(
+            "flowmesh_broker_worker_load_seconds",
+            "Seconds a worker took to load a stage onto its device (Loaded.seconds)",
+            "worker",
+            TIME_BUCKETS,
+        )
+        self.load_bytes = Counter(
+            "flowmesh_broker_worker_load_bytes",
+            "Stage bytes loaded onto a worker's device (host to device)",
+            ["worker"],
+            registry=None,
+        )
+
+    def answered(self, model: str, info: Mapping[str, Any]) -> None:
+        """One request answered with `info` (the Result's, in milliseconds)."""
+        self.latency.labels(model).observe(info["latency_ms"] / 1000)
+        self.queue_wait.labels(model).observe(info["queue_ms"] / 1000)
+        self.load_wait.labels(model).observe(info["load_wait_ms"] / 1000)
+        self.run.labels(model).observe(info["run_ms"] / 1000)
+
+    def batch_started(self, model: str, requests: int) -> None:
+        self.batch.labels(model).observe(requests)
+
+    def loaded(self, worker: str, nbytes: int, seconds: float) -> None:
+        self.load.labels(worker).observe(seconds)
+        self.load_bytes.labels(worker).inc(nbytes)
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in (
+            self.latency,
+            self.queue_wait,
+            self.load_wait,
+            self.run,
+            self.batch,
+            self.load,
+            self.load_bytes,
+        ):
+            yield from metric.collect()
+
+    @staticmethod
+    def sums(metric: Histogram | Counter) -> dict[str, tuple[float, float]]:
+        """{label value: (sum, count)} of a one-label histogram; a counter's count is 0."""
+        out: dict[str, list[float]] = {}
+        for family in metric.collect():
+            for s in family.samples:
+                value = next((v for k, v in s.labels.items() if k != "le"), "")
+                if s.name.endswith("_sum") or s.name.endswith("_total"):
+                    out.setdefault(value, [0.0, 0.0])[0] = s.value
+                elif s.name.endswith("_count"):
+                    out.setdefault(value, [0.0, 0.0])[1] = s.value
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def model_means(self) -> dict[str, dict[str, float]]:
+        """Per model: requests answered and the mean of each timing (ms) and of batch sizes."""
+        out: dict[str, dict[str, float]] = {}
+        for key, metric in (
+            ("queue_wait_ms", self.queue_wait),
+            ("load_wait_ms", self.load_wait),
+            ("run_ms", self.run),
+        ):
+            for model, (total, n) in self.sums(metric).items():
+                row = out.setdefault(model, {})
+                row["answered"] = n
+                row[key] = 1000 * total / n if n else 0.0
+        for model, (total, n) in self.sums(self.batch).items():
+            out.setdefault(model, {})["mean_batch"] = total / n if n else 0.0
+        return out
+
+    def worker_loads(self) -> dict[str, dict[str, float]]:
+        """Per worker: loads timed, their bytes and mean seconds."""
+        out: dict[str, dict[str, float]] = {}
+        for worker, (total, n) in self.sums(self.load).items():
+            out[worker] = {"timed_loads": n, "mean_load_ms": 1000 * total / n if n else 0.0}
+        for worker, (total, _) in self.sums(self.load_bytes).items():
+            out.setdefault(worker, {})["load_bytes"] = total
+        return out
+
+
+def model_status(
+    model: Model,
+    peers: Mapping[str, Peer],
+    timing: Mapping[str, float] | None = None,
+    refused: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """A model's row; `timing` is its entry of `Timings.model_means()`, `refused` its requests
+    refused at the door by code (`ServingRouter.refused`)."""
     ranges = (model.plan or {}).get("ranges", [])
     names = (model.plan or {}).get("block_names", [])
     stages = []
@@ -48,18 +183,35 @@ def model_status(model: Model, peers: Mapping[str, Peer]) -> dict[str, Any]:
         "requests": model.requests,
         "completed": model.completed,
         "errors": model.errors,
+        "errors_by_code": dict(sorted(model.errors_by_code.items())),
+        "refused": dict(sorted((refused or {}).items())),
         "loads": model.loads,
         "evictions": model.evictions,
         "batches": model.batches,
         "mean_ms": sum(lat) / len(lat) if lat else 0.0,
         "p99_ms": percentile(lat, 99),
+        # Means over every answered request (the same histograms as /metrics).
+        "queue_wait_ms": (timing or {}).get("queue_wait_ms", 0.0),
+        "load_wait_ms": (timing or {}).get("load_wait_ms", 0.0),
+        "run_ms": (timing or {}).get("run_ms", 0.0),
+        "mean_batch": (timing or {}).get("mean_batch", 0.0),
+        "slo_ms": model.spec.slo_ms,
+        # Of the answered requests, the fraction within the model's latency objective.
+        "within_slo": (model.within_slo / model.completed if model.completed else None)
+        if model.spec.slo_ms is not None
+        else None,
+        "rate_per_s": model.rate.value,  # decayed arrival rate as of the model's last request
+        "prefetches": model.prefetches,
     }
 
 
 def peer_rows(
-    peers: Mapping[str, Peer], now: float
+    peers: Mapping[str, Peer],
+    now: float,
+    loads: Mapping[str, Mapping[str, float]] | None = None,
+    heartbeat_s: float = 1.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(workers, partitioners), each sorted by name."""
+    """(workers, partitioners), each sorted by name; `loads` is `Timings.worker_loads()`."""
     workers, partitioners = [], []
     for peer in sorted(peers.values(), key=lambda w: w.name):
         row = {
@@ -68,10 +220,13 @@ def peer_rows(
             "pid": peer.pid,
             "registrations": peer.registrations,
             "last_seen_s": round(now - peer.last_seen, 3),
+            # Heartbeat intervals since the peer was last heard (liveness of them loses it).
+            "missed_heartbeats": int(max(0.0, now - peer.last_seen) // heartbeat_s),
         }
         if peer.role == "partitioner":
             partitioners.append({**row, "inflight": peer.inflight_plans, "stats": peer.stats})
             continue
+        timed = (loads or {}).get(peer.name, {})
         workers.append(
             {
                 **row,
@@ -80,9 +235,13 @@ def peer_rows(
                 "budget_bytes": peer.budget,
                 "resident_bytes": peer.used,
                 "peak_bytes": int(peer.stats.get("peak_bytes", 0)),
-                "host_bytes": int(peer.stats.get("host_bytes", 0)),
+                # The broker's own view, current as soon as a StageReady arrives (the worker's
+                # heartbeat figure lags a beat); stages being deployed count at planned size.
+                "host_bytes": sum(peer.hosted.values()),
                 "resident": sorted(f"{k[0]}/{k[1]}" for k in peer.resident),
                 "loads": peer.loads,
+                "load_bytes": int(timed.get("load_bytes", 0)),
+                "mean_load_ms": timed.get("mean_load_ms", 0.0),
                 "evictions": peer.evictions,
                 "inflight": peer.inflight_runs,
                 "reserved_for": peer.reserved_for,

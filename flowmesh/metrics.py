@@ -1,0 +1,416 @@
+"""Prometheus metrics over HTTP for every process (`--metrics-port`; 0 or absent: off).
+
+One source of truth: nothing here counts. At each scrape a collector reads the figures the
+process already keeps for its status and heartbeats — the broker's `BrokerCore.status()` (the
+very dict `flowmesh status` prints), a worker's `WorkerService.stats()` (what its heartbeats
+carry), a partitioner's `stats()` — and maps them to metric families with pure functions
+(`broker_families`, `worker_families`, `partitioner_families`) that tests check in-process. The
+broker's distributions (latency, queue wait, load wait, run time, batch size, load time) are
+prometheus_client histograms observed where the broker answers (`broker.status.Timings`); status
+reads their sums and counts, the collector yields them whole.
+
+The state belongs to the event loop, so a scrape (on prometheus_client's HTTP thread) reads it
+on the loop (`on_loop`) and waits at most `SCRAPE_TIMEOUT_S`: a loop that is stuck fails the
+scrape, which Prometheus reports as the target being down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.process_collector import ProcessCollector
+
+log = logging.getLogger("flowmesh.metrics")
+
+T = TypeVar("T")
+SCRAPE_TIMEOUT_S = 5.0
+
+# ============================================================== families from plain figures
+
+
+class Families:
+    """Metric families under construction, by name; `counter`/`gauge` add one sample."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._by_name: dict[str, Metric] = {}
+
+    def _family(self, kind: str, name: str, doc: str, labels: tuple[str, ...]) -> Metric:
+        full = f"{self.prefix}_{name}"
+        family = self._by_name.get(full)
+        if family is None:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(full, doc, labels=list(labels))
+            self._by_name[full] = family
+        return family
+
+    def counter(self, name: str, doc: str, value: Any, **labels: str) -> None:
+        v = _number(value)
+        if v is not None:
+            family = self._family("counter", name, doc, tuple(labels))
+            family.add_metric(list(labels.values()), v)  # type: ignore[attr-defined]
+
+    def gauge(self, name: str, doc: str, value: Any, **labels: str) -> None:
+        v = _number(value)
+        if v is not None:
+            family = self._family("gauge", name, doc, tuple(labels))
+            family.add_metric(list(labels.values()), v)  # type: ignore[attr-defined]
+
+    def declare(self, kind: str, name: str, doc: str, *labels: str) -> None:
+        """A family that exists even with no sample yet (e.g. no model deployed)."""
+        self._family(kind, name, doc, labels)
+
+    def all(self) -> list[Metric]:
+        return list(self._by_name.values())
+
+
+def _number(value: Any) -> float | None:
+    """A figure as a sample value; None (no sample) for what is not a finite number."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+# ============================================================== broker
+
+
+def broker_families(st: Mapping[str, Any]) -> list[Metric]:
+    """The broker's status (`BrokerCore.status`) as metric families (histograms aside)."""
+    f = Families("flowmesh_broker")
+    f.declare("counter", "requests", "Requests accepted, by model and outcome", "model", "outcome")
+    f.declare("counter", "requests_refused", "Requests refused on arrival", "model", "code")
+    f.declare("gauge", "queue_depth", "Requests queued, by model", "model")
+    f.gauge("uptime_seconds", "Seconds since the broker started", st.get("uptime_s"))
+    f.gauge("queued_requests", "Requests queued, all models", st.get("queued"))
+    f.gauge("inflight_batches", "Batches running on workers", st.get("inflight_batches"))
+    # Broker-wide totals without a per-model family (those sum over the model label).
+    for key, metric, doc in (
+        ("retried", "retried_requests", "Requests run again after their worker was lost"),
+        ("hung_runs", "hung_runs", "Runs a worker did not answer in time"),
+        ("expired_calls", "expired_calls", "Calls to peers that got no answer in time"),
+        ("dropped_sends", "dropped_sends", "Messages not sent (peer gone or its queue full)"),
+        ("heartbeat_losses", "heartbeat_losses", "Peers lost for missing heartbeats"),
+        ("train_expired", "train_expired_calls", "Training calls that got no answer in time"),
+        ("auth_refused", "auth_refused", "Messages refused for their peer's key (CURVE)"),
+    ):
+        f.counter(metric, doc, st.get(key))
+    for code, n in (st.get("refused_unknown_model") or {}).items():
+        f.counter("requests_refused", "", n, model="", code=code)
+    for m in st.get("models", []):
+        name = m["name"]
+        f.counter("requests", "", m.get("completed"), model=name, outcome="ok")
+        for code, n in (m.get("errors_by_code") or {}).items():
+            f.counter("requests", "", n, model=name, outcome=code)
+        for code, n in (m.get("refused") or {}).items():
+            f.counter("requests_refused", "", n, model=name, code=code)
+        f.gauge("queue_depth", "", m.get("queue"), model=name)
+        f.counter("model_loads", "Replica stage loads, by model", m.get("loads"), model=name)
+        f.counter("model_evictions", "Stage evictions, by model", m.get("evictions"), model=name)
+        f.counter("model_batches", "Batches started, by model", m.get("batches"), model=name)
+        f.gauge(
+            "model_bytes", "Device bytes of all of a model's stages", m.get("bytes"), model=name
+        )
+        f.gauge(
+            "model_ready", "1 when the model serves, else 0", m.get("state") == "ready", model=name
+        )
+        f.gauge(
+            "model_live_replicas",
+            "Replicas with every stage deployed",
+            sum(1 for r in m.get("replicas", []) if r.get("live")),
+            model=name,
+        )
+    for w in st.get("workers", []):
+        name = w["name"]
+        f.gauge("worker_ready", "1 once the worker heartbeats", w.get("ready"), worker=name)
+        f.gauge(
+            "worker_budget_bytes", "A worker's serving budget", w.get("budget_bytes"), worker=name
+        )
+        f.gauge(
+            "worker_resident_bytes",
+            "Bytes of stages resident (or loading) on a worker's device",
+            w.get("resident_bytes"),
+            worker=name,
+        )
+        f.gauge(
+            "worker_host_bytes",
+            "Bytes of stages a worker holds in host memory",
+            w.get("host_bytes"),
+            worker=name,
+        )
+        f.counter("worker_loads", "Stage loads, by worker", w.get("loads"), worker=name)
+        f.counter("worker_evictions", "Stage evictions, by worker", w.get("evictions"), worker=name)
+        f.gauge("worker_inflight_runs", "Runs sent, not answered", w.get("inflight"), worker=name)
+    peers = [("worker", w) for w in st.get("workers", [])]
+    peers += [("partitioner", p) for p in st.get("partitioners", [])]
+    for role, peer in peers:
+        f.gauge(
+            "peer_last_seen_seconds",
+            "Seconds since the broker last heard from a peer",
+            peer.get("last_seen_s"),
+            peer=peer["name"],
+            role=role,
+        )
+        f.gauge(
+            "peer_missed_heartbeats",
+            "Heartbeat intervals since the broker last heard from a peer",
+            peer.get("missed_heartbeats"),
+            peer=peer["name"],
+            role=role,
+        )
+        f.counter(
+            "peer_registrations",
+            "Registrations of the same peer process",
+            peer.get("registrations"),
+            peer=peer["name"],
+            role=role,
+        )
+    for j in st.get("jobs", []):
+        job = j["name"]
+        f.counter("train_steps", "Steps a training job has taken", j.get("step"), train_job=job)
+        f.gauge("train_last_loss", "Loss of a job's last step", j.get("last_loss"), train_job=job)
+        f.gauge(
+            "train_steps_per_second",
+            "A job's recent step rate",
+            j.get("steps_per_s"),
+            train_job=job,
+        )
+        f.counter(
+            "train_job_errors",
+            "A job's steps answered with an error",
+            j.get("errors"),
+            train_job=job,
+        )
+        f.gauge(
+            "train_pending_calls",
+            "A job's calls awaiting a worker",
+            j.get("pending"),
+            train_job=job,
+        )
+    return f.all()
+
+
+# ============================================================== worker
+
+# (stat key, metric name, kind, help): a worker's flat heartbeat figures.
+WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
+    ("loads", "loads", "counter", "Stages loaded onto the device"),
+    ("evictions", "evictions", "counter", "Stages evicted from the device"),
+    ("runs", "runs", "counter", "Runs finished (ok or not)"),
+    ("run_errors", "run_errors", "counter", "Runs that failed"),
+    ("rows", "rows", "counter", "Rows computed"),
+    ("load_waits", "load_waits", "counter", "Loads that waited for training to give memory back"),
+    ("budget_bytes", "budget_bytes", "gauge", "Device bytes for serving stages"),
+    ("resident_bytes", "resident_bytes", "gauge", "Device bytes held by serving stages"),
+    ("peak_bytes", "peak_bytes", "gauge", "Highest device bytes held by serving stages"),
+    ("host_bytes", "host_bytes", "gauge", "Host bytes of deployed stages"),
+    ("largest_free", "largest_free_bytes", "gauge", "Largest free range of the device arena"),
+    ("inflight", "inflight_runs", "gauge", "Runs in progress"),
+    ("arena_bytes", "arena_bytes", "gauge", "Device arena (serving and training)"),
+    ("arena_in_use", "arena_in_use_bytes", "gauge", "Device arena bytes in use"),
+    ("host_tier_bytes", "host_tier_budget_bytes", "gauge", "Pinned host tier (CUDA)"),
+    ("host_tier_used_bytes", "host_tier_used_bytes", "gauge", "Pinned host tier bytes in use"),
+    ("train_budget_bytes", "train_budget_bytes", "gauge", "Device bytes guaranteed to training"),
+    ("train_reserved_bytes", "train_reserved_bytes", "gauge", "Device bytes training holds"),
+    ("train_resident_bytes", "train_resident_bytes", "gauge", "Training tasks' resident bytes"),
+    ("train_step_errors", "train_step_errors", "counter", "Training steps that failed"),
+    ("train_tasks_reclaimed", "train_tasks_reclaimed", "counter", "Tasks serving took memory from"),
+    ("dropped_sends", "dropped_sends", "counter", "Messages to the broker dropped"),
+    ("reconnects", "reconnects", "counter", "Fresh sockets after the broker fell silent"),
+)
+
+
+def worker_families(
+    name: str, stats: Mapping[str, Any], train: Mapping[str, Any] | None = None
+) -> list[Metric]:
+    """A worker's figures (`WorkerService.stats()` and `peer_stats()`) and, if it trains, its
+    trainer's (`TrainingExecutor.stats()`), labelled with the worker's name."""
+    f = Families("flowmesh_worker")
+    for key, metric, kind, doc in WORKER_FIGURES:
+        if key in stats:
+            getattr(f, kind)(metric, doc, stats[key], worker=name)
+    doc = "Bytes copied between host and device, by direction and purpose"
+    f.counter(
+        "copied_bytes",
+        doc,
+        stats.get("bytes_loaded", 0),
+        worker=name,
+        direction="host_to_device",
+        purpose="serving",
+    )
+    if train is not None:
+        for key, direction in (("bytes_in", "host_to_device"), ("bytes_out", "device_to_host")):
+            f.counter(
+                "copied_bytes",
+                doc,
+                train.get(key, 0),
+                worker=name,
+                direction=direction,
+                purpose="training",
+            )
+        for job, j in (train.get("jobs") or {}).items():
+            f.counter(
+                "train_steps",
+                "Steps a training job took here",
+                j.get("step"),
+                worker=name,
+                train_job=job,
+            )
+            f.gauge(
+                "train_last_loss",
+                "Loss of a job's last step",
+                j.get("last_loss"),
+                worker=name,
+                train_job=job,
+            )
+    states: dict[str, int] = {}
+    for state in (stats.get("stages") or {}).values():
+        states[str(state)] = states.get(str(state), 0) + 1
+    for state, n in sorted(states.items()):
+        f.gauge("stages", "Deployed stages, by state", n, worker=name, state=state)
+    return f.all()
+
+
+def partitioner_families(name: str, stats: Mapping[str, Any]) -> list[Metric]:
+    f = Families("flowmesh_partitioner")
+    doc = "Plans computed, by outcome"
+    f.counter("plans", doc, stats.get("planned"), partitioner=name, outcome="ok")
+    f.counter("plans", doc, stats.get("failed"), partitioner=name, outcome="failed")
+    f.gauge("inflight_plans", "Plans being computed", stats.get("inflight"), partitioner=name)
+    f.counter(
+        "dropped_sends",
+        "Messages to the broker dropped",
+        stats.get("dropped_sends"),
+        partitioner=name,
+    )
+    f.counter(
+        "reconnects",
+        "Fresh sockets after the broker fell silent",
+        stats.get("reconnects"),
+        partitioner=name,
+    )
+    return f.all()
+
+
+# ============================================================== collectors
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
+    """`fn()` run on `loop`'s thread (where the state it reads changes), from any thread."""
+    if _running_loop() is loop:
+        return fn()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    return done.result(SCRAPE_TIMEOUT_S)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class Collector:
+    """A prometheus_client collector: `families()` on each scrape."""
+
+    def __init__(self, families: Callable[[], Iterable[Metric]]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self.families())
+
+
+def broker_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector:
+    import time
+
+    core = service.core
+
+    def families() -> list[Metric]:
+        st = on_loop(loop, lambda: core.status(time.monotonic()))
+        return [*broker_families(st), *core.serving.timings.collect()]
+
+    return Collector(families)
+
+
+def worker_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector:
+    def read() -> tuple[dict[str, Any], dict[str, Any] | None]:
+        trainer = getattr(service, "trainer", None)
+        return (
+            {**service.stats(), **service.peer_stats()},
+            trainer.stats() if trainer is not None else None,
+        )
+
+    def families() -> list[Metric]:
+        stats, train = on_loop(loop, read)
+        return worker_families(service.name, stats, train)
+
+    return Collector(families)
+
+
+def partitioner_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector:
+    def families() -> list[Metric]:
+        stats = on_loop(loop, lambda: {**service.stats(), **service.peer_stats()})
+        return partitioner_families(service.name, stats)
+
+    return Collector(families)
+
+
+# ============================================================== the HTTP endpoint
+
+
+def start(port: int, collector: Collector, addr: str = "0.0.0.0") -> Callable[[], None]:
+    """Serve /metrics on `addr:port` (a thread of prometheus_client's); returns the stop."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, CPU seconds, fds
+    try:
+        server, thread = start_http_server(port, addr, registry=registry)
+    except OSError as exc:
+        raise SystemExit(f"--metrics-port {port}: cannot listen on {addr}:{port}: {exc}") from None
+    log.info("metrics on http://%s:%d/metrics", addr, port)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop
+
+
+async def serve_with_metrics(
+    serve: Coroutine[Any, Any, None],
+    port: int | None,
+    collector: Callable[[asyncio.AbstractEventLoop], Collector],
+) -> None:
+    """Run a process's `serve()`, with /metrics on `port` while it runs (none if 0/None)."""
+    if not port:
+        await serve
+        return
+    try:
+        stop = start(port, collector(asyncio.get_running_loop()))
+    except BaseException:
+        serve.close()  # never started
+        raise
+    try:
+        await serve
+    finally:
+        # Off the loop: shutdown() waits for a scrape in progress, which may wait on the loop.
+        threading.Thread(target=stop, name="metrics-stop", daemon=True).start()
