@@ -16,14 +16,23 @@ def heart_failed(last_seen: float, now: float, period: float, liveness: int) -> 
     return now - last_seen > period * liveness
 
 
+def stage_value(rate: float, nbytes: int, bandwidth: float) -> float:
+    """What keeping a stage resident is worth: the expected cost of bringing it back per second,
+    its model's arrival rate times the seconds its bytes take to copy in (`bandwidth` bytes/s)."""
+    return rate * nbytes / max(bandwidth, 1.0)
+
+
 def pick_victims(
     worker: Peer,
     need: int,
     evictable: Callable[[Residency], bool],
     *,
     flush: bool = False,
+    value: Callable[[Residency], float] | None = None,
 ) -> list[StageKey] | None:
-    """Least recently used evictable stages whose bytes make room for `need` more bytes.
+    """Evictable stages whose bytes make room for `need` more bytes: the lowest `value` first
+    (`stage_value`: a hot model is not thrown out for a one-off request), least recently used
+    among equals; least recently used alone when no `value` is given.
 
     Returns [] when the bytes are already free, None when no choice of victims is enough.
     `flush` evicts every evictable stage (after a load failed on fragmentation, freeing just
@@ -35,7 +44,11 @@ def pick_victims(
     if free >= need and not flush:
         return []
     chosen: list[StageKey] = []
-    for r in sorted(worker.resident.values(), key=lambda r: (r.last_used, r.key)):
+
+    def order(r: Residency) -> tuple[float, float, StageKey]:
+        return (value(r) if value is not None else 0.0, r.last_used, r.key)
+
+    for r in sorted(worker.resident.values(), key=order):
         if free >= need and not flush:
             break
         if evictable(r):

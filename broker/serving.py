@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from broker.checks import check_seconds
 from broker.context import Context, fail
-from broker.policy import pick_victims
+from broker.policy import pick_victims, stage_value
 from broker.state import (
     Batch,
     Call,
@@ -38,6 +38,7 @@ from broker.state import (
     Residency,
     StageKey,
 )
+from broker.status import Timings
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 
@@ -62,10 +63,26 @@ class ServingRouter:
         self.calls = ctx.calls
         self.totals = ctx.totals
         self.batches: dict[int, Batch] = {}  # run id -> the batch it runs
+        # What status and /metrics report of answered requests, batches and loads.
+        self.timings = Timings()
+        # Requests refused at the door: (model, code) -> count; "" for a model not deployed
+        # (a name a client made up must not become a metric label).
+        self.refused: dict[tuple[str, str], int] = {}
+        # Copy bandwidth seen per worker (bytes/s, smoothed), from its Loaded answers: the
+        # cost of bringing a stage back, in `stage_value`.
+        self.bandwidth: dict[str, float] = {}
 
     # ================================================================== requests
 
     def infer(self, addr: bytes, msg: p.Infer, now: float) -> None:
+        try:
+            self._accept(addr, msg, now)
+        except FlowmeshError as exc:
+            key = (msg.model if msg.model in self.models else "", str(exc.code))
+            self.refused[key] = self.refused.get(key, 0) + 1
+            raise
+
+    def _accept(self, addr: bytes, msg: p.Infer, now: float) -> None:
         model = self.models.get(msg.model)
         if model is None:
             known = ", ".join(sorted(self.models)) or "none"
@@ -83,6 +100,13 @@ class ServingRouter:
                 f"{msg.model!r} has {len(model.queue)} queued requests "
                 f"(limit {self.cfg.max_queue}); retry later",
             )
+        mine = self.ctx.outstanding.get(addr, 0)
+        if mine >= self.cfg.max_client_inflight:
+            raise fail(
+                Code.OVERLOADED,
+                f"this client has {mine} requests queued or running (limit "
+                f"{self.cfg.max_client_inflight} per client); wait for answers, then retry",
+            )
         timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.default_timeout_s
         req = Request(
             tag=next(self.ctx.ids),
@@ -96,6 +120,8 @@ class ServingRouter:
             deadline=now + timeout,
         )
         model.queue.append(req)
+        self.ctx.outstanding[addr] = mine + 1
+        model.rate.add(now)
         model.requests += 1
         self.totals["requests"] += 1
         self.pump(now)
@@ -166,9 +192,43 @@ class ServingRouter:
                 peer.reserved_for = None
         for _ in range(10_000):  # bounded: each pass either dispatches or stops
             waiting = [m for m in self.models.values() if m.queue and m.state is ModelState.READY]
-            waiting.sort(key=lambda m: m.queue[0].arrived)
+            waiting.sort(key=self._deadline)  # earliest deadline first
             if not any(self._dispatch(m, now) for m in waiting):
-                return
+                break
+        if self.cfg.prefetch:
+            self._prefetch(now)
+
+    def _deadline(self, model: Model) -> float:
+        slo = model.spec.slo_ms / 1000 if model.spec.slo_ms else self.cfg.default_slo_s
+        return model.queue[0].arrived + slo
+
+    def _prefetch(self, now: float) -> None:
+        """Load the models most likely to be asked next, held nowhere, into free bytes only:
+        a prefetch never evicts anything (so never a stage worth more)."""
+        hot = [
+            m
+            for m in self.models.values()
+            if m.state is ModelState.READY
+            and not m.queue
+            and not m.prefetch_hold
+            and m.rate.at(now) >= self.cfg.prefetch_min_rate
+        ]
+        hot.sort(key=lambda m: -m.rate.at(now))
+        for model in hot:
+            live = [r for r in model.replicas if r.live]
+            if not live or any(self._placed(model, r) for r in live):
+                continue
+            for rep in live:
+                if any(
+                    self.peers[w].reserved_for not in (None, model.name) or self.peers[w].flush_next
+                    for w in rep.workers
+                ):
+                    continue  # kept for a starving model, or a load just failed there
+                victims = self._victims_for(model, rep, starving=False, free_only=True, now=now)
+                if victims is not None:
+                    self._load_replica(model, rep, victims, now)
+                    model.prefetches += 1
+                    break
 
     def _dispatch(self, model: Model, now: float) -> bool:
         live = [r for r in model.replicas if r.live]
@@ -194,14 +254,19 @@ class ServingRouter:
                     return True
             return False
         starving = now - model.queue[0].arrived >= self.cfg.starvation_s
-        best: tuple[int, Replica, dict[str, list[StageKey]]] | None = None
+        best: tuple[tuple[float, int], Replica, dict[str, list[StageKey]]] | None = None
         for rep in live:
             if self._blocked(model, rep) and not starving:
                 continue
-            victims = self._victims_for(model, rep, starving=starving)
+            victims = self._victims_for(model, rep, starving=starving, now=now)
             if victims is None:
                 continue
-            cost = sum(self.peers[w].resident[k].nbytes for w, ks in victims.items() for k in ks)
+            # The replica whose victims are worth least; among equals, fewest bytes evicted.
+            evicted = [self.peers[w].resident[k] for w, ks in victims.items() for k in ks]
+            cost = (
+                sum(self._value(self.peers[r_w], r, now) for r_w, r in self._owners(victims)),
+                sum(r.nbytes for r in evicted),
+            )
             if best is None or cost < best[0]:
                 best = (cost, rep, victims)
         if best is None:
@@ -257,6 +322,7 @@ class ServingRouter:
         self.batches[batch.run_id] = batch
         model.batches += 1
         self.totals["batches"] += 1
+        self.timings.batch_started(model.name, len(requests))
         self.ctx.to_peer(
             batch.worker,
             p.Run(
@@ -270,8 +336,23 @@ class ServingRouter:
 
     # ================================================================== residency
 
+    def _owners(self, victims: dict[str, list[StageKey]]) -> list[tuple[str, Residency]]:
+        return [(w, self.peers[w].resident[k]) for w, ks in victims.items() for k in ks]
+
+    def _value(self, peer: Peer, res: Residency, now: float) -> float:
+        """What keeping `res` on `peer` is worth (`policy.stage_value`)."""
+        model = self.models.get(res.key[0])
+        rate = model.rate.at(now) if model is not None else 0.0
+        return stage_value(rate, res.nbytes, self.bandwidth.get(peer.name, 1e9))
+
     def _victims_for(
-        self, model: Model, rep: Replica, *, starving: bool, free_only: bool = False
+        self,
+        model: Model,
+        rep: Replica,
+        *,
+        starving: bool,
+        free_only: bool = False,
+        now: float = 0.0,
     ) -> dict[str, list[StageKey]] | None:
         out: dict[str, list[StageKey]] = {}
         for stage, w in enumerate(rep.workers):
@@ -291,6 +372,7 @@ class ServingRouter:
                 need,
                 lambda r, peer=peer: self._evictable(peer, r, starving),
                 flush=peer.flush_next,
+                value=lambda r, peer=peer: self._value(peer, r, now),
             )
             if victims is None:
                 return None
@@ -342,6 +424,9 @@ class ServingRouter:
                 peer.reserved_for = None
 
     def loaded(self, peer: Peer, msg: p.Loaded, now: float) -> None:
+        seconds = msg.seconds
+        if not 0 <= seconds < float("inf"):
+            raise fail(Code.BAD_REQUEST, f"loaded seconds: expected a duration, got {seconds!r}")
         call = self.calls.get(msg.id)
         if call is None:
             return  # expired: the residency was dropped and an Evict sent after the load
@@ -358,9 +443,15 @@ class ServingRouter:
             res.nbytes = msg.nbytes
             peer.loads += 1
             peer.flush_next = False
+            self.timings.loaded(peer.name, msg.nbytes, seconds)
+            if seconds > 0:
+                bw = msg.nbytes / seconds
+                old = self.bandwidth.get(peer.name)
+                self.bandwidth[peer.name] = bw if old is None else 0.8 * old + 0.2 * bw
             model = self.models.get(msg.model)
             if model is not None:
                 model.loads += 1
+                model.prefetch_hold = False
         self.pump(now)
 
     def load_failed(self, peer: Peer, call: Call, msg: p.Error, now: float) -> None:
@@ -369,6 +460,7 @@ class ServingRouter:
         res = peer.resident.get(key)
         if res is not None and res.phase is Phase.LOADING:
             del peer.resident[key]
+        self._hold_prefetch(key[0])
         if msg.code == Code.NO_SPACE:
             peer.flush_next = True  # fragmented: next time evict every idle stage
         log.warning(
@@ -387,9 +479,15 @@ class ServingRouter:
             return
         key = (call.data["model"], call.data["stage"])
         res = peer.resident.get(key)
+        self._hold_prefetch(key[0])
         if res is not None and res.phase is Phase.LOADING:
             # The worker may still finish it: the Evict, ordered after the Load, frees it.
             self.ctx.evict(peer, key)
+
+    def _hold_prefetch(self, name: str) -> None:
+        model = self.models.get(name)
+        if model is not None:
+            model.prefetch_hold = True
 
     # ================================================================== runs
 
@@ -441,15 +539,21 @@ class ServingRouter:
                 "latency_ms": latency_ms,
                 "batch": len(batch.requests),
                 "queue_ms": (batch.started - req.arrived) * 1000,
+                # The batch's start to its answer: load wait, compute and the hops between.
+                "run_ms": (now - batch.started) * 1000,
                 "compute_ms": batch.info.get("compute_s", 0.0) * 1000,
                 "load_wait_ms": batch.info.get("wait_s", 0.0) * 1000,
                 "workers": list(batch.replica.workers),
             }
+            self.timings.answered(batch.model, info)
             self.ctx.to_client(req.client, p.Result(id=req.client_id, tensors=tensors, info=info))
+            self.ctx.client_done(req.client)
             req.client = None  # type: ignore[assignment]
             if model is not None:
                 model.completed += 1
                 model.latency_ms.append(latency_ms)
+                if model.spec.slo_ms is not None and latency_ms <= model.spec.slo_ms:
+                    model.within_slo += 1
             self.totals["completed"] += 1
         self.pump(now)
 

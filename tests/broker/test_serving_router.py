@@ -59,11 +59,21 @@ class Rig:
         return peer
 
     def model(
-        self, name: str, stage_bytes: list[int], *placements: list[str], max_batch: int = 8
+        self,
+        name: str,
+        stage_bytes: list[int],
+        *placements: list[str],
+        max_batch: int = 8,
+        slo_ms: float | None = None,
     ) -> Model:
         """A deployed model: every stage of every replica hosted on its worker, none resident."""
         spec = ModelSpec.from_dict(
-            {"name": name, "factory": "flowmesh.examples:mlp", "max_batch_size": max_batch}
+            {
+                "name": name,
+                "factory": "flowmesh.examples:mlp",
+                "max_batch_size": max_batch,
+                "slo_ms": slo_ms,
+            }
         )
         model = Model(spec=spec, state=ModelState.READY, stage_bytes=list(stage_bytes))
         for workers in placements:
@@ -127,9 +137,23 @@ def test_the_last_stage_answers_each_client_with_its_own_rows_and_timings() -> N
         "latency_ms": 250.0,
         "batch": 1,
         "queue_ms": 0.0,
+        "run_ms": 250.0,
         "compute_ms": 125.0,
         "load_wait_ms": 62.5,
         "workers": ["w0"],
+    }
+    # The same figures, as status reads them back from the /metrics histograms.
+    assert rig.router.timings.model_means() == {
+        "m": {
+            "answered": 1.0,
+            "queue_wait_ms": 0.0,
+            "load_wait_ms": 62.5,
+            "run_ms": 250.0,
+            "mean_batch": 1.0,
+        }
+    }
+    assert rig.router.timings.worker_loads() == {
+        "w0": {"timed_loads": 1.0, "mean_load_ms": 100.0, "load_bytes": 9.0 * MIB}
     }
     model = rig.ctx.models["m"]
     assert (model.completed, model.loads, list(model.latency_ms)) == (1, 1, [250.0])
@@ -411,3 +435,113 @@ def test_a_run_that_cannot_be_sent_fails_its_requests_overloaded() -> None:
         (CLIENT, C1, p.Error(id=1, code="overloaded", reason="could not reach 'w0': full"))
     ]
     assert rig.ctx.totals["errors"] == 1 and rig.ctx.models["m"].errors == 1
+
+
+def test_one_client_cannot_hold_more_than_its_share_of_requests() -> None:
+    rig = Rig(max_client_inflight=2)
+    rig.worker("w0", max_inflight=1)
+    rig.model("m", [10 * MIB], ["w0"], max_batch=1)
+    _, out = rig.infer("m", client_id=1, now=0.0)
+    run = out[-1][2]
+    assert isinstance(run, p.Run)
+    rig.infer("m", client_id=2, now=0.0)  # queued behind the first
+    with pytest.raises(FlowmeshError) as err:
+        rig.infer("m", client_id=3, now=0.0)
+    assert err.value.code == Code.OVERLOADED
+    assert err.value.reason == (
+        "this client has 2 requests queued or running (limit 2 per client); "
+        "wait for answers, then retry"
+    )
+    assert rig.router.refused == {("m", "overloaded"): 1}
+    # Another client is not held back by the first one's share.
+    _, out = rig.infer("m", client_id=9, now=0.0, client=C2)
+    assert out == []  # queued (the worker takes one run at a time)
+    assert rig.ctx.outstanding == {C1: 2, C2: 1}
+    # An answer frees a place in the first client's share.
+    rig.result("w0", run, 0.1)
+    assert rig.ctx.outstanding == {C1: 1, C2: 1}
+    rig.infer("m", client_id=4, now=0.2)
+    assert rig.ctx.outstanding == {C1: 2, C2: 1}
+    # Errors free places too: every queued request times out.
+    for model in rig.ctx.models.values():
+        rig.router.expire_queued(model, 1000.0)
+    rig.ctx.drain()
+    assert C2 not in rig.ctx.outstanding
+
+
+def test_eviction_keeps_a_hot_model_over_a_one_off_used_more_recently() -> None:
+    rig = Rig(prefetch=False)
+    rig.worker("w0", budget=70 * MIB)
+    hot = rig.model("hot", [30 * MIB], ["w0"])
+    rig.model("once", [30 * MIB], ["w0"])
+    rig.model("new", [30 * MIB], ["w0"])
+    for t in range(10):  # hot: ten requests over the last seconds
+        hot.rate.add(float(t))
+    rig.ctx.models["once"].rate.add(9.5)  # once: one request, after hot's last
+    rig.resident("w0", ("hot", 0), 30 * MIB, 9.0)
+    rig.resident("w0", ("once", 0), 30 * MIB, 9.5)
+    x, out = rig.infer("new", 1, 10.0)
+    # Least recently used alone would evict hot (used at 9.0); its value (rate x reload time)
+    # is ten times once's: once goes.
+    assert out == [
+        (BACKEND, b"w0", p.Evict(id=2, model="once", stage=0)),
+        (BACKEND, b"w0", p.Load(id=3, model="new", stage=0)),
+        (BACKEND, b"w0", p.Run(id=4, model="new", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+    ]
+
+
+def test_a_model_asked_for_before_is_prefetched_into_free_bytes_only() -> None:
+    rig = Rig()
+    rig.worker("w0", budget=100 * MIB, max_inflight=1)
+    rig.model("a", [40 * MIB], ["w0"])
+    rig.model("big", [100 * MIB], ["w0"])
+    rig.model("c", [40 * MIB], ["w0"])
+
+    def loaded(out: list[Outgoing], now: float) -> None:
+        for _, _, m in out:
+            if isinstance(m, p.Load):
+                nbytes = rig.ctx.models[m.model].stage_bytes[m.stage]
+                msg = p.Loaded(id=m.id, model=m.model, stage=m.stage, nbytes=nbytes, seconds=0.1)
+                rig.router.loaded(rig.ctx.peers["w0"], msg, now)
+        rig.ctx.drain()
+
+    _, out = rig.infer("a", 1, 0.0)
+    loaded(out, 0.05)
+    out = rig.result("w0", out[-1][2], 0.1)
+    _, out = rig.infer("big", 2, 1.0)  # evicts a
+    assert [(m.TYPE, m.model) for _, _, m in out] == [
+        ("evict", "a"),
+        ("load", "big"),
+        ("run", "big"),
+    ]
+    # While big holds the whole worker, nothing is prefetched (no free bytes; never evict).
+    loaded(out, 1.05)
+    out = rig.result("w0", out[-1][2], 1.1)
+    assert [m.TYPE for _, _, m in out] == ["result"]
+    _, out = rig.infer("c", 3, 2.0)  # evicts big: 60 MiB stay free, and a fits there
+    assert [(m.TYPE, m.model) for _, _, m in out] == [
+        ("evict", "big"),
+        ("load", "c"),
+        ("run", "c"),
+        ("load", "a"),  # a prefetch: no request of a is waiting
+    ]
+    assert rig.ctx.models["a"].prefetches == 1 and rig.ctx.models["big"].prefetches == 0
+
+
+def test_the_earliest_deadline_starts_first_across_models() -> None:
+    rig = Rig(prefetch=False)
+    rig.worker("w0", budget=100 * MIB, max_inflight=1)
+    for name, slo in (("x", None), ("a", None), ("b", 100.0)):
+        rig.model(name, [10 * MIB], ["w0"], slo_ms=slo)
+        rig.resident("w0", (name, 0), 10 * MIB, 0.0)
+    _, out = rig.infer("x", 1, 0.0)  # takes the worker's one lane
+    assert rig.infer("a", 2, 0.1)[1] == []  # deadline 10.1 s (no objective)
+    assert rig.infer("b", 3, 0.2)[1] == []  # deadline 0.3 s: its slo_ms
+    out = rig.result("w0", out[-1][2], 0.25)
+    assert [(m.TYPE, getattr(m, "model", None)) for _, _, m in out] == [
+        ("result", None),
+        ("run", "b"),  # oldest-first would start a
+    ]
+    out = rig.result("w0", out[-1][2], 0.5)  # b answered 0.3 s after it arrived: over 100 ms
+    b = rig.ctx.models["b"]
+    assert (b.completed, b.within_slo) == (1, 0)

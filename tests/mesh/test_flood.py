@@ -31,6 +31,11 @@ from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
 # 20,000 keeps the suite short on 2 cores; FLOWMESH_FLOOD=50000 replays the issue's flood.
 FLOOD = int(os.environ.get("FLOWMESH_FLOOD", "20000"))
 MAX_QUEUE = 256
+MAX_CLIENT = 128
+# Bound on the broker's memory growth over the flood: it holds at most MAX_QUEUE small requests
+# per model and answers the rest at once; a broker that kept every refused or answered request
+# would grow by far more than this over 20,000-50,000 requests.
+RSS_GROWTH_LIMIT = 64 << 20
 WIDTH = 16
 # A wait on the flood's answers; generous, it only bounds a hang.
 ANSWERS_TIMEOUT_S = 120.0
@@ -95,6 +100,14 @@ def flood(endpoint: str, n: int, model: str, result: dict[str, Any]) -> None:
         result.update(answers=answers, dupes=dupes, sent=sent, all_s=time.monotonic() - t0)
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (Linux /proc)."""
+    for line in open(f"/proc/{pid}/status").read().splitlines():  # noqa: SIM115
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def p99(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else xs[0]
 
@@ -111,7 +124,8 @@ def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-
         run_dir=tmp_path,
         # A short queue per model: most of the flood is refused at once (Overloaded), as a
         # flood beyond what the workers can run should be, and the test stays short.
-        broker_args=["--max-queue", str(MAX_QUEUE)],
+        # One client may hold at most MAX_CLIENT requests: the flood cannot fill the queue alone.
+        broker_args=["--max-queue", str(MAX_QUEUE), "--max-client-inflight", str(MAX_CLIENT)],
         **FAST,
     ) as mesh:
         with mesh.client() as c:
@@ -142,6 +156,8 @@ def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-
 
         asyncio.run(probe(None, 20))  # warm: first runs load the stages
         unloaded = asyncio.run(probe(None, 100))
+        broker_pid = next(c.proc.pid for c in mesh.children if c.name == "broker")
+        rss_before = rss_bytes(broker_pid)
 
         result: dict[str, Any] = {}
         done = threading.Event()
@@ -157,6 +173,7 @@ def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-
         loaded = asyncio.run(probe(done, 20))
         flooder.join(ANSWERS_TIMEOUT_S + 10)
         assert not flooder.is_alive(), "the flood thread did not finish"
+        rss_after = rss_bytes(broker_pid)
 
         exited = {c.name: c.proc.returncode for c in mesh.children if c.proc.poll() is not None}
         assert not exited, f"children exited under the flood: {exited}"
@@ -167,8 +184,10 @@ def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-
             f"in {result['all_s']:.2f} s: {dict(codes)}; probe median/p99 unloaded "
             f"{statistics.median(unloaded) * 1e3:.1f}/{p99(unloaded) * 1e3:.1f} ms, under flood "
             f"{statistics.median(loaded) * 1e3:.1f}/{p99(loaded) * 1e3:.1f} ms "
-            f"({len(loaded)} calls)"
+            f"({len(loaded)} calls); broker RSS {rss_before / 2**20:.1f} -> "
+            f"{rss_after / 2**20:.1f} MiB"
         )
+        assert rss_after - rss_before < RSS_GROWTH_LIMIT, (rss_before, rss_after)
         assert not failures, f"the second client's calls failed under the flood: {failures}"
         assert result["sent"] == FLOOD
         assert len(answers) == FLOOD and result["dupes"] == 0, (
