@@ -6,7 +6,7 @@ import argparse
 
 from broker.core import BrokerConfig
 from broker.service import BrokerService
-from flowmesh import logs
+from flowmesh import logs, metrics
 from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
@@ -32,6 +32,12 @@ OPTIONS = Options(
             repeat=True,
         ),
         Option("--max-queue", INT, 4096, "queued requests per model"),
+        Option(
+            "--max-client-inflight",
+            INT,
+            1024,
+            "requests one client may have queued or running at once (beyond: OVERLOADED)",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -41,6 +47,20 @@ OPTIONS = Options(
             "seconds a request waits before it may evict busy models",
         ),
         Option("--ready-file", TEXT, None, "write the bound endpoints here (JSON) once serving"),
+        Option(
+            "--keys",
+            TEXT,
+            None,
+            "key directory (flowmesh keys init): CURVE on both sockets, only its keys let in",
+        ),
+        Option("--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"),
+        Option(
+            "--state-dir",
+            TEXT,
+            None,
+            "keep deployed models, training jobs and the allow-list here (SQLite), so that a "
+            "restarted broker takes them up again (default: off)",
+        ),
         Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
     ),
 )
@@ -58,14 +78,28 @@ def main(argv: list[str] | None = None) -> None:
         liveness=args.liveness,
         allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
         max_queue=args.max_queue,
+        max_client_inflight=args.max_client_inflight,
         default_replicas=args.replicas,
         starvation_s=args.starvation,
+        state_dir=args.state_dir,
     )
     limits = Limits(max_message_bytes=parse_size(args.max_message))
     service = BrokerService(
-        cfg, args.frontend, args.backend, limits=limits, ready_file=args.ready_file
+        cfg,
+        args.frontend,
+        args.backend,
+        limits=limits,
+        ready_file=args.ready_file,
+        keys=args.keys,
     )
-    run_process(service.serve())  # exits non-zero when a task failed
+    # exits non-zero when a task failed
+    run_process(
+        metrics.serve_with_metrics(
+            service.serve(),
+            args.metrics_port,
+            lambda loop: metrics.broker_collector(service, loop),
+        )
+    )
 
 
 if __name__ == "__main__":

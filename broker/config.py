@@ -13,6 +13,16 @@ class BrokerConfig:
     liveness: int = 3
     allow: tuple[str, ...] = DEFAULT_ALLOW
     max_queue: int = 4096  # per model; beyond it, OVERLOADED
+    # Requests one client may have queued or running at once; beyond it, OVERLOADED: a client
+    # flooding one model cannot take the whole queue from the others.
+    max_client_inflight: int = 1024
+    # Which model's work starts first on a worker: the earliest deadline, a request's arrival
+    # plus its model's slo_ms, or plus this for a model without one (no SLOs: oldest first).
+    default_slo_s: float = 10.0
+    # Prefetch: a model asked for at least this often (requests/s, decayed over 30 s) and held
+    # nowhere is loaded into free device bytes before its next request (never by evicting).
+    prefetch_min_rate: float = 0.01
+    prefetch: bool = True
     default_timeout_s: float = 60.0
     deploy_timeout_s: float = 600.0
     default_replicas: int = 2
@@ -24,3 +34,6 @@ class BrokerConfig:
     load_timeout_s: float = 120.0
     run_timeout_s: float = 120.0
     repair_backoff_s: float = 5.0  # after a failed replica repair, before trying again
+    # Where the broker keeps what it promised (deployed models, training jobs, the allow-list),
+    # in an SQLite database (`broker.store`); None: nothing is kept across a restart.
+    state_dir: str | None = None

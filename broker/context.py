@@ -36,6 +36,9 @@ class Context:
         # because an error or a failed send names only the id.
         self.calls: dict[int, Call] = {}
         self.out: list[Outgoing] = []
+        # Requests of each client queued or running (entries at zero are removed: bounded by the
+        # clients with work in flight).
+        self.outstanding: dict[bytes, int] = {}
         # One counter for every id the broker hands out (calls, runs, requests, evictions), so
         # that an id names one thing whichever room made it.
         self.ids: Iterator[int] = itertools.count(1)
@@ -49,6 +52,14 @@ class Context:
             "expired_calls": 0,
             "dropped_sends": 0,
         }
+
+    def client_done(self, addr: bytes) -> None:
+        """One of `addr`'s requests was answered."""
+        n = self.outstanding.get(addr, 0) - 1
+        if n > 0:
+            self.outstanding[addr] = n
+        else:
+            self.outstanding.pop(addr, None)
 
     # ------------------------------------------------------------------ sending
 
@@ -92,8 +103,10 @@ class Context:
         if req.client is None:
             return
         self.to_client(req.client, p.Error(id=req.client_id, code=str(code), reason=reason))
+        self.client_done(req.client)
         req.client = None  # type: ignore[assignment]
         model = self.models.get(req.model)
         if model is not None:
             model.errors += 1
+            model.errors_by_code[str(code)] = model.errors_by_code.get(str(code), 0) + 1
         self.totals["errors"] += 1

@@ -18,6 +18,7 @@ them, routes each message to the room that owns it, and orders the work of a tic
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -26,12 +27,15 @@ from typing import Any
 from broker.checks import check_plan, check_stats
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing, fail
+from broker.policy import heart_failed
 from broker.registry import Registry
 from broker.serving import ServingRouter
 from broker.state import Batch, Call, Model, Peer
 from broker.status import model_status, peer_rows
+from broker.store import Snapshot, Store
 from broker.training import TrainingRouter
 from flowmesh import protocol as p
+from flowmesh.auth import Identity, authorize_client
 from flowmesh.errors import Code, FlowmeshError
 
 log = logging.getLogger("broker.core")
@@ -53,6 +57,21 @@ class BrokerCore:
         self.cfg = cfg or BrokerConfig()
         self.ctx = Context(self.cfg)
         self.started = time.monotonic() if now is None else now
+        # What the broker promised, kept across restarts (`--state-dir`; `broker.store`).
+        self.store: Store | None = None
+        snapshot: Snapshot | None = None
+        if self.cfg.state_dir:
+            self.store = Store(self.cfg.state_dir).open(lock=True)
+            snapshot = self.store.load_all()
+            # Ids above those of every earlier life: a late answer to a call of the broker
+            # before cannot match a call of this one (before the rooms take the counter).
+            self.ctx.ids = itertools.count((self.store.next_epoch() << 40) + 1)
+        # Set by the shell when CURVE keys are on: every message then comes with the Identity
+        # of its connection's key, and what it may do is checked against it.
+        self.auth = False
+        self.ctx.totals["auth_refused"] = 0
+        # Peers lost for missing `liveness` heartbeats in a row (status and /metrics).
+        self.ctx.totals["heartbeat_losses"] = 0
         # The rooms call each other only through these callbacks, set here once.
         self.registry = Registry(
             self.ctx,
@@ -61,6 +80,7 @@ class BrokerCore:
                 model, rep, lost, now
             ),
             on_worker_lost=lambda name: self.training.worker_lost(name),
+            on_worker_joined=lambda name, jobs, now: self.training.worker_joined(name, jobs, now),
         )
         self.serving = ServingRouter(self.ctx, self.registry)
         self.training = TrainingRouter(
@@ -71,6 +91,44 @@ class BrokerCore:
             allow=self.cfg.allow,
             step_timeout_s=self.cfg.default_timeout_s,
             open_timeout_s=self.cfg.deploy_timeout_s,
+        )
+        self.jobs_restore_until: float | None = None
+        if self.store is not None and snapshot is not None:
+            self._restore(self.store, snapshot, self.started)
+
+    def close(self) -> None:
+        """Release what the broker holds outside itself (its state store and its lock)."""
+        if self.store is not None:
+            self.store.close()
+
+    def restore_grace_s(self) -> float:
+        """How long a restarted broker waits for workers to register with what they hold:
+        a worker notices a silent broker after `liveness` heartbeats and registers again on a
+        fresh socket (5 s registration timeout), or at once when its socket reconnects."""
+        return max(10.0, 2 * self.cfg.heartbeat_s * self.cfg.liveness + 5.0)
+
+    def _restore(self, store: Store, snap: Snapshot, now: float) -> None:
+        if snap.allow is not None and tuple(snap.allow) != tuple(self.cfg.allow):
+            log.warning(
+                "the allow-list changed since the last start (was %s, now %s): the command "
+                "line wins; models and jobs it refuses are not restored",
+                list(snap.allow),
+                list(self.cfg.allow),
+            )
+        store.save_allow(self.cfg.allow)
+        self.registry.store = store
+        self.training.store = store
+        grace = self.restore_grace_s()
+        self.registry.restore(snap.models, now, grace)
+        self.training.restore(snap.jobs, now)
+        if self.training.jobs:
+            self.jobs_restore_until = now + grace
+        log.info(
+            "state from %s: %d model(s), %d training job(s); waiting up to %.0f s for workers",
+            store.path,
+            len(self.models),
+            len(self.training.jobs),
+            grace,
         )
 
     # ================================================================== shared state
@@ -115,7 +173,15 @@ class BrokerCore:
 
     # ================================================================== client side
 
-    def on_client(self, addr: bytes, msg: p.Message, now: float) -> None:
+    def on_client(
+        self, addr: bytes, msg: p.Message, now: float, identity: Identity | None = None
+    ) -> None:
+        if self.auth:
+            try:
+                authorize_client(identity, msg.TYPE)
+            except FlowmeshError:
+                self.totals["auth_refused"] += 1
+                raise
         handler: Callable[[bytes, Any, float], None] | None = {
             p.Infer: self.serving.infer,
             p.Deploy: self.registry.deploy,
@@ -131,11 +197,19 @@ class BrokerCore:
 
     # ================================================================== backend side
 
-    def on_backend(self, addr: bytes, msg: p.Message, now: float) -> None:
+    def on_backend(
+        self, addr: bytes, msg: p.Message, now: float, identity: Identity | None = None
+    ) -> None:
         if isinstance(msg, p.Register):
-            self.registry.register(addr, msg, now)
+            self.registry.register(addr, msg, now, identity, keyed=self.auth)
             return
         name = self.by_addr.get(addr)
+        if self.auth and name is not None and (identity is None or identity.name != name):
+            # A key removed from the key directory since this connection registered (the
+            # registration check keeps one key from speaking for another name).
+            self.totals["auth_refused"] += 1
+            whose = f"the key of {identity.name!r}" if identity else "a key no longer allowed"
+            raise fail(Code.UNAUTHORIZED, f"{msg.TYPE} as {name!r} refused: {whose}")
         if name is None:
             self.ctx.send(BACKEND, addr, p.Disconnect(reason="unknown peer: register first"))
             return
@@ -178,6 +252,11 @@ class BrokerCore:
 
     def tick(self, now: float) -> None:
         """Heartbeats out, dead peers out, expired requests and deploys answered."""
+        cfg = self.cfg
+        self.totals["heartbeat_losses"] += sum(
+            heart_failed(w.last_seen, now, cfg.heartbeat_s, cfg.liveness)
+            for w in self.peers.values()
+        )
         self.registry.check_hearts(now)
         for model in list(self.models.values()):
             self.serving.expire_queued(model, now)
@@ -188,6 +267,10 @@ class BrokerCore:
                 del self.calls[cid]
                 self._call_expired(call, now)
         self.training.tick(now)
+        self.registry.finish_restore(now)
+        if self.jobs_restore_until is not None and now >= self.jobs_restore_until:
+            self.jobs_restore_until = None
+            self.training.finish_restore()
         self.registry.reconcile(now)
         self.serving.pump(now)
 
@@ -214,19 +297,32 @@ class BrokerCore:
     # ================================================================== status
 
     def status(self, now: float) -> dict[str, Any]:
-        workers, partitioners = peer_rows(self.peers, now)
+        """What `flowmesh status` shows and the broker's /metrics reads (`flowmesh.metrics`)."""
+        timings = self.serving.timings
+        workers, partitioners = peer_rows(
+            self.peers, now, timings.worker_loads(), self.cfg.heartbeat_s
+        )
+        means = timings.model_means()
+        refused: dict[str, dict[str, int]] = {}
+        for (model, code), n in self.serving.refused.items():
+            refused.setdefault(model, {})[code] = n
         return {
             "uptime_s": round(now - self.started, 3),
             "protocol": p.PROTOCOL_VERSION,
+            "heartbeat_s": self.cfg.heartbeat_s,
             "workers": workers,
             "partitioners": partitioners,
             "models": [
-                model_status(m, self.peers)
+                model_status(m, self.peers, means.get(m.name), refused.get(m.name))
                 for m in sorted(self.models.values(), key=lambda m: m.name)
             ],
+            # Requests naming no deployed model, by code.
+            "refused_unknown_model": refused.get("", {}),
             "queued": sum(len(m.queue) for m in self.models.values()),
             "inflight_batches": len(self.batches),
             "jobs": self.training.status(now),
+            # After a restart, until the workers named in the state store came back.
+            "restoring": self.registry.restore_until is not None,
             **self.totals,
             **self.training.totals,
         }

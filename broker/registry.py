@@ -9,12 +9,17 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It owns:
   `DeployStage` per stage and replica), `undeploy`, and plans asked for by clients.
 - **Placement and repair**: replicas placed by `policy.place_replicas`; a replica lost with a
   worker, or given up after a hung run, is re-created by `reconcile` where live workers can hold it.
+- **Restarts** (`--state-dir`): deployed models are kept in `broker.store` before their deploy is
+  answered (placement updated as it changes); a restarted broker `restore`s them and takes up
+  the stages each worker lists in its registration's inventory (`_adopt`); what nobody brought
+  back is repaired (`finish_restore`). A worker registering afresh with stages this broker does
+  not expect there (unknown model, other spec or plan, no replica slot) is told to drop them.
 
 What it does not decide: which requests run and which stages are resident (`ServingRouter`), and
-training jobs (`TrainingRouter`). It tells the others through three callbacks: `on_change` (a
+training jobs (`TrainingRouter`). It tells the others through four callbacks: `on_change` (a
 replica became ready, a worker joined, a queue was answered: start what can start now),
-`on_replica_lost` (a replica's runs in flight need failing over) and `on_worker_lost` (a worker's
-training jobs are gone).
+`on_replica_lost` (a replica's runs in flight need failing over), `on_worker_lost` (a worker's
+training jobs are gone) and `on_worker_joined` (a worker registered afresh with these jobs).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import msgpack
 from broker.checks import check_plan, check_stats
 from broker.context import BACKEND, Context, fail
 from broker.policy import heart_failed, place_replicas
-from broker.state import Call, Model, ModelState, Peer, Replica
+from broker.state import Call, Model, ModelState, Peer, Phase, Replica, Residency
 from broker.status import model_status
+from broker.store import ModelRecord, Store
 from flowmesh import protocol as p
+from flowmesh.auth import Identity, check_registration
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import ModelSpec, check_factory, parse_inputs
 
@@ -46,6 +53,7 @@ class Registry:
         on_change: Callable[[float], None],
         on_replica_lost: Callable[[Model, Replica, str, float], None],
         on_worker_lost: Callable[[str], None],
+        on_worker_joined: Callable[[str, list[dict[str, Any]], float], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -58,10 +66,39 @@ class Registry:
         self.on_change = on_change
         self.on_replica_lost = on_replica_lost
         self.on_worker_lost = on_worker_lost
+        # A worker registered afresh, with the training jobs it holds (its inventory's "jobs").
+        self.on_worker_joined = on_worker_joined or (lambda name, jobs, now: None)
+        # Where deployed models are kept across restarts (`--state-dir`); None: nowhere.
+        self.store: Store | None = None
+        # After a restart: replicas read from the store that wait for their workers to register
+        # with the stages they hold, until `restore_until` (see `restore`, `finish_restore`).
+        self.restoring: list[tuple[str, Replica]] = []
+        self.restore_until: float | None = None
 
     # ================================================================== peers
 
-    def register(self, addr: bytes, msg: p.Register, now: float) -> None:
+    def register(
+        self,
+        addr: bytes,
+        msg: p.Register,
+        now: float,
+        identity: Identity | None = None,
+        *,
+        keyed: bool = False,
+    ) -> None:
+        """`keyed` (CURVE on): only under the name and role `identity`'s certificate grants."""
+        if keyed:
+            try:
+                check_registration(identity, msg.name, msg.role)
+            except FlowmeshError:
+                self.ctx.totals["auth_refused"] = self.ctx.totals.get("auth_refused", 0) + 1
+                log.warning(
+                    "refused registration name=%s role=%s key=%s",
+                    msg.name,
+                    msg.role,
+                    identity.name if identity else None,
+                )
+                raise
         if msg.role not in ("worker", "partitioner"):
             raise fail(Code.BAD_REQUEST, f"unknown role {msg.role!r}")
         if msg.role == "worker" and msg.budget_bytes <= 0:
@@ -71,6 +108,7 @@ class Registry:
         lanes = msg.info.get("compute_lanes", 2)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 1024:
             raise fail(Code.BAD_REQUEST, f"register info compute_lanes: bad value {lanes!r}")
+        held_stages, held_jobs = check_inventory(msg.inventory)
         old = self.peers.get(msg.name)
         if (
             old is not None
@@ -113,7 +151,18 @@ class Registry:
         )
         self.by_addr[addr] = msg.name
         self.ctx.send(BACKEND, addr, self._ack(msg.id, kept=False))
-        log.info("registered name=%s role=%s pid=%d", msg.name, msg.role, msg.pid)
+        log.info(
+            "registered name=%s role=%s pid=%d holding stages=%d jobs=%d",
+            msg.name,
+            msg.role,
+            msg.pid,
+            len(held_stages),
+            len(held_jobs),
+        )
+        if msg.role == "worker":
+            self._adopt(self.peers[msg.name], held_stages, now)
+            self.on_worker_joined(msg.name, held_jobs, now)
+            self.finish_restore(now)
 
     def _ack(self, ref: int, *, kept: bool) -> p.RegisterAck:
         return p.RegisterAck(
@@ -172,10 +221,13 @@ class Registry:
             return
         self.on_worker_lost(peer.name)
         for model in list(self.models.values()):
-            for rep in [r for r in model.replicas if peer.name in r.workers]:
+            lost = [r for r in model.replicas if peer.name in r.workers]
+            for rep in lost:
                 model.replicas.remove(rep)
                 self.drop_replica(model.name, rep, lost=peer.name)
                 self.on_replica_lost(model, rep, peer.name, now)
+            if lost:
+                self.persist(model)
         self.reconcile(now)
         for model in self.models.values():
             if not model.replicas:
@@ -236,9 +288,14 @@ class Registry:
         self._ask_plan(request, {"for": "client", "addr": addr, "id": msg.id}, now, now + timeout)
 
     def undeploy(self, addr: bytes, msg: p.Undeploy, now: float) -> None:
-        model = self.models.pop(msg.model, None)
-        if model is None:
+        if msg.model not in self.models:
             raise fail(Code.MODEL_NOT_FOUND, f"no model {msg.model!r}")
+        if self.store is not None:
+            try:
+                self.store.drop_model(msg.model)
+            except Exception as exc:
+                raise fail(Code.INTERNAL, f"could not forget {msg.model!r}: {exc}") from None
+        model = self.models.pop(msg.model)
         for req in model.queue:
             self.ctx.answer_error(req, Code.MODEL_NOT_FOUND, f"{msg.model!r} was undeployed")
         model.queue.clear()
@@ -368,23 +425,27 @@ class Registry:
     def _deploy_replica(self, model: Model, workers_of: list[str], deadline: float) -> Replica:
         rep = Replica(workers=list(workers_of), ready=[False] * len(workers_of))
         model.replicas.append(rep)
-        for stage, wname in enumerate(workers_of):
-            cid = next(self.ctx.ids)
-            self.calls[cid] = Call(
-                "stage", wname, deadline, {"model": model.name, "stage": stage, "replica": rep}
-            )
-            self.peers[wname].hosted[(model.name, stage)] = model.stage_bytes[stage]
-            self.ctx.to_peer(
-                wname,
-                p.DeployStage(
-                    id=cid,
-                    model=model.name,
-                    stage=stage,
-                    spec=model.spec.to_dict(),
-                    plan=model.plan or {},
-                ),
-            )
+        for stage in range(len(workers_of)):
+            self._deploy_stage(model, rep, stage, deadline)
         return rep
+
+    def _deploy_stage(self, model: Model, rep: Replica, stage: int, deadline: float) -> None:
+        wname = rep.workers[stage]
+        cid = next(self.ctx.ids)
+        self.calls[cid] = Call(
+            "stage", wname, deadline, {"model": model.name, "stage": stage, "replica": rep}
+        )
+        self.peers[wname].hosted[(model.name, stage)] = model.stage_bytes[stage]
+        self.ctx.to_peer(
+            wname,
+            p.DeployStage(
+                id=cid,
+                model=model.name,
+                stage=stage,
+                spec=model.spec.to_dict(),
+                plan=model.plan or {},
+            ),
+        )
 
     def stage_ready(self, peer: Peer, msg: p.StageReady, now: float) -> None:
         call = self._pop_call(msg.id, "stage", peer)
@@ -408,6 +469,13 @@ class Registry:
         peer.hosted[(msg.model, msg.stage)] = msg.nbytes
         rep.ready[msg.stage] = True
         if model.state is ModelState.DEPLOYING and all(r.live for r in model.replicas):
+            if self.store is not None:
+                # Kept before it is promised: the answer below says the model is deployed.
+                try:
+                    self.store.save_model(self._record(model))
+                except Exception as exc:
+                    self.deploy_failed(model, Code.INTERNAL, f"could not keep the model: {exc}")
+                    return
             model.state = ModelState.READY
             if model.deploy_client is not None:
                 addr, ref = model.deploy_client
@@ -437,6 +505,7 @@ class Registry:
         model.replicas.remove(rep)
         self.drop_replica(model.name, rep)
         self.mark_availability(model, reason)
+        self.persist(model)
 
     def deploy_failed(self, model: Model, code: Code | str, reason: str) -> None:
         if model.deploy_client is not None:
@@ -477,6 +546,8 @@ class Registry:
             for workers_of in places:
                 self._deploy_replica(model, workers_of, now + self.cfg.deploy_timeout_s)
                 log.info("re-creating replica model=%s workers=%s", model.name, workers_of)
+            if places:
+                self.persist(model)
 
     def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None:
         """A run hung on `worker`: drop the replica; `reconcile` re-creates it elsewhere when
@@ -487,6 +558,7 @@ class Registry:
         model.replicas.remove(rep)
         self.drop_replica(model.name, rep)
         self.mark_availability(model, reason)
+        self.persist(model)
 
     def drop_replica(self, name: str, rep: Replica, lost: str | None = None) -> None:
         """Free a replica's device and host bytes on its surviving workers."""
@@ -509,6 +581,165 @@ class Registry:
                 req, Code.WORKER_LOST, f"{model.name!r} has no live replica ({why})"
             )
         model.queue.clear()
+
+    # ================================================================== restart
+
+    def _record(self, model: Model) -> ModelRecord:
+        return ModelRecord(
+            name=model.name,
+            spec=model.spec.to_dict(),
+            plan=model.plan or {},
+            inputs=(
+                {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in model.inputs.items()}
+                if model.inputs
+                else None
+            ),
+            stage_bytes=list(model.stage_bytes),
+            desired_replicas=model.desired_replicas,
+            placement=[list(r.workers) for r in model.replicas],
+        )
+
+    def persist(self, model: Model) -> None:
+        """Keep a deployed model's placement (its spec and plan do not change) in the store.
+        A failure is logged: the model stays deployed, and a restart re-creates what it lacks."""
+        if self.store is None or model.state not in (ModelState.READY, ModelState.UNAVAILABLE):
+            return
+        if self.models.get(model.name) is not model:
+            return
+        try:
+            self.store.save_model(self._record(model))
+        except Exception as exc:
+            log.error("could not keep the placement of model=%s: %s", model.name, exc)
+
+    def restore(self, records: dict[str, ModelRecord], now: float, grace_s: float) -> None:
+        """After a restart: the models the store kept, deployed again as they were, each
+        replica waiting for its workers to register with its stages (`_adopt`). A model is
+        READY at once, so that its requests queue rather than fail; they run as soon as one of
+        its replicas lives. What is still missing at `now + grace_s`, or once every worker
+        named has registered, is repaired (`finish_restore`)."""
+        for rec in records.values():
+            try:
+                spec = ModelSpec.from_dict(rec.spec)
+                check_factory(spec.factory, self.cfg.allow)
+                stage_bytes = check_plan(rec.plan)
+                if list(stage_bytes) != list(rec.stage_bytes):
+                    raise fail(Code.PLAN_ERROR, "its stage sizes do not match its plan")
+                inputs = parse_inputs(rec.inputs) if rec.inputs else None
+            except FlowmeshError as exc:
+                log.error("not restoring model=%s: %s", rec.name, exc.reason)
+                if self.store is not None:
+                    self.store.drop_model(rec.name)
+                continue
+            model = Model(
+                spec=spec,
+                state=ModelState.READY,
+                plan=rec.plan,
+                stage_bytes=list(rec.stage_bytes),
+                inputs=inputs,
+                desired_replicas=max(1, rec.desired_replicas),
+            )
+            for workers_of in rec.placement:
+                if len(workers_of) == model.n_stages and len(set(workers_of)) == len(workers_of):
+                    rep = Replica(workers=list(workers_of), ready=[False] * model.n_stages)
+                    model.replicas.append(rep)
+                    self.restoring.append((model.name, rep))
+            self.models[model.name] = model
+            log.info(
+                "restored model=%s stages=%d replicas=%d (waiting for their workers)",
+                model.name,
+                model.n_stages,
+                len(model.replicas),
+            )
+        self.restore_until = now + grace_s
+
+    def _adopt(self, peer: Peer, held: list[dict[str, Any]], now: float) -> None:
+        """A worker registered afresh with the stages it holds: each one that a restored
+        replica expects there, built from the same spec and plan (its digest), is taken up as
+        it is, device copy included; every other stage is dropped (`DropStage`), as no
+        replica will run it and its bytes would be lost to the budget."""
+        lived = False
+        for item in held:
+            key = (item["model"], item["stage"])
+            model = self.models.get(key[0])
+            slot = None
+            if model is not None and key[1] < model.n_stages:
+                digest = p.stage_digest(model.spec.to_dict(), model.plan or {}, key[1])
+                if item["digest"] == digest:
+                    slot = next(
+                        (
+                            r
+                            for r in model.replicas
+                            if r.workers[key[1]] == peer.name and not r.ready[key[1]]
+                        ),
+                        None,
+                    )
+            if model is None or slot is None or key in peer.hosted:
+                log.info("dropping stage model=%s stage=%d held by %s", *key, peer.name)
+                self.ctx.to_peer(
+                    peer.name, p.DropStage(id=next(self.ctx.ids), model=key[0], stage=key[1])
+                )
+                continue
+            slot.ready[key[1]] = True
+            peer.hosted[key] = item["nbytes"]
+            if item["resident"] and peer.used + item["nbytes"] <= peer.budget:
+                peer.resident[key] = Residency(key, item["nbytes"], Phase.RESIDENT, now)
+            elif item["resident"]:  # over what we plan with: free it
+                self.ctx.to_peer(
+                    peer.name, p.Evict(id=next(self.ctx.ids), model=key[0], stage=key[1])
+                )
+            log.info(
+                "adopted stage model=%s stage=%d on %s (resident: %s)",
+                *key,
+                peer.name,
+                key in peer.resident,
+            )
+            if slot.live:
+                lived = True
+                log.info("replica live again model=%s workers=%s", key[0], slot.workers)
+        if lived:
+            self.on_change(now)
+
+    def finish_restore(self, now: float) -> None:
+        """End the wait for workers after a restart, once every worker a restored replica names
+        has registered or the grace has passed: a stage its worker did not bring back is
+        deployed there again (a repair that reads its weights); a replica whose worker never
+        came back is given up, and `reconcile` places it anew."""
+        if self.restore_until is None:
+            return
+        waiting = {
+            w
+            for name, rep in self.restoring
+            if name in self.models and rep in self.models[name].replicas and not rep.live
+            for w in rep.workers
+        }
+        if now < self.restore_until and not all(w in self.peers for w in waiting):
+            return
+        restoring, self.restoring, self.restore_until = self.restoring, [], None
+        for name, rep in restoring:
+            model = self.models.get(name)
+            if model is None or rep not in model.replicas or rep.live:
+                continue
+            gone = [w for w in rep.workers if w not in self.peers]
+            if gone:
+                why = f"worker(s) {', '.join(gone)} did not come back after the broker restarted"
+                log.warning("giving up restored replica model=%s: %s", name, why)
+                model.replicas.remove(rep)
+                self.drop_replica(name, rep)
+                self.mark_availability(model, why)
+            else:
+                for stage, ready in enumerate(rep.ready):
+                    if not ready:
+                        log.info(
+                            "repairing restored replica model=%s stage=%d on %s",
+                            name,
+                            stage,
+                            rep.workers[stage],
+                        )
+                        self._deploy_stage(model, rep, stage, now + self.cfg.deploy_timeout_s)
+            self.persist(model)
+        log.info("restore done: %d model(s)", len(self.models))
+        self.reconcile(now)
+        self.on_change(now)
 
     # ================================================================== answers to calls
 
@@ -543,3 +774,81 @@ class Registry:
             raise fail(Code.BAD_REQUEST, f"no pending {kind} call {cid} for {peer.name}")
         del self.calls[cid]
         return call
+
+
+# ====================================================================== inventories
+
+_STAGE_FIELDS: dict[str, type] = {
+    "model": str,
+    "stage": int,
+    "nbytes": int,
+    "resident": bool,
+    "digest": str,
+}
+_JOB_FIELDS: dict[str, type] = {
+    "name": str,
+    "step": int,
+    "seq": int,
+    "footprint": int,
+    "results": list,
+    "running": list,
+}
+
+
+def _is(value: Any, tp: type) -> bool:
+    if tp is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, tp):
+        return False
+    return not (tp is int and value < 0)
+
+
+def _check_entries(entries: Any, fields: dict[str, type], where: str) -> list[dict[str, Any]]:
+    for i, item in enumerate(entries):
+        if not isinstance(item, dict) or set(item) != set(fields):
+            got = sorted(item) if isinstance(item, dict) else type(item).__name__
+            raise fail(
+                Code.BAD_REQUEST, f"{where}[{i}]: expected fields {sorted(fields)}, got {got}"
+            )
+        for name, tp in fields.items():
+            if not _is(item[name], tp):
+                raise fail(Code.BAD_REQUEST, f"{where}[{i}].{name}: bad value {item[name]!r:.60}")
+    return list(entries)
+
+
+def _check_result(item: Any, where: str) -> None:
+    ok = isinstance(item, dict) and _is(item.get("seq"), int)
+    if ok and "code" in item:
+        ok = set(item) == {"seq", "code", "reason"} and all(
+            isinstance(item[k], str) for k in ("code", "reason")
+        )
+    elif ok:
+        ok = (
+            set(item) == {"seq", "loss", "step", "metrics"}
+            and _is(item["step"], int)
+            and isinstance(item["loss"], int | float)
+            and not isinstance(item["loss"], bool)
+            and isinstance(item["metrics"], dict)
+            and all(isinstance(k, str) for k in item["metrics"])
+        )
+    if not ok:
+        raise fail(Code.BAD_REQUEST, f"{where}: not a step answer: {item!r:.80}")
+
+
+def check_inventory(inv: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The stages and jobs of a registration's inventory, each entry checked (BAD_REQUEST
+    naming the first bad one), before the registration changes anything."""
+    unknown = sorted(set(inv) - {"stages", "jobs"})
+    if unknown:
+        raise fail(Code.BAD_REQUEST, f"register inventory: unknown part(s) {unknown}")
+    stages = _check_entries(inv.get("stages", []), _STAGE_FIELDS, "register inventory stages")
+    jobs = _check_entries(inv.get("jobs", []), _JOB_FIELDS, "register inventory jobs")
+    if len({(s["model"], s["stage"]) for s in stages}) != len(stages):
+        raise fail(Code.BAD_REQUEST, "register inventory stages: a stage is listed twice")
+    for i, job in enumerate(jobs):
+        where = f"register inventory jobs[{i}]"
+        for k, item in enumerate(job["results"]):
+            _check_result(item, f"{where}.results[{k}]")
+        if not all(_is(s, int) for s in job["running"]):
+            raise fail(Code.BAD_REQUEST, f"{where}.running: expected step seqs")
+    return stages, jobs

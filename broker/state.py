@@ -6,6 +6,7 @@ Nothing here talks to sockets or reads clocks; the broker's rooms (`broker.regis
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,6 +21,23 @@ StageKey = tuple[str, int]  # (model name, stage index)
 class Phase(Enum):
     LOADING = "loading"
     RESIDENT = "resident"
+
+
+class ArrivalRate:
+    """An exponentially decayed count of arrivals: about the arrivals per second over the last
+    `tau` seconds, cheap to update and to read at any time."""
+
+    __slots__ = ("t", "tau", "value")
+
+    def __init__(self, tau: float = 30.0) -> None:
+        self.tau, self.value, self.t = tau, 0.0, 0.0
+
+    def add(self, now: float, n: float = 1.0) -> None:
+        self.value = self.at(now) + n / self.tau
+        self.t = now
+
+    def at(self, now: float) -> float:
+        return self.value * math.exp(-max(0.0, now - self.t) / self.tau)
 
 
 @dataclass
@@ -151,10 +169,16 @@ class Model:
     requests: int = 0
     completed: int = 0
     errors: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)  # code -> requests
     loads: int = 0
     evictions: int = 0
     batches: int = 0
     latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    within_slo: int = 0  # answered requests whose latency met spec.slo_ms
+    prefetches: int = 0  # loads started before any request asked (into free bytes only)
+    # Its last load failed or was never confirmed: no prefetch until a request loads it again.
+    prefetch_hold: bool = False
+    rate: ArrivalRate = field(default_factory=ArrivalRate)  # requests per second, decayed
 
     @property
     def name(self) -> str:

@@ -20,6 +20,12 @@ own.
   half-opened job on its worker.
 - **Lost workers**: the job's pending calls fail with `worker_lost`, naming the last step saved
   to a checkpoint (from which `train_open(resume=...)` continues), and the job is forgotten.
+- **Restarts** (`--state-dir`): an opened job is kept in the store (`broker.store`) before its
+  open is answered, with its last checkpoint. A restarted broker restores it as "restoring" and
+  holds the job's commands until its worker registers again with the job in its inventory:
+  the job's step count, its highest `seq` and its latest answers come from there, so a step
+  the client sends again after the restart is answered from them (or when it finishes), never
+  run twice. A job its worker did not bring back is lost as above.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.state import Peer
+from broker.store import JobRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import ModelSpec, check_factory
@@ -40,6 +47,7 @@ log = logging.getLogger("broker.training")
 # Answers kept per job for steps that may be retried (by seq); older ones are forgotten.
 KEEP_RESULTS = 256
 RATE_WINDOW = 32  # step completions the steps/s figure is measured over
+MAX_HELD = 1024  # commands held per job while it waits for its worker after a restart
 
 
 def _fail(code: Code, reason: str) -> FlowmeshError:
@@ -79,7 +87,7 @@ class Job:
     config: dict[str, Any]
     batch: int
     opened: float
-    state: str = "opening"  # "opening" | "ready" | "closing"
+    state: str = "opening"  # "opening" | "ready" | "closing" | "restoring"
     step: int = 0
     last_loss: float | None = None
     last_seq: int = 0  # the highest seq taken
@@ -91,6 +99,10 @@ class Job:
     # seq -> the answer sent for it: a TrainStepResult or an Error
     answers: OrderedDict[int, p.Message] = field(default_factory=OrderedDict)
     done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # After a restart: commands held until the worker brings the job back, and the seqs the
+    # worker was still running then (their answers come with the ids of the broker before).
+    held: list[tuple[bytes, p.Message]] = field(default_factory=list)
+    awaited: set[int] = field(default_factory=set)
 
     @property
     def footprint(self) -> int:
@@ -133,6 +145,8 @@ class TrainingRouter:
         self.jobs: dict[str, Job] = {}
         self.calls: dict[int, JobCall] = {}
         self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
+        # Where jobs are kept across restarts (`--state-dir`); None: nowhere.
+        self.store: Store | None = None
 
     CLIENT_TYPES = (p.TrainOpen, p.TrainStep, p.TrainEval, p.TrainSave, p.TrainClose, p.Jobs)
     WORKER_TYPES = (
@@ -146,6 +160,18 @@ class TrainingRouter:
     # ================================================================== client side
 
     def on_client(self, addr: bytes, msg: p.Message, now: float) -> None:
+        job_name = getattr(msg, "job", None)
+        waiting = self.jobs.get(job_name) if isinstance(job_name, str) else None
+        restoring = waiting is not None and waiting.state == "restoring"
+        if waiting is not None and restoring and not isinstance(msg, p.TrainOpen):
+            if len(waiting.held) >= MAX_HELD:
+                raise _fail(
+                    Code.OVERLOADED,
+                    f"training job {job_name!r} waits for its worker after a broker restart "
+                    f"and already holds {MAX_HELD} commands; retry later",
+                )
+            waiting.held.append((addr, msg))
+            return
         if isinstance(msg, p.TrainOpen):
             self._open(addr, msg, now)
         elif isinstance(msg, p.TrainStep):
@@ -253,7 +279,7 @@ class TrainingRouter:
         if msg.seq < 1:
             raise _fail(Code.BAD_REQUEST, f"step seq must be positive, got {msg.seq}")
         if msg.seq <= job.last_seq:
-            self._retried(job, addr, msg)
+            self._retried(job, addr, msg, now)
             return
         _check_batch(msg.tensors, "a training step")
         job.last_seq = msg.seq
@@ -262,7 +288,7 @@ class TrainingRouter:
             job.worker, p.TrainStep(id=cid, job=job.name, seq=msg.seq, tensors=msg.tensors)
         )
 
-    def _retried(self, job: Job, addr: bytes, msg: p.TrainStep) -> None:
+    def _retried(self, job: Job, addr: bytes, msg: p.TrainStep, now: float) -> None:
         """A step whose seq was taken: replay its answer, or answer it when it comes."""
         answer = job.answers.get(msg.seq)
         if isinstance(answer, p.TrainStepResult):
@@ -285,6 +311,10 @@ class TrainingRouter:
             if call.kind == "step" and call.job == job.name and call.seq == msg.seq:
                 call.client, call.client_id = addr, msg.id  # the retry takes over the answer
                 return
+        if msg.seq in job.awaited:
+            # Running on the worker since before a restart: answered when its result comes.
+            self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
+            return
         raise _fail(
             Code.BAD_REQUEST,
             f"step seq {msg.seq} of job {job.name!r} was already taken (last seq "
@@ -320,11 +350,26 @@ class TrainingRouter:
                 return
             if call is None:
                 return
-            if job.state == "opening":  # not when a close was asked for meanwhile
-                job.state = "ready"
             job.info = dict(msg.job)
             step = msg.job.get("step", 0)
             job.step = step if isinstance(step, int) and not isinstance(step, bool) else 0
+            config = msg.job.get("config")
+            if isinstance(config, dict) and config:
+                job.config = dict(config)  # what the worker runs (from a checkpoint, say)
+            if not self._keep_job(job):
+                del self.jobs[job.name]
+                self._to_worker(worker, p.TrainClose(id=next(self._ids), job=job.name))
+                self._answer(
+                    call,
+                    p.Error(
+                        id=call.client_id,
+                        code=str(Code.INTERNAL),
+                        reason=f"training job {job.name!r} could not be kept in the state store",
+                    ),
+                )
+                return
+            if job.state == "opening":  # not when a close was asked for meanwhile
+                job.state = "ready"
             log.info("training job=%s open on worker=%s", job.name, worker)
             self._answer(call, p.TrainOpened(id=call.client_id, job=self._job_status(job, now)))
         elif isinstance(msg, p.TrainStepResult):
@@ -348,6 +393,7 @@ class TrainingRouter:
             job = self.jobs.get(msg.job)
             if job is not None and job.worker == worker:  # written, even if answered late
                 job.saved_step, job.saved_path = msg.step, msg.path
+                self._keep_job(job)
             if call is None:
                 return
             self._answer(
@@ -371,6 +417,13 @@ class TrainingRouter:
         job = self.jobs.get(msg.job)
         if job is None or job.worker != worker or msg.seq > job.last_seq:
             return
+        if msg.seq in job.awaited:
+            # A step sent before a restart: its call, if a retry made one, is found by its seq.
+            job.awaited.discard(msg.seq)
+            for cid, c in list(self.calls.items()):
+                if (c.kind, c.worker, c.job, c.seq) == ("step", worker, msg.job, msg.seq):
+                    call = self.calls.pop(cid)
+                    break
         # Counted even when its call expired: the step was applied all the same.
         job.step, job.last_loss = msg.step, msg.loss
         job.steps += 1
@@ -426,11 +479,129 @@ class TrainingRouter:
 
     def _forget(self, name: str, code: Code, reason: str) -> None:
         """Drop job `name` and fail every call still waiting on it."""
-        self.jobs.pop(name, None)
+        job = self.jobs.pop(name, None)
+        if job is not None and self.store is not None:
+            try:
+                self.store.drop_job(name)
+            except Exception as exc:
+                log.error("could not drop training job=%s from the store: %s", name, exc)
         for cid, call in list(self.calls.items()):
             if call.job == name:
                 del self.calls[cid]
                 self._answer(call, p.Error(id=call.client_id, code=str(code), reason=reason))
+        for addr, msg in job.held if job is not None else ():
+            ref = getattr(msg, "id", None)
+            if isinstance(ref, int):
+                self._to_client(addr, p.Error(id=ref, code=str(code), reason=reason))
+
+    # ================================================================== restarts
+
+    def _keep_job(self, job: Job) -> bool:
+        """Write `job` to the store (when there is one); False if that failed."""
+        if self.store is None:
+            return True
+        try:
+            self.store.save_job(
+                JobRecord(
+                    name=job.name,
+                    spec=job.spec.to_dict(),
+                    config=job.config,
+                    batch=job.batch,
+                    worker=job.worker,
+                    saved_step=job.saved_step,
+                    saved_path=job.saved_path,
+                )
+            )
+        except Exception as exc:
+            log.error("could not keep training job=%s: %s", job.name, exc)
+            return False
+        return True
+
+    def restore(self, records: Mapping[str, JobRecord], now: float) -> None:
+        """After a restart: the jobs the store kept, each waiting for its worker."""
+        for rec in records.values():
+            try:
+                spec = ModelSpec.from_dict(rec.spec)
+                check_factory(spec.factory, self.allow)
+            except FlowmeshError as exc:
+                log.error("not restoring training job=%s: %s", rec.name, exc.reason)
+                if self.store is not None:
+                    self.store.drop_job(rec.name)
+                continue
+            job = Job(rec.name, rec.worker, spec, dict(rec.config), rec.batch, now)
+            job.state = "restoring"
+            job.saved_step, job.saved_path = rec.saved_step, rec.saved_path
+            self.jobs[job.name] = job
+            log.info("restored training job=%s (waiting for worker=%s)", job.name, job.worker)
+
+    def worker_joined(self, worker: str, held: list[dict[str, Any]], now: float) -> None:
+        """A worker registered afresh with the jobs it holds (checked by the registry): a
+        restored job it holds is taken up where it is; one it should hold and does not is lost
+        (the worker restarted); one nobody knows is closed there."""
+        have = {item["name"]: item for item in held}
+        for name, item in have.items():
+            job = self.jobs.get(name)
+            if job is None or job.worker != worker or job.state != "restoring":
+                log.info("closing training job=%s held by %s: not ours", name, worker)
+                self._to_worker(worker, p.TrainClose(id=next(self._ids), job=name))
+                continue
+            job.state = "ready"
+            job.step, job.last_seq = item["step"], item["seq"]
+            job.info = {"footprint": item["footprint"]}
+            job.awaited = set(item["running"])
+            for r in item["results"]:
+                if r["seq"] > job.last_seq:
+                    continue
+                if "code" in r:
+                    answer: p.Message = p.Error(id=0, code=r["code"], reason=r["reason"])
+                else:
+                    answer = p.TrainStepResult(
+                        id=0,
+                        job=name,
+                        seq=r["seq"],
+                        loss=float(r["loss"]),
+                        step=r["step"],
+                        metrics=r["metrics"],
+                    )
+                    job.last_loss = float(r["loss"])
+                self._keep(job, r["seq"], answer)
+            log.info(
+                "training job=%s taken up on worker=%s at step %d (seq %d, %d running)",
+                name,
+                worker,
+                job.step,
+                job.last_seq,
+                len(job.awaited),
+            )
+            self._release(job, now)
+        for job in [j for j in self.jobs.values() if j.worker == worker and j.state == "restoring"]:
+            self._forget(
+                job.name,
+                Code.WORKER_LOST,
+                f"worker {worker} came back without training job {job.name!r} (it restarted); "
+                f"{job.checkpoint_note()}",
+            )
+
+    def _release(self, job: Job, now: float) -> None:
+        """Run the commands held for `job` while it waited, in the order they came."""
+        held, job.held = job.held, []
+        for addr, msg in held:
+            try:
+                self.on_client(addr, msg, now)
+            except FlowmeshError as exc:
+                ref = getattr(msg, "id", None)
+                if isinstance(ref, int):
+                    self._to_client(addr, p.Error(id=ref, code=str(exc.code), reason=exc.reason))
+
+    def finish_restore(self) -> None:
+        """The wait for workers after a restart is over: a job still waiting is lost."""
+        for job in [j for j in self.jobs.values() if j.state == "restoring"]:
+            self._forget(
+                job.name,
+                Code.WORKER_LOST,
+                f"worker {job.worker} did not come back with training job {job.name!r} after "
+                f"the broker restarted; {job.checkpoint_note()}",
+            )
 
     # ================================================================== time and loss
 

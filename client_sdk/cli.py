@@ -15,6 +15,7 @@ from typing import Any
 
 from client_sdk.client import DEFAULT_ADDRESS, Client
 from client_sdk.errors import ClientError, Timeout
+from flowmesh.auth import ROLES, KeyRing, add_key, init_keys
 from flowmesh.errors import FlowmeshError
 from flowmesh.units import fmt_bytes, parse_size
 
@@ -44,6 +45,8 @@ def format_status(st: dict[str, Any]) -> str:
             fmt_bytes(w["peak_bytes"]),
             fmt_bytes(w["host_bytes"]),
             w["loads"],
+            fmt_bytes(w.get("load_bytes", 0)),
+            f"{w.get('mean_load_ms', 0.0):.1f}",
             w["evictions"],
             w["inflight"],
             ", ".join(w["resident"]) or "-",
@@ -62,6 +65,8 @@ def format_status(st: dict[str, Any]) -> str:
                 "peak",
                 "host",
                 "loads",
+                "loaded",
+                "load ms",
                 "evictions",
                 "running",
                 "resident stages",
@@ -106,6 +111,10 @@ def format_status(st: dict[str, Any]) -> str:
                 m["evictions"],
                 f"{m['mean_ms']:.1f}",
                 f"{m['p99_ms']:.1f}",
+                f"{m.get('queue_wait_ms', 0.0):.1f}",
+                f"{m.get('load_wait_ms', 0.0):.1f}",
+                f"{m.get('run_ms', 0.0):.1f}",
+                f"{m.get('mean_batch', 0.0):.1f}",
             ]
         )
     out.append(
@@ -124,6 +133,10 @@ def format_status(st: dict[str, Any]) -> str:
                 "evictions",
                 "mean ms",
                 "p99 ms",
+                "queue ms",
+                "load wait ms",
+                "run ms",
+                "batch",
             ],
         )
     )
@@ -192,7 +205,7 @@ def _kwargs(text: str | None) -> dict[str, Any]:
 def connect(args: argparse.Namespace) -> Client:
     """A client whose broker answered a status request: a wrong address fails in seconds,
     not after a long deploy timeout."""
-    client = Client(args.broker)
+    client = Client(args.broker, keys=getattr(args, "keys", None))
     try:
         client.status(timeout=min(5.0, args.timeout))
     except Timeout:
@@ -224,6 +237,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         threads_per_worker=args.threads,
         train_bytes=args.train_bytes or 0,
+        metrics_port=args.metrics_port,
+        keys=args.keys,
         allow=args.allow,
     )
     stop = threading.Event()
@@ -240,6 +255,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"partitioner; logs in {mesh.run_dir}. Ctrl-C stops everything.",
             flush=True,
         )
+        if mesh.metrics_port:
+            where = ", ".join(f"{n} :{port}" for n, port in mesh.metrics_ports().items())
+            print(f"flowmesh up: Prometheus /metrics on {where}", flush=True)
         while not stop.wait(0.5):
             dead = [c.name for c in mesh.children if c.proc.poll() is not None]
             if dead:
@@ -250,9 +268,135 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return watch_status(args)
     with connect(args) as c:
         st = c.status(timeout=args.timeout)
     print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def status_view(st: dict[str, Any] | None, note: str = "") -> Any:
+    """The live view of `status --watch` (rich): workers, models and jobs."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    if st is None:
+        return Text(note or "waiting for the broker", style="yellow")
+    head = Text(
+        f"broker up {st['uptime_s']:.0f} s  requests {st['requests']}  completed "
+        f"{st['completed']}  errors {st['errors']}  queued {st['queued']}  running batches "
+        f"{st['inflight_batches']}  dropped sends {st.get('dropped_sends', 0)}"
+    )
+    if note:
+        head.append(f"  ({note})", style="yellow")
+    workers = Table(title="workers", title_justify="left")
+    for col in (
+        "worker",
+        "state",
+        "resident / budget",
+        "host",
+        "loads",
+        "load ms",
+        "evictions",
+        "running",
+        "seen s",
+        "resident stages",
+    ):
+        workers.add_column(col, overflow="fold")
+    for w in st["workers"]:
+        full = w["budget_bytes"] and w["resident_bytes"] > 0.9 * w["budget_bytes"]
+        workers.add_row(
+            w["name"],
+            Text("ready", "green") if w["ready"] else Text("joining", "yellow"),
+            Text(
+                f"{fmt_bytes(w['resident_bytes'])} / {fmt_bytes(w['budget_bytes'])}",
+                "red" if full else "",
+            ),
+            fmt_bytes(w["host_bytes"]),
+            str(w["loads"]),
+            f"{w.get('mean_load_ms', 0.0):.1f}",
+            str(w["evictions"]),
+            str(w["inflight"]),
+            Text(f"{w['last_seen_s']:.1f}", "red" if w.get("missed_heartbeats", 0) > 1 else ""),
+            ", ".join(w["resident"]) or "-",
+        )
+    models = Table(title="models", title_justify="left")
+    for col in (
+        "model",
+        "state",
+        "bytes",
+        "replicas",
+        "queue",
+        "requests",
+        "errors",
+        "loads",
+        "mean ms",
+        "p99 ms",
+        "queue ms",
+        "load wait ms",
+        "run ms",
+        "batch",
+    ):
+        models.add_column(col, overflow="fold")
+    for m in st["models"]:
+        models.add_row(
+            m["name"],
+            Text(m["state"], "green" if m["state"] == "ready" else "yellow"),
+            fmt_bytes(m["bytes"]),
+            "; ".join("+".join(r["workers"]) for r in m["replicas"]) or "-",
+            str(m["queue"]),
+            str(m["requests"]),
+            Text(str(m["errors"]), "red" if m["errors"] else ""),
+            str(m["loads"]),
+            f"{m['mean_ms']:.1f}",
+            f"{m['p99_ms']:.1f}",
+            f"{m.get('queue_wait_ms', 0.0):.1f}",
+            f"{m.get('load_wait_ms', 0.0):.1f}",
+            f"{m.get('run_ms', 0.0):.1f}",
+            f"{m.get('mean_batch', 0.0):.1f}",
+        )
+    parts: list[Any] = [head, workers, models]
+    if st.get("jobs"):
+        jobs = Table(title="training jobs", title_justify="left")
+        for col in ("job", "worker", "state", "step", "loss", "steps/s", "pending", "errors"):
+            jobs.add_column(col)
+        for j in st["jobs"]:
+            jobs.add_row(
+                j["name"],
+                j["worker"],
+                j["state"],
+                str(j["step"]),
+                "-" if j["last_loss"] is None else f"{j['last_loss']:.4g}",
+                f"{j['steps_per_s']:.2f}",
+                str(j["pending"]),
+                str(j["errors"]),
+            )
+        parts.append(jobs)
+    return Group(*parts)
+
+
+def watch_status(args: argparse.Namespace, rounds: int | None = None) -> int:
+    """`status --watch N`: the live view, asked for every N seconds until Ctrl-C (or `rounds`
+    refreshes, for tests). A broker that stops answering is shown, and asked again."""
+    from rich.live import Live
+
+    st: dict[str, Any] | None = None
+    with connect(args) as c, Live(status_view(None), refresh_per_second=4) as live:
+        done = 0
+        try:
+            while rounds is None or done < rounds:
+                try:
+                    st, note = c.status(timeout=min(args.timeout, max(2.0, args.watch))), ""
+                except Timeout:
+                    note = f"no answer from {args.broker}; showing the last status"
+                live.update(status_view(st, note))
+                done += 1
+                if rounds is None or done < rounds:
+                    time.sleep(args.watch)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -629,6 +773,36 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0 if best is not None else 1
 
 
+def cmd_keys_init(args: argparse.Namespace) -> int:
+    d = init_keys(args.dir)
+    print(
+        f"broker key pair in {d}: broker.key goes to every peer and client, "
+        "broker.key_secret stays with the broker"
+    )
+    return 0
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    d = args.dir or os.environ.get("FLOWMESH_KEY_DIR")
+    if not d:
+        raise SystemExit(
+            "flowmesh keys add: --dir DIR (or FLOWMESH_KEY_DIR) names the key directory"
+        )
+    secret = add_key(d, args.name, args.role)
+    print(
+        f"{args.role} key {args.name!r}: {secret} (give it, with broker.key, to "
+        f"{args.name} only); allowed by {secret.with_suffix('.key')}"
+    )
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    ring = KeyRing(args.dir)
+    rows = [[i.name, i.role] for i in sorted(ring.by_key.values(), key=lambda i: i.name)]
+    print(table(rows, ["name", "role"]))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from client_sdk.demo import main as demo
 
@@ -645,6 +819,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--broker", default=DEFAULT_ADDRESS, help="broker client endpoint (env FLOWMESH_BROKER)"
         )
         p.add_argument("--timeout", type=float, default=60.0, help="seconds")
+        p.add_argument(
+            "--keys",
+            default=None,
+            help="CURVE key of this client, a NAME.key_secret file with broker.key next to it "
+            "(env FLOWMESH_KEYS)",
+        )
         return p
 
     p = sub.add_parser("up", help="run broker, partitioner and workers on this machine")
@@ -677,7 +857,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="module allowed to provide model and loss factories, for the whole mesh "
         "(repeatable; default: flowmesh.examples and torch.nn)",
     )
+    p.add_argument(
+        "--keys",
+        default=None,
+        help="key directory (flowmesh keys init): CURVE everywhere; the keys of the processes "
+        "'up' starts are added to it",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics: the broker on this port, the partitioner on the next, "
+        "worker i on port+2+i (default: off)",
+    )
     p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("keys", help="CURVE keys: a broker key pair, then one key per peer")
+    keys_sub = p.add_subparsers(dest="keys_cmd", required=True)
+    k = keys_sub.add_parser("init", help="create DIR and the broker's key pair in it")
+    k.add_argument("dir")
+    k.set_defaults(fn=cmd_keys_init)
+    k = keys_sub.add_parser("add", help="create (and so allow) the key of a peer or client")
+    k.add_argument("name", help="the name it is allowed (a worker's or partitioner's --name)")
+    k.add_argument("--role", required=True, choices=ROLES)
+    k.add_argument("--dir", default=None, help="the key directory (env FLOWMESH_KEY_DIR)")
+    k.set_defaults(fn=cmd_keys_add)
+    k = keys_sub.add_parser("list", help="the keys a key directory allows")
+    k.add_argument("dir")
+    k.set_defaults(fn=cmd_keys_list)
 
     p = client_cmd("jobs", "show training jobs")
     p.add_argument("--json", action="store_true")
@@ -685,6 +892,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = client_cmd("status", "show workers, models and queues")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="a live view, refreshed every SECONDS (default 2) until Ctrl-C",
+    )
     p.set_defaults(fn=cmd_status)
 
     p = client_cmd("deploy", "deploy a model")

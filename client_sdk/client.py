@@ -8,12 +8,24 @@ own them).
 Nothing waits for the timeout when the answer cannot come: a request over the client's own
 `limits` raises `TooLarge` before it is sent, and if the reader stops, every call in flight fails
 at once with the cause (the next call connects again on a fresh socket).
+
+With `keys` (or FLOWMESH_KEYS), the socket is a CURVE client: a broker that refuses the key fails
+the calls in flight at once with an UNAUTHORIZED error, rather than leaving them to their timeout.
+
+A broker that goes away (it crashed, or restarts) takes the answers of the calls in flight with
+it; ZeroMQ connects again by itself, and calls made meanwhile wait in the socket and go out once
+it is back. The calls in flight when the connection was lost are settled by what they are: one
+that is safe to send twice (inference, status, jobs, plans; a training step, which the broker
+never applies twice as it carries its `seq`, and an evaluation) is sent once more as soon as the
+connection is back, with what is left of its timeout; any other (deploy, undeploy, training
+open, save and close) fails at once with UNAVAILABLE, saying that it may or may not have run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -34,6 +46,7 @@ from client_sdk.errors import ClientError, Timeout, TooLarge, Unavailable, error
 from client_sdk.jobs import AsyncJob, Job
 from client_sdk.sweep import sweep_async
 from flowmesh import protocol as p
+from flowmesh.auth import CurveKeys, load_keys, stop_watching, watch_handshakes
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, send
 
@@ -43,19 +56,48 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 DEFAULT_ADDRESS = os.environ.get("FLOWMESH_BROKER", "tcp://127.0.0.1:5555")
+# The client's CURVE keys when `keys` is not given: a .key_secret file (broker.key next to it).
+KEYS_ENV = "FLOWMESH_KEYS"
 # The broker answers TIMEOUT itself at the deadline; the client waits this much longer before
 # concluding that the broker is not answering at all.
 GRACE_S = 1.0
+
+
+# Calls that may be sent again after the connection was lost with them in flight (see above).
+RETRYABLE = (p.Infer, p.Status, p.Jobs, p.PlanRequest, p.TrainStep, p.TrainEval)
 
 
 @dataclass
 class _Pending:
     fut: asyncio.Future[p.Message]
     nbytes: int  # the request's encoded size: what an answer without an id is matched by
+    # For a call that may be sent again (RETRYABLE): the message and its deadline (loop time).
+    msg: p.Message | None = None
+    deadline: float = 0.0
+    link: int = 0  # the connection it went out on (`AsyncClient._link` then)
+    lost: bool = False  # that connection was lost: sent again once a new one is up
+    retried: bool = False
+
+
+def client_keys(keys: Any) -> CurveKeys | None:
+    """`keys` as an AsyncClient takes it: None (FLOWMESH_KEYS, or no CURVE when unset), False
+    (no CURVE), a .key_secret file, or a (public, secret, server_public) triple of z85 keys."""
+    if keys is None:
+        keys = os.environ.get(KEYS_ENV) or None
+    if keys is None or keys is False:
+        return None
+    try:
+        return load_keys(keys)
+    except FlowmeshError as exc:
+        raise ClientError(exc.code, f"client keys: {exc.reason}") from None
 
 
 class AsyncClient:
-    """Asynchronous client. Create and use it inside one running event loop."""
+    """Asynchronous client. Create and use it inside one running event loop.
+
+    `keys`: CURVE keys for a broker started with `--keys` (see `client_keys`); the key's role
+    decides what the broker lets this client do (infer, status, plan: any; deploy, undeploy,
+    training: operator keys only)."""
 
     def __init__(
         self,
@@ -63,15 +105,24 @@ class AsyncClient:
         *,
         timeout: float = 60.0,
         limits: p.Limits = p.DEFAULT_LIMITS,
+        keys: Any = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self.limits = limits
+        self.curve = client_keys(keys)
+        # The current socket's handshake watcher, and every task that still holds a monitor
+        # or socket of this client's context (awaited before the context ends).
+        self._watcher: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
+        # Connections of the current socket lost so far: a call records the one it went on.
+        self._link = 0
+        self.resent = 0  # calls sent again after the connection was lost with them in flight
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -83,13 +134,110 @@ class AsyncClient:
         if self._sock is None:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            sock = connect_dealer(self._ctx, self.address, limits=self.limits)
-            reader = asyncio.get_running_loop().create_task(
-                self._read(sock), name="flowmesh-client-reader"
-            )
+            sock = connect_dealer(self._ctx, self.address, limits=self.limits, curve=self.curve)
+            loop = asyncio.get_running_loop()
+            reader = loop.create_task(self._read(sock), name="flowmesh-client-reader")
             reader.add_done_callback(functools.partial(self._reader_done, sock))
             self._sock, self._reader = sock, reader
+            # Also without keys: a broker that wants keys then fails our calls at once too.
+            self._watcher = self._background(
+                watch_handshakes(
+                    sock,
+                    functools.partial(self._refused, sock),
+                    f"client of the broker at {self.address}",
+                    keyed=self.curve is not None,
+                    on_link=functools.partial(self._on_link, sock),
+                ),
+                "flowmesh-client-handshakes",
+            )
         return self._sock
+
+    def _background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return task
+
+    def _stop_watcher(self, sock: zmq.asyncio.Socket) -> None:
+        watcher, self._watcher = self._watcher, None
+        stop_watching(sock)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+
+    def _refused(self, sock: zmq.asyncio.Socket, reason: str) -> None:
+        """The broker refused our key: fail the calls in flight now; the next call tries again
+        on a fresh socket (a refused connection is not retried by ZeroMQ itself)."""
+        if self._sock is not sock:
+            return
+        log.info("%s", reason)  # the calls' error says it
+        reader = self._reader
+        self._sock, self._reader = None, None  # tells _reader_done that this is no failure
+        self._stop_watcher(sock)
+        self._fail_pending(ClientError(Code.UNAUTHORIZED, reason))
+        self._background(self._drop(sock, reader), "flowmesh-client-drop")
+
+    def _on_link(self, sock: zmq.asyncio.Socket, up: bool) -> None:
+        """The connection to the broker was lost (`up` False) or is up again: the answers of
+        the calls in flight on a lost one cannot come. Each is failed now, or marked to be sent
+        once more when the next connection is up (see the module's docstring)."""
+        if self._sock is not sock:
+            return
+        if not up:
+            lost, self._link = self._link, self._link + 1
+            for cid, call in list(self._pending.items()):
+                if call.fut.done() or call.link != lost or call.lost:
+                    continue
+                if call.msg is not None and not call.retried:
+                    call.lost = True
+                    continue
+                del self._pending[cid]
+                again = " again (it was already sent twice)" if call.retried else ""
+                call.fut.set_exception(
+                    Unavailable(
+                        Code.UNAVAILABLE,
+                        f"the connection to the broker at {self.address} was lost{again} with "
+                        f"this call in flight; it may or may not have run",
+                    )
+                )
+            return
+        now = asyncio.get_running_loop().time()
+        for cid, call in list(self._pending.items()):
+            if not call.lost or call.fut.done() or call.msg is None:
+                continue
+            call.lost, call.retried, call.link = False, True, self._link
+            left = call.deadline - now
+            if left <= 0:
+                continue  # its timeout ends it
+            msg = call.msg
+            if getattr(msg, "timeout_ms", None) is not None:
+                msg = dataclasses.replace(msg, timeout_ms=max(1, int(left * 1000)))  # type: ignore[type-var]
+            try:
+                send(sock, msg)
+            except (FlowmeshError, zmq.ZMQError) as exc:
+                del self._pending[cid]
+                call.fut.set_exception(
+                    Unavailable(
+                        Code.UNAVAILABLE,
+                        f"the connection to the broker at {self.address} was lost with this "
+                        f"call in flight, and sending it again failed: {exc}",
+                    )
+                )
+                continue
+            self.resent += 1
+            log.info(
+                "sent %s %d again: the connection to %s was lost with it in flight",
+                msg.TYPE,
+                cid,
+                self.address,
+            )
+
+    @staticmethod
+    async def _drop(sock: zmq.asyncio.Socket, reader: asyncio.Task[None] | None) -> None:
+        """Stop a socket's reader, then close it."""
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        sock.close(linger=0)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         """The socket's only reader. Only a failing socket ends it: one answer it cannot handle
@@ -196,6 +344,7 @@ class AsyncClient:
         # timeout. The calls in flight cannot be saved: their answers went to this socket.
         self._reader = None
         self._sock = None
+        self._stop_watcher(sock)
         sock.close(linger=0)
         self._fail_pending(
             Unavailable(
@@ -243,8 +392,13 @@ class AsyncClient:
         nbytes = self._encoded_size(msg)
         sock = self._connect()
         ref: int = msg.id  # type: ignore[attr-defined]
-        fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
-        self._pending[ref] = _Pending(fut, nbytes)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[p.Message] = loop.create_future()
+        limit = self.timeout if timeout is None else timeout
+        pending = _Pending(fut, nbytes, link=self._link)
+        if isinstance(msg, RETRYABLE):
+            pending.msg, pending.deadline = msg, loop.time() + limit
+        self._pending[ref] = pending
         try:
             send(sock, msg)
         except FlowmeshError as exc:
@@ -253,12 +407,19 @@ class AsyncClient:
         except zmq.ZMQError as exc:  # the socket failed under the reader, which is ending
             self._pending.pop(ref, None)
             raise Unavailable(Code.UNAVAILABLE, f"cannot send to {self.address}: {exc}") from None
-        limit = self.timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(fut, limit + GRACE_S)
         except TimeoutError:
+            again = ""
+            if pending.retried:
+                again = " (sent again after the connection to the broker was lost)"
+            elif pending.lost:
+                again = (
+                    " (the connection to the broker was lost with it in flight, and is not back)"
+                )
             raise Timeout(
-                Code.TIMEOUT, f"no answer from the broker at {self.address} within {limit:.1f} s"
+                Code.TIMEOUT,
+                f"no answer from the broker at {self.address} within {limit:.1f} s{again}",
             ) from None
         finally:
             self._pending.pop(ref, None)
@@ -485,6 +646,14 @@ class AsyncClient:
         if reader is not None:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+        if sock is not None:
+            self._stop_watcher(sock)
+        # Every monitor and dropped socket closed before the context ends (or term() waits).
+        if self._bg:
+            _, late = await asyncio.wait(set(self._bg), timeout=1.0)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         self._fail_pending(ClientError(Code.UNAVAILABLE, "client closed"))
         if sock is not None:
             sock.close(linger=0)
@@ -605,13 +774,15 @@ class Client:
         *,
         timeout: float = 60.0,
         limits: p.Limits = p.DEFAULT_LIMITS,
+        keys: Any = None,
     ) -> None:
+        curve = client_keys(keys)  # a bad key fails here, before a thread starts
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="flowmesh-client", daemon=True
         )
         self._thread.start()
-        self._async = AsyncClient(address, timeout=timeout, limits=limits)
+        self._async = AsyncClient(address, timeout=timeout, limits=limits, keys=curve or False)
         self.address = address
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:

@@ -4,6 +4,10 @@
 on free loopback ports, waits (with a timeout, failing early if a child dies) until every worker
 and the partitioner are ready, and stops every child on exit — SIGTERM first, SIGKILL if one
 lingers.
+
+`keys`: CURVE on every socket (`flowmesh.auth`). True makes a fresh key directory in the run
+directory; a path uses that one (made with `flowmesh keys init`). Either way the mesh adds the
+keys its own processes need (worker-i, partitioner-0, and `local-operator` for its own clients).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from client_sdk.client import Client
+from flowmesh.auth import ensure_key, init_keys
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import PARENT_ENV
+
+# The key the mesh's own clients (readiness, `client()`) use when keys are on.
+LOCAL_OPERATOR = "local-operator"
 
 
 @dataclass
@@ -83,6 +91,11 @@ class LocalMesh:
     allow: list[str] | None = None
     broker_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    # Prometheus /metrics (`--metrics-port`): the broker on this port, the partitioner on the
+    # next, worker i on port + 2 + i (`metrics_ports()`); 0: off.
+    metrics_port: int = 0
+    # CURVE keys: True (a fresh key directory), a key directory, or None (off).
+    keys: bool | str | Path | None = None
     run_dir: Path | None = None
     ready_timeout_s: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
@@ -92,6 +105,9 @@ class LocalMesh:
         self.frontend = ""
         self.backend = ""
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.key_dir: Path | None = None
+        # The secret file of the mesh's own operator key (None when keys are off).
+        self.client_keys: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,24 +150,24 @@ class LocalMesh:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ready = self.run_dir / "broker.json"
         ready.unlink(missing_ok=True)
-        broker = self._spawn(
-            "broker",
-            "broker",
-            [
-                "--frontend",
-                f"tcp://{self.host}:{self.frontend_port}",
-                "--backend",
-                f"tcp://{self.host}:{self.backend_port}",
-                "--heartbeat",
-                str(self.heartbeat_s),
-                "--liveness",
-                str(self.liveness),
-                "--ready-file",
-                str(ready),
-                *[a for m in self.allow or () for a in ("--allow", m)],
-                *self.broker_args,
-            ],
-        )
+        self._setup_keys()
+        self._broker_argv = [
+            "--frontend",
+            f"tcp://{self.host}:{self.frontend_port}",
+            "--backend",
+            f"tcp://{self.host}:{self.backend_port}",
+            "--heartbeat",
+            str(self.heartbeat_s),
+            "--liveness",
+            str(self.liveness),
+            "--ready-file",
+            str(ready),
+            *[a for m in self.allow or () for a in ("--allow", m)],
+            *self._metrics_args("broker"),
+            *self._key_args(),
+            *self.broker_args,
+        ]
+        broker = self._spawn("broker", "broker", self._broker_argv)
         endpoints = self.wait_until(
             lambda: json.loads(ready.read_text()) if ready.exists() else None,
             "the broker to bind its sockets",
@@ -160,7 +176,16 @@ class LocalMesh:
         self.frontend, self.backend = endpoints["frontend"], endpoints["backend"]
         if self.partitioner:
             self._spawn(
-                "partitioner", "partitioner", ["--broker", self.backend, "--name", "partitioner-0"]
+                "partitioner",
+                "partitioner",
+                [
+                    "--broker",
+                    self.backend,
+                    "--name",
+                    "partitioner-0",
+                    *self._metrics_args("partitioner"),
+                    *self._key_args("partitioner-0", "partitioner"),
+                ],
             )
         for i, (device, budget) in enumerate(self._devices()):
             args = [
@@ -172,6 +197,8 @@ class LocalMesh:
                 f"worker-{i}",
                 "--compute-lanes",
                 str(self.compute_lanes),
+                *self._metrics_args(f"worker-{i}"),
+                *self._key_args(f"worker-{i}", "worker"),
                 *self.worker_args,
             ]
             if budget:
@@ -188,13 +215,45 @@ class LocalMesh:
             return [(f"cuda:{i}", self.gpu_budget) for i in self.gpus]
         return [("cpu", self.memory_budget) for _ in range(self.cpu_workers)]
 
+    def _setup_keys(self) -> None:
+        if not self.keys:
+            return
+        assert self.run_dir is not None
+        if self.keys is True:
+            self.key_dir = self.run_dir / "keys"
+            if not (self.key_dir / "broker.key_secret").exists():
+                init_keys(self.key_dir)
+        else:
+            self.key_dir = Path(self.keys).expanduser()
+        self.client_keys = ensure_key(self.key_dir, LOCAL_OPERATOR, "operator")
+
+    def _key_args(self, name: str | None = None, role: str = "") -> list[str]:
+        """`--keys DIR` for the broker (no `name`) or the peer `name`, whose key is made if
+        missing."""
+        if self.key_dir is None:
+            return []
+        if name is not None:
+            ensure_key(self.key_dir, name, role)
+        return ["--keys", str(self.key_dir)]
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Each process's /metrics port, by child name ({} when metrics are off)."""
+        if not self.metrics_port:
+            return {}
+        names = ["broker", "partitioner", *(f"worker-{i}" for i in range(self.n_workers))]
+        return {name: self.metrics_port + k for k, name in enumerate(names)}
+
+    def _metrics_args(self, name: str) -> list[str]:
+        port = self.metrics_ports().get(name)
+        return ["--metrics-port", str(port)] if port else []
+
     @property
     def n_workers(self) -> int:
         return len(self._devices())
 
     def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         """Until the broker reports every worker (and the partitioner) ready."""
-        with Client(self.frontend, timeout=5.0) as client:
+        with Client(self.frontend, timeout=5.0, keys=self.client_keys or False) as client:
 
             def probe() -> dict[str, Any] | None:
                 try:
@@ -224,8 +283,10 @@ class LocalMesh:
             watch = [c for c in self.children if c.proc.poll() is None]
         return wait_until(probe, what, timeout or self.ready_timeout_s, watch)
 
-    def client(self, timeout: float = 60.0) -> Client:
-        return Client(self.frontend, timeout=timeout)
+    def client(self, timeout: float = 60.0, keys: Any = None) -> Client:
+        """A client of the mesh; with keys on, under the mesh's operator key unless `keys`
+        names another."""
+        return Client(self.frontend, timeout=timeout, keys=keys or self.client_keys or False)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -234,6 +295,38 @@ class LocalMesh:
         child = self.child(name)
         child.proc.send_signal(sig)
         child.proc.wait(10)
+
+    def restart_broker(
+        self, sig: int = signal.SIGKILL, wait: bool = True, timeout: float | None = None
+    ) -> None:
+        """Kill the broker (SIGKILL: no goodbye) and start it again with the same arguments on
+        the endpoints it had bound, as a supervisor would; the workers and the partitioner stay
+        up. Returns once it has bound them again; with `wait`, once every worker and the
+        partitioner have registered with it again. Its earlier logs stay as broker.N.log."""
+        assert self.run_dir is not None
+        old = self.child("broker")
+        if old.proc.poll() is None:
+            old.proc.send_signal(sig)
+            old.proc.wait(10)
+        lives = len(list(self.run_dir.glob("broker.*.log")))
+        old.log.rename(self.run_dir / f"broker.{lives + 1}.log")
+        self.children.remove(old)
+        ready = self.run_dir / "broker.json"
+        ready.unlink(missing_ok=True)
+        argv = list(self._broker_argv)
+        argv[argv.index("--frontend") + 1] = self.frontend
+        argv[argv.index("--backend") + 1] = self.backend
+        broker = self._spawn("broker", "broker", argv)
+        self.children.remove(broker)
+        self.children.insert(0, broker)  # stopped last, as at start
+        self.wait_until(
+            lambda: json.loads(ready.read_text()) if ready.exists() else None,
+            "the restarted broker to bind its sockets",
+            timeout,
+            watch=[broker],
+        )
+        if wait:
+            self.wait_ready(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every child (workers first, broker last), then SIGKILL stragglers."""

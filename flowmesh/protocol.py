@@ -18,6 +18,7 @@ This module does not import torch at import time, so the broker can stay free of
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import reprlib
 import types
 import typing
@@ -370,6 +371,27 @@ class Register(Message):
     kind: str = ""  # "cuda" | "cpu"
     budget_bytes: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    # What the process holds as it registers, so that a broker that restarted takes it up
+    # instead of having it read again: {"stages": [{"model", "stage", "nbytes", "resident",
+    # "digest"}], "jobs": [{"name", "step", "seq", "footprint", "results", "running"}]}.
+    # Empty for a fresh process; entries are checked by the broker (`broker.registry`).
+    inventory: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [[k, _canonical(value[k])] for k in sorted(value, key=repr)]
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def stage_digest(spec: dict[str, Any], plan: dict[str, Any], stage: int) -> str:
+    """What a worker's copy of a stage was built from (the model's spec, its plan, the stage's
+    index), as a short hash: a restarted broker adopts a stage a worker reports only when its
+    digest is the one the broker's own record gives."""
+    packed = msgpack.packb(_canonical([spec, plan, stage]), use_bin_type=True)
+    return hashlib.sha256(packed).hexdigest()[:24]
 
 
 @message("register_ack")

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from flowmesh import logs
+from flowmesh import logs, metrics
+from flowmesh.auth import load_keys
 from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
@@ -43,6 +44,13 @@ OPTIONS = Options(
         Option("--compute-lanes", INT, 2, "concurrent runs"),
         Option("--threads", INT, None, "torch CPU threads"),
         Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True),
+        Option(
+            "--keys",
+            TEXT,
+            None,
+            "key directory holding NAME.key_secret and broker.key (or the .key_secret file): "
+            "CURVE to the broker",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option(
             "--switch-interval",
@@ -65,6 +73,7 @@ OPTIONS = Options(
             "1: fault in (zero) the whole device arena at start, so that no first load pays for "
             "it; 0: leave it to first use (only to measure the difference)",
         ),
+        Option("--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"),
         Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
     ),
 )
@@ -105,7 +114,16 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         train_bytes=train_bytes,
     )
-    run_process(service.serve())  # exits non-zero when a task failed
+    if args.keys:
+        service.curve = load_keys(args.keys, name)
+    # exits non-zero when a task failed
+    run_process(
+        metrics.serve_with_metrics(
+            service.serve(),
+            args.metrics_port,
+            lambda loop: metrics.worker_collector(service, loop),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ holds the serving stages (the broker plans them against the serving budget) and 
 jobs' sub-model tasks (guaranteed `train_bytes`, and whatever serving leaves free, given back at
 once when a serving load needs it). A job's steps are submitted in arrival order, which is the
 order the executor runs them in; `seq` guards against a step applied twice.
+
+Registration carries the worker's inventory (`inventory`): the stages it holds and its training
+jobs. A broker that restarted takes them up as they are; whatever it does not know, it tells the
+worker to drop (`DropStage`, `TrainClose`), so the worker keeps everything until told.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -35,6 +40,9 @@ from gpu_worker.train_job import StepResult, TrainConfig
 from gpu_worker.training import TrainingExecutor, config_from, open_job, read_meta
 
 T = TypeVar("T")
+
+# Step answers kept per training job for the registration's inventory (see `_train_step`).
+KEEP_RESULTS = 32
 
 
 class WorkerService(MeshPeer):
@@ -61,6 +69,17 @@ class WorkerService(MeshPeer):
         self.train_bytes = train_bytes
         self.trainer = TrainingExecutor(device, memory=self.memory) if train_bytes > 0 else None
         self._seqs: dict[str, int] = {}  # training job -> the highest step seq taken
+        # What a broker that restarted needs to take our jobs up (the registration's
+        # inventory): each job's latest step answers and the seqs still running.
+        self._results: dict[str, deque[dict[str, Any]]] = {}
+        self._running: dict[str, set[int]] = {}
+        # What each stage was built from (`protocol.stage_digest`), reported with it.
+        self._digests: dict[tuple[str, int], str] = {}
+        # Stages prepared (weights read into the host tier) since the process started.
+        self.stages_prepared = 0
+        # Bumped when a broker registers us afresh: a stage or job still being prepared for the
+        # broker before is dropped when it is ready, as nobody asked for it any more.
+        self._epoch = 0
         # The mesh's list arrives at registration (`on_allow`); `own` may only narrow it.
         self.own_allow = allow
         self.allow = allow if allow is not None else DEFAULT_ALLOW
@@ -85,10 +104,43 @@ class WorkerService(MeshPeer):
                 "arena_bytes": self.memory.capacity,
                 **self.device.info(),
             },
+            inventory=self.inventory(),
         )
+
+    def inventory(self) -> dict[str, list[dict[str, Any]]]:
+        """The stages and training jobs this process holds (see `p.Register.inventory`)."""
+        resident = self.executor.resident()
+        stages = [
+            {
+                "model": key[0],
+                "stage": key[1],
+                "nbytes": st.host.nbytes,
+                "resident": key in resident,
+                "digest": self._digests.get(key, ""),
+            }
+            for key, st in self.executor.stages.items()
+        ]
+        jobs = []
+        trainer = self.trainer
+        for name, seq in self._seqs.items():
+            job = trainer.jobs.get(name) if trainer is not None else None
+            if job is None:
+                continue
+            jobs.append(
+                {
+                    "name": name,
+                    "step": job.step_count,
+                    "seq": seq,
+                    "footprint": job.footprint(),
+                    "results": list(self._results.get(name, ())),
+                    "running": sorted(self._running.get(name, ())),
+                }
+            )
+        return {"stages": stages, "jobs": jobs}
 
     def stats(self) -> dict[str, Any]:
         out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
+        out["stages_prepared"] = self.stages_prepared
         if self.trainer is not None:
             # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
             t = self.trainer.stats()
@@ -116,11 +168,11 @@ class WorkerService(MeshPeer):
 
     def on_registered(self, again: bool) -> None:
         if again:
-            # The broker may have restarted and forgotten what we hold: start clean.
-            for key in list(self.executor.stages):
-                self.executor.drop_stage(key)
-            for job in list(self._seqs):
-                self._spawn(self._train_close(p.TrainClose(id=0, job=job), answer=False))
+            # A broker that did not know us (it restarted, or lost us): it had our inventory
+            # with the registration, adopts what it knows and tells us to drop the rest
+            # (`DropStage`, `TrainClose`). What is still being prepared was asked for by the
+            # broker before: it is dropped when ready (see `_epoch`).
+            self._epoch += 1
 
     def close(self) -> None:
         self.executor.close()
@@ -162,6 +214,7 @@ class WorkerService(MeshPeer):
             self._spawn(self._deploy_stage(msg))
         elif isinstance(msg, p.DropStage):
             self.executor.drop_stage((msg.model, msg.stage))
+            self._digests.pop((msg.model, msg.stage), None)
         elif isinstance(msg, p.TrainStep):
             self._train_step(msg)
         elif isinstance(msg, p.TrainEval):
@@ -179,6 +232,7 @@ class WorkerService(MeshPeer):
 
     async def _deploy_stage(self, msg: p.DeployStage) -> None:
         t0 = time.perf_counter()
+        epoch = self._epoch
         try:
             spec = ModelSpec.from_dict(msg.spec)
             check_factory(spec.factory, self.allow, f"worker {self.name}")
@@ -188,7 +242,16 @@ class WorkerService(MeshPeer):
         except Exception as exc:
             self._fail(msg.id, exc)
             return
+        self.stages_prepared += 1
+        if epoch != self._epoch:
+            self.log.info(
+                "stage prepared for a broker that forgot it, dropped model=%s stage=%d",
+                msg.model,
+                msg.stage,
+            )
+            return
         self.executor.add_stage((msg.model, msg.stage), blocks, host)
+        self._digests[(msg.model, msg.stage)] = p.stage_digest(msg.spec, msg.plan, msg.stage)
         self.log.info("stage ready model=%s stage=%d bytes=%d", msg.model, msg.stage, host.nbytes)
         self.send(
             p.StageReady(
@@ -296,6 +359,7 @@ class WorkerService(MeshPeer):
         }
 
     async def _train_open(self, msg: p.TrainOpen) -> None:
+        epoch = self._epoch
         try:
             info = await asyncio.get_running_loop().run_in_executor(
                 self._deploys, self._open_job, msg
@@ -303,7 +367,13 @@ class WorkerService(MeshPeer):
         except Exception as exc:
             self._fail(msg.id, exc)
             return
+        if epoch != self._epoch:
+            self.log.info("training job opened for a broker that forgot it, closed job=%s", msg.job)
+            await self._train_close(p.TrainClose(id=0, job=msg.job), answer=False)
+            return
         self._seqs[msg.job] = 0
+        self._results[msg.job] = deque(maxlen=KEEP_RESULTS)
+        self._running[msg.job] = set()
         self.log.info("training job open job=%s sub_models=%d", msg.job, len(info["sub_models"]))
         self.send(p.TrainOpened(id=msg.id, job=info))
 
@@ -319,14 +389,34 @@ class WorkerService(MeshPeer):
             )
         self._seqs[msg.job] = msg.seq
         inputs, targets = _batch(msg.tensors, "a training step")
-        fut = trainer.submit(msg.job, inputs, targets)
+        fut = asyncio.wrap_future(trainer.submit(msg.job, inputs, targets))
+        running = self._running.setdefault(msg.job, set())
+        running.add(msg.seq)
+        kept = self._results.setdefault(msg.job, deque(maxlen=KEEP_RESULTS))
+
+        def keep(f: asyncio.Future[StepResult]) -> None:
+            # Kept for the inventory: a broker that restarted meanwhile replays the answer of a
+            # step its client sends again, instead of running it twice.
+            running.discard(msg.seq)
+            if f.cancelled():
+                kept.append({"seq": msg.seq, "code": str(Code.INTERNAL), "reason": "cancelled"})
+            elif f.exception() is not None:
+                err = p.error_for(f.exception())  # type: ignore[arg-type]
+                kept.append({"seq": msg.seq, "code": err.code, "reason": err.reason})
+            else:
+                r = f.result()
+                kept.append(
+                    {"seq": msg.seq, "loss": r.loss, "step": r.step, "metrics": dict(r.metrics)}
+                )
+
+        fut.add_done_callback(keep)
 
         def result(r: StepResult) -> p.Message:
             return p.TrainStepResult(
                 id=msg.id, job=msg.job, seq=msg.seq, loss=r.loss, step=r.step, metrics=r.metrics
             )
 
-        self._answer_when_done(asyncio.wrap_future(fut), msg.id, result)
+        self._answer_when_done(fut, msg.id, result)
 
     def _train_eval(self, msg: p.TrainEval) -> None:
         trainer = self._trainer()
@@ -379,6 +469,8 @@ class WorkerService(MeshPeer):
             return
         finally:
             self._seqs.pop(msg.job, None)
+            self._results.pop(msg.job, None)
+            self._running.pop(msg.job, None)
         if answer:
             self.send(p.TrainClosed(id=msg.id, job=msg.job))
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import socket
 
-from flowmesh import logs
+from flowmesh import logs, metrics
+from flowmesh.auth import load_keys
 from flowmesh.config import INT, LOG_LEVEL, TEXT, Option, Options
 from flowmesh.lifecycle import run_process
 from partitioner.service import PartitionerService
@@ -20,6 +21,14 @@ OPTIONS = Options(
         Option("--threads", INT, 2, "plans computed at once"),
         Option("--measure-device", TEXT, "cpu", "where to time blocks when asked"),
         Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True),
+        Option(
+            "--keys",
+            TEXT,
+            None,
+            "key directory holding NAME.key_secret and broker.key (or the .key_secret file): "
+            "CURVE to the broker",
+        ),
+        Option("--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"),
         Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
     ),
 )
@@ -32,14 +41,24 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = OPTIONS.parse(argv)
     logs.setup("partitioner", args.log_level)
+    name = args.name or f"{socket.gethostname()}-partitioner"
     service = PartitionerService(
-        args.name or f"{socket.gethostname()}-partitioner",
+        name,
         args.broker,
         allow=tuple(args.allow) if args.allow else None,  # None: the broker's list
         threads=args.threads,
         measure_device=args.measure_device,
     )
-    run_process(service.serve())  # exits non-zero when a task failed
+    if args.keys:
+        service.curve = load_keys(args.keys, name)
+    # exits non-zero when a task failed
+    run_process(
+        metrics.serve_with_metrics(
+            service.serve(),
+            args.metrics_port,
+            lambda loop: metrics.partitioner_collector(service, loop),
+        )
+    )
 
 
 if __name__ == "__main__":

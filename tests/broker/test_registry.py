@@ -122,6 +122,65 @@ def test_the_same_process_registering_again_keeps_what_it_holds() -> None:
     assert rig.events == []
 
 
+def test_a_worker_registering_afresh_drops_what_nobody_here_asked_for() -> None:
+    """Its inventory names stages of a model this broker does not know (a broker without a
+    state directory restarted, say): each is dropped, so its bytes are not lost to the budget."""
+    rig = Rig()
+    rig.join("part")
+    rig.join("w1")
+    rig.deploy("m", [MIB], replicas=1)  # on w1
+    stages = [
+        {"model": "old", "stage": 1, "nbytes": MIB, "resident": True, "digest": "d"},
+        # A stage of a model this broker knows, but no replica expects it on w0.
+        {"model": "m", "stage": 0, "nbytes": MIB, "resident": False, "digest": "d"},
+    ]
+    peer = rig.register("w0", inventory={"stages": stages})
+    assert rig.out() == [
+        (BACKEND, b"w0", ack(1, kept=False)),
+        (BACKEND, b"w0", p.DropStage(id=3, model="old", stage=1)),
+        (BACKEND, b"w0", p.DropStage(id=4, model="m", stage=0)),
+    ]
+    assert peer.hosted == {} and peer.resident == {}
+
+
+@pytest.mark.parametrize(
+    ("inventory", "said"),
+    [
+        ({"stages": [{"model": "m"}]}, "stages[0]: expected fields"),
+        (
+            {
+                "stages": [
+                    {"model": "m", "stage": True, "nbytes": 1, "resident": False, "digest": ""}
+                ]
+            },
+            "stages[0].stage",
+        ),
+        ({"other": []}, "unknown part"),
+        (
+            {
+                "jobs": [
+                    {
+                        "name": "j",
+                        "step": 1,
+                        "seq": 1,
+                        "footprint": 0,
+                        "results": [{"seq": 1}],
+                        "running": [],
+                    }
+                ]
+            },
+            "results[0]: not a step answer",
+        ),
+    ],
+)
+def test_a_malformed_inventory_refuses_the_registration(inventory: Any, said: str) -> None:
+    rig = Rig()
+    with pytest.raises(FlowmeshError) as info:
+        rig.register("w0", inventory=inventory)
+    assert info.value.code == Code.BAD_REQUEST and said in info.value.reason
+    assert rig.ctx.peers == {} and rig.out() == []
+
+
 def test_a_restarted_worker_replaces_its_old_self_and_loses_its_replicas() -> None:
     rig = Rig()
     rig.join("part")

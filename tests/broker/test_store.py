@@ -1,0 +1,302 @@
+"""The broker's state store (`broker.store`) alone, then `BrokerCore` restarted on it in-process:
+what a restarted broker takes up from the workers' inventories, and what it repairs or drops."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.core import CLIENT
+from broker.store import FILE, JobRecord, ModelRecord, Store
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from tests.broker.test_core import CLIENT_A, MIB, Harness, only, ref
+
+# ====================================================================== the store alone
+
+
+def model_record(name: str = "m") -> ModelRecord:
+    return ModelRecord(
+        name=name,
+        spec={"name": name, "factory": "flowmesh.examples:mlp", "kwargs": {"depth": 2}},
+        plan={"ranges": [[0, 1], [1, 2]], "range_bytes": [3, 4], "block_names": ["a", "b"]},
+        inputs={"x": {"dtype": "float32", "shape": [-1, 4]}},
+        stage_bytes=[3, 4],
+        desired_replicas=2,
+        placement=[["w0", "w1"], ["w1", "w0"]],
+    )
+
+
+def test_the_store_reads_back_what_it_wrote_after_reopening(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state").open()
+    store.save_model(model_record("m"))
+    store.save_model(model_record("gone"))
+    store.drop_model("gone")
+    job = JobRecord("j", {"name": "j", "factory": "f:g"}, {"optimizer": {"lr": 0.1}}, 8, "w0")
+    store.save_job(job)
+    store.save_job(JobRecord("k", {"name": "k"}, {}, 1, "w1"))
+    store.drop_job("k")
+    store.save_allow(("flowmesh.examples", "my_zoo"))
+    store.close()
+
+    snap = Store(tmp_path / "state").open().load_all()
+    assert snap.models == {"m": model_record("m")}
+    assert snap.jobs == {"j": job}
+    assert snap.allow == ("flowmesh.examples", "my_zoo")
+
+
+def test_the_store_runs_in_wal_mode_and_counts_starts(tmp_path: Path) -> None:
+    store = Store(tmp_path).open()
+    assert store.load_all().allow is None  # never recorded
+    assert [store.next_epoch() for _ in range(3)] == [1, 2, 3]
+    store.close()
+    assert Store(tmp_path).open().next_epoch() == 4
+    db = sqlite3.connect(tmp_path / FILE)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_second_broker_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    first = Store(tmp_path).open(lock=True)
+    with pytest.raises(OSError, match="another broker uses this state directory"):
+        Store(tmp_path).open(lock=True)
+    first.close()
+    Store(tmp_path).open(lock=True).close()  # free again once the first is gone
+
+
+def test_a_save_is_on_disk_before_it_returns(tmp_path: Path) -> None:
+    """Another connection (a restarted broker) sees each write at once: nothing waits in a
+    transaction or a buffer of this one."""
+    store = Store(tmp_path).open()
+    store.save_model(model_record("m"))
+    other = Store(tmp_path).open()
+    assert list(other.load_all().models) == ["m"]
+    store.drop_model("m")
+    assert other.load_all().models == {}
+
+
+# ====================================================================== a broker that restarts
+
+
+class Life(Harness):
+    """One life of a broker on `state`: a Harness whose BrokerCore keeps its state there. A new
+    life ends the one before on the same directory (as a kill would: nothing is written)."""
+
+    lives: dict[Path, Life] = {}
+
+    def __init__(self, state: Path, **cfg: Any) -> None:
+        before = Life.lives.pop(state, None)
+        if before is not None:
+            before.core.close()
+        super().__init__(state_dir=str(state), **cfg)
+        Life.lives[state] = self
+
+    def register(self, name: str, inventory: dict[str, Any] | None = None, pid: int = 1) -> Any:
+        return self.backend(
+            name.encode(),
+            p.Register(
+                id=1,
+                role="worker",
+                name=name,
+                pid=pid,
+                device="cpu",
+                kind="cpu",
+                budget_bytes=100 * MIB,
+                info={"train_bytes": 64 * MIB},
+                inventory=inventory or {},
+            ),
+        )
+
+
+def held_stages(life: Harness, worker: str, resident: bool = False) -> list[dict[str, Any]]:
+    """What `worker` holds in `life`, as its inventory says it."""
+    peer = life.core.peers[worker]
+    out = []
+    for (model, stage), nbytes in peer.hosted.items():
+        m = life.core.models[model]
+        out.append(
+            {
+                "model": model,
+                "stage": stage,
+                "nbytes": nbytes,
+                "resident": resident,
+                "digest": p.stage_digest(m.spec.to_dict(), m.plan or {}, stage),
+            }
+        )
+    return out
+
+
+def first_life(state: Path) -> tuple[Life, dict[str, list[dict[str, Any]]]]:
+    life = Life(state)
+    life.partitioner()
+    life.worker("w0")
+    life.worker("w1")
+    life.deploy("m", [MIB, 2 * MIB], replicas=1)
+    inv = {w: held_stages(life, w) for w in ("w0", "w1")}
+    return life, inv
+
+
+def test_a_deployed_model_is_kept_before_the_deploy_is_answered(tmp_path: Path) -> None:
+    life, _ = first_life(tmp_path)
+    rec = Store(tmp_path).open().load_all().models["m"]
+    assert rec.stage_bytes == [MIB, 2 * MIB]
+    assert rec.placement == [life.core.models["m"].replicas[0].workers]
+    out = life.client(CLIENT_A, p.Undeploy(id=7, model="m"))
+    assert only(out, p.Undeployed)
+    assert Store(tmp_path).open().load_all().models == {}
+
+
+def test_a_restarted_broker_takes_the_stages_up_without_deploying_again(tmp_path: Path) -> None:
+    _, inv = first_life(tmp_path)
+    life = Life(tmp_path)
+    model = life.core.models["m"]
+    assert model.state.value == "ready" and not model.replicas[0].live
+    assert life.core.status(0.0)["restoring"] is True
+    # A request that comes before the workers waits for them, rather than failing.
+    rid, out = life.infer("m")
+    assert out == []
+    out = life.register("w0", {"stages": held_stages_with(inv["w0"], resident=True)})
+    assert [m.TYPE for _, _, m in out] == ["register_ack"]
+    out = life.register("w1", {"stages": inv["w1"]})
+    # Nothing is deployed again: the stages are adopted, the one not resident is loaded.
+    assert not only(out, p.DeployStage) and not only(out, p.DropStage)
+    assert model.replicas[0].live
+    assert life.core.status(0.0)["restoring"] is False
+    (load,) = only(out, p.Load)
+    assert load.id > 1 << 40  # this life's ids are above every id of the one before
+    assert [load.stage] == [s["stage"] for s in inv["w1"]]  # w0's is resident already
+    (run,) = only(out, p.Run)  # the request that waited runs now (stage 1 waits on its load)
+    assert run.stage == 0 and rid
+
+
+def held_stages_with(items: list[dict[str, Any]], resident: bool) -> list[dict[str, Any]]:
+    return [{**item, "resident": resident} for item in items]
+
+
+def test_a_stage_nobody_asked_for_is_dropped_and_a_missing_one_repaired(tmp_path: Path) -> None:
+    _, inv = first_life(tmp_path)
+    life = Life(tmp_path)
+    stray = {"model": "nobody", "stage": 0, "nbytes": 5, "resident": False, "digest": "x"}
+    stale = [{**item, "digest": "other"} for item in inv["w0"]]  # built from another spec
+    out = life.register("w0", {"stages": [stray, *stale]})
+    drops = sorted((m.model, m.stage) for m in only(out, p.DropStage))
+    assert drops == sorted([("nobody", 0), *((s["model"], s["stage"]) for s in stale)])
+    # w1 comes back with its stage: every worker named is here, so the restore ends now and
+    # the stage w0 lost is deployed there again (a repair that reads its weights).
+    out = life.register("w1", {"stages": inv["w1"]})
+    deploys = only(out, p.DeployStage)
+    assert [(d.model, d.stage) for d in deploys] == [(s["model"], s["stage"]) for s in stale]
+    assert [a for _, a, m in out if isinstance(m, p.DeployStage)] == [b"w0"]
+
+
+def test_a_replica_whose_worker_never_returns_is_placed_anew(tmp_path: Path) -> None:
+    _, inv = first_life(tmp_path)
+    life = Life(tmp_path)
+    life.partitioner()
+    life.register("w1", {"stages": inv["w1"]})
+    life.register("w2")
+    life.now = life.core.restore_grace_s() + 0.1
+    for peer in (b"part", b"w1", b"w2"):  # alive all along
+        life.backend(peer, p.Heartbeat(stats={}))
+    life.out()
+    life.core.tick(life.now)
+    out = life.out()
+    deploys = [(a, m.stage) for _, a, m in out if isinstance(m, p.DeployStage)]
+    assert {a for a, _ in deploys} <= {b"w1", b"w2"} and len(deploys) == 2
+    assert [r.workers for r in life.core.models["m"].replicas] == [
+        Store(tmp_path).open().load_all().models["m"].placement[0]
+    ]
+
+
+def test_a_bad_inventory_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    _, inv = first_life(tmp_path)
+    life = Life(tmp_path)
+    bad = [{**inv["w0"][0], "nbytes": -1}]
+    with pytest.raises(FlowmeshError) as info:
+        life.register("w0", {"stages": bad})
+    assert info.value.code == Code.BAD_REQUEST and "nbytes" in info.value.reason
+    assert "w0" not in life.core.peers
+    with pytest.raises(FlowmeshError):
+        life.register("w0", {"jobs": [{"name": "j"}]})
+
+
+# ====================================================================== training jobs
+
+
+def open_job(life: Harness, worker: bytes, name: str = "j") -> None:
+    spec = {"name": name, "factory": "flowmesh.examples:mlp", "seed": 0}
+    out = life.client(
+        CLIENT_A, p.TrainOpen(id=50, job=name, spec=spec, config={"loss": "mse"}, batch=4)
+    )
+    ((_, addr, sent),) = out
+    assert addr == worker
+    info = {"name": name, "step": 0, "footprint": MIB, "config": {"loss": "mse", "x": 1}}
+    out = life.backend(worker, p.TrainOpened(id=sent.id, job=info))
+    assert only(out, p.TrainOpened)
+
+
+def step(life: Harness, seq: int, rid: int) -> list[Any]:
+    tensors = {"inputs": ref(4, 4), "targets": ref(4, 4)}
+    return life.client(CLIENT_A, p.TrainStep(id=rid, job="j", seq=seq, tensors=tensors))
+
+
+def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path: Path) -> None:
+    life = Life(tmp_path)
+    w0 = life.register("w0")
+    life.backend(b"w0", p.Heartbeat(stats={}))
+    open_job(life, b"w0")
+    assert Store(tmp_path).open().load_all().jobs["j"].config == {"loss": "mse", "x": 1}
+    (fwd,) = only(step(life, 1, 60), p.TrainStep)
+    life.backend(b"w0", p.TrainStepResult(id=fwd.id, job="j", seq=1, loss=0.5, step=1))
+    only(step(life, 2, 61), p.TrainStep)  # then the broker dies, step 2 still running
+    only(step(life, 3, 62), p.TrainStep)
+    del w0
+
+    life = Life(tmp_path)
+    assert life.core.training.jobs["j"].state == "restoring"
+    # The client sends steps 2 and 3 again, and 4: held until the worker is back.
+    assert step(life, 2, 70) == [] and step(life, 3, 71) == [] and step(life, 4, 72) == []
+    result = {"seq": 2, "loss": 0.25, "step": 2, "metrics": {}}
+    job = {"name": "j", "step": 2, "seq": 3, "footprint": MIB, "results": [result]}
+    out = life.register("w0", {"jobs": [{**job, "running": [3]}]})
+    # Step 2's answer is replayed; step 3 waits for the worker's answer; step 4 is new.
+    (replayed,) = [m for _, a, m in out if isinstance(m, p.TrainStepResult)]
+    assert (replayed.id, replayed.seq, replayed.loss) == (70, 2, 0.25)
+    (fwd,) = only(out, p.TrainStep)
+    assert fwd.seq == 4
+    # Step 3's answer comes with the id of the broker before: it answers the retry.
+    out = life.backend(b"w0", p.TrainStepResult(id=999, job="j", seq=3, loss=0.125, step=3))
+    (res,) = [m for d, _, m in out if d == CLIENT]
+    assert (res.id, res.seq, res.loss) == (71, 3, 0.125)
+
+
+def test_a_training_job_its_worker_lost_fails_the_held_steps(tmp_path: Path) -> None:
+    life = Life(tmp_path)
+    life.register("w0")
+    life.backend(b"w0", p.Heartbeat(stats={}))
+    open_job(life, b"w0")
+    life = Life(tmp_path)
+    assert step(life, 1, 80) == []
+    out = life.register("w0", {"jobs": []}, pid=2)  # it restarted: the job is gone
+    (err,) = [m for d, _, m in out if d == CLIENT]
+    assert err.id == 80 and err.code == Code.WORKER_LOST and "saved no checkpoint" in err.reason
+    assert Store(tmp_path).open().load_all().jobs == {}
+
+
+def test_a_job_nobody_here_opened_is_closed_on_its_worker() -> None:
+    """A broker without a state directory restarted: the jobs a worker brings are closed."""
+    life = Harness()
+    item = {"name": "x", "step": 3, "seq": 3, "footprint": MIB, "results": [], "running": []}
+    out = life.backend(
+        b"w0",
+        p.Register(
+            id=1, role="worker", name="w0", pid=1, budget_bytes=MIB, inventory={"jobs": [item]}
+        ),
+    )
+    assert [(m.TYPE, getattr(m, "job", None)) for _, _, m in out] == [
+        ("register_ack", None),
+        ("train_close", "x"),
+    ]
+    assert life.core.training.jobs == {}
