@@ -7,6 +7,7 @@ it here, so "the same model" means the same code path everywhere.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -158,6 +159,127 @@ def read_weights(
                 f.get_tensor(stored), expected[local], f"weights {path!r}: tensor {stored!r}"
             )
     return out
+
+
+# safetensors' dtype names (little-endian in the file, as on every host flowmesh runs on).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+READ_CHUNK = 64 * 2**20  # largest single read; preadv may also return less
+
+
+def read_header(path: str) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data
+    starts; a missing or corrupt file is a clear deploy error."""
+    import json
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("file shorter than its header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 * 2**20:
+                raise ValueError(f"header length {n} is implausible")
+            raw = f.read(n)
+            if len(raw) != n:
+                raise ValueError("file shorter than its header")
+    except OSError as exc:
+        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r}: {exc}") from None
+    except ValueError as exc:
+        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r} unreadable: {exc}") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as exc:
+        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r} unreadable: {exc}") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _pread_into(fd: int, dst: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(dst):
+        chunk = dst[done : done + READ_CHUNK]
+        got = os.preadv(fd, [chunk], offset + done)
+        if got <= 0:
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"weights {path!r}: the file ends inside a tensor's data"
+            )
+        done += got
+
+
+def _writable(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a writable memoryview (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def read_weights_into(path: str, dests: dict[str, torch.Tensor]) -> None:
+    """Read each tensor named in `dests` (name in the file -> a contiguous CPU tensor of the
+    model's shape and dtype, typically a view of a stage's host buffer) from the safetensors
+    file at `path` straight into its destination: one copy, from the file to its place.
+
+    A tensor stored in another dtype than its destination's is read into a temporary of the
+    file's dtype and cast on the way in (as `read_weights` does); a missing tensor or a shape
+    that does not match is a clear deploy error.
+    """
+    header, data_start = read_header(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r}: {exc}") from None
+    try:
+        for stored, dst in dests.items():
+            where = f"weights {path!r}: tensor {stored!r}"
+            entry = header.get(stored)
+            if entry is None:
+                raise FlowmeshError(
+                    Code.BAD_REQUEST, f"weights {path!r}: tensor {stored!r} is missing"
+                )
+            if not isinstance(entry, dict):
+                raise FlowmeshError(Code.BAD_REQUEST, f"{where}: bad header entry")
+            if entry.get("dtype") not in SAFETENSORS_DTYPES:
+                # A dtype this reader does not know (float8 ...): safetensors' own reader.
+                dst.copy_(read_weights(path, {stored: stored}, {stored: dst})[stored])
+                continue
+            file_dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            try:
+                shape = tuple(int(d) for d in entry["shape"])
+                begin, end = (int(o) for o in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise FlowmeshError(Code.BAD_REQUEST, f"{where}: bad header entry") from None
+            if shape != tuple(dst.shape):
+                raise FlowmeshError(
+                    Code.BAD_REQUEST,
+                    f"{where} has shape {shape}, the model expects {tuple(dst.shape)}",
+                )
+            nbytes = dst.numel() * file_dtype.itemsize
+            if end - begin != nbytes:
+                raise FlowmeshError(
+                    Code.BAD_REQUEST, f"{where}: {end - begin} bytes for {nbytes} expected"
+                )
+            if nbytes == 0:
+                continue
+            if file_dtype == dst.dtype and dst.is_contiguous():
+                _pread_into(fd, _writable(dst), data_start + begin, path)
+            else:
+                tmp = torch.empty(shape, dtype=file_dtype)
+                _pread_into(fd, _writable(tmp), data_start + begin, path)
+                dst.copy_(conform(tmp, dst, where))
+    finally:
+        os.close(fd)
 
 
 def declared_inputs(spec: ModelSpec, model: nn.Module) -> dict[str, TensorSpec] | None:

@@ -11,7 +11,7 @@ offsets, so the device copy of a region is one contiguous copy and every tensor 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -63,32 +63,73 @@ class HostStage:
         allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> HostStage:
         """Lay out `blocks` (per block: state_dict name -> CPU tensor) in one host buffer."""
-        regions: list[BlockRegion] = []
-        offset = 0
-        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], tuple[int, int]] = {}
-        for b, tensors in enumerate(blocks):
-            slots: list[Slot] = []
-            inner = 0
-            for name, t in tensors.items():
-                nbytes = t.numel() * t.element_size()
-                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-                if nbytes and key in seen:
-                    slots.append(Slot(name, t.dtype, tuple(t.shape), 0, 0, alias=seen[key]))
-                    continue
-                if nbytes:
-                    seen[key] = (b, len(slots))
-                slots.append(Slot(name, t.dtype, tuple(t.shape), inner, nbytes))
-                inner += _aligned(nbytes)
-            inner = _aligned(inner, BLOCK_ALIGN)
-            regions.append(BlockRegion(offset, inner, tuple(slots)))
-            offset += inner
+        regions, total = layout(
+            [
+                [
+                    (name, (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), t)
+                    for name, t in tensors.items()
+                ]
+                for tensors in blocks
+            ]
+        )
         alloc = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
-        buffer = alloc(max(offset, 1))
+        buffer = alloc(max(total, 1))
         for region, tensors in zip(regions, blocks, strict=True):
             for slot in region.slots:
                 if slot.alias is None:
                     view_of(buffer, region.offset + slot.offset, slot).copy_(tensors[slot.name])
         return cls(buffer, regions)
+
+    @classmethod
+    def allocate_for(
+        cls,
+        blocks: list[list[tuple[str, Hashable, torch.Tensor]]],
+        allocate: Callable[[int], torch.Tensor] | None = None,
+    ) -> HostStage:
+        """The layout of `blocks` (per block: (state_dict name, identity, tensor), where the
+        tensor may be a meta tensor: only its shape and dtype count, and tensors of equal
+        identity are one tensor stored once) with its buffer allocated but not filled: the
+        caller writes each slot's bytes in place (`slot_view`), e.g. straight from a file."""
+        regions, total = layout(blocks)
+        alloc = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        return cls(alloc(max(total, 1)), regions)
+
+    def slot_view(self, block: int, index: int) -> torch.Tensor:
+        """Slot `index` of block `block` as a view of the buffer (an alias: the tensor it names)."""
+        region = self.regions[block]
+        slot = region.slots[index]
+        if slot.alias is not None:
+            return self.slot_view(*slot.alias)
+        return view_of(self.buffer, region.offset + slot.offset, slot)
+
+
+def layout(
+    blocks: list[list[tuple[str, Hashable, torch.Tensor]]],
+) -> tuple[list[BlockRegion], int]:
+    """Block regions for `blocks` (per block: (name, identity, tensor)) and their total size.
+
+    Only each tensor's shape and dtype are read, so meta tensors do. A tensor whose identity was
+    seen earlier in the stage (a tie) is not stored again: its slot aliases the first one.
+    """
+    regions: list[BlockRegion] = []
+    offset = 0
+    seen: dict[Hashable, tuple[int, int]] = {}
+    for b, tensors in enumerate(blocks):
+        slots: list[Slot] = []
+        inner = 0
+        for name, key, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes and key in seen:
+                slots.append(Slot(name, t.dtype, tuple(t.shape), 0, 0, alias=seen[key]))
+                continue
+            if nbytes:
+                seen[key] = (b, len(slots))
+            slots.append(Slot(name, t.dtype, tuple(t.shape), inner, nbytes))
+            inner += _aligned(nbytes)
+        inner = _aligned(inner, BLOCK_ALIGN)
+        regions.append(BlockRegion(offset, inner, tuple(slots)))
+        offset += inner
+    return regions, offset
 
 
 def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:

@@ -3,25 +3,39 @@
 Runs on the worker's deploy thread (reading weights and materialising take time). The stage's
 module keeps only structure (meta tensors): its real bytes live once, in the host tier, and are
 bound to device views when the stage is loaded.
+
+A stage deployed with a safetensors file (`spec.weights`) is read straight from the file into
+its place in the host buffer: the layout comes from the meta stage's shapes and dtypes, the
+buffer is allocated once, and each tensor's byte range is read into its slot (one copy; a
+tensor stored in another dtype goes through a temporary and a cast). Seeded stages and Hugging
+Face directories are materialised on the CPU first and copied in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
 from torch import nn
 
+from flowmesh.build import read_weights_into
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import Device
 from gpu_worker.host_tier import HostStage
 from gpu_worker.train_job import MODEL_CODE_LOCK
 from partitioner.plan import Plan
-from partitioner.stages import materialize_stage
+from partitioner.stages import StageModule, materialize_stage, meta_stage
 
 
 def prepare_stage(
     spec: ModelSpec, plan: dict[str, Any], index: int, device: Device, allow: tuple[str, ...]
 ) -> tuple[list[nn.Module], HostStage]:
+    if spec.weights is not None and spec.hf is None:
+        # Tracing touches process-wide state a training task uses (see MODEL_CODE_LOCK).
+        with MODEL_CODE_LOCK:
+            stage = meta_stage(spec, Plan.from_dict(plan), index, allow=allow)
+        return list(stage.blocks), read_stage(stage, spec.weights, device.host_buffer)
     # Seeding and tracing touch process-wide state a training task uses (see MODEL_CODE_LOCK).
     with MODEL_CODE_LOCK:
         stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
@@ -30,3 +44,27 @@ def prepare_stage(
     host = HostStage.build(groups, allocate=device.host_buffer)
     stage.to("meta")  # drop the CPU copies: the host tier holds the only one
     return list(stage.blocks), host
+
+
+def read_stage(
+    stage: StageModule, path: str, allocate: Callable[[int], torch.Tensor] | None = None
+) -> HostStage:
+    """`stage`'s tensors (a meta stage, see `meta_stage`) read from the safetensors file at `path`
+    straight into a host buffer from `allocate`; tensors tied in the model are stored once."""
+    groups: list[list[tuple[str, Hashable, torch.Tensor]]] = []
+    for i, block in enumerate(stage.blocks):
+        # The original name is the tensor's identity: the same name is the same (tied) tensor.
+        groups.append(
+            [
+                (local, stage.tensor_names[f"blocks.{i}.{local}"], t)
+                for local, t in block.state_dict(keep_vars=True).items()
+            ]
+        )
+    host = HostStage.allocate_for(groups, allocate)
+    dests: dict[str, torch.Tensor] = {}
+    for b, (region, entries) in enumerate(zip(host.regions, groups, strict=True)):
+        for k, (slot, (_local, original, _t)) in enumerate(zip(region.slots, entries, strict=True)):
+            if slot.alias is None:
+                dests.setdefault(original, host.slot_view(b, k))
+    read_weights_into(path, dests)
+    return host

@@ -96,6 +96,30 @@ def build_stage(
     return materialize_stage(spec, plan, index, device=device, allow=allow)
 
 
+def meta_stage(
+    spec: ModelSpec, plan: Plan, index: int, *, allow: Iterable[str] = DEFAULT_ALLOW
+) -> StageModule:
+    """Stage `index` of `plan` with structure only (meta tensors), checked to be loadable: every
+    parameter and buffer is a tensor of the model's `state_dict` (`tensor_names` says which), so
+    a reader can fill its tensors in place, e.g. straight into a worker's host tier."""
+    stage = _meta_stage(spec, plan, index, allow).eval()
+    for prefix, module in stage.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for kind in ("_parameters", "_buffers"):
+            for name, old in getattr(module, kind).items():
+                if old is not None and dot + name not in stage.tensor_names:
+                    raise _not_loadable(stage, dot + name)
+    return stage
+
+
+def _not_loadable(stage: StageModule, local: str) -> FlowmeshError:
+    return FlowmeshError(
+        Code.PLAN_ERROR,
+        f"stage {stage.index}: {local!r} is not in the model's state_dict (a "
+        "non-persistent buffer), so it cannot be loaded from weights",
+    )
+
+
 def materialize_stage(
     spec: ModelSpec,
     plan: Plan,
@@ -165,11 +189,7 @@ def _assign(stage: StageModule, values: dict[str, torch.Tensor], device: torch.d
                 local = dot + name
                 original = stage.tensor_names.get(local)
                 if original is None:
-                    raise FlowmeshError(
-                        Code.PLAN_ERROR,
-                        f"stage {stage.index}: {local!r} is not in the model's state_dict (a "
-                        "non-persistent buffer), so it cannot be loaded from weights",
-                    )
+                    raise _not_loadable(stage, local)
                 if original not in made:
                     value = values[original].to(device=device, copy=True)
                     if isinstance(old, nn.Parameter):
