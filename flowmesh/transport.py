@@ -13,8 +13,10 @@ passes each message's ZAP User-Id (its key's certificate name) on to the handler
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -98,18 +100,58 @@ def connect_dealer(
     return sock
 
 
-def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = None) -> None:
-    """Send now or raise: OVERLOADED when the peer's queue is full, PeerGone when it is gone."""
-    frames = [*(envelope or []), *encode(msg)]
-    fut = sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-    exc = fut.exception() if fut.done() else None
-    if exc is None:
-        return
+class _Channel:
+    """A pumped socket's fast path: a plain (sync) shadow of the same libzmq socket, read and
+    written with NOBLOCK, bypassing pyzmq's asyncio layer (a future and poller round per
+    message), and the future its reader waits on while the socket is empty."""
+
+    __slots__ = ("sync", "waiter")
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sync = zmq.Socket.shadow(sock.underlying)
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def poke(self) -> None:
+        """After a send from elsewhere: libzmq's FD is edge-triggered and a send may consume
+        the edge of messages that arrived meanwhile, so look at the socket's events and wake a
+        waiting reader if it has input (pyzmq's asyncio layer does the same after its sends)."""
+        if self.waiter is not None and self.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.wake()
+
+
+# Sockets read by `pump`: `send` to them takes the same fast path and keeps their reader awake.
+_CHANNELS: weakref.WeakKeyDictionary[zmq.Socket, _Channel] = weakref.WeakKeyDictionary()
+
+
+def _send_failed(exc: BaseException) -> None:
     if isinstance(exc, zmq.Again):
         raise FlowmeshError(Code.OVERLOADED, "peer queue full (high-water mark reached)")
     if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
         raise PeerGone("peer is not connected")
     raise exc
+
+
+def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = None) -> None:
+    """Send now or raise: OVERLOADED when the peer's queue is full, PeerGone when it is gone."""
+    frames = [*(envelope or []), *encode(msg)]
+    chan = _CHANNELS.get(sock)
+    if chan is not None:
+        try:
+            chan.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            _send_failed(exc)
+        finally:
+            chan.poke()
+        return
+    fut = sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+    exc = fut.exception() if fut.done() else None
+    if exc is not None:
+        _send_failed(exc)
 
 
 # (sender's address, message), and with `with_user` the connection's ZAP User-Id third.
@@ -158,25 +200,57 @@ async def pump(
     `routed` sockets (ROUTER) carry the sender's identity as the first frame; replies go back to
     it. A handler may be sync (preferred: the broker's state changes are) or a coroutine. Only a
     failing socket ends the reader; whatever one message does is answered and logged.
+
+    It reads in batches through a sync shadow of the socket (NOBLOCK until empty, at most
+    YIELD_EVERY before the loop turns), waiting on the socket's FD only when it is empty: one
+    loop wake-up per batch instead of a pyzmq future per message. `send` to a pumped socket
+    takes the same path. The reader must stay the socket's only one for the socket's life.
     """
     throttle = LogThrottle(log)
-    since_yield = 0
-    while True:
-        frames = await sock.recv_multipart(copy=False)
-        await handle_one(
-            sock,
-            frames,
-            handle,
-            routed=routed,
-            log=log,
-            limits=limits,
-            throttle=throttle,
-            with_user=with_user,
-        )
-        since_yield += 1
-        if since_yield >= YIELD_EVERY:
-            since_yield = 0
-            await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    chan = _CHANNELS[sock] = _Channel(sock)
+    recv = chan.sync.recv_multipart
+    fd = chan.sync.getsockopt(zmq.FD)
+    # pyzmq registers its own reader on this FD the first time it needs the loop; have that
+    # happen now, so that it cannot later replace ours (the loop keeps one reader per FD).
+    if hasattr(sock, "_get_loop"):
+        sock._get_loop()
+    loop.add_reader(fd, chan.wake)
+    try:
+        while True:
+            # Drain in batches: every message already queued is read with NOBLOCK, without a
+            # trip through the event loop, up to YIELD_EVERY; then the loop turns (fairness).
+            n = 0
+            while n < YIELD_EVERY:
+                try:
+                    frames = recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                n += 1
+                await handle_one(
+                    sock,
+                    frames,
+                    handle,
+                    routed=routed,
+                    log=log,
+                    limits=limits,
+                    throttle=throttle,
+                    with_user=with_user,
+                )
+            if n >= YIELD_EVERY:
+                await asyncio.sleep(0)
+            elif not chan.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # Empty: sleep until the FD fires or a send elsewhere finds input (`poke`).
+                chan.waiter = loop.create_future()
+                try:
+                    await chan.waiter
+                finally:
+                    chan.waiter = None
+    finally:
+        if _CHANNELS.get(sock) is chan:
+            del _CHANNELS[sock]
+        with contextlib.suppress(Exception):
+            loop.remove_reader(fd)
 
 
 async def handle_one(
