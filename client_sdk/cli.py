@@ -240,6 +240,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         keys=args.keys,
         allow=args.allow,
+        broker_args=["--state-dir", args.state_dir] if args.state_dir else [],
     )
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -869,6 +870,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="Prometheus /metrics: the broker on this port, the partitioner on the next, "
         "worker i on port+2+i (default: off)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="the broker keeps its models, plans, jobs and allow-list here (SQLite), so that a "
+        "restarted broker loses nothing (default: in memory only)",
     )
     p.set_defaults(fn=cmd_up)
 

@@ -27,7 +27,15 @@ FAST = {"heartbeat_s": 0.2, "liveness": 10, "threads_per_worker": 1}
 TEST_KEYS = os.environ.get("FLOWMESH_TEST_KEYS") == "1"
 # Tests built on a raw socket with no key (taking a routing id, forging a peer): with keys on,
 # the broker refuses that socket before anything the test checks can happen.
-KEYLESS_PREMISE = {"test_worker_whose_routing_id_is_taken_comes_back"}
+KEYLESS_PREMISE = {
+    "test_worker_whose_routing_id_is_taken_comes_back",
+    # These speak raw, keyless DEALER sockets at the broker's ports (malformed messages, forged
+    # peers, a flood): with keys on their messages never reach the broker's logic at all.
+    "test_malformed_messages_are_answered_while_a_client_keeps_working",
+    "test_an_impostor_cannot_answer_runs_it_was_not_sent_or_break_status",
+    "test_fuzz_at_both_ports_while_a_healthy_client_is_served",
+    "test_a_flood_leaves_the_mesh_standing",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
