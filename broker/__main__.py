@@ -38,6 +38,18 @@ OPTIONS = Options(
             1024,
             "requests one client may have queued or running at once (beyond: OVERLOADED)",
         ),
+        Option(
+            "--autoscale",
+            INT,
+            0,
+            "1: add a replica of a model its replicas cannot keep up with, and remove it once "
+            "the model cools (never below the deployed count)",
+        ),
+        Option("--scale-up-after", FLOAT, 5.0, "seconds a model must stay hot to gain a replica"),
+        Option(
+            "--scale-down-after", FLOAT, 60.0, "seconds a model must stay cool to lose a replica"
+        ),
+        Option("--scale-cooldown", FLOAT, 30.0, "seconds between two changes of one model"),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -79,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
         allow=tuple(args.allow) if args.allow else DEFAULT_ALLOW,
         max_queue=args.max_queue,
         max_client_inflight=args.max_client_inflight,
+        autoscale=bool(args.autoscale),
+        scale_up_after_s=args.scale_up_after,
+        scale_down_after_s=args.scale_down_after,
+        scale_cooldown_s=args.scale_cooldown,
         default_replicas=args.replicas,
         starvation_s=args.starvation,
         state_dir=args.state_dir,

@@ -37,3 +37,18 @@ class BrokerConfig:
     # Where the broker keeps what it promised (deployed models, training jobs, the allow-list),
     # in an SQLite database (`broker.store`); None: nothing is kept across a restart.
     state_dir: str | None = None
+    # Autoscaling (`policy.scale_step`): one more replica of a model whose queue holds
+    # `scale_queue_high` requests per live replica, or whose offered load (arrivals/s x seconds
+    # per request) is over `scale_up_load` of its replicas, for `scale_up_after_s`; one fewer
+    # (never below the deployed count) once idle and under `scale_down_load` of one replica
+    # fewer (or, unmeasured, under `scale_cool_rate` requests/s) for `scale_down_after_s`.
+    # At most one change per `scale_cooldown_s`.
+    # Off by default until measured beside the other policies (`--autoscale 1` turns it on).
+    autoscale: bool = False
+    scale_queue_high: int = 8
+    scale_up_load: float = 0.8
+    scale_down_load: float = 0.4
+    scale_cool_rate: float = 0.05
+    scale_up_after_s: float = 5.0
+    scale_down_after_s: float = 60.0
+    scale_cooldown_s: float = 30.0

@@ -271,6 +271,7 @@ class BrokerCore:
         if self.jobs_restore_until is not None and now >= self.jobs_restore_until:
             self.jobs_restore_until = None
             self.training.finish_restore()
+        self.registry.autoscale(now, self.serving.timings.model_means())
         self.registry.reconcile(now)
         self.serving.pump(now)
 

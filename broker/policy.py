@@ -7,6 +7,7 @@ tested with exact expectations.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from broker.state import Peer, Residency, StageKey
 
@@ -101,3 +102,80 @@ def percentile(values: Iterable[float], q: float) -> float:
         return 0.0
     rank = max(1, min(len(xs), -(-len(xs) * q // 100)))
     return xs[int(rank) - 1]
+
+
+class ScaleStep(NamedTuple):
+    """What `scale_step` chose: +1 add a replica, -1 remove one, 0 keep; the new `hot_since` and
+    `cool_since` marks (when the model first looked hot / cool in a row; None: it does not)."""
+
+    delta: int
+    hot_since: float | None
+    cool_since: float | None
+    why: str
+
+
+def scale_step(
+    now: float,
+    *,
+    queue: int,
+    rate: float,
+    inflight: float,
+    service_s: float | None,
+    live: int,
+    replicas: int,
+    floor: int,
+    workers: int,
+    room: bool,
+    hot_since: float | None,
+    cool_since: float | None,
+    last_scaled: float,
+    queue_high: int = 8,
+    up_load: float = 0.8,
+    down_load: float = 0.4,
+    cool_rate: float = 0.05,
+    up_after_s: float = 5.0,
+    down_after_s: float = 60.0,
+    cooldown_s: float = 30.0,
+) -> ScaleStep:
+    """Whether a model needs one more replica, or one fewer, from plain figures.
+
+    `queue` requests waiting, `rate` arrivals/s (decayed), `inflight` batches in flight per live
+    replica, `service_s` a replica's seconds per request (None: not measured yet), `live`
+    replicas able to run, `replicas` all of them (some still deploying), `floor` the deployed
+    count, `workers` live workers, `room` whether the workers can hold another replica.
+
+    Hot: the queue holds `queue_high` requests per live replica, or the offered load (rate x
+    service_s) exceeds `up_load` of the live replicas. Cool: nothing queued, at most one batch
+    in flight per replica, and the rate is under `cool_rate` or the load fits in one replica
+    fewer at `down_load` (< up_load: hysteresis). Either must hold without a break
+    for `up_after_s` / `down_after_s`, and `cooldown_s` must have passed since the last change.
+    Never past `workers` replicas or below `floor`; nothing while a replica is deploying.
+    """
+    load = rate * service_s if service_s else None
+    hot = live > 0 and (queue >= queue_high * live or (load is not None and load > up_load * live))
+    cool = (
+        not hot
+        and queue == 0
+        and inflight <= 1
+        and (rate < cool_rate or (load is not None and load < down_load * (live - 1)))
+    )
+    hot_since = (now if hot_since is None else hot_since) if hot else None
+    cool_since = (now if cool_since is None else cool_since) if cool else None
+    settled = replicas == live and now - last_scaled >= cooldown_s
+    if not settled:
+        return ScaleStep(0, hot_since, cool_since, "")
+    if hot and now - hot_since >= up_after_s and replicas < workers and room:  # type: ignore[operator]
+        why = (
+            f"queue {queue} >= {queue_high} x {live} replica(s)"
+            if queue >= queue_high * live
+            else f"load {load:.2f} > {up_load} x {live} replica(s)"
+        )
+        return ScaleStep(1, None, None, why)
+    if cool and now - cool_since >= down_after_s and replicas > max(1, floor):  # type: ignore[operator]
+        why = (
+            f"rate {rate:.3f}/s < {cool_rate}/s"
+            if rate < cool_rate
+            else f"load {load:.2f} < {down_load} x {live - 1} replica(s)"
+        )
+        return ScaleStep(-1, None, None, why)
+    return ScaleStep(0, hot_since, cool_since, "")

@@ -95,10 +95,12 @@ class Replica:
     workers: list[str]
     ready: list[bool]
     inflight: int = 0  # batches anywhere in this replica's pipeline
+    # Being removed by the autoscaler: takes no new batch; dropped once nothing runs on it.
+    draining: bool = False
 
     @property
     def live(self) -> bool:
-        return all(self.ready)
+        return all(self.ready) and not self.draining
 
 
 @dataclass
@@ -179,6 +181,14 @@ class Model:
     # Its last load failed or was never confirmed: no prefetch until a request loads it again.
     prefetch_hold: bool = False
     rate: ArrivalRate = field(default_factory=ArrivalRate)  # requests per second, decayed
+    # Autoscaling (`policy.scale_step`): the deployed count it never shrinks below (0: the
+    # desired count), since when the model looked hot / cool in a row, its last change, counts.
+    floor_replicas: int = 0
+    hot_since: float | None = None
+    cool_since: float | None = None
+    last_scaled: float = float("-inf")
+    scale_ups: int = 0
+    scale_downs: int = 0
 
     @property
     def name(self) -> str:

@@ -178,6 +178,12 @@ def model_status(
         "replicas": [
             {"workers": r.workers, "live": r.live, "inflight": r.inflight} for r in model.replicas
         ],
+        # Replicas able to run / wanted now (the deployed count plus what autoscaling added).
+        "replicas_live": sum(r.live for r in model.replicas),
+        "replicas_desired": model.desired_replicas,
+        "replicas_floor": model.floor_replicas or model.desired_replicas,
+        "scale_ups": model.scale_ups,
+        "scale_downs": model.scale_downs,
         "resident_on": resident_on,
         "queue": len(model.queue),
         "requests": model.requests,
