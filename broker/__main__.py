@@ -7,7 +7,16 @@ import argparse
 from broker.core import BrokerConfig
 from broker.service import BrokerService
 from flowmesh import logs, metrics
-from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
+from flowmesh.config import (
+    FLOAT,
+    INT,
+    LOG_LEVEL_OPTION,
+    METRICS_PORT,
+    SIZE,
+    TEXT,
+    Option,
+    Options,
+)
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
@@ -65,7 +74,7 @@ OPTIONS = Options(
             None,
             "key directory (flowmesh keys init): CURVE on both sockets, only its keys let in",
         ),
-        Option("--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"),
+        METRICS_PORT,
         Option(
             "--state-dir",
             TEXT,
@@ -73,7 +82,7 @@ OPTIONS = Options(
             "keep deployed models, training jobs and the allow-list here (SQLite), so that a "
             "restarted broker takes them up again (default: off)",
         ),
-        Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
+        LOG_LEVEL_OPTION,
     ),
 )
 

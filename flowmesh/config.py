@@ -238,3 +238,19 @@ def load_section(path: str, section: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: {name}: expected a table [{name}], got {_show(value)}")
     return data.get(section, {})
+
+
+# Options several services declare alike: one declaration each.
+METRICS_PORT = Option(
+    "--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"
+)
+LOG_LEVEL_OPTION = Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical")
+# A partitioner's or worker's own allow-list (it narrows the broker's) and its CURVE key.
+PEER_ALLOW = Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True)
+PEER_KEYS = Option(
+    "--keys",
+    TEXT,
+    None,
+    "key directory holding NAME.key_secret and broker.key (or the .key_secret file): "
+    "CURVE to the broker",
+)

@@ -10,7 +10,18 @@ import torch
 
 from flowmesh import logs, metrics
 from flowmesh.auth import load_keys
-from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
+from flowmesh.config import (
+    FLOAT,
+    INT,
+    LOG_LEVEL_OPTION,
+    METRICS_PORT,
+    PEER_ALLOW,
+    PEER_KEYS,
+    SIZE,
+    TEXT,
+    Option,
+    Options,
+)
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.units import parse_size
@@ -43,14 +54,8 @@ OPTIONS = Options(
         Option("--name", TEXT, None, "worker name (default host-device)"),
         Option("--compute-lanes", INT, 2, "concurrent runs"),
         Option("--threads", INT, None, "torch CPU threads"),
-        Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True),
-        Option(
-            "--keys",
-            TEXT,
-            None,
-            "key directory holding NAME.key_secret and broker.key (or the .key_secret file): "
-            "CURVE to the broker",
-        ),
+        PEER_ALLOW,
+        PEER_KEYS,
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option(
             "--switch-interval",
@@ -73,8 +78,8 @@ OPTIONS = Options(
             "1: fault in (zero) the whole device arena at start, so that no first load pays for "
             "it; 0: leave it to first use (only to measure the difference)",
         ),
-        Option("--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"),
-        Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
+        METRICS_PORT,
+        LOG_LEVEL_OPTION,
     ),
 )
 

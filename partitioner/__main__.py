@@ -7,7 +7,16 @@ import socket
 
 from flowmesh import logs, metrics
 from flowmesh.auth import load_keys
-from flowmesh.config import INT, LOG_LEVEL, TEXT, Option, Options
+from flowmesh.config import (
+    INT,
+    LOG_LEVEL_OPTION,
+    METRICS_PORT,
+    PEER_ALLOW,
+    PEER_KEYS,
+    TEXT,
+    Option,
+    Options,
+)
 from flowmesh.lifecycle import run_process
 from partitioner.service import PartitionerService
 
@@ -20,16 +29,10 @@ OPTIONS = Options(
         Option("--name", TEXT, None, "service name (default host-partitioner)"),
         Option("--threads", INT, 2, "plans computed at once"),
         Option("--measure-device", TEXT, "cpu", "where to time blocks when asked"),
-        Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True),
-        Option(
-            "--keys",
-            TEXT,
-            None,
-            "key directory holding NAME.key_secret and broker.key (or the .key_secret file): "
-            "CURVE to the broker",
-        ),
-        Option("--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"),
-        Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical"),
+        PEER_ALLOW,
+        PEER_KEYS,
+        METRICS_PORT,
+        LOG_LEVEL_OPTION,
     ),
 )
 

@@ -69,8 +69,13 @@ async def test_a_send_from_elsewhere_never_hides_input_from_a_sleeping_reader() 
         who[msg.id] = addr
         transport.send(back, msg, [b"w"])
 
+    joined = asyncio.Event()
+
     def on_back(_addr: bytes | None, msg: p.Message) -> None:
         assert isinstance(msg, p.Status)
+        if msg.id == 0:  # the worker's hello: its connection is up
+            joined.set()
+            return
         transport.send(front, p.StatusReply(id=msg.id, status={}), [who.pop(msg.id)])
 
     def on_worker(_addr: bytes | None, msg: p.Message) -> None:
@@ -82,7 +87,8 @@ async def test_a_send_from_elsewhere_never_hides_input_from_a_sleeping_reader() 
         asyncio.create_task(transport.pump(worker, on_worker, routed=False, log=LOG)),
     ]
     try:
-        await asyncio.sleep(0.2)  # the worker's connection is up
+        await worker.send_multipart(p.encode(p.Status(id=0)))
+        await asyncio.wait_for(joined.wait(), 10)
         for i in range(1, 301):
             await client.send_multipart(p.encode(p.Status(id=i)))
             reply = p.decode(await asyncio.wait_for(client.recv_multipart(), 2))
