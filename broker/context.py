@@ -92,11 +92,14 @@ class Context:
     def evict(self, peer: Peer, key: StageKey) -> None:
         """Drop a stage's device copy on `peer`: the bytes count as free from now on."""
         peer.resident.pop(key, None)
+        self.count_eviction(peer, key)
+        self.to_peer(peer.name, p.Evict(id=next(self.ids), model=key[0], stage=key[1]))
+
+    def count_eviction(self, peer: Peer, key: StageKey) -> None:
         peer.evictions += 1
         victim = self.models.get(key[0])
         if victim is not None:
             victim.evictions += 1
-        self.to_peer(peer.name, p.Evict(id=next(self.ids), model=key[0], stage=key[1]))
 
     def answer_error(self, req: Request, code: Code | str, reason: str) -> None:
         """Fail a request once (a request already answered is left alone)."""

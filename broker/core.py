@@ -221,6 +221,8 @@ class BrokerCore:
             self.serving.run_result(peer, msg, now)
         elif isinstance(msg, p.Loaded):
             self.serving.loaded(peer, msg, now)
+        elif isinstance(msg, p.Resident):
+            self.serving.resident_report(peer, msg, now)
         elif isinstance(msg, p.StageReady):
             self.registry.stage_ready(peer, msg, now)
         elif isinstance(msg, p.PlanReply):
@@ -354,9 +356,5 @@ class BrokerCore:
         call = self.calls.pop(ref, None) if isinstance(ref, int) else None
         if call is not None:
             self._call_expired(call, now, reason)
-        elif isinstance(msg, p.Evict | p.DropStage):
-            # The worker still holds bytes we count as free; its next load there may fail
-            # NO_SPACE, which evicts everything idle there (flush) and retries.
-            name = self.by_addr.get(addr)
-            if name is not None and name in self.peers:
-                self.peers[name].flush_next = True
+        # An undelivered Evict or DropStage needs nothing more: the worker still holds bytes we
+        # count as free, and its next load there makes the room itself and reports it.

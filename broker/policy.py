@@ -17,18 +17,11 @@ def heart_failed(last_seen: float, now: float, period: float, liveness: int) -> 
     return now - last_seen > period * liveness
 
 
-def stage_value(rate: float, nbytes: int, bandwidth: float) -> float:
-    """What keeping a stage resident is worth: the expected cost of bringing it back per second,
-    its model's arrival rate times the seconds its bytes take to copy in (`bandwidth` bytes/s)."""
-    return rate * nbytes / max(bandwidth, 1.0)
-
-
 def pick_victims(
     worker: Peer,
     need: int,
     evictable: Callable[[Residency], bool],
     *,
-    flush: bool = False,
     value: Callable[[Residency], float] | None = None,
 ) -> list[StageKey] | None:
     """Evictable stages whose bytes make room for `need` more bytes: the lowest `value` first
@@ -36,13 +29,13 @@ def pick_victims(
     among equals; least recently used alone when no `value` is given.
 
     Returns [] when the bytes are already free, None when no choice of victims is enough.
-    `flush` evicts every evictable stage (after a load failed on fragmentation, freeing just
-    enough bytes may still leave no contiguous range).
+    This is the broker's expectation, to choose a replica and account its bytes; the worker
+    makes the actual choice (`gpu_worker.executor`), knowing its arena's layout, and reports it.
     """
     if need > worker.budget:
         return None
     free = worker.free
-    if free >= need and not flush:
+    if free >= need:
         return []
     chosen: list[StageKey] = []
 
@@ -50,7 +43,7 @@ def pick_victims(
         return (value(r) if value is not None else 0.0, r.last_used, r.key)
 
     for r in sorted(worker.resident.values(), key=order):
-        if free >= need and not flush:
+        if free >= need:
             break
         if evictable(r):
             chosen.append(r.key)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from broker.checks import check_seconds
 from broker.context import Context, fail
-from broker.policy import pick_victims, stage_value
+from broker.policy import pick_victims
 from broker.state import (
     Batch,
     Call,
@@ -41,6 +41,7 @@ from broker.state import (
 from broker.status import Timings
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.value import stage_value
 
 log = logging.getLogger("broker.serving")
 
@@ -219,14 +220,11 @@ class ServingRouter:
             if not live or any(self._placed(model, r) for r in live):
                 continue
             for rep in live:
-                if any(
-                    self.peers[w].reserved_for not in (None, model.name) or self.peers[w].flush_next
-                    for w in rep.workers
-                ):
-                    continue  # kept for a starving model, or a load just failed there
+                if any(self.peers[w].reserved_for not in (None, model.name) for w in rep.workers):
+                    continue  # kept for a starving model
                 victims = self._victims_for(model, rep, starving=False, free_only=True, now=now)
                 if victims is not None:
-                    self._load_replica(model, rep, victims, now)
+                    self._load_replica(model, rep, victims, now, keep_all=True)
                     model.prefetches += 1
                     break
 
@@ -249,7 +247,7 @@ class ServingRouter:
             for rep in spare:
                 victims = self._victims_for(model, rep, starving=False, free_only=True)
                 if victims is not None:
-                    self._load_replica(model, rep, victims, now)
+                    self._load_replica(model, rep, victims, now, keep_all=True)
                     self._start_batch(model, rep, now)
                     return True
             return False
@@ -274,7 +272,7 @@ class ServingRouter:
                 self._reserve(model, live)
             return False
         _, rep, victims = best
-        self._load_replica(model, rep, victims, now)
+        self._load_replica(model, rep, victims, now, starving=starving)
         self._start_batch(model, rep, now)
         return True
 
@@ -371,7 +369,6 @@ class ServingRouter:
                 peer,
                 need,
                 lambda r, peer=peer: self._evictable(peer, r, starving),
-                flush=peer.flush_next,
                 value=lambda r, peer=peer: self._value(peer, r, now),
             )
             if victims is None:
@@ -403,25 +400,81 @@ class ServingRouter:
                 log.info("reserving worker=%s for starving model=%s", w, model.name)
 
     def _load_replica(
-        self, model: Model, rep: Replica, victims: dict[str, list[StageKey]], now: float
+        self,
+        model: Model,
+        rep: Replica,
+        victims: dict[str, list[StageKey]],
+        now: float,
+        *,
+        starving: bool = False,
+        keep_all: bool = False,
     ) -> None:
+        """Send a `Load` for each stage of `rep` not on its worker yet.
+
+        The worker makes the room itself: `victims` is only what we expect it to evict (taken
+        out of our view at once, their bytes counted as the load's, until its `Resident` report
+        says what it did). Each Load names the stages the worker must keep: those with work
+        queued or in flight here, or all of them (`keep_all`: a prefetch or a scale-out, which
+        never evicts).
+        """
         for stage, w in enumerate(rep.workers):
             peer = self.peers[w]
-            for key in victims.get(w, []):
-                self.ctx.evict(peer, key)
             key = (model.name, stage)
             if key not in peer.resident:
                 cid = next(self.ctx.ids)
+                for v in victims.get(w, []):
+                    del peer.resident[v]
+                    peer.leaving[v] = cid
+                keep = [
+                    [k[0], k[1]]
+                    for k, r in peer.resident.items()
+                    if keep_all or not self._evictable(peer, r, starving)
+                ]
                 self.calls[cid] = Call(
                     "load", w, now + self.cfg.load_timeout_s, {"model": model.name, "stage": stage}
                 )
                 peer.resident[key] = Residency(key, peer.hosted[key], Phase.LOADING, now)
-                self.ctx.to_peer(w, p.Load(id=cid, model=model.name, stage=stage))
+                self.ctx.to_peer(w, p.Load(id=cid, model=model.name, stage=stage, keep=keep))
             if peer.reserved_for == model.name:
                 peer.reserved_for = None
         for peer in self.peers.values():
             if peer.reserved_for == model.name:
                 peer.reserved_for = None
+
+    def resident_report(self, peer: Peer, msg: p.Resident, now: float) -> None:
+        """A worker says what it holds after choosing evictions itself: take its word.
+
+        Stages we counted as resident and it no longer holds were evicted by it; stages we
+        expected a load to evict (`peer.leaving`) are settled once the report follows that load;
+        stages it holds that we did not count (kept against our expectation, or brought back
+        for a run) count again. Loads still in flight stay as they are until answered.
+        """
+        if peer.role != "worker":
+            raise fail(Code.BAD_REQUEST, f"{peer.name} is not a worker")
+        held: dict[StageKey, int] = {}
+        for item in msg.stages:
+            if (
+                len(item) != 3
+                or not isinstance(item[0], str)
+                or not all(isinstance(v, int) and v >= 0 for v in item[1:])
+            ):
+                raise fail(
+                    Code.BAD_REQUEST, f"resident: expected [model, stage, nbytes], got {item!r}"
+                )
+            held[(item[0], item[1])] = item[2]
+        for key, res in list(peer.resident.items()):
+            if res.phase is Phase.RESIDENT and key not in held:
+                del peer.resident[key]
+                self.ctx.count_eviction(peer, key)
+        for key, cid in list(peer.leaving.items()):
+            if cid <= msg.after_load:  # the load that was to evict it has been handled
+                del peer.leaving[key]
+                if key not in held:
+                    self.ctx.count_eviction(peer, key)
+        for key, nbytes in held.items():
+            if key not in peer.resident and key not in peer.leaving and key in peer.hosted:
+                peer.resident[key] = Residency(key, nbytes, Phase.RESIDENT, now)
+        self.pump(now)
 
     def loaded(self, peer: Peer, msg: p.Loaded, now: float) -> None:
         seconds = msg.seconds
@@ -442,7 +495,6 @@ class ServingRouter:
             res.phase = Phase.RESIDENT
             res.nbytes = msg.nbytes
             peer.loads += 1
-            peer.flush_next = False
             self.timings.loaded(peer.name, msg.nbytes, seconds)
             if seconds > 0:
                 bw = msg.nbytes / seconds
@@ -461,8 +513,6 @@ class ServingRouter:
         if res is not None and res.phase is Phase.LOADING:
             del peer.resident[key]
         self._hold_prefetch(key[0])
-        if msg.code == Code.NO_SPACE:
-            peer.flush_next = True  # fragmented: next time evict every idle stage
         log.warning(
             "load failed worker=%s stage=%s code=%s reason=%s",
             peer.name,
@@ -619,7 +669,12 @@ class ServingRouter:
         model = self.models.get(batch.model)
         live = [r for r in batch.requests if r.client is not None]
         if model is not None and code == Code.NOT_RESIDENT:
-            # Its load failed (fragmentation) or was undone: run again, not the client's fault.
+            # Evicted mid-run, or the worker found no room to bring it back: not the client's
+            # fault. Stop counting it resident there and run again (through a Load).
+            peer = self.peers.get(batch.worker)
+            res = peer.resident.get((batch.model, batch.stage)) if peer is not None else None
+            if peer is not None and res is not None and res.phase is Phase.RESIDENT:
+                del peer.resident[res.key]
             model.queue.extendleft(reversed(live))
         elif model is not None and code == Code.MODEL_ERROR and len(live) > 1:
             for r in live:  # find the request that breaks the model; the others succeed

@@ -6,7 +6,6 @@ Nothing here talks to sockets or reads clocks; the broker's rooms (`broker.regis
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -14,6 +13,7 @@ from typing import Any
 
 from flowmesh.protocol import TensorRef
 from flowmesh.spec import ModelSpec, TensorSpec
+from flowmesh.value import ArrivalRate
 
 StageKey = tuple[str, int]  # (model name, stage index)
 
@@ -21,23 +21,6 @@ StageKey = tuple[str, int]  # (model name, stage index)
 class Phase(Enum):
     LOADING = "loading"
     RESIDENT = "resident"
-
-
-class ArrivalRate:
-    """An exponentially decayed count of arrivals: about the arrivals per second over the last
-    `tau` seconds, cheap to update and to read at any time."""
-
-    __slots__ = ("t", "tau", "value")
-
-    def __init__(self, tau: float = 30.0) -> None:
-        self.tau, self.value, self.t = tau, 0.0, 0.0
-
-    def add(self, now: float, n: float = 1.0) -> None:
-        self.value = self.at(now) + n / self.tau
-        self.t = now
-
-    def at(self, now: float) -> float:
-        return self.value * math.exp(-max(0.0, now - self.t) / self.tau)
 
 
 @dataclass
@@ -73,7 +56,9 @@ class Peer:
     max_inflight: int = 4
     loads: int = 0
     evictions: int = 0
-    flush_next: bool = False  # a load failed on fragmentation: evict all idle stages next time
+    # Stages we expect the worker to evict for a load (-> that Load's id), out of `resident`
+    # until its `Resident` report says what it did.
+    leaving: dict[StageKey, int] = field(default_factory=dict)
     reserved_for: str | None = None  # draining for a starving model
     registrations: int = 1  # registrations of this same process (a re-register keeps state)
     # partitioners only

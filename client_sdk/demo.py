@@ -157,7 +157,7 @@ async def sweep_after(opened: asyncio.Event, sweep: Awaitable[SweepResult]) -> S
     """The sweep, started once the training jobs are open, so that the jobs the demo checks
     against plain PyTorch get their workers first. (Opening a job while others train is safe:
     building and tracing a model and computing a task exclude each other on a worker, see
-    MODEL_CODE_LOCK in gpu_worker.train_job.)"""
+    MODEL_CODE_LOCK in gpu_worker.model_code.)"""
     await opened.wait()
     return await sweep
 

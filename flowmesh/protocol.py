@@ -444,9 +444,14 @@ class DropStage(Message):
 
 @message("load")
 class Load(Message):
+    """Bring a stage onto the device. The worker makes room itself, evicting its idle stages
+    worth least, never one in `keep` ([[model, stage], ...]: stages the broker has work queued
+    or in flight for), and reports what it holds afterwards with `Resident`."""
+
     id: int
     model: str
     stage: int
+    keep: list[list[Any]] = field(default_factory=list)
 
 
 @message("loaded")
@@ -456,6 +461,17 @@ class Loaded(Message):
     stage: int
     nbytes: int
     seconds: float
+
+
+@message("resident")
+class Resident(Message):
+    """A worker's device contents after it changed them by its own choice (room made for a
+    load, a stage brought back for a run): [[model, stage, nbytes], ...], loading ones
+    included. `after_load` is the id of the last Load it had handled (0: none), so the broker
+    knows which of its expectations the report already answers."""
+
+    stages: list[list[Any]]
+    after_load: int = 0
 
 
 @message("evict")

@@ -4,9 +4,15 @@ Plain class, no sockets: the worker process feeds it commands in arrival order a
 futures return; tests drive it in-process.
 
 - `load` takes arena ranges at once (in command order, so an EVICT that precedes a LOAD has
-  already freed its bytes) and queues the block-by-block copy on the copy lane.
+  already freed its bytes) and queues the block-by-block copy on the copy lane. The executor
+  owns its memory: a load that does not fit the serving budget, or finds no contiguous range,
+  evicts idle stages itself, those worth least first (`flowmesh.value.stage_value`: the rate of
+  rows it ran times the seconds its bytes take to come back; least recently used among equals),
+  never one with a run in flight, one still loading, or one the caller asked to keep.
+  `on_residency` tells the worker process whenever its own choice changed what is resident.
 - `run` queues a batch on a compute lane. The lane waits for each block's copy just before it
   computes that block, so a cold request starts computing while later blocks are still in flight.
+  A run for a stage that is not on the device brings it back first (a load like any other).
 - `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
   next owner waits on their markers (stream order), never on a global synchronisation.
 
@@ -25,7 +31,7 @@ import contextlib
 import time
 import traceback
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,9 +42,11 @@ from torch import nn
 
 from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
 from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
+from gpu_worker.model_code import SERVING_CALLS
 
 StageKey = tuple[str, int]
 
@@ -85,6 +93,10 @@ class Stage:
     # Generations whose load was given up before its copy was issued: a run that waited on
     # their markers finds nothing to compute with.
     abandoned: set[int] = field(default_factory=set)
+    # What keeping it is worth: rows run per second (decayed) and when it was last used.
+    rate: ArrivalRate = field(default_factory=ArrivalRate)
+    last_used: float = 0.0
+    keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
 
 
 @dataclass
@@ -168,6 +180,9 @@ class Executor:
         self._compute = ThreadPoolExecutor(compute_lanes, thread_name_prefix="compute")
         self.compute_lanes = compute_lanes
         self._tasks: set[asyncio.Task[None]] = set()
+        # Called (on the event loop) when the executor's own choice changed what is resident.
+        self.on_residency: Callable[[], None] | None = None
+        self.bandwidth = 0.0  # bytes/s of this worker's loads, smoothed (0: none measured yet)
         # Highest sum of the sizes of the stages holding device bytes, taken at every load. It is
         # counted from the stages' states, not from the arena, so it exceeds the budget if a
         # stage still counts as resident after its bytes went to another.
@@ -180,6 +195,8 @@ class Executor:
             "bytes_loaded": 0,
             "rows": 0,
             "load_waits": 0,  # loads that waited for training to give memory back
+            "evictions_chosen": 0,  # idle stages evicted to make room for a load
+            "implicit_loads": 0,  # stages brought back because a run asked for them
         }
 
     # ------------------------------------------------------------------ stages
@@ -204,21 +221,21 @@ class Executor:
 
     # ------------------------------------------------------------------ load / evict
 
-    def load(self, key: StageKey) -> asyncio.Future[LoadInfo]:
-        """Start copying a stage in; the future resolves when all its bytes are on the device."""
+    def load(self, key: StageKey, keep: Collection[StageKey] = ()) -> asyncio.Future[LoadInfo]:
+        """Start copying a stage in; the future resolves when all its bytes are on the device.
+
+        Room is made here (see the module docstring); `keep`: stages not to evict for it.
+        Raises NO_SPACE, having evicted nothing, when the serving budget cannot be met even
+        without every evictable stage; or, having evicted them all, when the arena still has no
+        contiguous range for a block.
+        """
         st = self._stage(key)
         if st.state is not State.HOST:
             assert st.loading is not None
             return st.loading
         self._loop = loop = asyncio.get_running_loop()
-        try:
-            got = self._alloc(st)
-        except OutOfSpace as exc:
-            if not self.memory.used["training"]:
-                raise FlowmeshError(
-                    Code.NO_SPACE, f"cannot place {key[0]!r}/{key[1]}: {exc}"
-                ) from None
-            got = None
+        st.keep = frozenset((key, *keep))
+        got = self._make_room(st)
         # One marker per block, made before the bytes have a place: a run sent right after the
         # load waits on them, whether the copy is issued now or once training gave memory back.
         st.ready = [
@@ -232,6 +249,8 @@ class Executor:
         st.loading = loop.create_future()
         self.memory.serving_started()
         st.loading.add_done_callback(lambda _: self.memory.serving_ended())
+        st.last_used = time.monotonic()
+        self._changed()
         if got is None:
             st.waiting = True
             self.counters["load_waits"] += 1
@@ -244,6 +263,56 @@ class Executor:
 
     def _alloc(self, st: Stage) -> list[Extent]:
         return self.memory.alloc_serving([r.size for r in st.host.regions if r.size])
+
+    def _need(self, st: Stage) -> int:
+        return sum(self.memory.round(r.size) for r in st.host.regions if r.size)
+
+    def _victims(self, keep: frozenset[StageKey]) -> list[Stage]:
+        """Stages this executor may evict, the one worth least first."""
+        now = time.monotonic()
+        bw = self.bandwidth or 1e9
+        idle = [
+            s
+            for s in self.stages.values()
+            if s.state is State.RESIDENT and not s.inflight and s.key not in keep
+        ]
+        return sorted(
+            idle, key=lambda s: (stage_value(s.rate.at(now), s.host.nbytes, bw), s.last_used, s.key)
+        )
+
+    def _evict_for(self, st: Stage, victim: Stage) -> None:
+        self.evict(victim.key)
+        self.counters["evictions_chosen"] += 1
+        self._changed()
+
+    def _make_room(self, st: Stage) -> list[Extent] | None:
+        """Ranges for `st`, evicting what it takes; None: wait for training to give back."""
+        where = f"{st.key[0]!r}/{st.key[1]}"
+        need, budget = self._need(st), self.memory.serving_bytes
+        victims = self._victims(st.keep)
+        over = self.memory.used["serving"] + need - budget
+        if over > sum(self._need(v) for v in victims):
+            busy = sorted(f"{k[0]}/{k[1]}" for k in self.resident() if k != st.key)
+            raise FlowmeshError(
+                Code.NO_SPACE,
+                f"cannot place {where} ({need} bytes): serving budget {budget}, "
+                f"{self.memory.used['serving']} in use by stages that are busy or kept ({busy})",
+            )
+        while self.memory.used["serving"] + need > budget:
+            self._evict_for(st, victims.pop(0))
+        while True:  # by the budget it fits; the arena may still have no contiguous range
+            try:
+                return self._alloc(st)
+            except OutOfSpace as exc:
+                if self.memory.used["training"]:
+                    return None  # training gives ranges back (`claim`)
+                if not victims:
+                    raise FlowmeshError(Code.NO_SPACE, f"cannot place {where}: {exc}") from None
+                self._evict_for(st, victims.pop(0))
+
+    def _changed(self) -> None:
+        if self.on_residency is not None:
+            self.on_residency()
 
     def _issue(self, st: Stage, got: list[Extent]) -> None:
         """The stage's ranges are taken: plan and start its copies."""
@@ -275,7 +344,11 @@ class Executor:
                 if self.memory.used["training"]:
                     return  # training still gives ranges back: the next free retries
                 # Training holds nothing and it still does not fit: the serving stages
-                # themselves are fragmented; the broker evicts idle stages and retries.
+                # themselves are fragmented. Evict the idle one worth least and try again.
+                victims = self._victims(st.keep)
+                if victims:
+                    self._evict_for(st, victims[0])
+                    continue
                 self._waiting.popleft()
                 fut = st.loading
                 self.evict(st.key)
@@ -372,11 +445,15 @@ class Executor:
                 self.evict(st.key)
             fut.set_exception(FlowmeshError(Code.INTERNAL, f"load failed: {exc}"))
             return
+        seconds = time.perf_counter() - t0
         if st.generation == generation and st.state is State.LOADING:
             st.state = State.RESIDENT
             self.counters["loads"] += 1
             self.counters["bytes_loaded"] += st.host.nbytes
-        fut.set_result(LoadInfo(st.host.nbytes, time.perf_counter() - t0))
+            if seconds > 0 and st.host.nbytes:
+                bw = st.host.nbytes / seconds
+                self.bandwidth = bw if not self.bandwidth else 0.8 * self.bandwidth + 0.2 * bw
+        fut.set_result(LoadInfo(st.host.nbytes, seconds))
 
     def evict(self, key: StageKey) -> int:
         """Give the stage's device bytes back now; their next owner waits for its last users."""
@@ -414,7 +491,18 @@ class Executor:
         """Run one batch (the parts are concatenated along dim 0) through a loaded stage."""
         st = self._stage(key)
         if st.state is State.HOST:
-            raise FlowmeshError(Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded")
+            # Evicted since the broker last heard (the worker chooses its evictions): bring it
+            # back; the run waits on its blocks' markers like any run sent during a load.
+            try:
+                self.load(key)
+            except FlowmeshError as exc:
+                raise FlowmeshError(
+                    Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded: {exc.reason}"
+                ) from None
+            self.counters["implicit_loads"] += 1
+        now = time.monotonic()
+        st.rate.add(now, len(parts))
+        st.last_used = now
         st.inflight += 1
         self.memory.serving_started()
         done = self.device.new_marker()
@@ -467,7 +555,8 @@ class Executor:
                                 Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted"
                             )
                         try:
-                            x = call_model(block, x) if i == 0 else block(x)
+                            with SERVING_CALLS.shared():  # not while a model is traced
+                                x = call_model(block, x) if i == 0 else block(x)
                         except Exception as exc:
                             where = traceback.extract_tb(exc.__traceback__)[-1]
                             raise FlowmeshError(
@@ -502,6 +591,12 @@ class Executor:
 
     def resident(self) -> list[StageKey]:
         return [k for k, s in self.stages.items() if s.state is not State.HOST]
+
+    def residency(self) -> list[list[Any]]:
+        """[[model, stage, nbytes], ...] of the stages holding device bytes (loading included)."""
+        return [
+            [k[0], k[1], s.host.nbytes] for k, s in self.stages.items() if s.state is not State.HOST
+        ]
 
     def stage_bytes(self) -> int:
         """Device bytes of the stages that hold arena ranges (loading or resident)."""

@@ -66,6 +66,10 @@ class WorkerService(MeshPeer):
             raise ValueError("training bytes must be within the device's arena")
         self.memory = DeviceMemory(device.budget_bytes - train_bytes, train_bytes, ALIGN)
         self.executor = Executor(device, compute_lanes, memory=self.memory)
+        # The executor decides its own evictions; the broker learns them from `Resident`.
+        self.executor.on_residency = self._report_soon
+        self._report_due = False
+        self._last_load = 0  # id of the last Load handled, carried by each report
         self.train_bytes = train_bytes
         self.trainer = TrainingExecutor(device, memory=self.memory) if train_bytes > 0 else None
         self._seqs: dict[str, int] = {}  # training job -> the highest step seq taken
@@ -263,9 +267,30 @@ class WorkerService(MeshPeer):
             )
         )
 
+    def _report_soon(self) -> None:
+        """One `Resident` report after whatever the current loop pass changes."""
+        if not self._report_due:
+            self._report_due = True
+            asyncio.get_running_loop().call_soon(self._report)
+
+    def _report(self) -> None:
+        self._report_due = False
+        self.send(p.Resident(stages=self.executor.residency(), after_load=self._last_load))
+
     def _load(self, msg: p.Load) -> None:
+        keep = []
+        for k in msg.keep:
+            if len(k) != 2 or not isinstance(k[0], str) or not isinstance(k[1], int):
+                raise FlowmeshError(
+                    Code.BAD_REQUEST, f"load keep: expected [model, stage], got {k!r}"
+                )
+            keep.append((k[0], k[1]))
+        self._last_load = msg.id
+        # Answered even when nothing changed: the broker's expectation of which stages this load
+        # evicts is settled by what we report.
+        self._report_soon()
         try:
-            fut = self.executor.load((msg.model, msg.stage))
+            fut = self.executor.load((msg.model, msg.stage), keep)
         except FlowmeshError as exc:
             self._fail(msg.id, exc)
             return

@@ -23,7 +23,7 @@ from flowmesh.build import read_weights_into
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import Device
 from gpu_worker.host_tier import HostStage
-from gpu_worker.train_job import MODEL_CODE_LOCK
+from gpu_worker.model_code import building_model
 from partitioner.plan import Plan
 from partitioner.stages import StageModule, materialize_stage, meta_stage
 
@@ -32,12 +32,12 @@ def prepare_stage(
     spec: ModelSpec, plan: dict[str, Any], index: int, device: Device, allow: tuple[str, ...]
 ) -> tuple[list[nn.Module], HostStage]:
     if spec.weights is not None and spec.hf is None:
-        # Tracing touches process-wide state a training task uses (see MODEL_CODE_LOCK).
-        with MODEL_CODE_LOCK:
+        # Tracing touches process-wide state that running model code uses (`model_code`).
+        with building_model():
             stage = meta_stage(spec, Plan.from_dict(plan), index, allow=allow)
         return list(stage.blocks), read_stage(stage, spec.weights, device.host_buffer)
-    # Seeding and tracing touch process-wide state a training task uses (see MODEL_CODE_LOCK).
-    with MODEL_CODE_LOCK:
+    # Seeding and tracing touch process-wide state that running model code uses (`model_code`).
+    with building_model():
         stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
     # keep_vars: the tensors themselves, so ties across blocks are seen and stored once
     groups = [dict(block.state_dict(keep_vars=True)) for block in stage.blocks]

@@ -40,7 +40,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -64,6 +63,7 @@ from flowmesh.spec import (
 )
 from gpu_worker.device import Device
 from gpu_worker.host_tier import Slot, view_of
+from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.train_scheduler import ANY, Task
 from partitioner.chain import Block
 
@@ -81,15 +81,6 @@ _IMPL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 
 FORWARD, LAST, BACKWARD, UPDATE, SAVE = "forward", "last", "backward", "update", "save"
 EVAL = "eval"
-
-# Held while model code runs in this process. Two things model code touches are process-wide,
-# not per thread: torch's default generator (a task sets it to its job's RNG state; building a
-# seeded model reseeds it) and torch.fx's tracer, which patches nn.Module.__call__ for every
-# thread while it traces (a forward elsewhere then fails with "module is not installed as a
-# submodule"). A task's compute holds it; whatever builds, seeds, traces or profiles a model on
-# a worker that trains (`gpu_worker.training.open_job`, a stage load) must hold it too, or a job
-# opened while others train changes their dropout masks and its own initial weights.
-MODEL_CODE_LOCK = threading.RLock()
 
 
 def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

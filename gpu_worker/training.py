@@ -50,10 +50,10 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from gpu_worker.device import TRAIN_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent
+from gpu_worker.model_code import building_model
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_job import (
     LOSSES,
-    MODEL_CODE_LOCK,
     OPTIMIZERS,
     CopyPlan,
     Inputs,
@@ -612,9 +612,9 @@ def open_job(
     allow = tuple(allow)
     if plan is None and target_bytes is None:
         raise FlowmeshError(Code.BAD_REQUEST, "give a chunk target in bytes or a chunk plan")
-    # Profiling, seeding and tracing touch process-wide state that running tasks use (torch's
-    # default generator, torch.fx's patch of nn.Module.__call__): not while a task computes.
-    with MODEL_CODE_LOCK:
+    # Profiling, seeding and tracing touch process-wide state that running model code uses
+    # (torch's default generator, torch.fx's patch of nn.Module.__call__; `model_code`).
+    with building_model():
         prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow)
         if plan is None:
             assert target_bytes is not None

@@ -208,21 +208,77 @@ def test_a_request_with_other_shapes_is_not_batched_with_the_head() -> None:
     assert [r.client_id for r in rig.ctx.models["m"].queue] == [3]
 
 
-def test_loading_evicts_the_least_recently_used_idle_stage_only() -> None:
+def test_loading_expects_the_least_recently_used_idle_stage_to_go_the_worker_evicts() -> None:
     rig = Rig()
-    rig.worker("w0", budget=100 * MIB)
+    peer = rig.worker("w0", budget=100 * MIB)
     for name, used in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
         rig.model(name, [30 * MIB], ["w0"])
         rig.resident("w0", (name, 0), 30 * MIB, used)
     rig.model("d", [30 * MIB], ["w0"])
     x, out = rig.infer("d", 9, 5.0)
+    # No Evict: the worker makes the room; the broker only expects b to go (its bytes count as
+    # the load's) and names what must stay (nothing here: every stage is idle).
     assert out == [
-        (BACKEND, b"w0", p.Evict(id=2, model="b", stage=0)),
-        (BACKEND, b"w0", p.Load(id=3, model="d", stage=0)),
-        (BACKEND, b"w0", p.Run(id=4, model="d", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Load(id=2, model="d", stage=0, keep=[])),
+        (BACKEND, b"w0", p.Run(id=3, model="d", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
     ]
-    assert sorted(rig.ctx.peers["w0"].resident) == [("a", 0), ("c", 0), ("d", 0)]
-    assert (rig.ctx.peers["w0"].evictions, rig.ctx.models["b"].evictions) == (1, 1)
+    assert sorted(peer.resident) == [("a", 0), ("c", 0), ("d", 0)]
+    assert peer.leaving == {("b", 0): 2} and peer.evictions == 0
+    # The worker evicted b, as expected: its report settles it.
+    report = [["a", 0, 30 * MIB], ["c", 0, 30 * MIB], ["d", 0, 30 * MIB]]
+    rig.router.resident_report(peer, p.Resident(stages=report, after_load=2), 5.1)
+    assert peer.leaving == {} and sorted(peer.resident) == [("a", 0), ("c", 0), ("d", 0)]
+    assert (peer.evictions, rig.ctx.models["b"].evictions) == (1, 1)
+
+
+def test_the_worker_s_own_choice_of_victim_is_what_the_broker_counts() -> None:
+    rig = Rig()
+    peer = rig.worker("w0", budget=100 * MIB)
+    for name, used in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
+        rig.model(name, [30 * MIB], ["w0"])
+        rig.resident("w0", (name, 0), 30 * MIB, used)
+    rig.model("d", [30 * MIB], ["w0"])
+    rig.infer("d", 9, 5.0)
+    assert peer.leaving == {("b", 0): 2}
+    # A report made before the worker handled load 2 (after_load=0) settles nothing expected.
+    old = [["a", 0, 30 * MIB], ["b", 0, 30 * MIB], ["c", 0, 30 * MIB]]
+    rig.router.resident_report(peer, p.Resident(stages=old, after_load=0), 5.05)
+    assert peer.leaving == {("b", 0): 2} and ("b", 0) not in peer.resident
+    # The worker kept b and evicted c instead (it knows what it ran): b counts again, c not.
+    new = [["a", 0, 30 * MIB], ["b", 0, 30 * MIB], ["d", 0, 30 * MIB]]
+    rig.router.resident_report(peer, p.Resident(stages=new, after_load=2), 5.1)
+    assert peer.leaving == {}
+    assert {k: r.phase for k, r in peer.resident.items()} == {
+        ("a", 0): Phase.RESIDENT,
+        ("b", 0): Phase.RESIDENT,
+        ("d", 0): Phase.LOADING,  # still answered by its Loaded, not by the report
+    }
+    assert (peer.evictions, rig.ctx.models["c"].evictions, rig.ctx.models["b"].evictions) == (
+        1,
+        1,
+        0,
+    )
+    # A stage the worker brought back by itself (a run asked for it) counts as resident.
+    rig.router.resident_report(peer, p.Resident(stages=[*new, ["c", 0, 30 * MIB]], after_load=2), 6)
+    assert peer.resident[("c", 0)].phase is Phase.RESIDENT
+    with pytest.raises(FlowmeshError) as err:
+        rig.router.resident_report(peer, p.Resident(stages=[["c", -1, 0]], after_load=2), 6)
+    assert err.value.code is Code.BAD_REQUEST
+
+
+def test_a_load_names_the_stages_with_work_the_worker_must_keep() -> None:
+    rig = Rig(prefetch=False)
+    peer = rig.worker("w0", budget=100 * MIB)
+    for name in ("busy", "idle"):
+        rig.model(name, [40 * MIB], ["w0"])
+        rig.resident("w0", (name, 0), 40 * MIB, 0.0)
+    rig.model("new", [40 * MIB], ["w0"])
+    _, out = rig.infer("busy", 1, 1.0)  # runs on busy: it has work in flight
+    assert [m.TYPE for _, _, m in out] == ["run"]
+    _, out = rig.infer("new", 2, 2.0)
+    load = out[0][2]
+    assert load == p.Load(id=4, model="new", stage=0, keep=[["busy", 0]])
+    assert peer.leaving == {("idle", 0): 4}
 
 
 def test_a_cold_model_waits_while_the_resident_one_is_busy_then_evicts_it() -> None:
@@ -240,13 +296,13 @@ def test_a_cold_model_waits_while_the_resident_one_is_busy_then_evicts_it() -> N
     assert [m.TYPE for _, _, m in out] == ["result", "run"]
     run_a = out[1][2]
     out = rig.result("w0", run_a, 3.0)
-    # b has waited 2.5 s (starving) and a is idle now: evict a, load b, run b.
+    # b has waited 2.5 s (starving) and a is idle now: load b (the worker evicts a), run b.
     assert [(m.TYPE, getattr(m, "model", None)) for _, _, m in out] == [
         ("result", None),
-        ("evict", "a"),
         ("load", "b"),
         ("run", "b"),
     ]
+    assert list(rig.ctx.peers["w0"].leaving) == [("a", 0)]
 
 
 def test_a_starving_model_reserves_the_workers_it_needs() -> None:
@@ -265,10 +321,11 @@ def test_a_starving_model_reserves_the_workers_it_needs() -> None:
     out = rig.result("w0", out[0][2], 2.0)
     assert [(m.TYPE, getattr(m, "model", None)) for _, _, m in out] == [
         ("result", None),
-        ("evict", "a"),
         ("load", "b"),
         ("run", "b"),
     ]
+    # Starving, b may take a's bytes although a has a request queued: nothing is kept.
+    assert out[1][2].keep == [] and list(rig.ctx.peers["w0"].leaving) == [("a", 0)]
     assert rig.ctx.peers["w0"].reserved_for is None
 
 
@@ -382,7 +439,7 @@ def test_a_request_still_queued_past_its_deadline_gets_timeout() -> None:
     assert len(rig.ctx.models["m"].queue) == 0
 
 
-def test_a_failed_load_flushes_next_time_and_the_run_is_retried() -> None:
+def test_a_failed_load_is_asked_again_and_the_run_is_retried() -> None:
     rig = Rig()
     peer = rig.worker("w0", budget=50 * MIB)
     rig.model("a", [20 * MIB], ["w0"])
@@ -391,16 +448,27 @@ def test_a_failed_load_flushes_next_time_and_the_run_is_retried() -> None:
     x, out = rig.infer("m", 1, 1.0)
     assert [m.TYPE for _, _, m in out] == ["load", "run"]  # fits in free bytes: no eviction
     call = rig.ctx.calls.pop(2)
-    rig.router.load_failed(peer, call, p.Error(id=2, code="no_space", reason="fragmented"), 1.1)
-    assert peer.flush_next and ("m", 0) not in peer.resident and rig.ctx.drain() == []
-    # The worker refuses the run (its stage never arrived): not the client's fault, run again;
-    # this time every idle stage is evicted first, so the load finds one contiguous range.
+    rig.router.load_failed(peer, call, p.Error(id=2, code="no_space", reason="busy"), 1.1)
+    assert ("m", 0) not in peer.resident and rig.ctx.drain() == []
+    # The worker refuses the run (its stage never arrived): not the client's fault, run again.
     assert rig.router.run_error(peer, p.Error(id=3, code="not_resident", reason="no"), 1.2)
     assert rig.ctx.drain() == [
-        (BACKEND, b"w0", p.Evict(id=4, model="a", stage=0)),
-        (BACKEND, b"w0", p.Load(id=5, model="m", stage=0)),
-        (BACKEND, b"w0", p.Run(id=6, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Load(id=4, model="m", stage=0, keep=[])),
+        (BACKEND, b"w0", p.Run(id=5, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
     ]
+
+
+def test_a_run_the_worker_could_not_bring_back_stops_counting_its_stage_resident() -> None:
+    rig = Rig()
+    peer = rig.worker("w0", budget=50 * MIB)
+    rig.model("m", [20 * MIB], ["w0"])
+    rig.resident("w0", ("m", 0), 20 * MIB, 0.0)
+    _, out = rig.infer("m", 1, 1.0)
+    assert [m.TYPE for _, _, m in out] == ["run"]
+    # The worker had evicted it and found no room to bring it back: load it again here.
+    assert rig.router.run_error(peer, p.Error(id=2, code="not_resident", reason="no room"), 1.2)
+    assert [m.TYPE for _, _, m in rig.ctx.drain()] == ["load", "run"]
+    assert peer.resident[("m", 0)].phase is Phase.LOADING
 
 
 def test_a_batch_that_breaks_the_model_is_split_to_find_the_culprit() -> None:
@@ -484,10 +552,10 @@ def test_eviction_keeps_a_hot_model_over_a_one_off_used_more_recently() -> None:
     # Least recently used alone would evict hot (used at 9.0); its value (rate x reload time)
     # is ten times once's: once goes.
     assert out == [
-        (BACKEND, b"w0", p.Evict(id=2, model="once", stage=0)),
-        (BACKEND, b"w0", p.Load(id=3, model="new", stage=0)),
-        (BACKEND, b"w0", p.Run(id=4, model="new", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Load(id=2, model="new", stage=0, keep=[])),
+        (BACKEND, b"w0", p.Run(id=3, model="new", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
     ]
+    assert rig.ctx.peers["w0"].leaving == {("once", 0): 2}
 
 
 def test_a_model_asked_for_before_is_prefetched_into_free_bytes_only() -> None:
@@ -509,22 +577,20 @@ def test_a_model_asked_for_before_is_prefetched_into_free_bytes_only() -> None:
     loaded(out, 0.05)
     out = rig.result("w0", out[-1][2], 0.1)
     _, out = rig.infer("big", 2, 1.0)  # evicts a
-    assert [(m.TYPE, m.model) for _, _, m in out] == [
-        ("evict", "a"),
-        ("load", "big"),
-        ("run", "big"),
-    ]
+    assert [(m.TYPE, m.model) for _, _, m in out] == [("load", "big"), ("run", "big")]
+    assert list(rig.ctx.peers["w0"].leaving) == [("a", 0)]
     # While big holds the whole worker, nothing is prefetched (no free bytes; never evict).
     loaded(out, 1.05)
     out = rig.result("w0", out[-1][2], 1.1)
     assert [m.TYPE for _, _, m in out] == ["result"]
     _, out = rig.infer("c", 3, 2.0)  # evicts big: 60 MiB stay free, and a fits there
     assert [(m.TYPE, m.model) for _, _, m in out] == [
-        ("evict", "big"),
         ("load", "c"),
         ("run", "c"),
         ("load", "a"),  # a prefetch: no request of a is waiting
     ]
+    # A prefetch never evicts: the worker must keep everything it holds.
+    assert out[-1][2].keep == [["c", 0]]
     assert rig.ctx.models["a"].prefetches == 1 and rig.ctx.models["big"].prefetches == 0
 
 

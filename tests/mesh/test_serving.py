@@ -16,7 +16,14 @@ from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_reference, build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close, assert_same_bits
-from tests.mesh.conftest import ResidencySampler, deploy, fresh_stats, mlp_spec, reference
+from tests.mesh.conftest import (
+    ResidencySampler,
+    deploy,
+    fresh_stats,
+    mlp_spec,
+    reference,
+    wait_until,
+)
 
 
 def test_infer_matches_a_direct_forward(mesh: LocalMesh) -> None:
@@ -89,12 +96,24 @@ def test_models_three_times_the_budget_are_all_served(mesh: LocalMesh) -> None:
                 residency.take(c.status())
         st = c.status()
         final = {w["name"]: fresh_stats(c, w["name"]) for w in st["workers"]}
+
+        def views_agree() -> bool:
+            # The broker's view of each worker's device is what the worker says it holds
+            # (the worker chose its evictions; its reports keep the broker right).
+            st = c.status()
+            return all(
+                sorted(w["resident"]) == sorted(fresh_stats(c, w["name"])["resident_stages"])
+                for w in st["workers"]
+            )
+
+        wait_until(views_agree, "the broker's view of residency to match the workers'", 10)
     models = {m["name"]: m for m in st["models"]}
     assert all(models[s.name]["loads"] >= 1 for s in specs)
     assert sum(models[s.name]["evictions"] for s in specs) > 0
-    # The workers themselves evicted (not only the broker's books), and never held more stage
-    # bytes than their budget, neither when sampled nor at any load in between.
+    # The workers themselves chose the evictions (the broker sends no Evict to make room), and
+    # never held more stage bytes than their budget, neither when sampled nor at any load.
     assert sum(final[n]["evictions"] - evictions_before[n] for n in final) > 0, final
+    assert sum(final[n]["evictions_chosen"] for n in final) > 0, final
     residency.check(final, {w["name"]: w["budget_bytes"] for w in st["workers"]})
 
 

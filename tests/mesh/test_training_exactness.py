@@ -12,7 +12,7 @@ of a (model, optimizer, clip) cell. The sub-model count of a job is forced by it
 
 The last test opens jobs while another trains: building, seeding and tracing a model touch
 process-wide state a computing task uses, so `open_job` and stage loads hold
-`gpu_worker.train_job.MODEL_CODE_LOCK`, as task computes do (without it that test fails).
+`gpu_worker.model_code.MODEL_CODE_LOCK`, as task computes do (without it that test fails).
 
 `pytest -s` prints the exactness table (model x optimizer x sub-models x clip -> max relative
 difference of the losses and of the parameters); it is also written to
