@@ -59,6 +59,26 @@ OPTIONS = Options(
             "--scale-down-after", FLOAT, 60.0, "seconds a model must stay cool to lose a replica"
         ),
         Option("--scale-cooldown", FLOAT, 30.0, "seconds between two changes of one model"),
+        Option(
+            "--direct",
+            INT,
+            1,
+            "1: a model cut over several workers passes activations worker to worker (when they "
+            "all have a peer endpoint); 0: through the broker",
+        ),
+        Option(
+            "--micro-batches",
+            INT,
+            0,
+            "micro-batches a direct run's batch is cut into, so that stages overlap "
+            "(0: one per stage, each of at least --micro-batch-rows rows)",
+        ),
+        Option(
+            "--micro-batch-rows",
+            INT,
+            64,
+            "with --micro-batches 0, the fewest rows a micro-batch has (smaller batches go whole)",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -104,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         scale_up_after_s=args.scale_up_after,
         scale_down_after_s=args.scale_down_after,
         scale_cooldown_s=args.scale_cooldown,
+        direct=bool(args.direct),
+        micro_batches=args.micro_batches,
+        micro_batch_rows=args.micro_batch_rows,
         default_replicas=args.replicas,
         starvation_s=args.starvation,
         state_dir=args.state_dir,

@@ -34,6 +34,15 @@ class BrokerConfig:
     load_timeout_s: float = 120.0
     run_timeout_s: float = 120.0
     repair_backoff_s: float = 5.0  # after a failed replica repair, before trying again
+    # A model cut into stages over several workers runs direct when every one of them has a
+    # peer endpoint: each stage's worker sends its output straight to the next one's, the batch
+    # cut into micro-batches so that the stages overlap: `micro_batches` of them, or with 0 one
+    # per stage, each of at least `micro_batch_rows` rows (a small batch is not cut: every
+    # micro-batch reads all of a stage's weights again). Otherwise, or with `direct` off,
+    # activations travel through the broker.
+    direct: bool = True
+    micro_batches: int = 0
+    micro_batch_rows: int = 64
     # Where the broker keeps what it promised (deployed models, training jobs, the allow-list),
     # in an SQLite database (`broker.store`); None: nothing is kept across a restart.
     state_dir: str | None = None

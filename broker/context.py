@@ -51,6 +51,8 @@ class Context:
             "hung_runs": 0,
             "expired_calls": 0,
             "dropped_sends": 0,
+            "direct_batches": 0,  # multi-stage batches whose activations went worker to worker
+            "activation_bytes_relayed": 0,  # activations forwarded by the broker between stages
         }
 
     def client_done(self, addr: bytes) -> None:

@@ -11,8 +11,12 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads
   stages (`policy.pick_victims`), never one with work queued or in flight, unless the head
   request has starved (`starvation_s`). A starving model that still does not fit reserves a
   replica's workers, so they drain for it.
-- **Runs**: a batch travels stage by stage (`Run` to each worker in turn, the activations
-  forwarded as frames); the last stage's answer is split back into one `Result` per request.
+- **Runs**: a batch of a model cut over several workers runs *direct* when they all have peer
+  endpoints: a `Run` to every stage's worker at once (with a random ticket), the activations
+  going worker to worker in micro-batches, the last stage answering; the broker sees no
+  activation byte. Otherwise it travels stage by stage (`Run` to each worker in turn, the
+  activations forwarded as frames, counted in `activation_bytes_relayed`). The last stage's
+  answer is split back into one `Result` per request.
 - **Failover**: a run on a lost worker is queued again once (`max_retries`) when another replica
   lives, else WORKER_LOST; a run unanswered by its deadline has hung: its requests get TIMEOUT
   and its replica is given up to the registry, which re-creates it elsewhere.
@@ -21,6 +25,7 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, Protocol
 
 from broker.checks import check_seconds
@@ -316,21 +321,66 @@ class ServingRouter:
             started=now,
         )
         rep.inflight += 1
-        self._enter_stage(batch, now)
-        self.batches[batch.run_id] = batch
         model.batches += 1
         self.totals["batches"] += 1
         self.timings.batch_started(model.name, len(requests))
+        parts = [[r.tag, r.rows] for r in requests]
+        ends = [self.peers[w].info.get("peer_endpoint") for w in rep.workers]
+        if self.cfg.direct and len(rep.workers) > 1 and all(isinstance(e, str) and e for e in ends):
+            self._start_direct(model, batch, parts, tensors, ends, rows, now)
+            return
+        self._enter_stage(batch, now)
+        self.batches[batch.run_id] = batch
         self.ctx.to_peer(
             batch.worker,
-            p.Run(
-                id=batch.run_id,
-                model=model.name,
-                stage=0,
-                parts=[[r.tag, r.rows] for r in requests],
-                tensors=tensors,
-            ),
+            p.Run(id=batch.run_id, model=model.name, stage=0, parts=parts, tensors=tensors),
         )
+
+    def _start_direct(
+        self,
+        model: Model,
+        batch: Batch,
+        parts: list[list[int]],
+        tensors: dict[str, Any],
+        ends: list[Any],
+        rows: int,
+        now: float,
+    ) -> None:
+        """Announce a batch to every stage's worker at once; the last one answers."""
+        stages = len(batch.replica.workers)
+        chunks = 1
+        if model.spec.max_batch_size > 1:  # rows are independent: the batch may be cut
+            want = self.cfg.micro_batches or min(stages, rows // self.cfg.micro_batch_rows)
+            chunks = max(1, min(want, rows))
+        ticket = secrets.randbits(63) or 1
+        batch.direct = True
+        batch.stage, batch.worker = stages - 1, batch.replica.workers[-1]
+        self._enter_stage(batch, now)
+        self.batches[batch.run_id] = batch
+        self.totals["direct_batches"] += 1
+        for stage, w in enumerate(batch.replica.workers):
+            self.ctx.to_peer(
+                w,
+                p.Run(
+                    id=batch.run_id,
+                    model=model.name,
+                    stage=stage,
+                    parts=parts,
+                    tensors=tensors if stage == 0 else {},
+                    ticket=ticket,
+                    from_peer=stage > 0,
+                    next_peer=ends[stage + 1] if stage + 1 < stages else "",
+                    chunks=chunks,
+                ),
+            )
+
+    def _cancel_direct(self, batch: Batch, skip: str | None = None) -> None:
+        """Tell a given-up direct batch's other workers to forget it."""
+        if not batch.direct:
+            return
+        for w in batch.replica.workers:
+            if w != skip and w in self.peers:
+                self.ctx.to_peer(w, p.CancelRun(id=batch.run_id))
 
     # ================================================================== residency
 
@@ -624,6 +674,9 @@ class ServingRouter:
 
     def _advance(self, model: Model, batch: Batch, tensors: dict[str, Any], now: float) -> None:
         """Send a batch's activations on to the next stage's worker (frames, not copies)."""
+        self.totals["activation_bytes_relayed"] += sum(
+            getattr(t, "nbytes", 0) for t in tensors.values()
+        )
         batch.stage += 1
         batch.worker = batch.replica.workers[batch.stage]
         batch.run_id = next(self.ctx.ids)
@@ -645,34 +698,40 @@ class ServingRouter:
         # deadlines has hung (see run_hung): nobody's timeout is cut short by it.
         latest = max((r.deadline for r in batch.requests), default=now)
         batch.deadline = max(now + self.cfg.run_timeout_s, latest)
-        peer = self.peers[batch.worker]
-        peer.inflight_runs += 1
-        res = peer.resident.get((batch.model, batch.stage))
-        if res is not None:
-            res.inflight += 1
-            res.last_used = now
-        batch.counted_on = (peer, res)
+        stages = range(len(batch.replica.workers)) if batch.direct else [batch.stage]
+        for stage in stages:
+            peer = self.peers[batch.replica.workers[stage]]
+            peer.inflight_runs += 1
+            res = peer.resident.get((batch.model, stage))
+            if res is not None:
+                res.inflight += 1
+                res.last_used = now
+            batch.counted_on.append((peer, res))
 
     def _leave_stage(self, batch: Batch, now: float) -> None:
-        if batch.counted_on is None:
-            return
-        peer, res = batch.counted_on
-        batch.counted_on = None
-        peer.inflight_runs -= 1
-        if res is not None:
-            res.inflight -= 1
-            res.last_used = now
+        for peer, res in batch.counted_on:
+            peer.inflight_runs -= 1
+            if res is not None:
+                res.inflight -= 1
+                res.last_used = now
+        batch.counted_on = []
 
-    def run_failed(self, batch: Batch, code: str, reason: str, now: float) -> None:
+    def run_failed(
+        self, batch: Batch, code: str, reason: str, now: float, worker: str | None = None
+    ) -> None:
+        """`batch` failed (on `worker`, by default the one it waits for)."""
+        worker = worker or batch.worker
         self._leave_stage(batch, now)
+        self._cancel_direct(batch, skip=worker)
         batch.replica.inflight -= 1
         model = self.models.get(batch.model)
         live = [r for r in batch.requests if r.client is not None]
         if model is not None and code == Code.NOT_RESIDENT:
             # Evicted mid-run, or the worker found no room to bring it back: not the client's
             # fault. Stop counting it resident there and run again (through a Load).
-            peer = self.peers.get(batch.worker)
-            res = peer.resident.get((batch.model, batch.stage)) if peer is not None else None
+            peer = self.peers.get(worker)
+            stage = batch.replica.workers.index(worker) if batch.direct else batch.stage
+            res = peer.resident.get((batch.model, stage)) if peer is not None else None
             if peer is not None and res is not None and res.phase is Phase.RESIDENT:
                 del peer.resident[res.key]
             model.queue.extendleft(reversed(live))
@@ -688,10 +747,13 @@ class ServingRouter:
     def run_error(self, peer: Peer, msg: p.Error, now: float) -> bool:
         """An Error from `peer` answering one of its runs: fail that batch. False if it is not."""
         batch = self.batches.get(msg.id) if msg.id is not None else None
-        if batch is None or batch.worker != peer.name:
+        if batch is None:
+            return False
+        # A direct batch may fail at any of its stages; otherwise only where it waits.
+        if peer.name != batch.worker and not (batch.direct and peer.name in batch.replica.workers):
             return False
         del self.batches[msg.id]  # type: ignore[arg-type]
-        self.run_failed(batch, msg.code, msg.reason, now)
+        self.run_failed(batch, msg.code, msg.reason, now, worker=peer.name)
         return True
 
     def run_undelivered(self, run_id: Any, reason: str, now: float) -> bool:
@@ -710,6 +772,7 @@ class ServingRouter:
         re-created, away from that worker where another can hold the stage.
         """
         self._leave_stage(batch, now)
+        self._cancel_direct(batch)
         batch.replica.inflight -= 1
         reason = (
             f"worker {batch.worker} did not finish stage {batch.stage} of {batch.model!r} "
@@ -731,6 +794,7 @@ class ServingRouter:
                 continue
             del self.batches[run_id]
             self._leave_stage(batch, now)
+            self._cancel_direct(batch, skip=lost)
             for req in reversed(batch.requests):
                 if req.client is None:
                     continue

@@ -117,8 +117,9 @@ class Batch:
     deadline: float = float("inf")  # the current stage must answer by then, or it hung
     info: dict[str, float] = field(default_factory=dict)
     # Where the batch is counted as running: the very objects, so that leaving never touches
-    # a residency (or peer) that replaced them meanwhile.
-    counted_on: tuple[Peer, Residency | None] | None = None
+    # a residency (or peer) that replaced them meanwhile. A direct run counts on every stage.
+    counted_on: list[tuple[Peer, Residency | None]] = field(default_factory=list)
+    direct: bool = False  # announced to every stage at once; activations go worker to worker
 
 
 @dataclass

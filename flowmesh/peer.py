@@ -80,6 +80,11 @@ class MeshPeer:
     def on_registered(self, again: bool) -> None:
         """Called after each ack; `again` when the broker may have forgotten this peer."""
 
+    def side_tasks(self, ctx: zmq.asyncio.Context) -> list[Any]:
+        """Coroutines to run beside the broker connection (sockets of the peer's own, bound
+        here before the first registration, so the registration can name them)."""
+        return []
+
     def close(self) -> None:
         """Release resources when the process stops."""
 
@@ -261,7 +266,11 @@ class MeshPeer:
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()
-        tasks = [asyncio.create_task(self._connection(ctx), name=f"{self.role}-connection")]
+        tasks = [
+            asyncio.create_task(coro, name=f"{self.role}-side-{i}")
+            for i, coro in enumerate(self.side_tasks(ctx))
+        ]
+        tasks.append(asyncio.create_task(self._connection(ctx), name=f"{self.role}-connection"))
         self.log.info("started name=%s broker=%s pid=%d", self.name, self.broker, os.getpid())
         await run_until_stopped(tasks, self._stop, self.log)
         # The connection closes its socket as it ends; ctx.term() would wait for it forever.

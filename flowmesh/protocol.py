@@ -491,6 +491,35 @@ class Run(Message):
     stage: int
     parts: list[list[int]]
     tensors: dict[str, Any] = field(default_factory=dict)
+    # A direct run (`ticket` non-zero): every stage's worker gets its Run at once; stage 0's
+    # inputs travel with it, each later stage's arrive from the stage before as `Hop`s (the
+    # batch cut into `chunks` micro-batches that flow through the stages one after another).
+    # `next_peer`: the peer endpoint of the next stage's worker, "" for the last stage, which
+    # answers the broker with the whole batch's RunResult.
+    ticket: int = 0
+    from_peer: bool = False
+    next_peer: str = ""
+    chunks: int = 1
+
+
+@message("hop")
+class Hop(Message):
+    """One micro-batch of a direct run's activations, from a stage's worker to the next one's
+    (never through the broker). Accepted only with the ticket of a Run the broker announced."""
+
+    id: int
+    ticket: int
+    model: str
+    stage: int
+    chunk: int
+    tensors: dict[str, Any] = field(default_factory=dict)
+
+
+@message("cancel_run")
+class CancelRun(Message):
+    """The broker gave up a direct run: forget its state here (its Hops may still come)."""
+
+    id: int
 
 
 @message("run_result")

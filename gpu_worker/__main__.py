@@ -78,6 +78,14 @@ OPTIONS = Options(
             "1: fault in (zero) the whole device arena at start, so that no first load pays for "
             "it; 0: leave it to first use (only to measure the difference)",
         ),
+        Option(
+            "--peer-endpoint",
+            TEXT,
+            "tcp://127.0.0.1:0",
+            "where other workers send this worker a model's activations directly, stage to "
+            "stage (port 0: any free port; on a mesh over several hosts, this host's address "
+            "the others reach); empty: none, the broker relays them (also with --keys)",
+        ),
         METRICS_PORT,
         LOG_LEVEL_OPTION,
     ),
@@ -118,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         limits=Limits(max_message_bytes=parse_size(args.max_message)),
         threads=args.threads,
         train_bytes=train_bytes,
+        peer_endpoint=args.peer_endpoint,
     )
     if args.keys:
         service.curve = load_keys(args.keys, name)

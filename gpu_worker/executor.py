@@ -542,7 +542,7 @@ class Executor:
         try:
             with torch.inference_mode(), dev.compute(serving=True):
                 try:
-                    inputs, rows = _batch(parts, dev.torch_device)
+                    inputs, rows = concat_parts(parts, dev.torch_device)
                     t0 = time.perf_counter()
                     wait_s = 0.0
                     x: Any = inputs
@@ -573,7 +573,7 @@ class Executor:
                     marked = True
                 outputs = {n: t.to("cpu") for n, t in outputs.items()}
                 compute_s = time.perf_counter() - t0 - wait_s
-                return RunOutput(_split(outputs, rows), compute_s, wait_s, sum(rows))
+                return RunOutput(split_rows(outputs, rows), compute_s, wait_s, sum(rows))
         finally:
             if not marked:  # the compute lane itself failed: nothing of the run was queued
                 dev.mark_done(done)
@@ -632,7 +632,7 @@ def _wait_all(markers: list[Any]) -> None:
         m.wait()
 
 
-def _batch(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
+def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
     """Concatenate the parts' inputs along dim 0; returns the inputs and rows per part."""
     tensors = [
         {n: (t.tensor() if hasattr(t, "tensor") else t) for n, t in p.items()} for p in parts
@@ -662,7 +662,7 @@ def _named_outputs(x: Any) -> dict[str, torch.Tensor]:
     )
 
 
-def _split(outputs: dict[str, torch.Tensor], rows: list[int]) -> list[dict[str, torch.Tensor]]:
+def split_rows(outputs: dict[str, torch.Tensor], rows: list[int]) -> list[dict[str, torch.Tensor]]:
     if len(rows) == 1:
         return [outputs]
     total = sum(rows)

@@ -10,6 +10,11 @@ jobs' sub-model tasks (guaranteed `train_bytes`, and whatever serving leaves fre
 once when a serving load needs it). A job's steps are submitted in arrival order, which is the
 order the executor runs them in; `seq` guards against a step applied twice.
 
+A model cut into stages over several workers runs *direct* (`gpu_worker.direct`): the broker
+announces the batch to every stage's worker at once, and each worker sends its stage's output,
+micro-batch by micro-batch, straight to the next stage's worker over its peer socket
+(`--peer-endpoint`); only the last stage answers the broker.
+
 Registration carries the worker's inventory (`inventory`): the stages it holds and its training
 jobs. A broker that restarted takes them up as they are; whatever it does not know, it tells the
 worker to drop (`DropStage`, `TrainClose`), so the worker keeps everything until told.
@@ -26,13 +31,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
+import zmq
+import zmq.asyncio
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.peer import MeshPeer
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, narrow_allow
+from flowmesh.transport import bind_router, connect_dealer, pump, send
 from gpu_worker.device import Device
-from gpu_worker.executor import Executor, LoadInfo, RunOutput
+from gpu_worker.direct import DirectRun, DirectRuns
+from gpu_worker.executor import Executor, LoadInfo, RunOutput, concat_parts, split_rows
 from gpu_worker.host_tier import ALIGN
 from gpu_worker.memory import DeviceMemory
 from gpu_worker.stage_loader import prepare_stage
@@ -59,8 +68,17 @@ class WorkerService(MeshPeer):
         limits: p.Limits = p.DEFAULT_LIMITS,
         threads: int | None = None,
         train_bytes: int = 0,
+        peer_endpoint: str = "tcp://127.0.0.1:0",
     ) -> None:
         super().__init__(name, broker, limits=limits)
+        # Where other workers send us activations ("" : no direct runs; with CURVE keys too,
+        # as the workers hold no keys of each other's: the broker then relays them).
+        self.peer_endpoint = peer_endpoint
+        self.peer_bound = ""  # the endpoint actually bound, advertised at registration
+        self._peer_sock: zmq.asyncio.Socket | None = None
+        self._to_peers: dict[str, zmq.asyncio.Socket] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self.direct = DirectRuns()
         self.device = device
         if not 0 <= train_bytes <= device.budget_bytes:
             raise ValueError("training bytes must be within the device's arena")
@@ -106,6 +124,7 @@ class WorkerService(MeshPeer):
                 "threads": self.threads or 0,
                 "train_bytes": self.train_bytes,
                 "arena_bytes": self.memory.capacity,
+                **({"peer_endpoint": self.peer_bound} if self.peer_bound else {}),
                 **self.device.info(),
             },
             inventory=self.inventory(),
@@ -145,6 +164,7 @@ class WorkerService(MeshPeer):
     def stats(self) -> dict[str, Any]:
         out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
         out["stages_prepared"] = self.stages_prepared
+        out.update(self.direct.counters)
         if self.trainer is not None:
             # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
             t = self.trainer.stats()
@@ -178,7 +198,19 @@ class WorkerService(MeshPeer):
             # broker before: it is dropped when ready (see `_epoch`).
             self._epoch += 1
 
+    def side_tasks(self, ctx: zmq.asyncio.Context) -> list[Any]:
+        if not self.peer_endpoint or self.curve is not None:
+            return []
+        self._ctx = ctx
+        self._peer_sock, self.peer_bound = bind_router(ctx, self.peer_endpoint, self.limits)
+        self.log.info("peer socket for direct runs at %s", self.peer_bound)
+        return [pump(self._peer_sock, self._on_peer, routed=True, log=self.log, limits=self.limits)]
+
     def close(self) -> None:
+        for sock in (*self._to_peers.values(), self._peer_sock):
+            if sock is not None:
+                sock.close(linger=0)
+        self._to_peers.clear()
         self.executor.close()
         if self.trainer is not None:
             self.trainer.close()
@@ -209,7 +241,12 @@ class WorkerService(MeshPeer):
 
     def handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.Run):
-            self._run(msg)
+            if msg.ticket:
+                self._direct_run(msg)
+            else:
+                self._run(msg)
+        elif isinstance(msg, p.CancelRun):
+            self.direct.cancel(msg.id)
         elif isinstance(msg, p.Load):
             self._load(msg)
         elif isinstance(msg, p.Evict):
@@ -306,7 +343,8 @@ class WorkerService(MeshPeer):
 
         self._answer_when_done(fut, msg.id, loaded)
 
-    def _run(self, msg: p.Run) -> None:
+    @staticmethod
+    def _parts(msg: p.Run) -> list[dict[str, Any]]:
         parts: list[dict[str, Any]] = [{} for _ in msg.parts]
         for name, ref in msg.tensors.items():
             k, _, inner = name.partition("/")
@@ -315,7 +353,10 @@ class WorkerService(MeshPeer):
             parts[int(k)][inner] = ref
         if not msg.parts or any(not part for part in parts):
             raise FlowmeshError(Code.BAD_REQUEST, "every part of a run needs its tensors")
-        fut = self.executor.run((msg.model, msg.stage), parts)
+        return parts
+
+    def _run(self, msg: p.Run) -> None:
+        fut = self.executor.run((msg.model, msg.stage), self._parts(msg))
 
         def result(out: RunOutput) -> p.Message:
             tensors = {
@@ -330,6 +371,117 @@ class WorkerService(MeshPeer):
             )
 
         self._answer_when_done(fut, msg.id, result)
+
+    # ------------------------------------------------------------------ direct runs
+
+    def _direct_run(self, msg: p.Run) -> None:
+        """A stage of a direct run: stage 0 cuts its inputs into micro-batches and computes
+        them; a later stage computes each micro-batch as it arrives from the stage before."""
+        if not msg.parts:
+            raise FlowmeshError(Code.BAD_REQUEST, "a run needs parts")
+        if not msg.from_peer:
+            merged, _ = concat_parts(self._parts(msg), torch.device("cpu"))
+            rows = sum(r for _, r in msg.parts)
+            if not 1 <= msg.chunks <= rows:
+                raise FlowmeshError(
+                    Code.BAD_REQUEST, f"run {msg.id}: {msg.chunks} chunks of {rows} rows"
+                )
+        run, early = self.direct.announce(msg)
+        if msg.from_peer:
+            for hop in early:
+                self._direct_chunk(run, hop.chunk, hop.tensors)
+            return
+        pieces = {n: torch.tensor_split(t, msg.chunks, dim=0) for n, t in merged.items()}
+        for i in range(msg.chunks):
+            run.seen.add(i)
+            self._direct_chunk(run, i, {n: ts[i] for n, ts in pieces.items()})
+
+    def _on_peer(self, _sender: bytes | None, msg: p.Message) -> None:
+        """What other workers send to our peer socket: activations, nothing else."""
+        if isinstance(msg, p.Error):
+            self.log.warning("a peer answered %s: %s %s", msg.id, msg.code, msg.reason)
+            return
+        if not isinstance(msg, p.Hop):
+            raise FlowmeshError(Code.BAD_REQUEST, f"a worker's peer socket takes no {msg.TYPE}")
+        run = self.direct.accept(msg)
+        if run is not None:
+            self._direct_chunk(run, msg.chunk, msg.tensors)
+
+    def _direct_chunk(self, run: DirectRun, chunk: int, tensors: dict[str, Any]) -> None:
+        msg = run.msg
+        if msg.id not in self.direct.runs:
+            return  # given up (failed, or cancelled by the broker)
+        try:
+            fut = self.executor.run((msg.model, msg.stage), [tensors])
+        except Exception as exc:
+            self._direct_failed(run, exc)
+            return
+
+        def done(f: asyncio.Future[RunOutput]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._direct_failed(run, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
+                return
+            if msg.id not in self.direct.runs:
+                return
+            out = f.result()
+            run.compute_s += out.compute_s
+            run.wait_s += out.wait_s
+            try:
+                if run.last:
+                    run.outputs[chunk] = out.parts[0]
+                else:
+                    self._hop(run, chunk, out.parts[0])
+            except Exception as exc:
+                self._direct_failed(run, exc)
+                return
+            if self.direct.finished(run) and run.last:
+                self._direct_answer(run)
+
+        fut.add_done_callback(done)
+
+    def _hop(self, run: DirectRun, chunk: int, outputs: dict[str, torch.Tensor]) -> None:
+        msg = run.msg
+        sock = self._to_peers.get(msg.next_peer)
+        if sock is None:
+            assert self._ctx is not None
+            sock = self._to_peers[msg.next_peer] = connect_dealer(
+                self._ctx, msg.next_peer, limits=self.limits
+            )
+        hop = p.Hop(
+            id=msg.id,
+            ticket=msg.ticket,
+            model=msg.model,
+            stage=msg.stage + 1,
+            chunk=chunk,
+            tensors={n: t.contiguous() for n, t in outputs.items()},
+        )
+        send(sock, hop)
+
+    def _direct_answer(self, run: DirectRun) -> None:
+        msg = run.msg
+        try:
+            chunks = [run.outputs[i] for i in range(msg.chunks)]
+            names = list(chunks[0])
+            merged = {n: torch.cat([c[n] for c in chunks], dim=0) for n in names}
+            parts = split_rows(merged, [r for _, r in msg.parts])
+        except Exception as exc:
+            self._direct_failed(run, exc)
+            return
+        self.send(
+            p.RunResult(
+                id=msg.id,
+                model=msg.model,
+                stage=msg.stage,
+                tensors={f"{k}/{n}": t for k, part in enumerate(parts) for n, t in part.items()},
+                info={"compute_s": run.compute_s, "wait_s": run.wait_s},
+            )
+        )
+
+    def _direct_failed(self, run: DirectRun, exc: BaseException) -> None:
+        if run.msg.id not in self.direct.runs:
+            return  # failed once already: one answer per run
+        self.direct.cancel(run.msg.id)
+        self._fail(run.msg.id, exc)
 
     # ------------------------------------------------------------------ training jobs
 

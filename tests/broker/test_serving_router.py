@@ -354,6 +354,73 @@ def test_a_batch_travels_stage_by_stage_with_its_activations() -> None:
         {"compute_s": 0.5, "wait_s": 0.0},
         120.5,
     )
+    assert rig.ctx.totals["activation_bytes_relayed"] == 16 * 4  # counted: it went through us
+
+
+def direct_rig(**cfg: Any) -> Rig:
+    """Three workers with peer endpoints, a three-stage model resident on them."""
+    rig = Rig(**cfg)
+    for i in range(3):
+        rig.worker(f"w{i}").info["peer_endpoint"] = f"tcp://127.0.0.1:{7000 + i}"
+    rig.model("m", [MIB] * 3, ["w0", "w1", "w2"], max_batch=8)
+    for i in range(3):
+        rig.resident(f"w{i}", ("m", i), MIB, 0.0)
+    return rig
+
+
+def test_a_batch_over_workers_with_peer_endpoints_is_announced_to_every_stage_at_once() -> None:
+    rig = direct_rig(micro_batch_rows=1)  # 5 rows over 3 stages: 3 micro-batches
+    x, out = rig.infer("m", 1, 0.0, rows=5)
+    runs = [m for _, _, m in out]
+    ticket = runs[0].ticket
+    assert ticket > 0
+    common = {"id": 2, "model": "m", "parts": [[1, 5]], "ticket": ticket, "chunks": 3}
+    assert out == [
+        (
+            BACKEND,
+            b"w0",
+            p.Run(stage=0, tensors={"0/x": x}, next_peer="tcp://127.0.0.1:7001", **common),
+        ),
+        (
+            BACKEND,
+            b"w1",
+            p.Run(stage=1, from_peer=True, next_peer="tcp://127.0.0.1:7002", **common),
+        ),
+        (BACKEND, b"w2", p.Run(stage=2, from_peer=True, **common)),
+    ]
+    # Counted as running on every stage, answered by the last one alone.
+    assert [rig.ctx.peers[f"w{i}"].inflight_runs for i in range(3)] == [1, 1, 1]
+    with pytest.raises(FlowmeshError):
+        rig.result("w1", runs[1], 0.5)
+    out = rig.result("w2", runs[2], 0.6, compute_s=0.2)
+    assert [m.TYPE for _, _, m in out] == ["result"]
+    assert [rig.ctx.peers[f"w{i}"].inflight_runs for i in range(3)] == [0, 0, 0]
+    assert rig.ctx.totals["activation_bytes_relayed"] == 0
+    assert rig.ctx.totals["direct_batches"] == 1
+
+
+def test_a_direct_batch_failing_at_a_middle_stage_is_cancelled_on_the_others() -> None:
+    rig = direct_rig()
+    _, out = rig.infer("m", 1, 0.0, rows=100)
+    assert out[0][2].chunks == 1  # 100 rows: under two micro-batches of 64, so whole
+    error = p.Error(id=2, code="model_error", reason="block 0 raised")
+    assert rig.router.run_error(rig.ctx.peers["w1"], error, 0.5)
+    assert rig.ctx.drain() == [
+        (BACKEND, b"w0", p.CancelRun(id=2)),
+        (BACKEND, b"w2", p.CancelRun(id=2)),
+        (CLIENT, C1, p.Error(id=1, code="model_error", reason="block 0 raised")),
+    ]
+    assert [rig.ctx.peers[f"w{i}"].inflight_runs for i in range(3)] == [0, 0, 0]
+
+
+def test_without_peer_endpoints_or_with_direct_off_activations_are_relayed() -> None:
+    rig = direct_rig(direct=False)
+    _, out = rig.infer("m", 1, 0.0, rows=2)
+    assert [(a, m.ticket) for _, a, m in out] == [(b"w0", 0)]
+    rig = direct_rig()
+    del rig.ctx.peers["w1"].info["peer_endpoint"]
+    _, out = rig.infer("m", 1, 0.0, rows=2)
+    assert [(a, m.ticket) for _, a, m in out] == [(b"w0", 0)]
 
 
 def test_an_answer_from_the_wrong_worker_is_refused_and_the_batch_untouched() -> None:

@@ -1,0 +1,106 @@
+"""A model cut into stages over several workers, its activations going worker to worker.
+
+Real processes on loopback: the broker announces each batch to every stage's worker, the
+activations travel between the workers' peer sockets in micro-batches, and the broker forwards
+none of them (it counts what it relays). Killing a worker on the path fails or retries the
+requests it held, never hangs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import torch
+
+from client_sdk import errors
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh, wait_until
+from flowmesh.testing import assert_forward_close
+from tests.mesh.conftest import FAST, TEST_KEYS, deploy, fresh_stats, mlp_spec, reference
+
+pytestmark = pytest.mark.skipif(
+    TEST_KEYS, reason="with CURVE keys the broker relays activations (workers share no keys)"
+)
+
+
+def test_four_stages_over_four_workers_pass_activations_directly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = mlp_spec("deep", width=256, depth=8, seed=21)
+    ref = reference(spec)
+    # Micro-batches of 2 rows and more: a batch of 8 rows flows through in 4 pieces.
+    broker = ["--micro-batch-rows", "2"]
+    mesh = LocalMesh(
+        cpu_workers=4, memory_budget="8MiB", run_dir=tmp_path, broker_args=broker, **FAST
+    )
+    with mesh, mesh.client() as c:
+        st = deploy(c, spec, stages=4, replicas=1)
+        path = st["replicas"][0]["workers"]
+        assert len(set(path)) == 4
+
+        async def traffic() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            async with AsyncClient(mesh.frontend, timeout=60) as client:
+                xs = [torch.randn(rows, 256) for rows in (1, 8, 3, 2, 5, 1, 4, 7)]
+                outs = await asyncio.gather(*(client.infer("deep", x) for x in xs))
+                return list(zip(xs, outs, strict=True))
+
+        for x, out in asyncio.run(traffic()):
+            assert_forward_close(out, ref(x))
+        totals = c.status()
+        assert totals["direct_batches"] >= 1
+        assert totals["activation_bytes_relayed"] == 0  # not one activation byte via us
+        # Each later stage took micro-batches from its predecessor over its peer socket.
+        hops = {w: fresh_stats(c, w)["hops_in"] for w in path}
+        assert hops[path[0]] == 0
+        assert all(hops[w] >= totals["direct_batches"] for w in path[1:]), hops
+        assert max(hops.values()) > totals["direct_batches"]  # a batch went in pieces
+
+
+def test_a_worker_killed_on_the_path_fails_or_retries_never_hangs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = mlp_spec("path", width=256, depth=6, seed=22)
+    ref = reference(spec)
+    with LocalMesh(cpu_workers=4, memory_budget="8MiB", run_dir=tmp_path, **FAST) as mesh:
+        with mesh.client() as c:
+            st = deploy(c, spec, stages=3, replicas=1)
+        middle = st["replicas"][0]["workers"][1]
+        outcomes: list[str] = []
+
+        async def traffic() -> None:
+            async with AsyncClient(mesh.frontend, timeout=60) as client:
+
+                async def one(k: int) -> None:
+                    x = torch.randn(1 + k % 4, 256)
+                    try:
+                        out = await client.infer("path", x)
+                    except (errors.WorkerLost, errors.Unavailable, errors.Timeout) as exc:
+                        outcomes.append(type(exc).__name__)
+                        return
+                    assert_forward_close(out, ref(x))
+                    outcomes.append("ok")
+
+                async def kill_soon() -> None:
+                    while len(outcomes) < 10:
+                        await asyncio.sleep(0.01)
+                    mesh.child(middle).proc.send_signal(signal.SIGKILL)
+
+                killer = asyncio.create_task(kill_soon())
+                for w in range(6):  # waves one after another: the kill lands mid-traffic
+                    await asyncio.wait_for(asyncio.gather(*(one(8 * w + k) for k in range(8))), 60)
+                await killer
+
+        asyncio.run(traffic())
+        assert len(outcomes) == 48  # every request answered
+        assert outcomes.count("ok") >= 10
+        # Served again afterwards, on a replica re-created over the workers left (once the
+        # broker has noticed the death: a request before that is answered WorkerLost).
+        with mesh.client() as c:
+
+            def replaced() -> bool | None:
+                (model,) = [m for m in c.status()["models"] if m["name"] == "path"]
+                new = any(r["live"] and middle not in r["workers"] for r in model["replicas"])
+                return new or None
+
+            wait_until(replaced, "the replica re-created without the killed worker", 30)
+            x = torch.randn(2, 256)
+            out = c.infer("path", x, timeout=60)
+            assert_forward_close(out, ref(x))
