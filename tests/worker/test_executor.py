@@ -287,7 +287,7 @@ async def test_a_fragmented_arena_is_mended_by_evicting_the_idle_stage_worth_lea
     assert sorted(ex.resident()) == [("a", 0), ("e", 0)]
     assert ex.counters["evictions_chosen"] == 1
     out = await ex.run(("e", 0), [{"x": x}])
-    assert_same_bits(out.parts[0][""][0], torch.arange(8, dtype=torch.float32) + ord("e"), "e")
+    assert_forward_close(out.parts[0][""][0], torch.arange(8, dtype=torch.float32) + ord("e"))
     ex.close()
 
 
