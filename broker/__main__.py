@@ -60,6 +60,20 @@ OPTIONS = Options(
         ),
         Option("--scale-cooldown", FLOAT, 30.0, "seconds between two changes of one model"),
         Option(
+            "--eviction",
+            TEXT,
+            "value",
+            "which stages a load expects to evict: value (arrival rate x seconds to copy back), "
+            "lru (least recently used, by bytes), count (Computron's: a stage count per worker, "
+            "least recently used); the last two for benchmarks",
+        ),
+        Option(
+            "--prefetch",
+            INT,
+            1,
+            "1: load models asked for before into free device bytes ahead of their next request",
+        ),
+        Option(
             "--direct",
             INT,
             1,
@@ -114,6 +128,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = OPTIONS.parse(argv)
     logs.setup("broker", args.log_level)
+    if args.eviction not in ("value", "lru", "count"):
+        raise SystemExit(f"--eviction {args.eviction!r}: expected value, lru or count")
     cfg = BrokerConfig(
         heartbeat_s=args.heartbeat,
         liveness=args.liveness,
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         scale_up_after_s=args.scale_up_after,
         scale_down_after_s=args.scale_down_after,
         scale_cooldown_s=args.scale_cooldown,
+        eviction=args.eviction,
+        prefetch=bool(args.prefetch),
         direct=bool(args.direct),
         micro_batches=args.micro_batches,
         micro_batch_rows=args.micro_batch_rows,

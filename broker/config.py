@@ -23,6 +23,12 @@ class BrokerConfig:
     # nowhere is loaded into free device bytes before its next request (never by evicting).
     prefetch_min_rate: float = 0.01
     prefetch: bool = True
+    # Which resident stages a load expects to go: "value" (arrival rate x seconds to copy back,
+    # least recently used among equals), "lru" (least recently used by bytes alone), or
+    # "count" (Computron's: at most as many stages per worker as its budget holds of the
+    # largest it hosts, least recently used first, evicted by the broker). The last two exist
+    # for the serving benchmark's ablations.
+    eviction: str = "value"
     default_timeout_s: float = 60.0
     deploy_timeout_s: float = 600.0
     default_replicas: int = 2

@@ -23,19 +23,26 @@ def pick_victims(
     evictable: Callable[[Residency], bool],
     *,
     value: Callable[[Residency], float] | None = None,
+    max_stages: int | None = None,
 ) -> list[StageKey] | None:
     """Evictable stages whose bytes make room for `need` more bytes: the lowest `value` first
     (`stage_value`: a hot model is not thrown out for a one-off request), least recently used
     among equals; least recently used alone when no `value` is given.
 
-    Returns [] when the bytes are already free, None when no choice of victims is enough.
+    `max_stages`: also keep at most that many stages resident, the new one included (a
+    count-based policy, as Computron's). Returns [] when the bytes are already free, None when
+    no choice of victims is enough.
     This is the broker's expectation, to choose a replica and account its bytes; the worker
     makes the actual choice (`gpu_worker.executor`), knowing its arena's layout, and reports it.
     """
     if need > worker.budget:
         return None
-    free = worker.free
-    if free >= need:
+    free, count = worker.free, len(worker.resident) + 1
+
+    def enough() -> bool:
+        return free >= need and (max_stages is None or count <= max_stages)
+
+    if enough():
         return []
     chosen: list[StageKey] = []
 
@@ -43,12 +50,13 @@ def pick_victims(
         return (value(r) if value is not None else 0.0, r.last_used, r.key)
 
     for r in sorted(worker.resident.values(), key=order):
-        if free >= need:
+        if enough():
             break
         if evictable(r):
             chosen.append(r.key)
             free += r.nbytes
-    return chosen if free >= need else None
+            count -= 1
+    return chosen if enough() else None
 
 
 def place_replicas(

@@ -389,6 +389,8 @@ class ServingRouter:
 
     def _value(self, peer: Peer, res: Residency, now: float) -> float:
         """What keeping `res` on `peer` is worth (`policy.stage_value`)."""
+        if self.cfg.eviction != "value":
+            return 0.0  # least recently used alone
         model = self.models.get(res.key[0])
         rate = model.rate.at(now) if model is not None else 0.0
         return stage_value(rate, res.nbytes, self.bandwidth.get(peer.name, 1e9))
@@ -420,11 +422,18 @@ class ServingRouter:
                 need,
                 lambda r, peer=peer: self._evictable(peer, r, starving),
                 value=lambda r, peer=peer: self._value(peer, r, now),
+                max_stages=self._max_stages(peer),
             )
             if victims is None:
                 return None
             out[w] = victims
         return out
+
+    def _max_stages(self, peer: Peer) -> int | None:
+        """Under the count-based policy, how many stages `peer` may hold."""
+        if self.cfg.eviction != "count" or not peer.hosted:
+            return None
+        return max(1, peer.budget // max(peer.hosted.values()))
 
     def _evictable(self, peer: Peer, res: Residency, starving: bool) -> bool:
         if res.phase is not Phase.RESIDENT or res.inflight:
@@ -473,6 +482,9 @@ class ServingRouter:
             if key not in peer.resident:
                 cid = next(self.ctx.ids)
                 for v in victims.get(w, []):
+                    if self.cfg.eviction == "count":
+                        self.ctx.evict(peer, v)  # by count: the worker would keep it (bytes fit)
+                        continue
                     del peer.resident[v]
                     peer.leaving[v] = cid
                 keep = [

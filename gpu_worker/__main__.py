@@ -86,6 +86,13 @@ OPTIONS = Options(
             "stage (port 0: any free port; on a mesh over several hosts, this host's address "
             "the others reach); empty: none, the broker relays them (also with --keys)",
         ),
+        Option(
+            "--eviction",
+            TEXT,
+            "value",
+            "which idle stages a load evicts first: value (rows run per second x seconds to "
+            "copy back) or lru (least recently used alone: a benchmark's ablation)",
+        ),
         METRICS_PORT,
         LOG_LEVEL_OPTION,
     ),
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         train_bytes=train_bytes,
         peer_endpoint=args.peer_endpoint,
+        eviction=args.eviction,
     )
     if args.keys:
         service.curve = load_keys(args.keys, name)

@@ -157,7 +157,11 @@ class Executor:
         copy_chunk_bytes: int | None = None,
         memory: DeviceMemory | None = None,
         copy_lanes: int | None = None,
+        eviction: str = "value",
     ) -> None:
+        if eviction not in ("value", "lru"):
+            raise ValueError(f"eviction {eviction!r}: expected value or lru")
+        self.eviction = eviction  # "lru": least recently used alone (a benchmark's ablation)
         self.device = device
         self.copy_chunk_bytes = copy_chunk_bytes or device.copy_chunk_bytes
         self.memory = memory if memory is not None else DeviceMemory(device.budget_bytes, 0, ALIGN)
@@ -276,6 +280,8 @@ class Executor:
             for s in self.stages.values()
             if s.state is State.RESIDENT and not s.inflight and s.key not in keep
         ]
+        if self.eviction == "lru":
+            return sorted(idle, key=lambda s: (s.last_used, s.key))
         return sorted(
             idle, key=lambda s: (stage_value(s.rate.at(now), s.host.nbytes, bw), s.last_used, s.key)
         )

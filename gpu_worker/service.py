@@ -69,6 +69,7 @@ class WorkerService(MeshPeer):
         threads: int | None = None,
         train_bytes: int = 0,
         peer_endpoint: str = "tcp://127.0.0.1:0",
+        eviction: str = "value",
     ) -> None:
         super().__init__(name, broker, limits=limits)
         # Where other workers send us activations ("" : no direct runs; with CURVE keys too,
@@ -83,7 +84,7 @@ class WorkerService(MeshPeer):
         if not 0 <= train_bytes <= device.budget_bytes:
             raise ValueError("training bytes must be within the device's arena")
         self.memory = DeviceMemory(device.budget_bytes - train_bytes, train_bytes, ALIGN)
-        self.executor = Executor(device, compute_lanes, memory=self.memory)
+        self.executor = Executor(device, compute_lanes, memory=self.memory, eviction=eviction)
         # The executor decides its own evictions; the broker learns them from `Resident`.
         self.executor.on_residency = self._report_soon
         self._report_due = False

@@ -15,7 +15,11 @@ Configurations, one after the other in the same run, same trace, same files:
    quarter by default), models deployed with their default `max_batch_size` (8).
 2. `no batching`: the same with `max_batch_size=1` at deploy.
 3. `bound`: the same as 1 with a budget for every model (everything resident).
-4. `ray`: Ray Serve model multiplexing, `@serve.multiplexed(max_num_models_per_replica=fit)`,
+4. Ablations of the residency policy, otherwise as 1: `lru` (least recently used by bytes,
+   on broker and worker: `--eviction lru`), `computron` (Computron's count-based LRU, all of a
+   model's stages loading at once, no prefetch: broker `--eviction count --prefetch 0`, worker
+   `--eviction lru`), `no-prefetch` (broker `--prefetch 0`).
+5. `ray`: Ray Serve model multiplexing, `@serve.multiplexed(max_num_models_per_replica=fit)`,
    one replica, `max_ongoing_requests` raised (`--ray-max-ongoing`) so that its router does not
    stall; called through a `DeploymentHandle` (no HTTP), loading each model from its
    safetensors file on a miss. Ray runs in its own virtual environment (`--ray-venv`, made and
@@ -23,9 +27,6 @@ Configurations, one after the other in the same run, same trace, same files:
    that venv's python that reads the trace and models from the temporary directory and writes
    its answers back; Ray is never imported in flowmesh's environment. If it cannot be installed
    or started, it is reported as skipped, with the reason, and the rest still runs.
-
-Ablations of issue 8 with no switch in flowmesh yet (a count-based LRU loading all stages at
-once, as Computron does; no prefetch) are printed as not available rather than imitated.
 
 Writes `serving.json` and `serving_cdf.png` (latency CDFs) under `--out`.
 
@@ -71,10 +72,16 @@ def stack(width: int = 2048, depth: int = 4) -> nn.Module:
     return model
 '''
 
-UNAVAILABLE = [
-    "count-based LRU, all stages loading at once (Computron)",
-    "no prefetch",
-]
+# Ablations: (label, broker flags, worker flags), each otherwise as `flowmesh`.
+ABLATIONS = {
+    "lru": ("LRU by bytes", ["--eviction", "lru"], ["--eviction", "lru"]),
+    "computron": (
+        "count-based LRU, no prefetch (Computron)",
+        ["--eviction", "count", "--prefetch", "0"],
+        ["--eviction", "lru"],
+    ),
+    "no-prefetch": ("no prefetch", ["--prefetch", "0"], []),
+}
 
 
 def build(width: int, depth: int) -> nn.Sequential:
@@ -200,6 +207,8 @@ def flowmesh_config(
     fit: int,
     max_batch_size: int,
     clients: int,
+    broker_args: list[str] | None = None,
+    worker_args: list[str] | None = None,
 ) -> dict[str, Any]:
     import uvloop
 
@@ -216,6 +225,8 @@ def flowmesh_config(
         threads_per_worker=cfg["threads"],
         env=env,
         ready_timeout_s=120.0,
+        broker_args=list(broker_args or []),
+        worker_args=list(worker_args or []),
     )
     print(
         f"  [{label}] starting the mesh: 1 CPU worker, budget {budget / 2**20:.0f} MiB "
@@ -718,8 +729,6 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, n_req: int) 
                 ratio(bound, "p99_ms"),
             ]
         )
-    for what in UNAVAILABLE:
-        rows.append([what, "not available (policy not implemented)"] + [""] * (len(head) - 2))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -791,8 +800,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     ap.add_argument(
         "--configs",
-        default="flowmesh,no-batching,bound,ray",
-        help="comma-separated subset of flowmesh,no-batching,bound,ray",
+        default="flowmesh,no-batching,lru,computron,no-prefetch,bound,ray",
+        help="comma-separated subset of flowmesh,no-batching,lru,computron,no-prefetch,bound,ray",
     )
     ap.add_argument(
         "--rounds", type=int, default=1, help="run every config this many times, order alternating"
@@ -875,6 +884,11 @@ def main() -> None:
                 load_before = os.getloadavg()[0]
                 if c == "ray":
                     r = ray_config(args, cfg, work, ray_status or "")
+                elif c in ABLATIONS:
+                    label, b_args, w_args = ABLATIONS[c]
+                    r = flowmesh_config(
+                        label, cfg, work, trace, inputs, args.fit, 8, args.clients, b_args, w_args
+                    )
                 else:
                     label, fit, mbs = plan[c]
                     r = flowmesh_config(label, cfg, work, trace, inputs, fit, mbs, args.clients)

@@ -678,3 +678,38 @@ def test_the_earliest_deadline_starts_first_across_models() -> None:
     out = rig.result("w0", out[-1][2], 0.5)  # b answered 0.3 s after it arrived: over 100 ms
     b = rig.ctx.models["b"]
     assert (b.completed, b.within_slo) == (1, 0)
+
+
+def test_ablation_policies_lru_by_bytes_and_count_based() -> None:
+    # The serving benchmark's ablations: least recently used alone (hot goes though it is
+    # worth more), and Computron's count-based LRU (evicts by count although bytes fit).
+    def rig_with(eviction: str) -> Rig:
+        rig = Rig(prefetch=False, eviction=eviction)
+        rig.worker("w0", budget=100 * MIB)
+        hot = rig.model("hot", [30 * MIB], ["w0"])
+        rig.model("once", [30 * MIB], ["w0"])
+        rig.model("new", [30 * MIB], ["w0"])
+        for t in range(10):
+            hot.rate.add(float(t))
+        rig.ctx.models["once"].rate.add(9.5)
+        rig.resident("w0", ("hot", 0), 30 * MIB, 9.0)
+        rig.resident("w0", ("once", 0), 30 * MIB, 9.5)
+        return rig
+
+    rig = rig_with("value")
+    rig.infer("new", 1, 10.0)
+    assert rig.ctx.peers["w0"].leaving == {}  # 40 MiB free: nothing needs to go
+    rig = rig_with("lru")
+    rig.ctx.peers["w0"].budget = 70 * MIB
+    rig.infer("new", 1, 10.0)
+    assert list(rig.ctx.peers["w0"].leaving) == [("hot", 0)]  # recency alone
+    rig = rig_with("count")  # 100 MiB // 30 MiB: three stages at most, the new one included
+    for name in ("c", "d"):
+        rig.model(name, [10 * MIB], ["w0"])
+    rig.resident("w0", ("c", 0), 10 * MIB, 9.7)
+    _, out = rig.infer("new", 1, 10.0)
+    assert [(m.TYPE, m.model) for _, _, m in out] == [
+        ("evict", "hot"),  # by count, sent by the broker: the worker's bytes would fit
+        ("load", "new"),
+        ("run", "new"),
+    ]
