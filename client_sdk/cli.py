@@ -220,13 +220,12 @@ def connect(args: argparse.Namespace) -> Client:
     return client
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
+    """The LocalMesh `flowmesh up` runs (not started)."""
     from client_sdk.mesh import LocalMesh
-    from gpu_worker.device import discover_gpus
 
-    gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
     host, _, port = args.listen.rpartition(":")
-    mesh = LocalMesh(
+    return LocalMesh(
         cpu_workers=args.cpu_workers or 2,
         memory_budget=args.memory_budget or "1GiB",
         gpus=gpus or None,
@@ -240,8 +239,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         keys=args.keys,
         allow=args.allow,
-        broker_args=["--state-dir", args.state_dir] if args.state_dir else [],
+        broker_args=[
+            *(["--state-dir", args.state_dir] if args.state_dir else []),
+            *(["--autoscale", "1"] if args.autoscale else []),
+        ],
     )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gpu_worker.device import discover_gpus
+
+    gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
+    mesh = up_mesh(args, gpus)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -876,6 +885,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the broker keeps its models, plans, jobs and allow-list here (SQLite), so that a "
         "restarted broker loses nothing (default: in memory only)",
+    )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="add a replica of a model its replicas cannot keep up with, and remove it once the "
+        "model cools (never below the deployed count; default: off)",
     )
     p.set_defaults(fn=cmd_up)
 
