@@ -171,23 +171,13 @@ def _report(file: str, keys: list[str]) -> None:
             fh.writelines(f"{os.path.basename(file)}\t{key}\n" for key in keys)
 
 
-def read_weights(
-    path: str,
-    names: dict[str, str],
-    expected: dict[str, torch.Tensor],
-    base_prefix: str = "",
-) -> dict[str, torch.Tensor]:
-    """Read only the tensors named in `names` (local name -> model state_dict name) from the
-    directory's safetensors file(s), each conformed to `expected` (meta tensors of the model's
-    shapes and dtypes); only the files holding one of them are opened.
-
-    A name missing from the files is also looked for without the model's `base_prefix`
-    ("transformer." for GPT-2), as older checkpoints store the base model's names.
-    """
-    from safetensors import safe_open
-
-    from flowmesh.build import conform
-
+def locate(
+    path: str, names: dict[str, str], base_prefix: str = ""
+) -> dict[str, list[tuple[str, str]]]:
+    """Where the tensors named in `names` (local name -> model state_dict name) are stored:
+    file -> [(local name, name in the file)]. A name missing from the files is also looked for
+    without the model's `base_prefix` ("transformer." for GPT-2), as older checkpoints store
+    the base model's names."""
     files = weight_files(path)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for local, name in names.items():
@@ -197,8 +187,35 @@ def read_weights(
         if stored not in files:
             raise _bad(f"hf directory {path!r}: tensor {name!r} is missing from its weights")
         by_file.setdefault(files[stored], []).append((local, stored))
+    return by_file
+
+
+def read_weights_into(path: str, dests: dict[str, torch.Tensor], base_prefix: str = "") -> None:
+    """Read each tensor named in `dests` (model state_dict name -> a contiguous CPU tensor of its
+    shape and dtype, e.g. a view of a stage's host buffer) from the directory's safetensors
+    file(s) straight into its destination (`flowmesh.build.read_weights_into`: one copy)."""
+    from flowmesh.build import read_weights_into as read_file_into
+
+    for file, wanted in locate(path, {n: n for n in dests}, base_prefix).items():
+        read_file_into(file, {stored: dests[local] for local, stored in wanted})
+        _report(file, [stored for _, stored in wanted])
+
+
+def read_weights(
+    path: str,
+    names: dict[str, str],
+    expected: dict[str, torch.Tensor],
+    base_prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """Read only the tensors named in `names` (local name -> model state_dict name) from the
+    directory's safetensors file(s), each conformed to `expected` (meta tensors of the model's
+    shapes and dtypes); only the files holding one of them are opened (see `locate`)."""
+    from safetensors import safe_open
+
+    from flowmesh.build import conform
+
     out: dict[str, torch.Tensor] = {}
-    for file, wanted in by_file.items():
+    for file, wanted in locate(path, names, base_prefix).items():
         try:
             handle = safe_open(file, framework="pt", device="cpu")
         except Exception as exc:

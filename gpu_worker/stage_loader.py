@@ -4,11 +4,12 @@ Runs on the worker's deploy thread (reading weights and materialising take time)
 module keeps only structure (meta tensors): its real bytes live once, in the host tier, and are
 bound to device views when the stage is loaded.
 
-A stage deployed with a safetensors file (`spec.weights`) is read straight from the file into
-its place in the host buffer: the layout comes from the meta stage's shapes and dtypes, the
-buffer is allocated once, and each tensor's byte range is read into its slot (one copy; a
-tensor stored in another dtype goes through a temporary and a cast). Seeded stages and Hugging
-Face directories are materialised on the CPU first and copied in.
+A stage deployed with a safetensors file (`spec.weights`) or a Hugging Face directory
+(`spec.hf`: only the shards holding this stage's tensors are opened) is read straight from the
+file(s) into its place in the host buffer: the layout comes from the meta stage's shapes and
+dtypes, the buffer is allocated once, and each tensor's byte range is read into its slot (one
+copy; a tensor stored in another dtype goes through a temporary and a cast). Seeded stages are
+materialised on the CPU first and copied in.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowmesh import hf_dir
 from flowmesh.build import read_weights_into
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import Device
@@ -31,11 +33,11 @@ from partitioner.stages import StageModule, materialize_stage, meta_stage
 def prepare_stage(
     spec: ModelSpec, plan: dict[str, Any], index: int, device: Device, allow: tuple[str, ...]
 ) -> tuple[list[nn.Module], HostStage]:
-    if spec.weights is not None and spec.hf is None:
+    if spec.weights is not None or spec.hf is not None:
         # Tracing touches process-wide state that running model code uses (`model_code`).
         with building_model():
             stage = meta_stage(spec, Plan.from_dict(plan), index, allow=allow)
-        return list(stage.blocks), read_stage(stage, spec.weights, device.host_buffer)
+        return list(stage.blocks), read_stage(stage, spec, device.host_buffer)
     # Seeding and tracing touch process-wide state that running model code uses (`model_code`).
     with building_model():
         stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
@@ -47,10 +49,13 @@ def prepare_stage(
 
 
 def read_stage(
-    stage: StageModule, path: str, allocate: Callable[[int], torch.Tensor] | None = None
+    stage: StageModule,
+    source: str | ModelSpec,
+    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> HostStage:
-    """`stage`'s tensors (a meta stage, see `meta_stage`) read from the safetensors file at `path`
-    straight into a host buffer from `allocate`; tensors tied in the model are stored once."""
+    """`stage`'s tensors (a meta stage, see `meta_stage`) read straight into a host buffer from
+    `allocate`: from the safetensors file at `source`, or the spec's own (its Hugging Face
+    directory, else its weights file); tensors tied in the model are stored once."""
     groups: list[list[tuple[str, Hashable, torch.Tensor]]] = []
     for i, block in enumerate(stage.blocks):
         # The original name is the tensor's identity: the same name is the same (tied) tensor.
@@ -66,5 +71,11 @@ def read_stage(
         for k, (slot, (_local, original, _t)) in enumerate(zip(region.slots, entries, strict=True)):
             if slot.alias is None:
                 dests.setdefault(original, host.slot_view(b, k))
-    read_weights_into(path, dests)
+    if isinstance(source, str):
+        read_weights_into(source, dests)
+    elif source.hf is not None:
+        hf_dir.read_weights_into(source.hf, dests, stage.base_prefix)
+    else:
+        assert source.weights is not None
+        read_weights_into(source.weights, dests)
     return host

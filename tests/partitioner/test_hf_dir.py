@@ -284,3 +284,39 @@ def test_a_tensor_missing_from_its_shard_is_named(tmp_path, saved):
         for i in range(plan.parts):
             materialize_stage(spec, plan, i)
     assert victim in info.value.reason and wrong in info.value.reason
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_worker_reads_each_stage_straight_from_the_directory_bit_for_bit(
+    saved, case, monkeypatch
+):
+    # The worker's direct read (gpu_worker.stage_loader: each tensor's bytes from its shard
+    # into its slot of the host buffer, one copy) against materialising the stage on the CPU
+    # and copying it in: the same layout and the same bits, reading only the stage's tensors.
+    import flowmesh.hf_dir
+    from gpu_worker.device import CpuStandIn
+    from gpu_worker.host_tier import HostStage
+    from gpu_worker.stage_loader import prepare_stage
+
+    path, _ = saved[case]
+    spec = ModelSpec(name=case, hf=str(path))
+    plan = make_stage_plan(spec, stages=2)
+    dev = CpuStandIn(1 << 20)
+    materialising_reader = flowmesh.hf_dir.read_weights
+    for i in range(plan.parts):
+
+        def no_materialising(*_a, **_k):  # the old path: tensors, then a copy into the tier
+            raise AssertionError("the worker materialised the stage instead of reading it in")
+
+        monkeypatch.setattr(flowmesh.hf_dir, "read_weights", no_materialising)
+        with observe_reads() as seen:
+            _blocks, host = prepare_stage(spec, plan.to_dict(), i, dev, ())
+        monkeypatch.setattr(flowmesh.hf_dir, "read_weights", materialising_reader)
+        stage = materialize_stage(spec, plan, i)
+        old = HostStage.build([dict(b.state_dict(keep_vars=True)) for b in stage.blocks])
+        assert sorted(k for _, k in seen) == sorted(set(stage.tensor_names.values()))
+        assert host.regions == old.regions  # the same layout, ties stored once
+        for b, region in enumerate(old.regions):
+            for k, slot in enumerate(region.slots):
+                # bit-exact: bytes read from the shards into the host tier, against a copy
+                assert_same_bits(host.slot_view(b, k), old.slot_view(b, k), f"{i} {slot.name}")
