@@ -546,66 +546,141 @@ def message_types() -> dict[str, type[Message]]:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_type(value: Any, tp: Any, where: str) -> None:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return
-    if origin in (Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            try:
-                _check_type(value, arm, where)
-                return
-            except _FieldError:
-                continue
-        raise _FieldError(f"{where}: unexpected {type(value).__name__}")
-    if tp is type(None):
-        if value is not None:
-            raise _FieldError(f"{where}: expected nothing, got {type(value).__name__}")
-        return
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _FieldError(f"{where}: expected a number, got {type(value).__name__}")
-        return
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _FieldError(f"{where}: expected an integer, got {type(value).__name__}")
-        return
-    if origin is list:
-        if not isinstance(value, list):
-            raise _FieldError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        for i, v in enumerate(value):
-            _check_type(v, item, f"{where}[{i}]")
-        return
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _FieldError(f"{where}: expected a map, got {type(value).__name__}")
-        key_tp, val_tp = typing.get_args(tp)
-        for k, v in value.items():
-            _check_type(k, key_tp, f"{where} key")
-            _check_type(v, val_tp, f"{where}[{_short(k)}]")
-        return
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise _FieldError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-
-
 class _FieldError(Exception):
-    pass
+    """A value of the wrong type: `path` below the field ("[0]", " key", "['x']"), `what`."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(what)
+        self.path, self.what = path, what
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+# A checker raises _FieldError for a value not of its type, or returns. Checkers are compiled
+# once per field type (see `_compile`): decoding runs one per field of every message a process
+# receives, so no typing introspection and no path strings unless a value is wrong.
+Checker = typing.Callable[[Any], None]
+
+
+def _got(value: Any) -> str:
+    return type(value).__name__
+
+
+def _compile(tp: Any) -> Checker | None:
+    """The checker of values of type `tp` (None: anything goes)."""
+    if tp is Any:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        arms = [_compile(a) for a in typing.get_args(tp)]
+        if any(a is None for a in arms):
+            return None
+        checks = [a for a in arms if a is not None]
+
+        def check_union(v: Any) -> None:
+            for arm in checks:
+                try:
+                    arm(v)
+                    return
+                except _FieldError:
+                    continue
+            raise _FieldError("", f"unexpected {_got(v)}")
+
+        return check_union
+    if tp is type(None):
+
+        def check_none(v: Any) -> None:
+            if v is not None:
+                raise _FieldError("", f"expected nothing, got {_got(v)}")
+
+        return check_none
+    if tp is float:
+
+        def check_number(v: Any) -> None:
+            if v.__class__ is not float and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise _FieldError("", f"expected a number, got {_got(v)}")
+
+        return check_number
+    if tp is int:
+
+        def check_int(v: Any) -> None:
+            if v.__class__ is not int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise _FieldError("", f"expected an integer, got {_got(v)}")
+
+        return check_int
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        item = _compile(item_tp)
+
+        def check_list(v: Any) -> None:
+            if not isinstance(v, list):
+                raise _FieldError("", f"expected a list, got {_got(v)}")
+            if item is not None:
+                for i, x in enumerate(v):
+                    try:
+                        item(x)
+                    except _FieldError as exc:
+                        raise _FieldError(f"[{i}]{exc.path}", exc.what) from None
+
+        return check_list
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        key, val = _compile(key_tp), _compile(val_tp)
+
+        def check_map(v: Any) -> None:
+            if not isinstance(v, dict):
+                raise _FieldError("", f"expected a map, got {_got(v)}")
+            for k, x in v.items():
+                if key is not None:
+                    try:
+                        key(k)
+                    except _FieldError as exc:
+                        raise _FieldError(f" key{exc.path}", exc.what) from None
+                if val is not None:
+                    try:
+                        val(x)
+                    except _FieldError as exc:
+                        raise _FieldError(f"[{_short(k)}]{exc.path}", exc.what) from None
+
+        return check_map
+    if isinstance(tp, type):
+
+        def check_instance(v: Any) -> None:
+            if not isinstance(v, tp):
+                raise _FieldError("", f"expected {tp.__name__}, got {_got(v)}")
+
+        return check_instance
+    raise TypeError(f"no checker for field type {tp!r}")
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """What decoding needs to know of a message type, worked out once."""
+
+    hints: dict[str, Any]  # field -> type, "tensors" left out
+    required: frozenset[str]
+    checks: dict[str, Checker | None]
+
+
+_FIELDS: dict[type, _Fields] = {}
+
+
+def _fields(cls: type[Message]) -> _Fields:
+    got = _FIELDS.get(cls)
+    if got is None:
+        all_hints = typing.get_type_hints(cls)
+        hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls) if f.name != "tensors"}
+        required = frozenset(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+            and f.name != "tensors"
+        )
+        got = _FIELDS[cls] = _Fields(hints, required, {n: _compile(t) for n, t in hints.items()})
+    return got
 
 
 def _hints(cls: type[Message]) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = {
-            f.name: typing.get_type_hints(cls)[f.name]
-            for f in dataclasses.fields(cls)
-            if f.name != "tensors"
-        }
-        _HINTS[cls] = hints
-    return hints
+    return _fields(cls).hints
 
 
 # --------------------------------------------------------------------------- codec
@@ -710,26 +785,26 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise DecodeError(Code.UNKNOWN_TYPE, f"unknown message type {_short(type_name)}", ref)
     meta = header.pop("tensors", [])
     tensors = _decode_tensors(meta, frames[1:], sizes[1:], cls, limits, ref)
-    hints = _hints(cls)
-    unknown = sorted(set(header) - set(hints), key=str)
-    if unknown:
+    fields = _fields(cls)
+    checks = fields.checks
+    if not checks.keys() >= header.keys():
+        unknown = sorted(set(header) - set(checks), key=str)
         names = ", ".join(_short(k) for k in unknown[:5])
         raise DecodeError(Code.BAD_MESSAGE, f"{cls.TYPE}: unknown field(s) {names}", ref)
-    required = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
-    missing = sorted(required - set(header) - {"tensors"})
-    if missing:
+    if not fields.required <= header.keys():
+        missing = sorted(fields.required - header.keys())
         raise DecodeError(
             Code.BAD_MESSAGE, f"{cls.TYPE}: missing field(s) {', '.join(missing)}", ref
         )
     for name, value in header.items():
+        check = checks[name]
+        if check is None:
+            continue
         try:
-            _check_type(value, hints[name], f"{cls.TYPE}.{name}")
+            check(value)
         except _FieldError as exc:
-            raise DecodeError(Code.BAD_MESSAGE, str(exc), ref) from None
+            where = f"{cls.TYPE}.{name}{exc.path}"
+            raise DecodeError(Code.BAD_MESSAGE, f"{where}: {exc.what}", ref) from None
     if cls.HAS_TENSORS:
         header["tensors"] = tensors
     return cls(**header)
