@@ -420,20 +420,106 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+class DeployWatch:
+    """How far a deploy's weights are read, from the workers' heartbeats in status (each
+    reports `preparing`: "model/stage" -> [bytes read, bytes to read] while it reads)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stages: dict[tuple[str, str], list[int]] = {}  # (worker, stage) -> [read, total]
+
+    def update(self, status: dict[str, Any]) -> tuple[int, int]:
+        """(bytes read, bytes to read) so far; a stage no longer reported has been read."""
+        now = set()
+        for w in status.get("workers", []):
+            preparing = (w.get("stats") or {}).get("preparing") or {}
+            for key, value in preparing.items():
+                model, _, stage = key.rpartition("/")
+                if model == self.name and isinstance(value, list) and len(value) == 2:
+                    self.stages[(w["name"], stage)] = [int(value[0]), int(value[1])]
+                    now.add((w["name"], stage))
+        for key, value in self.stages.items():
+            if key not in now:
+                value[0] = value[1]
+        return sum(v[0] for v in self.stages.values()), sum(v[1] for v in self.stages.values())
+
+
+def _deploy_with_progress(c: Client, args: argparse.Namespace, call: Any) -> Any:
+    """Run `call` (the deploy) while a bar on stderr shows the weights read so far."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["info"] = call()
+        except BaseException as exc:  # handed to the main thread
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name="deploy", daemon=True)
+    watch = DeployWatch(args.name)
+    bar = Progress(
+        TextColumn(f"[bold]deploy {args.name}: reading weights"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True, force_terminal=args.progress or None),
+    )
+    task = bar.add_task("read", total=None)
+    t0 = time.perf_counter()
+    thread.start()
+    with bar:
+        while thread.is_alive():
+            thread.join(0.25)
+            if not thread.is_alive():
+                break
+            try:
+                read, total = watch.update(c.status(timeout=5))
+            except ClientError:
+                continue
+            if total:
+                bar.update(task, completed=read, total=total)
+        if "info" in done:
+            total = done["info"]["bytes"] * max(1, len(done["info"]["replicas"]))
+            bar.update(task, completed=total, total=total)
+    if "error" in done:
+        raise done["error"]
+    print(
+        f"deploy {args.name}: weights read in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return done["info"]
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     with connect(args) as c:
-        info = c.deploy(
-            args.name,
-            args.factory,
-            kwargs=_kwargs(args.kwargs),
-            seed=args.seed,
-            weights=args.weights,
-            dtype=args.dtype,
-            stages=args.stages,
-            max_batch_size=args.max_batch,
-            replicas=args.replicas,
-            timeout=args.timeout,
-        )
+
+        def call() -> Any:
+            return c.deploy(
+                args.name,
+                args.factory,
+                kwargs=_kwargs(args.kwargs),
+                seed=args.seed,
+                weights=args.weights,
+                dtype=args.dtype,
+                stages=args.stages,
+                max_batch_size=args.max_batch,
+                replicas=args.replicas,
+                timeout=args.timeout,
+            )
+
+        show = args.progress or (args.progress is None and sys.stderr.isatty())
+        info = _deploy_with_progress(c, args, call) if show else call()
     stages = ", ".join(
         f"stage {s['index']}: blocks {s['blocks'][0]}-{s['blocks'][1] - 1} "
         f"({fmt_bytes(s['bytes'])})"
@@ -935,6 +1021,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: auto)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--replicas", type=int, default=None)
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a bar of the weights read so far (default: when stderr is a terminal)",
+    )
     p.set_defaults(fn=cmd_deploy, timeout=600.0)
 
     p = client_cmd("undeploy", "remove a model")

@@ -209,7 +209,13 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _pread_into(fd: int, dst: memoryview, offset: int, path: str) -> None:
+def _pread_into(
+    fd: int,
+    dst: memoryview,
+    offset: int,
+    path: str,
+    progress: Callable[[int], None] | None = None,
+) -> None:
     done = 0
     while done < len(dst):
         chunk = dst[done : done + READ_CHUNK]
@@ -219,6 +225,8 @@ def _pread_into(fd: int, dst: memoryview, offset: int, path: str) -> None:
                 Code.BAD_REQUEST, f"weights {path!r}: the file ends inside a tensor's data"
             )
         done += got
+        if progress is not None:
+            progress(got)
 
 
 def _writable(t: torch.Tensor) -> memoryview:
@@ -226,14 +234,17 @@ def _writable(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def read_weights_into(path: str, dests: dict[str, torch.Tensor]) -> None:
+def read_weights_into(
+    path: str, dests: dict[str, torch.Tensor], progress: Callable[[int], None] | None = None
+) -> None:
     """Read each tensor named in `dests` (name in the file -> a contiguous CPU tensor of the
     model's shape and dtype, typically a view of a stage's host buffer) from the safetensors
     file at `path` straight into its destination: one copy, from the file to its place.
 
     A tensor stored in another dtype than its destination's is read into a temporary of the
     file's dtype and cast on the way in (as `read_weights` does); a missing tensor or a shape
-    that does not match is a clear deploy error.
+    that does not match is a clear deploy error. `progress(n)` is told of every n destination
+    bytes filled (at most READ_CHUNK at a time).
     """
     header, data_start = read_header(path)
     try:
@@ -253,6 +264,8 @@ def read_weights_into(path: str, dests: dict[str, torch.Tensor]) -> None:
             if entry.get("dtype") not in SAFETENSORS_DTYPES:
                 # A dtype this reader does not know (float8 ...): safetensors' own reader.
                 dst.copy_(read_weights(path, {stored: stored}, {stored: dst})[stored])
+                if progress is not None:
+                    progress(dst.nbytes)
                 continue
             file_dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             try:
@@ -273,11 +286,13 @@ def read_weights_into(path: str, dests: dict[str, torch.Tensor]) -> None:
             if nbytes == 0:
                 continue
             if file_dtype == dst.dtype and dst.is_contiguous():
-                _pread_into(fd, _writable(dst), data_start + begin, path)
+                _pread_into(fd, _writable(dst), data_start + begin, path, progress)
             else:
                 tmp = torch.empty(shape, dtype=file_dtype)
                 _pread_into(fd, _writable(tmp), data_start + begin, path)
                 dst.copy_(conform(tmp, dst, where))
+                if progress is not None:
+                    progress(dst.nbytes)
     finally:
         os.close(fd)
 

@@ -190,14 +190,19 @@ def locate(
     return by_file
 
 
-def read_weights_into(path: str, dests: dict[str, torch.Tensor], base_prefix: str = "") -> None:
+def read_weights_into(
+    path: str,
+    dests: dict[str, torch.Tensor],
+    base_prefix: str = "",
+    progress: Callable[[int], None] | None = None,
+) -> None:
     """Read each tensor named in `dests` (model state_dict name -> a contiguous CPU tensor of its
     shape and dtype, e.g. a view of a stage's host buffer) from the directory's safetensors
     file(s) straight into its destination (`flowmesh.build.read_weights_into`: one copy)."""
     from flowmesh.build import read_weights_into as read_file_into
 
     for file, wanted in locate(path, {n: n for n in dests}, base_prefix).items():
-        read_file_into(file, {stored: dests[local] for local, stored in wanted})
+        read_file_into(file, {stored: dests[local] for local, stored in wanted}, progress)
         _report(file, [stored for _, stored in wanted])
 
 

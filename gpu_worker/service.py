@@ -100,6 +100,9 @@ class WorkerService(MeshPeer):
         self._digests: dict[tuple[str, int], str] = {}
         # Stages prepared (weights read into the host tier) since the process started.
         self.stages_prepared = 0
+        # Stages whose weights are being read in: "model/stage" -> [bytes read, bytes to read]
+        # (reported with the heartbeats, so `flowmesh deploy` can show its progress).
+        self._preparing: dict[str, list[int]] = {}
         # Bumped when a broker registers us afresh: a stage or job still being prepared for the
         # broker before is dropped when it is ready, as nobody asked for it any more.
         self._epoch = 0
@@ -165,6 +168,7 @@ class WorkerService(MeshPeer):
     def stats(self) -> dict[str, Any]:
         out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
         out["stages_prepared"] = self.stages_prepared
+        out["preparing"] = {k: list(v) for k, v in list(self._preparing.items())}
         out.update(self.direct.counters)
         if self.trainer is not None:
             # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
@@ -275,15 +279,31 @@ class WorkerService(MeshPeer):
     async def _deploy_stage(self, msg: p.DeployStage) -> None:
         t0 = time.perf_counter()
         epoch = self._epoch
+        key = f"{msg.model}/{msg.stage}"
+        read = self._preparing[key] = [0, 0]
+
+        def progress(done: int, total: int) -> None:  # on the deploy thread
+            read[:] = [done, total]
+
         try:
             spec = ModelSpec.from_dict(msg.spec)
             check_factory(spec.factory, self.allow, f"worker {self.name}")
             blocks, host = await asyncio.get_running_loop().run_in_executor(
-                self._deploys, prepare_stage, spec, msg.plan, msg.stage, self.device, self.allow
+                self._deploys,
+                prepare_stage,
+                spec,
+                msg.plan,
+                msg.stage,
+                self.device,
+                self.allow,
+                progress,
             )
         except Exception as exc:
             self._fail(msg.id, exc)
             return
+        finally:
+            if self._preparing.get(key) is read:
+                del self._preparing[key]
         self.stages_prepared += 1
         if epoch != self._epoch:
             self.log.info(

@@ -29,15 +29,23 @@ from gpu_worker.model_code import building_model
 from partitioner.plan import Plan
 from partitioner.stages import StageModule, materialize_stage, meta_stage
 
+# Told (bytes read so far, bytes to read) while a stage's weights are read in.
+Progress = Callable[[int, int], None]
+
 
 def prepare_stage(
-    spec: ModelSpec, plan: dict[str, Any], index: int, device: Device, allow: tuple[str, ...]
+    spec: ModelSpec,
+    plan: dict[str, Any],
+    index: int,
+    device: Device,
+    allow: tuple[str, ...],
+    progress: Progress | None = None,
 ) -> tuple[list[nn.Module], HostStage]:
     if spec.weights is not None or spec.hf is not None:
         # Tracing touches process-wide state that running model code uses (`model_code`).
         with building_model():
             stage = meta_stage(spec, Plan.from_dict(plan), index, allow=allow)
-        return list(stage.blocks), read_stage(stage, spec, device.host_buffer)
+        return list(stage.blocks), read_stage(stage, spec, device.host_buffer, progress)
     # Seeding and tracing touch process-wide state that running model code uses (`model_code`).
     with building_model():
         stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
@@ -45,6 +53,8 @@ def prepare_stage(
     groups = [dict(block.state_dict(keep_vars=True)) for block in stage.blocks]
     host = HostStage.build(groups, allocate=device.host_buffer)
     stage.to("meta")  # drop the CPU copies: the host tier holds the only one
+    if progress is not None:
+        progress(host.nbytes, host.nbytes)
     return list(stage.blocks), host
 
 
@@ -52,6 +62,7 @@ def read_stage(
     stage: StageModule,
     source: str | ModelSpec,
     allocate: Callable[[int], torch.Tensor] | None = None,
+    progress: Progress | None = None,
 ) -> HostStage:
     """`stage`'s tensors (a meta stage, see `meta_stage`) read straight into a host buffer from
     `allocate`: from the safetensors file at `source`, or the spec's own (its Hugging Face
@@ -71,11 +82,20 @@ def read_stage(
         for k, (slot, (_local, original, _t)) in enumerate(zip(region.slots, entries, strict=True)):
             if slot.alias is None:
                 dests.setdefault(original, host.slot_view(b, k))
+    total, done = sum(t.nbytes for t in dests.values()), 0
+
+    def read(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    read(0)
     if isinstance(source, str):
-        read_weights_into(source, dests)
+        read_weights_into(source, dests, read)
     elif source.hf is not None:
-        hf_dir.read_weights_into(source.hf, dests, stage.base_prefix)
+        hf_dir.read_weights_into(source.hf, dests, stage.base_prefix, read)
     else:
         assert source.weights is not None
-        read_weights_into(source.weights, dests)
+        read_weights_into(source.weights, dests, read)
     return host

@@ -208,13 +208,19 @@ def test_a_request_with_other_shapes_is_not_batched_with_the_head() -> None:
     assert [r.client_id for r in rig.ctx.models["m"].queue] == [3]
 
 
-def test_loading_expects_the_least_recently_used_idle_stage_to_go_the_worker_evicts() -> None:
+def three_idle_stages_and_a_fourth() -> tuple[Rig, Peer]:
+    """A worker holding a, b, c (30 MiB each; b least recently used) and d deployed, not held."""
     rig = Rig()
     peer = rig.worker("w0", budget=100 * MIB)
     for name, used in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
         rig.model(name, [30 * MIB], ["w0"])
         rig.resident("w0", (name, 0), 30 * MIB, used)
     rig.model("d", [30 * MIB], ["w0"])
+    return rig, peer
+
+
+def test_loading_expects_the_least_recently_used_idle_stage_to_go_the_worker_evicts() -> None:
+    rig, peer = three_idle_stages_and_a_fourth()
     x, out = rig.infer("d", 9, 5.0)
     # No Evict: the worker makes the room; the broker only expects b to go (its bytes count as
     # the load's) and names what must stay (nothing here: every stage is idle).
@@ -232,12 +238,7 @@ def test_loading_expects_the_least_recently_used_idle_stage_to_go_the_worker_evi
 
 
 def test_the_worker_s_own_choice_of_victim_is_what_the_broker_counts() -> None:
-    rig = Rig()
-    peer = rig.worker("w0", budget=100 * MIB)
-    for name, used in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
-        rig.model(name, [30 * MIB], ["w0"])
-        rig.resident("w0", (name, 0), 30 * MIB, used)
-    rig.model("d", [30 * MIB], ["w0"])
+    rig, peer = three_idle_stages_and_a_fourth()
     rig.infer("d", 9, 5.0)
     assert peer.leaving == {("b", 0): 2}
     # A report made before the worker handled load 2 (after_load=0) settles nothing expected.

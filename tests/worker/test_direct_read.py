@@ -7,6 +7,7 @@ cast path) and a model with tied weights (GPT-2's lm_head and wte, stored once).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -187,3 +188,22 @@ def test_a_missing_tensor_or_a_wrong_shape_is_a_clear_error(tmp_path) -> None:
         plan = make_stage_plan(spec, 1)
         with pytest.raises(FlowmeshError, match=what):
             prepare_stage(spec, plan.to_dict(), 0, CpuStandIn(8 * MIB), DEFAULT_ALLOW)
+
+
+def test_reading_a_stage_reports_its_progress_up_to_every_byte(case) -> None:
+    # What a worker reports while it reads a stage (`flowmesh deploy` shows it): bytes read so
+    # far, never going back, ending at every byte of the stage's tensors (ties counted once).
+    arch, spec, _ = case
+    plan = make_stage_plan(spec, 2)
+    for i in range(plan.parts):
+        seen: list[tuple[int, int]] = []
+
+        def progress(done: int, total: int, seen: list[tuple[int, int]] = seen) -> None:
+            seen.append((done, total))
+
+        _, host = prepare_stage(
+            spec, plan.to_dict(), i, CpuStandIn(64 * MIB), DEFAULT_ALLOW, progress
+        )
+        stored = sum(s.nbytes for r in host.regions for s in r.slots if s.alias is None)
+        assert seen[0] == (0, stored) and seen[-1] == (stored, stored), (arch, i, seen[-1])
+        assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))
