@@ -103,6 +103,12 @@ def broker_families(st: Mapping[str, Any]) -> list[Metric]:
         ("heartbeat_losses", "heartbeat_losses", "Peers lost for missing heartbeats"),
         ("train_expired", "train_expired_calls", "Training calls that got no answer in time"),
         ("auth_refused", "auth_refused", "Messages refused for their peer's key (CURVE)"),
+        ("direct_batches", "direct_batches", "Batches whose activations went worker to worker"),
+        (
+            "activation_bytes_relayed",
+            "activation_bytes_relayed",
+            "Activation bytes the broker forwarded between stages",
+        ),
     ):
         f.counter(metric, doc, st.get(key))
     for code, n in (st.get("refused_unknown_model") or {}).items():
@@ -210,6 +216,10 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("run_errors", "run_errors", "counter", "Runs that failed"),
     ("rows", "rows", "counter", "Rows computed"),
     ("load_waits", "load_waits", "counter", "Loads that waited for training to give memory back"),
+    ("evictions_chosen", "evictions_chosen", "counter", "Idle stages evicted to make room"),
+    ("implicit_loads", "implicit_loads", "counter", "Stages brought back for a run"),
+    ("hops_in", "hops_in", "counter", "Activation micro-batches from other workers"),
+    ("hops_dropped", "hops_dropped", "counter", "Activations dropped (run given up or too early)"),
     ("budget_bytes", "budget_bytes", "gauge", "Device bytes for serving stages"),
     ("resident_bytes", "resident_bytes", "gauge", "Device bytes held by serving stages"),
     ("peak_bytes", "peak_bytes", "gauge", "Highest device bytes held by serving stages"),
