@@ -35,6 +35,12 @@ def format_status(st: dict[str, Any]) -> str:
         f"queued {st['queued']}  running batches {st['inflight_batches']}",
         "",
     ]
+    if st.get("direct_batches") or st.get("activation_bytes_relayed"):
+        out.insert(
+            1,
+            f"stages over several workers: {st.get('direct_batches', 0)} batches direct, "
+            f"{fmt_bytes(st.get('activation_bytes_relayed', 0))} of activations relayed",
+        )
     rows = [
         [
             w["name"],
