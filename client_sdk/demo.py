@@ -493,6 +493,11 @@ def report(
             f"budget, {w['loads']} loads, {w['evictions']} evictions, host tier "
             f"{fmt_bytes(w['host_bytes'])}"
         )
+    print(
+        f"models over several workers: {status.get('direct_batches', 0)} batches passed their "
+        "activations worker to worker, "
+        f"{fmt_bytes(status.get('activation_bytes_relayed', 0))} went through the broker"
+    )
     # The arena is the budget, so its peak cannot exceed it; the worker's high-water mark of the
     # stages it held (taken at every load) could, if its bookkeeping were wrong.
     over = [
