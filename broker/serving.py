@@ -7,10 +7,12 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads
 - **Queues and batching**: each model keeps a FIFO of checked requests; a batch takes the head
   and every queued request with the same input signature that fits the model's max batch size.
 - **Residency**: a replica whose stages are all resident runs at once; otherwise one replica is
-  loaded (a `Load` on every stage's worker at once), evicting the least recently used idle
-  stages (`policy.pick_victims`), never one with work queued or in flight, unless the head
-  request has starved (`starvation_s`). A starving model that still does not fit reserves a
-  replica's workers, so they drain for it.
+  loaded (a `Load` on every stage's worker at once): the one whose expected victims are worth
+  least (`policy.pick_victims`: value, then recency; never a stage with work queued or in
+  flight, unless the head request has starved, `starvation_s`). The workers own their memory:
+  each Load names the stages its worker must keep, the worker chooses what to evict, and its
+  `Resident` report replaces our expectation (`resident_report`). A starving model that still
+  does not fit reserves a replica's workers, so they drain for it.
 - **Runs**: a batch of a model cut over several workers runs *direct* when they all have peer
   endpoints: a `Run` to every stage's worker at once (with a random ticket), the activations
   going worker to worker in micro-batches, the last stage answering; the broker sees no

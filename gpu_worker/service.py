@@ -5,10 +5,12 @@ ordered); stage preparation, copies and compute run on worker threads; results g
 their futures resolve, so one slow model never holds up the others.
 
 The worker is the one owner of its device memory (`gpu_worker.memory.DeviceMemory`): one arena
-holds the serving stages (the broker plans them against the serving budget) and the training
-jobs' sub-model tasks (guaranteed `train_bytes`, and whatever serving leaves free, given back at
-once when a serving load needs it). A job's steps are submitted in arrival order, which is the
-order the executor runs them in; `seq` guards against a step applied twice.
+holds the serving stages (within the serving budget; the executor chooses which idle stages to
+evict for a load, and `Resident` tells the broker what it holds after each Load and each choice
+of its own) and the training jobs' sub-model tasks (guaranteed `train_bytes`, and whatever
+serving leaves free, given back at once when a serving load needs it). A job's steps are
+submitted in arrival order, which is the order the executor runs them in; `seq` guards against
+a step applied twice.
 
 A model cut into stages over several workers runs *direct* (`gpu_worker.direct`): the broker
 announces the batch to every stage's worker at once, and each worker sends its stage's output,
