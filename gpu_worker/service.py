@@ -172,6 +172,7 @@ class WorkerService(MeshPeer):
         out["stages_prepared"] = self.stages_prepared
         out["preparing"] = {k: list(v) for k, v in list(self._preparing.items())}
         out.update(self.direct.counters)
+        out["direct_pending"] = len(self.direct.runs)  # announced runs not finished here
         if self.trainer is not None:
             # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
             t = self.trainer.stats()

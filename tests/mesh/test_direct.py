@@ -17,6 +17,8 @@ import torch
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh, wait_until
+from flowmesh.build import build_seeded
+from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from tests.mesh.conftest import FAST, TEST_KEYS, deploy, fresh_stats, mlp_spec, reference
 
@@ -104,3 +106,50 @@ def test_a_worker_killed_on_the_path_fails_or_retries_never_hangs(tmp_path) -> N
             x = torch.randn(2, 256)
             out = c.infer("path", x, timeout=60)
             assert_forward_close(out, ref(x))
+
+
+def test_a_failure_in_the_middle_stage_fails_that_request_alone_and_nothing_waits(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    spec = ModelSpec(name="late", factory="tests.mesh.train_models:late_boom_mlp", seed=4)
+    model = build_seeded(spec, ("tests.mesh.train_models",)).eval()
+
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(x)
+
+    broker = ["--micro-batch-rows", "1"]  # batches flow through in pieces as well
+    mesh = LocalMesh(
+        cpu_workers=3,
+        memory_budget="8MiB",
+        run_dir=tmp_path,
+        allow=["flowmesh.examples", "tests.mesh.train_models"],
+        broker_args=broker,
+        **FAST,
+    )
+    with mesh, mesh.client() as c:
+        st = deploy(c, spec, stages=3, replicas=1)
+        path = st["replicas"][0]["workers"]
+        assert len(set(path)) == 3
+
+        async def traffic() -> list[object]:
+            async with AsyncClient(mesh.frontend, timeout=60) as client:
+                xs = [torch.randn(2, 8) for _ in range(6)]
+                xs[2][1, 3] = float("nan")  # its batch fails at stage 1 of 3
+                outs = await asyncio.gather(
+                    *(client.infer("late", x) for x in xs), return_exceptions=True
+                )
+                return list(zip(xs, outs, strict=True))
+
+        results = asyncio.run(traffic())
+        for k, (x, out) in enumerate(results):
+            if k == 2:
+                assert isinstance(out, errors.ModelError), out
+                assert "NaN reached the middle" in out.reason
+            else:
+                assert not isinstance(out, BaseException), out
+                assert_forward_close(out, ref(x))
+        # The stage after the failure was told to forget the run: nothing left waiting anywhere.
+        pending = {w: fresh_stats(c, w)["direct_pending"] for w in path}
+        assert pending == dict.fromkeys(path, 0), pending
+        assert c.status()["activation_bytes_relayed"] == 0

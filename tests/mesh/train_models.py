@@ -1,6 +1,7 @@
-"""Model factories the training tests add to the mesh's allow-list (`--allow tests.mesh...`):
-one with dropout and BatchNorm (an eval must switch both off), one whose own code raises on a
-marked input value (isolation of a failing job)."""
+"""Model factories the tests add to the mesh's allow-list (`--allow tests.mesh...`): one with
+dropout and BatchNorm (an eval must switch both off), one whose own code raises on a marked input
+value (isolation of a failing job), one that raises deep inside on a NaN (a failure in the middle
+of a pipeline)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def boom_mlp() -> nn.Module:
     return _declare(
         nn.Sequential(
             Boom(), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 5)
+        )
+    )
+
+
+class BoomOnNaN(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta" and bool(torch.isnan(x).any()):
+            raise RuntimeError("boom: a NaN reached the middle of the model")
+        return x
+
+
+def late_boom_mlp() -> nn.Module:
+    """Six blocks; the fourth raises when a NaN reaches it (a NaN input survives the Linears
+    before it), so cut in three stages the failure is in the middle one."""
+    return _declare(
+        nn.Sequential(
+            nn.Linear(8, 8),
+            nn.GELU(),
+            nn.Linear(8, 8),
+            BoomOnNaN(),
+            nn.Linear(8, 8),
+            nn.Linear(8, 5),
         )
     )
 
