@@ -229,8 +229,8 @@ class Executor:
         """Start copying a stage in; the future resolves when all its bytes are on the device.
 
         Room is made here (see the module docstring); `keep`: stages not to evict for it.
-        Raises NO_SPACE, having evicted nothing, when the serving budget cannot be met even
-        without every evictable stage; or, having evicted them all, when the arena still has no
+        Raises NO_SPACE, having evicted nothing, when the serving budget cannot be met even by
+        evicting every evictable stage; or, having evicted them all, when the arena still has no
         contiguous range for a block.
         """
         st = self._stage(key)
@@ -286,7 +286,7 @@ class Executor:
             idle, key=lambda s: (stage_value(s.rate.at(now), s.host.nbytes, bw), s.last_used, s.key)
         )
 
-    def _evict_for(self, st: Stage, victim: Stage) -> None:
+    def _evict_for(self, victim: Stage) -> None:
         self.evict(victim.key)
         self.counters["evictions_chosen"] += 1
         self._changed()
@@ -305,7 +305,7 @@ class Executor:
                 f"{self.memory.used['serving']} in use by stages that are busy or kept ({busy})",
             )
         while self.memory.used["serving"] + need > budget:
-            self._evict_for(st, victims.pop(0))
+            self._evict_for(victims.pop(0))
         while True:  # by the budget it fits; the arena may still have no contiguous range
             try:
                 return self._alloc(st)
@@ -314,7 +314,7 @@ class Executor:
                     return None  # training gives ranges back (`claim`)
                 if not victims:
                     raise FlowmeshError(Code.NO_SPACE, f"cannot place {where}: {exc}") from None
-                self._evict_for(st, victims.pop(0))
+                self._evict_for(victims.pop(0))
 
     def _changed(self) -> None:
         if self.on_residency is not None:
@@ -353,7 +353,7 @@ class Executor:
                 # themselves are fragmented. Evict the idle one worth least and try again.
                 victims = self._victims(st.keep)
                 if victims:
-                    self._evict_for(st, victims[0])
+                    self._evict_for(victims[0])
                     continue
                 self._waiting.popleft()
                 fut = st.loading
