@@ -478,7 +478,7 @@ def _deploy_with_progress(c: Client, args: argparse.Namespace, call: Any) -> Any
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True, force_terminal=args.progress or None),
+        console=Console(stderr=True),  # outside a terminal: the final state only
     )
     task = bar.add_task("read", total=None)
     t0 = time.perf_counter()
