@@ -89,6 +89,22 @@ def build(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
 
 
+async def replay(trace: list[dict[str, Any]], one: Any) -> float:
+    """Open loop: start `one(i, at)` at each request's trace time, whatever the earlier ones are
+    doing; returns the seconds from the trace's start until every request is answered. (Used by
+    flowmesh's side and by the Ray runner, which runs this file in its own venv.)"""
+    tasks = []
+    t0 = time.perf_counter() + 0.2
+    for i, r in enumerate(trace):
+        at = t0 + r["t"]
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, at)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - t0
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -279,16 +295,7 @@ def flowmesh_config(
                     if isinstance(info.get("batch"), int):
                         batches.append(info["batch"])
 
-                tasks = []
-                t0 = time.perf_counter() + 0.2
-                for i, r in enumerate(trace):
-                    at = t0 + r["t"]
-                    delay = at - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(one(i, at)))
-                await asyncio.gather(*tasks)
-                wall = time.perf_counter() - t0
+                wall = await replay(trace, one)
                 after = await admin.status()
                 for c in conns:
                     await c.close()
@@ -524,16 +531,7 @@ def ray_serve_trace(
             lat[i] = (time.perf_counter() - at) * 1000
             outs[f"r{i}"] = y.contiguous()
 
-        tasks = []
-        t0 = time.perf_counter() + 0.2
-        for i, r in enumerate(trace):
-            at = t0 + r["t"]
-            delay = at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, at)))
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - t0
+        wall = await replay(trace, one)
         stats = await handle.stats.remote()
         return {
             "lat": lat,

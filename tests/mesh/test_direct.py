@@ -69,6 +69,7 @@ def test_a_worker_killed_on_the_path_fails_or_retries_never_hangs(tmp_path) -> N
 
         async def traffic() -> None:
             async with AsyncClient(mesh.frontend, timeout=60) as client:
+                ten_answered = asyncio.Event()  # the kill lands once traffic flows
 
                 async def one(k: int) -> None:
                     x = torch.randn(1 + k % 4, 256)
@@ -79,10 +80,11 @@ def test_a_worker_killed_on_the_path_fails_or_retries_never_hangs(tmp_path) -> N
                         return
                     assert_forward_close(out, ref(x))
                     outcomes.append("ok")
+                    if len(outcomes) >= 10:
+                        ten_answered.set()
 
                 async def kill_soon() -> None:
-                    while len(outcomes) < 10:
-                        await asyncio.sleep(0.01)
+                    await asyncio.wait_for(ten_answered.wait(), 60)
                     mesh.child(middle).proc.send_signal(signal.SIGKILL)
 
                 killer = asyncio.create_task(kill_soon())
