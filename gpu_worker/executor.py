@@ -32,7 +32,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -42,6 +41,7 @@ from torch import nn
 
 from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.threads import torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
@@ -175,13 +175,11 @@ class Executor:
         # Copy lanes: a load goes to the lane with the fewest bytes queued, all of a stage's
         # copies on one lane (its blocks' markers stay in order).
         self.copy_lanes = max(1, copy_lanes or device.copy_lanes)
-        self._copies = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"copy-{i}") for i in range(self.copy_lanes)
-        ]
+        self._copies = [torch_pool(1, f"copy-{i}") for i in range(self.copy_lanes)]
         self._queued = [0] * self.copy_lanes
         self._warm_lanes()
-        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="copy-wait")
-        self._compute = ThreadPoolExecutor(compute_lanes, thread_name_prefix="compute")
+        self._waiter = torch_pool(1, "copy-wait")
+        self._compute = torch_pool(compute_lanes, "compute")
         self.compute_lanes = compute_lanes
         self._tasks: set[asyncio.Task[None]] = set()
         # Called (on the event loop) when the executor's own choice changed what is resident.

@@ -29,7 +29,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -40,6 +40,7 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.peer import MeshPeer
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, narrow_allow
+from flowmesh.threads import torch_pool
 from flowmesh.transport import bind_router, connect_dealer, pump, send
 from gpu_worker.device import Device
 from gpu_worker.direct import DirectRun, DirectRuns
@@ -112,7 +113,7 @@ class WorkerService(MeshPeer):
         self.own_allow = allow
         self.allow = allow if allow is not None else DEFAULT_ALLOW
         self.threads = threads
-        self._deploys = ThreadPoolExecutor(1, thread_name_prefix="deploy")
+        self._deploys = torch_pool(1, "deploy")
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def registration(self) -> p.Register:

@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +48,7 @@ import torch
 from flowmesh.build import build_seeded, declared_inputs
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
+from flowmesh.threads import torch_pool
 from gpu_worker.device import TRAIN_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.model_code import building_model
@@ -144,8 +145,8 @@ class TrainingExecutor:
         self._requests: dict[tuple[str, int], _Request] = {}
         self._ids = itertools.count(1)
         self._events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._copy = ThreadPoolExecutor(1, thread_name_prefix="train-copy")
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="train-compute")
+        self._copy = torch_pool(1, "train-copy")
+        self._compute = torch_pool(1, "train-compute")
         self._computing = 0
         self._lock = threading.Lock()
         self.resident = 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flowmesh import protocol as p
@@ -22,6 +21,7 @@ from flowmesh.spec import (
     check_factory,
     narrow_allow,
 )
+from flowmesh.threads import torch_pool
 from partitioner.plan import chunk_plan, stage_plan
 from partitioner.profile import profile
 
@@ -100,7 +100,7 @@ class PartitionerService(MeshPeer):
         self.own_allow = allow
         self.allow = allow if allow is not None else DEFAULT_ALLOW
         self.measure_device = measure_device
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plan")
+        self._pool = torch_pool(threads, "plan")
         self._tasks: set[asyncio.Task[None]] = set()
         self.planned = 0
         self.failed = 0

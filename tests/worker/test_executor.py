@@ -8,6 +8,8 @@ computed) that a recording stand-in keeps across its threads, never on wall time
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -519,3 +521,46 @@ async def test_a_model_traced_while_another_serves_does_not_disturb_its_runs() -
         tracer.join(10)
         ex.close()
     assert traced[0] >= 6, "the stage was not traced often enough beside the runs"
+
+
+def _openmp_max_threads() -> Callable[[], int]:
+    """OpenMP's thread count for the calling thread, as the kernels that open a parallel region
+    see it (torch loads OpenMP with its symbols global)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's CPU parallel backend is not OpenMP here")
+    try:
+        return ctypes.CDLL(None).omp_get_max_threads  # type: ignore[no-any-return]
+    except AttributeError:
+        pytest.skip("OpenMP's symbols are not visible in this process")
+
+
+async def test_compute_lanes_run_torch_with_the_process_thread_count() -> None:
+    """A worker started with --threads 1 computes with one thread on its compute lanes too: a
+    thread it starts must not fall back to OpenMP's default of every core (a GELU then ran on
+    two cores, one of them spinning)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenMP's default is one thread already")
+    omp_max_threads = _openmp_max_threads()
+
+    class Recorder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.seen: list[int] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(omp_max_threads())
+            return self.lin(x)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as gpu_worker's main does for --threads 1
+    try:
+        ex = Executor(CpuStandIn(1 * MIB), compute_lanes=2)
+        block = Recorder().to("meta")
+        ex.add_stage(("r", 0), [block], HostStage.build([dict(Recorder().state_dict())]))
+        await ex.load(("r", 0))
+        await asyncio.gather(*(ex.run(("r", 0), [{"x": torch.ones(1, 4)}]) for _ in range(8)))
+        ex.close()
+    finally:
+        torch.set_num_threads(before)
+    assert block.seen and set(block.seen) == {1}, block.seen
