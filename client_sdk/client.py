@@ -48,7 +48,7 @@ from client_sdk.sweep import sweep_async
 from flowmesh import protocol as p
 from flowmesh.auth import CurveKeys, load_keys, stop_watching, watch_handshakes
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.transport import connect_dealer, send
+from flowmesh.transport import connect_dealer, read_frames, send, send_frames
 
 log = logging.getLogger("client_sdk")
 T = TypeVar("T")
@@ -240,25 +240,24 @@ class AsyncClient:
         sock.close(linger=0)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        """The socket's only reader. Only a failing socket ends it: one answer it cannot handle
-        is logged and skipped, as every other call on the socket still waits on it."""
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling() == 0:
-                    # Nobody cancelled the reader: its recv was, which is what closing the socket
-                    # under it does. Say so instead of looking like an orderly close().
-                    raise Unavailable(
-                        Code.UNAVAILABLE,
-                        f"its socket stopped receiving (socket closed: {sock.closed})",
-                    ) from None
-                raise
-            try:
-                self._dispatch(frames)
-            except Exception:
-                log.exception("could not handle an answer from the broker at %s", self.address)
+        """The socket's only reader (batched, off pyzmq's asyncio layer: `read_frames`). Only a
+        failing socket ends it: one answer it cannot handle is logged and skipped, as every
+        other call on the socket still waits on it."""
+        try:
+            await read_frames(sock, self._on_frames)
+        except zmq.ZMQError:
+            # What closing the socket under the reader does: say so, instead of looking like
+            # an orderly close().
+            raise Unavailable(
+                Code.UNAVAILABLE,
+                f"its socket stopped receiving (socket closed: {sock.closed})",
+            ) from None
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        try:
+            self._dispatch(frames)
+        except Exception:
+            log.exception("could not handle an answer from the broker at %s", self.address)
 
     def _dispatch(self, frames: list[Any]) -> None:
         try:
@@ -360,12 +359,12 @@ class AsyncClient:
             if not call.fut.done():  # one instance each: a raised exception collects a traceback
                 call.fut.set_exception(type(exc)(exc.code, exc.reason))
 
-    def _encoded_size(self, msg: p.Message) -> int:
-        """The bytes `msg` takes on the wire; TooLarge if over the client's own limits.
+    def _encode(self, msg: p.Message) -> tuple[list[Any], int]:
+        """`msg`'s frames and the bytes they take on the wire; TooLarge if over the client's
+        own limits.
 
         Checked before sending because the broker's socket drops a connection that carries a
         message over twice its limit, answer-less: the call would wait for its full timeout.
-        Encoding twice (here, and in send) costs a small msgpack header: tensors are not copied.
         """
         try:
             frames = p.encode(msg)
@@ -386,10 +385,10 @@ class AsyncClient:
                 f"{self.limits.max_message_bytes} (Limits.max_message_bytes); send fewer rows "
                 f"per call, or raise the limit on the client and the broker (--max-message)",
             )
-        return total
+        return frames, total
 
     async def _call(self, msg: p.Message, timeout: float | None) -> p.Message:
-        nbytes = self._encoded_size(msg)
+        frames, nbytes = self._encode(msg)
         sock = self._connect()
         ref: int = msg.id  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
@@ -400,15 +399,17 @@ class AsyncClient:
             pending.msg, pending.deadline = msg, loop.time() + limit
         self._pending[ref] = pending
         try:
-            send(sock, msg)
+            send_frames(sock, frames)
         except FlowmeshError as exc:
             self._pending.pop(ref, None)
             raise error_from(exc.code, f"cannot send to {self.address}: {exc.reason}") from None
         except zmq.ZMQError as exc:  # the socket failed under the reader, which is ending
             self._pending.pop(ref, None)
             raise Unavailable(Code.UNAVAILABLE, f"cannot send to {self.address}: {exc}") from None
+        # A timer on the call's own future, not wait_for (a task and two futures per call).
+        timer = loop.call_later(limit + GRACE_S, _expire, fut)
         try:
-            return await asyncio.wait_for(fut, limit + GRACE_S)
+            return await fut
         except TimeoutError:
             again = ""
             if pending.retried:
@@ -422,6 +423,7 @@ class AsyncClient:
                 f"no answer from the broker at {self.address} within {limit:.1f} s{again}",
             ) from None
         finally:
+            timer.cancel()
             self._pending.pop(ref, None)
 
     def _ms(self, timeout: float | None) -> int:
@@ -500,8 +502,8 @@ class AsyncClient:
     ) -> tuple[torch.Tensor | dict[str, torch.Tensor], dict[str, Any]]:
         """Like `infer`, plus the broker's account: latency, queueing, batch size, workers."""
         tensors = {"": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
-        # Made contiguous once here: the message is encoded twice (size check, then send), and
-        # a tensor that is not would be copied each time.
+        # Made contiguous once here: the message may be encoded again (sent once more after a
+        # lost connection), and a tensor that is not would be copied each time.
         tensors = {k: _sendable(t) for k, t in tensors.items()}
         msg = p.Infer(
             id=next(self._ids), model=model, tensors=tensors, timeout_ms=self._ms(timeout)
@@ -668,6 +670,12 @@ def _model_source(call: str, factory: str | None, hf: str | None) -> dict[str, A
     if factory is None and hf is None:
         raise ValueError(f"{call} needs factory='module:callable' or hf= a model directory")
     return {"factory": factory} if hf is None else {"factory": factory, "hf": str(hf)}
+
+
+def _expire(fut: asyncio.Future[p.Message]) -> None:
+    """A call's timer: no answer in time (`_call` turns it into Timeout)."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 def _sendable(t: Any) -> Any:

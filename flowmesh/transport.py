@@ -138,9 +138,15 @@ def _send_failed(exc: BaseException) -> None:
 
 def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = None) -> None:
     """Send now or raise: OVERLOADED when the peer's queue is full, PeerGone when it is gone."""
-    frames = [*(envelope or []), *encode(msg)]
+    send_frames(sock, [*(envelope or []), *encode(msg)])
+
+
+def send_frames(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
+    """`send` of frames already encoded (the envelope first, if any)."""
     chan = _CHANNELS.get(sock)
     if chan is not None:
+        if sock.closed:  # the shadow's handle is freed with the socket: never touch it
+            _send_failed(zmq.ZMQError(zmq.ENOTSOCK))
         try:
             chan.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
@@ -161,6 +167,9 @@ Handler = Callable[..., Awaitable[None] | None]
 # reader fed faster than it handles would starve every other task (timers, heartbeats, the
 # other socket's reader). It lets the loop turn after this many messages.
 YIELD_EVERY = 32
+
+# How often a reader waiting on an empty socket looks whether it was closed under it.
+CLOSED_CHECK_S = 1.0
 
 
 class LogThrottle:
@@ -201,12 +210,35 @@ async def pump(
     it. A handler may be sync (preferred: the broker's state changes are) or a coroutine. Only a
     failing socket ends the reader; whatever one message does is answered and logged.
 
-    It reads in batches through a sync shadow of the socket (NOBLOCK until empty, at most
-    YIELD_EVERY before the loop turns), waiting on the socket's FD only when it is empty: one
-    loop wake-up per batch instead of a pyzmq future per message. `send` to a pumped socket
-    takes the same path. The reader must stay the socket's only one for the socket's life.
+    It reads through `read_frames`, and must stay the socket's only reader for its life.
     """
     throttle = LogThrottle(log)
+
+    def one(frames: list[Any]) -> Awaitable[None]:
+        return handle_one(
+            sock,
+            frames,
+            handle,
+            routed=routed,
+            log=log,
+            limits=limits,
+            throttle=throttle,
+            with_user=with_user,
+        )
+
+    await read_frames(sock, one)
+
+
+async def read_frames(
+    sock: zmq.asyncio.Socket, on_frames: Callable[[list[Any]], Awaitable[None] | None]
+) -> None:
+    """Be the socket's only reader: call `on_frames` with each message's frames, in order.
+
+    It reads in batches through a sync shadow of the socket (NOBLOCK until empty, at most
+    YIELD_EVERY before the loop turns), waiting on the socket's FD only when it is empty: one
+    loop wake-up per batch instead of a pyzmq future per message. `send` to the socket takes
+    the same path. Ends only by cancellation or when the socket fails (a ZMQError: closed
+    under the reader, say); `on_frames` must not raise."""
     loop = asyncio.get_running_loop()
     chan = _CHANNELS[sock] = _Channel(sock)
     recv = chan.sync.recv_multipart
@@ -222,30 +254,30 @@ async def pump(
             # trip through the event loop, up to YIELD_EVERY; then the loop turns (fairness).
             n = 0
             while n < YIELD_EVERY:
+                if sock.closed:  # the shadow's handle is freed with the socket: never touch it
+                    raise zmq.ZMQError(zmq.ENOTSOCK)
                 try:
                     frames = recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 n += 1
-                await handle_one(
-                    sock,
-                    frames,
-                    handle,
-                    routed=routed,
-                    log=log,
-                    limits=limits,
-                    throttle=throttle,
-                    with_user=with_user,
-                )
+                result = on_frames(frames)
+                if result is not None:
+                    await result
             if n >= YIELD_EVERY:
                 await asyncio.sleep(0)
             elif not chan.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 # Empty: sleep until the FD fires or a send elsewhere finds input (`poke`).
                 chan.waiter = loop.create_future()
+                # Closing the socket under its reader takes the FD's loop reader with it (pyzmq
+                # clears its own): look again within a second, so that the reader ends (above)
+                # rather than waits for ever.
+                check = loop.call_later(CLOSED_CHECK_S, chan.wake)
                 try:
                     await chan.waiter
                 finally:
                     chan.waiter = None
+                    check.cancel()
     finally:
         if _CHANNELS.get(sock) is chan:
             del _CHANNELS[sock]
