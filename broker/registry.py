@@ -148,6 +148,7 @@ class Registry:
             info=msg.info,
             last_seen=now,
             max_inflight=2 * max(1, lanes),
+            key=identity.public if keyed and identity is not None else "",
         )
         self.by_addr[addr] = msg.name
         self.ctx.send(BACKEND, addr, self._ack(msg.id, kept=False))

@@ -14,11 +14,12 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads
   `Resident` report replaces our expectation (`resident_report`). A starving model that still
   does not fit reserves a replica's workers, so they drain for it.
 - **Runs**: a batch of a model cut over several workers runs *direct* when they all have peer
-  endpoints: a `Run` to every stage's worker at once (with a random ticket), the activations
-  going worker to worker in micro-batches, the last stage answering; the broker sees no
-  activation byte. Otherwise it travels stage by stage (`Run` to each worker in turn, the
-  activations forwarded as frames, counted in `activation_bytes_relayed`). The last stage's
-  answer is split back into one `Result` per request.
+  endpoints: a `Run` to every stage's worker at once (with a random ticket), the activations going
+  worker to worker in micro-batches, the last stage answering; the broker sees no activation byte.
+  Under CURVE keys each worker is told the key of the worker it sends to and of the only one it
+  takes from (both from the broker's key directory). Otherwise it travels stage by stage (`Run` to
+  each worker in turn, the activations forwarded as frames, counted in `activation_bytes_relayed`).
+  The last stage's answer is split back into one `Result` per request.
 - **Failover**: a run on a lost worker is queued again once (`max_retries`) when another replica
   lives, else WORKER_LOST; a run unanswered by its deadline has hung: its requests get TIMEOUT
   and its replica is given up to the registry, which re-creates it elsewhere.
@@ -329,7 +330,8 @@ class ServingRouter:
         parts = [[r.tag, r.rows] for r in requests]
         ends = [self.peers[w].info.get("peer_endpoint") for w in rep.workers]
         if self.cfg.direct and len(rep.workers) > 1 and all(isinstance(e, str) and e for e in ends):
-            self._start_direct(model, batch, parts, tensors, ends, rows, now)
+            keys = [self.peers[w].key for w in rep.workers]
+            self._start_direct(model, batch, parts, tensors, ends, keys, rows, now)
             return
         self._enter_stage(batch, now)
         self.batches[batch.run_id] = batch
@@ -345,10 +347,12 @@ class ServingRouter:
         parts: list[list[int]],
         tensors: dict[str, Any],
         ends: list[Any],
+        keys: list[str],
         rows: int,
         now: float,
     ) -> None:
-        """Announce a batch to every stage's worker at once; the last one answers."""
+        """Announce a batch to every stage's worker at once; the last one answers. Under CURVE
+        each learns the key of the worker it sends to and of the one it takes from."""
         stages = len(batch.replica.workers)
         chunks = 1
         if model.spec.max_batch_size > 1:  # rows are independent: the batch may be cut
@@ -373,6 +377,8 @@ class ServingRouter:
                     from_peer=stage > 0,
                     next_peer=ends[stage + 1] if stage + 1 < stages else "",
                     chunks=chunks,
+                    next_key=keys[stage + 1] if stage + 1 < stages else "",
+                    from_key=keys[stage - 1] if stage > 0 else "",
                 ),
             )
 

@@ -49,6 +49,7 @@ class Peer:
     ready: bool = False  # set by the first heartbeat after registration
     last_seen: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    key: str = ""  # its CURVE public key (z85), from the key directory; "" without keys
     # workers only
     hosted: dict[StageKey, int] = field(default_factory=dict)  # stage -> device bytes
     resident: dict[StageKey, Residency] = field(default_factory=dict)

@@ -251,6 +251,8 @@ def peer_rows(
                 "evictions": peer.evictions,
                 "inflight": peer.inflight_runs,
                 "reserved_for": peer.reserved_for,
+                # Where the previous stage of a direct run sends it activations ("": relayed).
+                "peer_endpoint": peer.info.get("peer_endpoint", ""),
                 "stats": peer.stats,
             }
         )

@@ -17,10 +17,14 @@ to it. Removing NAME.key refuses NAME's new connections and every further messag
 
 A worker or partitioner given `--keys DIR` uses DIR/<its name>.key_secret (or `--keys` names the
 secret file itself); the broker's public key is broker.key next to it.
+
+A worker's peer socket (direct runs) is a CURVE server with the worker's own key and a ZAP handler
+of its own (`PeerKeys`): it lets in only the keys the broker named as a run's previous stage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -47,6 +51,8 @@ ROLES = (*PEER_ROLES, *CLIENT_ROLES)
 # ZAP domains of the broker's two sockets: a key is let in on the one its role belongs to.
 FRONTEND_DOMAIN = "flowmesh-frontend"
 BACKEND_DOMAIN = "flowmesh-backend"
+# ZAP domain of a worker's peer socket, where the previous stage's worker sends activations.
+PEERS_DOMAIN = "flowmesh-peers"
 # Client calls every client key may make; everything else (deploy, undeploy, train_*) needs the
 # operator role.
 READ_ONLY = frozenset({"infer", "status", "plan", "jobs"})
@@ -58,6 +64,7 @@ class Identity:
 
     name: str
     role: str
+    public: str = ""  # the key itself (z85 text)
 
 
 @dataclass(frozen=True)
@@ -312,7 +319,7 @@ class KeyRing:
             if role not in ROLES:
                 log.warning("key %s skipped: role %r is not one of %s", path, role, ROLES)
                 continue
-            by_key[public] = Identity(name, role)
+            by_key[public] = Identity(name, role, public.decode("ascii"))
         self.by_key = by_key
         self.by_name = {i.name: i for i in by_key.values()}
         log.info("keys from %s: %d allowed", self.dir, len(by_key))
@@ -365,6 +372,62 @@ class MeshAuthenticator(AsyncioAuthenticator):
     def curve_user_id(self, client_public_key: bytes) -> str:
         ident = self.keyring.by_key.get(z85.encode(client_public_key))
         return ident.name if ident else ""
+
+
+# ---------------------------------------------------------------------- between workers
+
+
+class PeerKeys:
+    """Who may connect to a worker's peer socket (direct runs under CURVE): the workers the
+    broker named as a run's previous stage (`Run.from_key`), and nobody else.
+
+    The keys come from the broker, which takes them from its key directory. A handshake from a
+    key not named yet waits a little for the Run that names it (the Run and the first
+    activations travel on different connections), then is refused."""
+
+    def __init__(self, wait_s: float = 2.0) -> None:
+        self.wait_s = wait_s
+        self.allowed: set[str] = set()
+        self.refused = 0
+        self._changed = asyncio.Event()
+
+    def allow(self, key: str) -> None:
+        if key and key not in self.allowed:
+            self.allowed.add(key)
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's credentials-provider hook: may this z85 `key` connect?"""
+        text = key.decode("ascii")
+        if domain == PEERS_DOMAIN:
+            deadline = asyncio.get_running_loop().time() + self.wait_s
+            while text not in self.allowed:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+            if text in self.allowed:
+                return True
+        self.refused += 1
+        if self.refused <= 20 or self.refused % 1000 == 0:
+            log.warning(
+                "refused a connection to the peer socket: key %s was named by no run (%d "
+                "refused so far)",
+                text,
+                self.refused,
+            )
+        return False
+
+
+def peer_authenticator(ctx: zmq.asyncio.Context, keys: PeerKeys) -> AsyncioAuthenticator:
+    """Started ZAP on a worker's context for its peer socket (start it before binding: a CURVE
+    socket with no ZAP handler lets every key in). A connection's User-Id is its z85 key."""
+    auth = AsyncioAuthenticator(ctx, log=logging.getLogger("flowmesh.zap.peers"))
+    auth.configure_curve_callback(PEERS_DOMAIN, credentials_provider=keys)
+    auth.start()
+    return auth
 
 
 # ---------------------------------------------------------------------- who may do what

@@ -221,6 +221,7 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("hops_in", "hops_in", "counter", "Activation micro-batches from other workers"),
     ("hops_dropped", "hops_dropped", "counter", "Activations dropped (run given up or too early)"),
     ("direct_pending", "direct_runs_pending", "gauge", "Direct runs announced, not finished here"),
+    ("peer_refused", "peer_refused", "counter", "Peer-socket connections refused (CURVE)"),
     ("budget_bytes", "budget_bytes", "gauge", "Device bytes for serving stages"),
     ("resident_bytes", "resident_bytes", "gauge", "Device bytes held by serving stages"),
     ("peak_bytes", "peak_bytes", "gauge", "Highest device bytes held by serving stages"),

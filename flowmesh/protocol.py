@@ -495,11 +495,16 @@ class Run(Message):
     # inputs travel with it, each later stage's arrive from the stage before as `Hop`s (the
     # batch cut into `chunks` micro-batches that flow through the stages one after another).
     # `next_peer`: the peer endpoint of the next stage's worker, "" for the last stage, which
-    # answers the broker with the whole batch's RunResult.
+    # answers the broker with the whole batch's RunResult. Under CURVE keys, `next_key` is
+    # that worker's public key (its peer socket's server key) and `from_key` the previous
+    # stage's worker's, the only key whose activations this run takes (z85 text; "" without
+    # keys).
     ticket: int = 0
     from_peer: bool = False
     next_peer: str = ""
     chunks: int = 1
+    next_key: str = ""
+    from_key: str = ""
 
 
 @message("hop")

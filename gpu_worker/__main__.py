@@ -84,7 +84,7 @@ OPTIONS = Options(
             "tcp://127.0.0.1:0",
             "where other workers send this worker a model's activations directly, stage to "
             "stage (port 0: any free port; on a mesh over several hosts, this host's address "
-            "the others reach); empty: none, the broker relays them (also with --keys)",
+            "the others reach; CURVE with --keys); empty: none, the broker relays them",
         ),
         Option(
             "--eviction",

@@ -6,10 +6,11 @@ activations then go from each stage's worker straight to the next one's, in micr
 only the last stage answers the broker. Plain logic, no sockets: the worker process feeds it
 what arrives and acts on what it returns.
 
-A Hop is taken only for a run the broker announced, with that run's ticket, for this stage and
-a chunk not seen yet. One that comes before its run's announcement (the two travel on different
-connections) waits here, a bounded number of them for a bounded time; one for a run given up
-(`cancel`) is dropped quietly, as the stage before may not have heard yet.
+A Hop is taken only for a run the broker announced, with that run's ticket, for this stage and a
+chunk not seen yet, and under CURVE keys only from the key the Run names (`from_key`). One that
+comes before its run's announcement (the two travel on different connections) waits here, a
+bounded number of them for a bounded time; one for a run given up (`cancel`) is dropped quietly,
+as the stage before may not have heard yet.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class DirectRun:
 class DirectRuns:
     def __init__(self, max_early: int = 256, early_ttl_s: float = 30.0) -> None:
         self.runs: dict[int, DirectRun] = {}
-        self._early: OrderedDict[int, tuple[float, list[p.Hop]]] = OrderedDict()
+        # Hops before their Run, with the key of the connection each came on.
+        self._early: OrderedDict[int, tuple[float, list[tuple[p.Hop, str]]]] = OrderedDict()
         self._cancelled: deque[int] = deque(maxlen=1024)
         self.max_early = max_early
         self.early_ttl_s = early_ttl_s
@@ -55,16 +57,20 @@ class DirectRuns:
         run = self.runs[msg.id] = DirectRun(msg)
         self.counters["direct_runs"] += 1
         _, early = self._early.pop(msg.id, (0.0, []))
-        return run, [h for h in early if self._check(run, h)]
+        taken = [h for h, sender in early if self._check(run, h, sender)]
+        self.counters["hops_dropped"] += len(early) - len(taken)
+        return run, taken
 
-    def accept(self, hop: p.Hop, now: float | None = None) -> DirectRun | None:
-        """The run `hop` belongs to, or None: kept until its Run comes, or dropped."""
+    def accept(self, hop: p.Hop, now: float | None = None, sender: str = "") -> DirectRun | None:
+        """The run `hop` belongs to, or None: kept until its Run comes, or dropped. `sender`:
+        the key of the connection it came on (under CURVE keys)."""
         self.counters["hops_in"] += 1
         run = self.runs.get(hop.id)
         if run is not None:
-            if not self._check(run, hop):
+            if not self._check(run, hop, sender):
                 raise FlowmeshError(
-                    Code.FORBIDDEN, f"hop for run {hop.id}: wrong ticket, stage or chunk"
+                    Code.FORBIDDEN,
+                    f"hop for run {hop.id}: wrong ticket, stage, chunk or sender",
                 )
             return run
         if hop.id in self._cancelled:
@@ -77,13 +83,14 @@ class DirectRuns:
         ):
             _, (_, dropped) = self._early.popitem(last=False)
             self.counters["hops_dropped"] += len(dropped)
-        self._early.setdefault(hop.id, (now, []))[1].append(hop)
+        self._early.setdefault(hop.id, (now, []))[1].append((hop, sender))
         self.counters["hops_early"] += 1
         return None
 
-    def _check(self, run: DirectRun, hop: p.Hop) -> bool:
+    def _check(self, run: DirectRun, hop: p.Hop, sender: str) -> bool:
         ok = (
             run.msg.from_peer
+            and sender == run.msg.from_key  # both "" without keys
             and hop.ticket == run.msg.ticket
             and (hop.model, hop.stage) == (run.msg.model, run.msg.stage)
             and 0 <= hop.chunk < run.msg.chunks

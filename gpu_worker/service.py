@@ -25,6 +25,7 @@ worker to drop (`DropStage`, `TrainClose`), so the worker keeps everything until
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections import deque
@@ -37,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from flowmesh import protocol as p
+from flowmesh.auth import PEERS_DOMAIN, PeerKeys, peer_authenticator
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.peer import MeshPeer
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, narrow_allow
@@ -75,12 +77,16 @@ class WorkerService(MeshPeer):
         eviction: str = "value",
     ) -> None:
         super().__init__(name, broker, limits=limits)
-        # Where other workers send us activations ("" : no direct runs; with CURVE keys too,
-        # as the workers hold no keys of each other's: the broker then relays them).
+        # Where other workers send us activations ("": no direct runs, the broker relays them).
+        # Under CURVE keys it is a CURVE server with our own key, and takes only the workers
+        # the broker names as a run's previous stage (`peer_keys`).
         self.peer_endpoint = peer_endpoint
         self.peer_bound = ""  # the endpoint actually bound, advertised at registration
         self._peer_sock: zmq.asyncio.Socket | None = None
-        self._to_peers: dict[str, zmq.asyncio.Socket] = {}
+        self.peer_keys = PeerKeys()
+        self._peer_auth: Any = None
+        # Connections to the next stages' workers, by (endpoint, its key).
+        self._to_peers: dict[tuple[str, str], zmq.asyncio.Socket] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self.direct = DirectRuns()
         self.device = device
@@ -174,6 +180,8 @@ class WorkerService(MeshPeer):
         out["preparing"] = {k: list(v) for k, v in list(self._preparing.items())}
         out.update(self.direct.counters)
         out["direct_pending"] = len(self.direct.runs)  # announced runs not finished here
+        if self.curve is not None:  # keyless stats stay as they were
+            out["peer_refused"] = self.peer_keys.refused  # peer-socket keys no run named
         if self.trainer is not None:
             # Flat figures: heartbeat stats are bounded in depth (broker.core.check_stats).
             t = self.trainer.stats()
@@ -208,18 +216,37 @@ class WorkerService(MeshPeer):
             self._epoch += 1
 
     def side_tasks(self, ctx: zmq.asyncio.Context) -> list[Any]:
-        if not self.peer_endpoint or self.curve is not None:
+        if not self.peer_endpoint:
             return []
         self._ctx = ctx
-        self._peer_sock, self.peer_bound = bind_router(ctx, self.peer_endpoint, self.limits)
-        self.log.info("peer socket for direct runs at %s", self.peer_bound)
-        return [pump(self._peer_sock, self._on_peer, routed=True, log=self.log, limits=self.limits)]
+        curve = None
+        if self.curve is not None:
+            self._peer_auth = peer_authenticator(ctx, self.peer_keys)  # before the bind
+            curve = (self.curve.secret, PEERS_DOMAIN)
+        self._peer_sock, self.peer_bound = bind_router(
+            ctx, self.peer_endpoint, self.limits, curve=curve
+        )
+        self.log.info(
+            "peer socket for direct runs at %s%s", self.peer_bound, " (CURVE)" if curve else ""
+        )
+        return [
+            pump(
+                self._peer_sock,
+                self._on_peer,
+                routed=True,
+                log=self.log,
+                limits=self.limits,
+                with_user=curve is not None,
+            )
+        ]
 
     def close(self) -> None:
         for sock in (*self._to_peers.values(), self._peer_sock):
             if sock is not None:
                 sock.close(linger=0)
         self._to_peers.clear()
+        if self._peer_auth is not None:
+            self._peer_auth.stop()
         self.executor.close()
         if self.trainer is not None:
             self.trainer.close()
@@ -411,6 +438,7 @@ class WorkerService(MeshPeer):
                 raise FlowmeshError(
                     Code.BAD_REQUEST, f"run {msg.id}: {msg.chunks} chunks of {rows} rows"
                 )
+        self.peer_keys.allow(msg.from_key)
         run, early = self.direct.announce(msg)
         if msg.from_peer:
             for hop in early:
@@ -421,14 +449,15 @@ class WorkerService(MeshPeer):
             run.seen.add(i)
             self._direct_chunk(run, i, {n: ts[i] for n, ts in pieces.items()})
 
-    def _on_peer(self, _sender: bytes | None, msg: p.Message) -> None:
-        """What other workers send to our peer socket: activations, nothing else."""
+    def _on_peer(self, _sender: bytes | None, msg: p.Message, key: str | None = None) -> None:
+        """What other workers send to our peer socket: activations, nothing else. `key`: the
+        sender's CURVE key (its connection's ZAP User-Id), under keys."""
         if isinstance(msg, p.Error):
             self.log.warning("a peer answered %s: %s %s", msg.id, msg.code, msg.reason)
             return
         if not isinstance(msg, p.Hop):
             raise FlowmeshError(Code.BAD_REQUEST, f"a worker's peer socket takes no {msg.TYPE}")
-        run = self.direct.accept(msg)
+        run = self.direct.accept(msg, sender=key or "")
         if run is not None:
             self._direct_chunk(run, msg.chunk, msg.tensors)
 
@@ -466,11 +495,19 @@ class WorkerService(MeshPeer):
 
     def _hop(self, run: DirectRun, chunk: int, outputs: dict[str, torch.Tensor]) -> None:
         msg = run.msg
-        sock = self._to_peers.get(msg.next_peer)
+        to = (msg.next_peer, msg.next_key)
+        sock = self._to_peers.get(to)
         if sock is None:
             assert self._ctx is not None
-            sock = self._to_peers[msg.next_peer] = connect_dealer(
-                self._ctx, msg.next_peer, limits=self.limits
+            curve = None
+            if self.curve is not None:
+                if not msg.next_key:
+                    raise FlowmeshError(
+                        Code.BAD_REQUEST, f"run {msg.id}: no key for the next stage's worker"
+                    )
+                curve = dataclasses.replace(self.curve, server_public=msg.next_key.encode())
+            sock = self._to_peers[to] = connect_dealer(
+                self._ctx, msg.next_peer, limits=self.limits, curve=curve
             )
         hop = p.Hop(
             id=msg.id,

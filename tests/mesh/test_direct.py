@@ -9,22 +9,21 @@ requests it held, never hangs them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 
-import pytest
 import torch
+import zmq
 
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh, wait_until
+from flowmesh import protocol as p
+from flowmesh.auth import curve_client, load_keys, read_cert
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, TEST_KEYS, deploy, fresh_stats, mlp_spec, reference
-
-pytestmark = pytest.mark.skipif(
-    TEST_KEYS, reason="with CURVE keys the broker relays activations (workers share no keys)"
-)
+from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference
 
 
 def test_four_stages_over_four_workers_pass_activations_directly(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -155,3 +154,48 @@ def test_a_failure_in_the_middle_stage_fails_that_request_alone_and_nothing_wait
         pending = {w: fresh_stats(c, w)["direct_pending"] for w in path}
         assert pending == dict.fromkeys(path, 0), pending
         assert c.status()["activation_bytes_relayed"] == 0
+
+
+def test_under_curve_keys_activations_go_worker_to_worker_from_the_named_key_only(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    spec = mlp_spec("sealed", width=64, depth=6, seed=23)
+    ref = reference(spec)
+    mesh = LocalMesh(cpu_workers=3, memory_budget="8MiB", run_dir=tmp_path, keys=True, **FAST)
+    with mesh, mesh.client() as c:
+        st = deploy(c, spec, stages=3, replicas=1)
+        path = st["replicas"][0]["workers"]
+        for rows in (1, 4, 2, 3):
+            x = torch.randn(rows, 64)
+            assert_forward_close(c.infer("sealed", x), ref(x))
+        totals = c.status()
+        assert totals["direct_batches"] == 4 and totals["activation_bytes_relayed"] == 0
+        last = path[-1]
+        before = fresh_stats(c, last)
+        assert before["hops_in"] >= 4 and before["peer_refused"] == 0
+
+        # A key of this mesh (the operator's) that no run names, at the last worker's peer
+        # socket with a well-formed Hop: ZAP refuses the connection, nothing reaches the worker.
+        (row,) = [w for w in c.status()["workers"] if w["name"] == last]
+        assert mesh.key_dir is not None and mesh.client_keys is not None
+        server, _, _ = read_cert(mesh.key_dir / f"{last}.key")
+        keys = load_keys(mesh.client_keys)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        curve_client(sock, dataclasses.replace(keys, server_public=server))
+        sock.connect(row["peer_endpoint"])
+        try:
+            sock.send_multipart(
+                p.encode(p.Hop(id=1, ticket=1, model="sealed", stage=2, chunk=0)), zmq.NOBLOCK
+            )
+            wait_until(
+                lambda: fresh_stats(c, last)["peer_refused"] or None,
+                "the worker to refuse the operator's key on its peer socket",
+                timeout=20,
+            )
+        finally:
+            sock.close(0)
+            ctx.term()
+        assert fresh_stats(c, last)["hops_in"] == before["hops_in"]
+        x = torch.randn(2, 64)  # the workers' own connections are untouched
+        assert_forward_close(c.infer("sealed", x), ref(x))

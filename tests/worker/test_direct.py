@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from flowmesh import protocol as p
+from flowmesh.auth import PEERS_DOMAIN, PeerKeys
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.direct import DirectRuns
 
 
-def run(run_id: int = 7, stage: int = 1, chunks: int = 2, ticket: int = 99) -> p.Run:
+def run(
+    run_id: int = 7, stage: int = 1, chunks: int = 2, ticket: int = 99, from_key: str = ""
+) -> p.Run:
     return p.Run(
         id=run_id,
         model="m",
@@ -18,6 +23,7 @@ def run(run_id: int = 7, stage: int = 1, chunks: int = 2, ticket: int = 99) -> p
         ticket=ticket,
         from_peer=True,
         chunks=chunks,
+        from_key=from_key,
     )
 
 
@@ -61,3 +67,26 @@ def test_hops_of_a_cancelled_run_are_dropped_and_early_ones_are_bounded() -> Non
     d.accept(hop(run_id=4), now=5.0)  # past the time limit: run 2's and 3's go
     assert d.announce(run(run_id=2))[1] == [] and d.announce(run(run_id=3))[1] == []
     assert [h.id for h in d.announce(run(run_id=4))[1]] == [4]
+
+
+def test_under_keys_only_the_announced_previous_worker_s_hops_are_taken() -> None:
+    d = DirectRuns()
+    assert d.accept(hop(chunk=1), sender="mallory") is None  # early: kept, checked later
+    state, early = d.announce(run(from_key="alice"))
+    assert early == [] and d.counters["hops_dropped"] == 1
+    for sender in ("mallory", ""):
+        with pytest.raises(FlowmeshError) as err:
+            d.accept(hop(chunk=0), sender=sender)
+        assert err.value.code is Code.FORBIDDEN
+    assert d.accept(hop(chunk=0), sender="alice") is state
+
+
+async def test_a_peer_key_is_let_in_once_a_run_names_it_and_refused_otherwise() -> None:
+    keys = PeerKeys(wait_s=0.2)
+    assert not await keys.callback(PEERS_DOMAIN, b"mallory")  # named by no run: refused
+    assert keys.refused == 1
+    waiting = asyncio.create_task(keys.callback(PEERS_DOMAIN, b"alice"))
+    await asyncio.sleep(0)
+    keys.allow("alice")  # the Run naming it came while its handshake waited
+    assert await waiting
+    assert not await keys.callback("another-domain", b"alice")
