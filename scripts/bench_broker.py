@@ -6,7 +6,12 @@ processes like the mesh's, are (1) a raw DEALER->ROUTER echo and (2) a raw relay
 echo, i.e. the same four hops with no flowmesh logic. Sequential latency (one request at a time)
 and pipelined throughput (many outstanding) are both reported, as ratios.
 
-    python scripts/bench_broker.py [--requests 2000] [--concurrency 32] [--out bench-out]
+The three are interleaved in rounds (after one warm-up round), so that machine noise hits them
+alike; each round gives its own ratios, and the summary is their median over the rounds (on a
+shared machine one round's raw relay p50 can move by several times).
+
+    python scripts/bench_broker.py [--requests 2000] [--concurrency 32] [--rounds 5]
+        [--out bench-out]
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--width", type=int, default=16, help="tiny model width (payload floats)")
+    ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after a warm-up)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -137,7 +143,12 @@ def main() -> None:
     echo_ep = start(echo_server, "tcp://127.0.0.1", 1)
     relay_ep = start(relay_server, "tcp://127.0.0.1", start(echo_server, "tcp://127.0.0.1", 2))
     x = torch.randn(1, args.width)
-    results: dict[str, dict[str, float]] = {}
+    paths = (
+        ("raw echo (1 hop each way)", run_raw, echo_ep),
+        ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
+        ("flowmesh infer", run_mesh, ""),
+    )
+    rounds: list[dict[str, dict[str, float]]] = []
     with LocalMesh(
         cpu_workers=1, memory_budget="64MiB", partitioner=True, threads_per_worker=1
     ) as mesh:
@@ -149,43 +160,54 @@ def main() -> None:
                 seed=0,
                 max_batch_size=1,
             )
-        # Interleave the three so machine noise hits them alike.
-        for rnd in range(2):
-            for name, fn, ep in (
-                ("raw echo (1 hop each way)", run_raw, echo_ep),
-                ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
-                ("flowmesh infer", run_mesh, mesh.frontend),
-            ):
-                r = uvloop.run(fn(ep, args.requests, args.concurrency, x))
-                if rnd:
-                    results[name] = r
+        for rnd in range(args.rounds + 1):  # round 0 warms up
+            results: dict[str, dict[str, float]] = {}
+            for name, fn, ep in paths:
+                results[name] = uvloop.run(
+                    fn(ep or mesh.frontend, args.requests, args.concurrency, x)
+                )
+            if rnd:
+                rounds.append(results)
     for proc in procs:
         proc.kill()
-    base = results["raw echo (1 hop each way)"]
-    relay_r = results["raw relay + echo (2 hops each way)"]
-    print(f"{'path':38} {'p50 us':>8} {'msgs/s':>9} {'latency x':>10} {'throughput x':>13}")
-    for name, r in results.items():
+    echo, relay, mesh_name = (name for name, _, _ in paths)
+
+    def ratios(r: dict[str, dict[str, float]]) -> dict[str, float]:
+        m, rel, base = r[mesh_name], r[relay], r[echo]
+        return {
+            "latency_vs_raw_echo": m["p50_us"] / base["p50_us"],
+            "latency_vs_raw_relay": m["p50_us"] / rel["p50_us"],
+            "throughput_vs_raw_echo": m["msgs_per_s"] / base["msgs_per_s"],
+            "throughput_vs_raw_relay": m["msgs_per_s"] / rel["msgs_per_s"],
+        }
+
+    per_round = [ratios(r) for r in rounds]
+    print(f"{'round':>5} {'path':38} {'p50 us':>8} {'msgs/s':>9}")
+    for k, r in enumerate(rounds, 1):
+        for name, v in r.items():
+            print(f"{k:>5} {name:38} {v['p50_us']:8.0f} {v['msgs_per_s']:9.0f}")
+        q = per_round[k - 1]
         print(
-            f"{name:38} {r['p50_us']:8.0f} {r['msgs_per_s']:9.0f} "
-            f"{r['p50_us'] / base['p50_us']:10.2f} {r['msgs_per_s'] / base['msgs_per_s']:13.2f}"
+            f"{k:>5} {'flowmesh / raw relay':38} {q['latency_vs_raw_relay']:7.2f}x "
+            f"{q['throughput_vs_raw_relay']:8.2f}x"
         )
-    mesh_r = results["flowmesh infer"]
-    summary = {
-        "results": results,
-        "latency_vs_raw_echo": mesh_r["p50_us"] / base["p50_us"],
-        "latency_vs_raw_relay": mesh_r["p50_us"] / relay_r["p50_us"],
-        "throughput_vs_raw_echo": mesh_r["msgs_per_s"] / base["msgs_per_s"],
-        "throughput_vs_raw_relay": mesh_r["msgs_per_s"] / relay_r["msgs_per_s"],
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "width": args.width,
+    summary: dict[str, Any] = {
+        key: statistics.median(q[key] for q in per_round) for key in per_round[0]
     }
+    summary.update(
+        rounds=rounds,
+        per_round=per_round,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        width=args.width,
+    )
     out = Path(args.out)
     out.mkdir(exist_ok=True)
     (out / "broker.json").write_text(json.dumps(summary, indent=2))
     print(
-        f"\nflowmesh p50 latency = {summary['latency_vs_raw_relay']:.2f}x a raw 2-hop relay, "
-        f"throughput = {summary['throughput_vs_raw_relay']:.2f}x; written {out / 'broker.json'}"
+        f"\nmedian over {len(rounds)} rounds: flowmesh p50 latency = "
+        f"{summary['latency_vs_raw_relay']:.2f}x a raw 2-hop relay, throughput = "
+        f"{summary['throughput_vs_raw_relay']:.2f}x; written {out / 'broker.json'}"
     )
 
 

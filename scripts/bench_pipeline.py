@@ -7,14 +7,16 @@ workers:
 - **one stage**: the whole model on one worker (the reference);
 - **P stages, direct**: cut over P workers, each batch announced to every stage at once and the
   activations sent worker to worker in micro-batches (`--micro-batches`, 0: one per stage);
-- **P stages, relayed**: the same cut with `--direct 0`: every activation through the broker.
+- **P stages, relayed**: the same cut with `--direct 0`: every activation through the broker;
+- the two again with CURVE keys on every socket (`--keys`): the workers' peer sockets are
+  CURVE too, so activations travel encrypted, worker to worker or through the broker.
 
 Closed loop: `--clients` clients each keep one request of `--rows` rows in flight for
 `--seconds`. Printed: requests/s of each, their ratios to one stage, and the activation bytes
 the broker forwarded. Every answer is checked against the model's own forward.
 
     python scripts/bench_pipeline.py [--stages 4] [--width 1024] [--depth 16] [--rows 32]
-        [--clients 8] [--seconds 10] [--threads 1]
+        [--clients 8] [--seconds 10] [--threads 1] [--keys]
 
 On the CPU stand-in every worker shares the machine's cores (a 2-core machine cannot run four
 stages at once), so the ratio shows the overhead of the hops and what overlap the cores allow;
@@ -47,7 +49,13 @@ def spec_of(width: int, depth: int) -> ModelSpec:
 
 
 async def closed_loop(
-    frontend: str, clients: int, rows: int, width: int, seconds: float, ref: Any
+    frontend: str,
+    clients: int,
+    rows: int,
+    width: int,
+    seconds: float,
+    ref: Any,
+    keys: Any = None,
 ) -> tuple[int, float]:
     done = 0
     xs = [torch.randn(rows, width) for _ in range(4)]
@@ -55,7 +63,7 @@ async def closed_loop(
 
     async def client(k: int) -> None:
         nonlocal done
-        async with AsyncClient(frontend, timeout=120) as c:
+        async with AsyncClient(frontend, timeout=120, keys=keys) as c:
             i = k
             while time.perf_counter() < end:
                 out = await c.infer("deep", xs[i % 4])
@@ -63,7 +71,7 @@ async def closed_loop(
                 done += 1
                 i += 1
 
-    async with AsyncClient(frontend, timeout=120) as warm:  # every stage loaded
+    async with AsyncClient(frontend, timeout=120, keys=keys) as warm:  # every stage loaded
         for x in xs:
             await warm.infer("deep", x)
     t0 = time.perf_counter()
@@ -72,7 +80,9 @@ async def closed_loop(
     return done, time.perf_counter() - t0
 
 
-def run(args: argparse.Namespace, stages: int, direct: bool, ref: Any) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, stages: int, direct: bool, ref: Any, keys: bool = False
+) -> dict[str, Any]:
     spec = spec_of(args.width, args.depth)
     broker = ["--direct", "1" if direct else "0", "--micro-batches", str(args.micro_batches)]
     with LocalMesh(
@@ -80,6 +90,7 @@ def run(args: argparse.Namespace, stages: int, direct: bool, ref: Any) -> dict[s
         memory_budget=args.budget,
         threads_per_worker=args.threads,
         broker_args=broker,
+        keys=keys or None,
     ) as mesh:
         with mesh.client() as c:
             c.deploy(
@@ -92,7 +103,15 @@ def run(args: argparse.Namespace, stages: int, direct: bool, ref: Any) -> dict[s
                 max_batch_size=args.rows,
             )
         n, secs = asyncio.run(
-            closed_loop(mesh.frontend, args.clients, args.rows, args.width, args.seconds, ref)
+            closed_loop(
+                mesh.frontend,
+                args.clients,
+                args.rows,
+                args.width,
+                args.seconds,
+                ref,
+                mesh.client_keys,
+            )
         )
         with mesh.client() as c:
             st = c.status()
@@ -115,6 +134,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=0)
     ap.add_argument("--budget", default="256MiB")
+    ap.add_argument(
+        "--keys", action="store_true", help="also both cuts with CURVE keys on every socket"
+    )
     args = ap.parse_args()
     model = build_seeded(spec_of(args.width, args.depth)).eval()
 
@@ -123,12 +145,18 @@ def main() -> None:
             return model(x)
 
     rows = []
-    for what, stages, direct in (
-        ("one stage, one worker", 1, True),
-        (f"{args.stages} stages, direct", args.stages, True),
-        (f"{args.stages} stages, relayed by the broker", args.stages, False),
-    ):
-        r = run(args, stages, direct, ref)
+    configs = [
+        ("one stage, one worker", 1, True, False),
+        (f"{args.stages} stages, direct", args.stages, True, False),
+        (f"{args.stages} stages, relayed by the broker", args.stages, False, False),
+    ]
+    if args.keys:
+        configs += [
+            (f"{args.stages} stages, direct, CURVE", args.stages, True, True),
+            (f"{args.stages} stages, relayed, CURVE", args.stages, False, True),
+        ]
+    for what, stages, direct, keys in configs:
+        r = run(args, stages, direct, ref, keys)
         rows.append((what, r))
         print(f"  {what}: {r['rps']:.1f} requests/s ({r['requests']} requests)", flush=True)
     base = rows[0][1]["rps"]
@@ -137,6 +165,8 @@ def main() -> None:
         print(f"{what:<40} {r['rps']:8.1f} {r['rps'] / base:12.2f} {r['relayed_mib']:12.1f}")
     direct, relayed = rows[1][1]["rps"], rows[2][1]["rps"]
     print(f"\ndirect / relayed: {direct / relayed:.2f}")
+    if args.keys:
+        print(f"with CURVE keys, direct / relayed: {rows[3][1]['rps'] / rows[4][1]['rps']:.2f}")
 
 
 if __name__ == "__main__":
