@@ -93,6 +93,13 @@ OPTIONS = Options(
             64,
             "with --micro-batches 0, the fewest rows a micro-batch has (smaller batches go whole)",
         ),
+        Option(
+            "--group-runs",
+            INT,
+            8,
+            "most queued requests of a model taking one request per forward (max_batch_size 1) "
+            "sent in one run, each computed on its own (1: a run each)",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -145,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         direct=bool(args.direct),
         micro_batches=args.micro_batches,
         micro_batch_rows=args.micro_batch_rows,
+        group_runs=args.group_runs,
         default_replicas=args.replicas,
         starvation_s=args.starvation,
         state_dir=args.state_dir,

@@ -49,6 +49,12 @@ class BrokerConfig:
     direct: bool = True
     micro_batches: int = 0
     micro_batch_rows: int = 64
+    # A model that takes one request per forward (max_batch_size 1, one stage) still gets its
+    # queued requests sent in one run, up to this many, each computed on its own one after
+    # the other: one message and one hand-off to a compute lane for several requests. What is
+    # queued is spread over the runs its worker may take, so that a short queue still runs on
+    # every lane. 1: one run per request.
+    group_runs: int = 8
     # Where the broker keeps what it promised (deployed models, training jobs, the allow-list),
     # in an SQLite database (`broker.store`); None: nothing is kept across a restart.
     state_dir: str | None = None

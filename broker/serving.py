@@ -297,7 +297,21 @@ class ServingRouter:
     def _start_batch(self, model: Model, rep: Replica, now: float) -> None:
         head = model.queue.popleft()
         requests, rows = [head], head.rows
-        if not head.solo and model.spec.max_batch_size > 1:
+        separate = False
+        if not head.solo and model.spec.max_batch_size == 1 and len(rep.workers) == 1:
+            # One forward per request, but queued ones share a run (cfg.group_runs): spread
+            # over the runs the worker may still take, so a short queue uses every lane.
+            first = self.peers[rep.workers[0]]
+            slots = max(1, first.max_inflight - first.inflight_runs)
+            size = min(max(1, self.cfg.group_runs), -(-(len(model.queue) + 1) // slots))
+            keep = []
+            while model.queue and len(requests) < size:
+                r = model.queue.popleft()
+                (keep if r.solo else requests).append(r)
+            model.queue.extendleft(reversed(keep))
+            separate = len(requests) > 1
+            rows = sum(r.rows for r in requests)
+        elif not head.solo and model.spec.max_batch_size > 1:
             keep = []
             while model.queue:
                 r = model.queue.popleft()
@@ -322,11 +336,12 @@ class ServingRouter:
             stage=0,
             worker=rep.workers[0],
             started=now,
+            separate=separate,
         )
         rep.inflight += 1
         model.batches += 1
         self.totals["batches"] += 1
-        self.timings.batch_started(model.name, len(requests))
+        self.timings.batch_started(model.name, 1 if separate else len(requests))
         parts = [[r.tag, r.rows] for r in requests]
         ends = [self.peers[w].info.get("peer_endpoint") for w in rep.workers]
         if self.cfg.direct and len(rep.workers) > 1 and all(isinstance(e, str) and e for e in ends):
@@ -337,7 +352,14 @@ class ServingRouter:
         self.batches[batch.run_id] = batch
         self.ctx.to_peer(
             batch.worker,
-            p.Run(id=batch.run_id, model=model.name, stage=0, parts=parts, tensors=tensors),
+            p.Run(
+                id=batch.run_id,
+                model=model.name,
+                stage=0,
+                parts=parts,
+                tensors=tensors,
+                separate=separate,
+            ),
         )
 
     def _start_direct(
@@ -657,7 +679,8 @@ class ServingRouter:
             latency_ms = (now - req.arrived) * 1000
             info = {
                 "latency_ms": latency_ms,
-                "batch": len(batch.requests),
+                # Requests that shared its forward (a grouped run computes each on its own).
+                "batch": 1 if batch.separate else len(batch.requests),
                 "queue_ms": (batch.started - req.arrived) * 1000,
                 # The batch's start to its answer: load wait, compute and the hops between.
                 "run_ms": (now - batch.started) * 1000,

@@ -121,6 +121,7 @@ class Batch:
     # a residency (or peer) that replaced them meanwhile. A direct run counts on every stage.
     counted_on: list[tuple[Peer, Residency | None]] = field(default_factory=list)
     direct: bool = False  # announced to every stage at once; activations go worker to worker
+    separate: bool = False  # requests computed one by one in one run (`Run.separate`)
 
 
 @dataclass

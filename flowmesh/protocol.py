@@ -505,6 +505,9 @@ class Run(Message):
     chunks: int = 1
     next_key: str = ""
     from_key: str = ""
+    # Each part is a forward of its own (requests of a model taking one per forward, sent
+    # together to save messages and hand-offs), not rows of one batch.
+    separate: bool = False
 
 
 @message("hop")

@@ -491,8 +491,12 @@ class Executor:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, key: StageKey, parts: list[Mapping[str, Any]]) -> asyncio.Future[RunOutput]:
-        """Run one batch (the parts are concatenated along dim 0) through a loaded stage."""
+    def run(
+        self, key: StageKey, parts: list[Mapping[str, Any]], separate: bool = False
+    ) -> asyncio.Future[RunOutput]:
+        """Run one batch (the parts are concatenated along dim 0) through a loaded stage; with
+        `separate`, each part through the stage on its own, one after the other (requests of a
+        model that takes one per forward, sent together: one hand-off for all of them)."""
         st = self._stage(key)
         if st.state is State.HOST:
             # Evicted since the broker last heard (the worker chooses its evictions): bring it
@@ -515,7 +519,13 @@ class Executor:
         st.users.append(done)
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(
-            self._compute, self._run_blocks, st, list(st.ready), parts, done, st.generation
+            self._compute,
+            self._run_blocks,
+            st,
+            list(st.ready),
+            [[p] for p in parts] if separate else [parts],
+            done,
+            st.generation,
         )
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
@@ -537,47 +547,55 @@ class Executor:
         self,
         st: Stage,
         ready: list[Any],
-        parts: list[Mapping[str, Any]],
+        batches: list[list[Mapping[str, Any]]],
         done: Any,
         generation: int,
     ) -> RunOutput:
+        """Each batch of parts (concatenated) through the stage's blocks, one batch after the
+        other: one batch for a run, one per part for a separate run."""
         dev = self.device
         marked = False
         try:
             with torch.inference_mode(), dev.compute(serving=True):
+                t0 = time.perf_counter()
+                wait_s = 0.0
+                outputs: list[tuple[dict[str, torch.Tensor], list[int]]] = []
                 try:
-                    inputs, rows = concat_parts(parts, dev.torch_device)
-                    t0 = time.perf_counter()
-                    wait_s = 0.0
-                    x: Any = inputs
-                    for i, block in enumerate(st.blocks):
-                        tw = time.perf_counter()
-                        ready[i].order_current()
-                        wait_s += time.perf_counter() - tw
-                        if generation in st.abandoned:
-                            raise FlowmeshError(
-                                Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted"
-                            )
-                        try:
-                            with SERVING_CALLS.shared():  # not while a model is traced
-                                x = call_model(block, x) if i == 0 else block(x)
-                        except Exception as exc:
-                            where = traceback.extract_tb(exc.__traceback__)[-1]
-                            raise FlowmeshError(
-                                Code.MODEL_ERROR,
-                                f"{st.key[0]}: block {i} raised {type(exc).__name__}: {exc} "
-                                f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
-                            ) from None
-                    outputs = self._off_arena(_named_outputs(x))
+                    for parts in batches:
+                        inputs, rows = concat_parts(parts, dev.torch_device)
+                        x: Any = inputs
+                        for i, block in enumerate(st.blocks):
+                            tw = time.perf_counter()
+                            ready[i].order_current()
+                            wait_s += time.perf_counter() - tw
+                            if generation in st.abandoned:
+                                raise FlowmeshError(
+                                    Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted"
+                                )
+                            try:
+                                with SERVING_CALLS.shared():  # not while a model is traced
+                                    x = call_model(block, x) if i == 0 else block(x)
+                            except Exception as exc:
+                                where = traceback.extract_tb(exc.__traceback__)[-1]
+                                raise FlowmeshError(
+                                    Code.MODEL_ERROR,
+                                    f"{st.key[0]}: block {i} raised {type(exc).__name__}: "
+                                    f"{exc} ({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
+                                ) from None
+                        outputs.append((self._off_arena(_named_outputs(x)), rows))
                 finally:
                     # Past this point of the compute stream the run no longer reads the stage's
                     # bytes (whatever happened): their later owners order after this marker, not
                     # after the outputs' trip to the host, which waits for the device.
                     dev.mark_done(done)
                     marked = True
-                outputs = {n: t.to("cpu") for n, t in outputs.items()}
+                parts_out = []
+                for out, rows in outputs:
+                    host = {n: t.to("cpu") for n, t in out.items()}
+                    parts_out.extend(split_rows(host, rows))
                 compute_s = time.perf_counter() - t0 - wait_s
-                return RunOutput(split_rows(outputs, rows), compute_s, wait_s, sum(rows))
+                total = sum(sum(rows) for _, rows in outputs)
+                return RunOutput(parts_out, compute_s, wait_s, total)
         finally:
             if not marked:  # the compute lane itself failed: nothing of the run was queued
                 dev.mark_done(done)

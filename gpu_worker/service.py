@@ -408,7 +408,7 @@ class WorkerService(MeshPeer):
         return parts
 
     def _run(self, msg: p.Run) -> None:
-        fut = self.executor.run((msg.model, msg.stage), self._parts(msg))
+        fut = self.executor.run((msg.model, msg.stage), self._parts(msg), separate=msg.separate)
 
         def result(out: RunOutput) -> p.Message:
             tensors = {

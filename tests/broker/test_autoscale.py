@@ -151,7 +151,8 @@ class Rig:
 
     def answer(self, run: p.Run, worker: str, now: float) -> None:
         y = p.TensorRef("float32", (1, 2), bytes(8))
-        msg = p.RunResult(id=run.id, model=run.model, stage=run.stage, tensors={"0/y": y}, info={})
+        tensors = {f"{k}/y": y for k in range(len(run.parts))}  # a grouped run: one each
+        msg = p.RunResult(id=run.id, model=run.model, stage=run.stage, tensors=tensors, info={})
         self.router.run_result(self.ctx.peers[worker], msg, now)
 
     def tick(self, now: float) -> None:
@@ -195,7 +196,7 @@ class Serve:
 
 
 def test_a_hot_model_gains_a_replica_then_loses_it_back_without_failing_a_request() -> None:
-    rig = Rig()
+    rig = Rig(group_runs=1)  # a run per request: the stand-in worker takes 0.5 s per run
     rig.worker("w0")
     rig.worker("w1")
     model = rig.model("m", "w0", "w1")
@@ -266,7 +267,7 @@ def test_a_hot_model_gains_a_replica_then_loses_it_back_without_failing_a_reques
 
 
 def test_a_model_that_stays_hot_grows_no_further_than_its_workers() -> None:
-    rig = Rig()
+    rig = Rig(group_runs=1)  # a run per request: the stand-in worker takes 0.5 s per run
     rig.worker("w0")
     rig.worker("w1")
     model = rig.model("m", "w0", "w1")

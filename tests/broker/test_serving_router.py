@@ -559,6 +559,37 @@ def test_a_batch_that_breaks_the_model_is_split_to_find_the_culprit() -> None:
     assert [m.parts for _, _, m in out[1:]] == [[[4, 1]]]
 
 
+def test_requests_of_a_model_taking_one_per_forward_share_a_run_each_computed_alone() -> None:
+    rig = Rig(group_runs=4)
+    peer = rig.worker("w0", max_inflight=2)
+    rig.model("m", [MIB], ["w0"], max_batch=1)
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    # An idle worker: the first two go at once, a run each (a short queue uses every lane).
+    first = [rig.infer("m", i, 0.0)[1][-1][2] for i in (1, 2)]
+    assert [(r.parts, r.separate) for r in first] == [([[1, 1]], False), ([[3, 1]], False)]
+    for i in range(3, 9):  # the worker is full: these six wait (tags 5 to 10)
+        assert rig.infer("m", i, 0.0, rows=1 + i % 2)[1] == []
+    # One place frees: four of the six (group_runs) go in one run, each computed on its own.
+    out = rig.result("w0", first[0], 0.1)
+    (grouped,) = [m for _, _, m in out if isinstance(m, p.Run)]
+    assert (grouped.parts, grouped.separate) == ([[5, 2], [6, 1], [7, 2], [8, 1]], True)
+    assert sorted(grouped.tensors) == ["0/x", "1/x", "2/x", "3/x"]
+    # Its answer: one Result per request (none shared a forward), and the last two go together.
+    out = rig.result("w0", grouped, 0.3)
+    answers = [m for _, _, m in out if isinstance(m, p.Result)]
+    assert [a.id for a in answers] == [3, 4, 5, 6]
+    assert {a.info["batch"] for a in answers} == {1}
+    (rest,) = [m for _, _, m in out if isinstance(m, p.Run)]
+    assert (rest.parts, rest.separate) == ([[9, 2], [10, 1]], True)
+    # A grouped run that breaks the model: each of its requests runs alone, to find the culprit.
+    rig.router.run_error(peer, p.Error(id=rest.id, code="model_error", reason="nan"), 0.5)
+    (solo,) = [m for _, _, m in rig.ctx.drain()]
+    assert (solo.parts, solo.separate) == ([[9, 2]], False)
+    (solo,) = [m for _, _, m in rig.result("w0", first[1], 0.6) if isinstance(m, p.Run)]
+    assert (solo.parts, solo.separate) == ([[10, 1]], False)
+    assert rig.ctx.totals["batches"] == 6 and rig.ctx.totals["completed"] == 6
+
+
 def test_a_run_that_cannot_be_sent_fails_its_requests_overloaded() -> None:
     rig = Rig()
     rig.worker("w0")
@@ -574,7 +605,7 @@ def test_a_run_that_cannot_be_sent_fails_its_requests_overloaded() -> None:
 
 
 def test_one_client_cannot_hold_more_than_its_share_of_requests() -> None:
-    rig = Rig(max_client_inflight=2)
+    rig = Rig(max_client_inflight=2, group_runs=1)  # queued requests stay queued, one per run
     rig.worker("w0", max_inflight=1)
     rig.model("m", [10 * MIB], ["w0"], max_batch=1)
     _, out = rig.infer("m", client_id=1, now=0.0)

@@ -143,6 +143,40 @@ def test_concurrent_clients_each_get_their_own_answers(mesh: LocalMesh) -> None:
     assert asyncio.run(main()) == [12] * 10
 
 
+def test_requests_of_a_model_taking_one_per_forward_share_runs_under_load(
+    mesh: LocalMesh,
+) -> None:
+    """A model deployed with max_batch_size 1 under a burst: queued requests travel to the
+    worker several to a run (fewer runs than requests), each computed alone, each answer its
+    own request's."""
+    spec = mlp_spec("one-per-forward", width=128, depth=4, seed=31)
+    ref = reference(spec)
+    with mesh.client() as c:
+        c.deploy(
+            spec.name,
+            spec.factory,
+            kwargs=spec.kwargs,
+            seed=spec.seed,
+            max_batch_size=1,
+            replicas=1,
+        )
+
+    async def burst() -> list[tuple[torch.Tensor, torch.Tensor, dict]]:  # type: ignore[type-arg]
+        async with AsyncClient(mesh.frontend, timeout=60) as client:
+            xs = [torch.randn(1 + k % 3, 128) for k in range(48)]
+            outs = await asyncio.gather(*(client.infer_with_info(spec.name, x) for x in xs))
+            return [(x, out, info) for x, (out, info) in zip(xs, outs, strict=True)]
+
+    answers = asyncio.run(burst())
+    for x, out, info in answers:
+        assert_forward_close(out, ref(x))
+        assert info["batch"] == 1  # no forward shared
+    with mesh.client() as c:
+        (row,) = [m for m in c.status()["models"] if m["name"] == spec.name]
+    assert row["completed"] == 48
+    assert row["batches"] < 48, row["batches"]  # several requests to a run
+
+
 def test_bad_requests_get_clear_errors_and_nothing_hangs(mesh: LocalMesh) -> None:
     with mesh.client(timeout=20) as c:
         with pytest.raises(errors.NotAllowed, match="allow-list"):

@@ -407,6 +407,36 @@ async def test_markers_completed_after_their_run_settled_are_dropped_later() -> 
     ex.close()
 
 
+async def test_a_separate_run_computes_each_part_on_its_own() -> None:
+    """Requests of a model that takes one per forward, sent in one run: each part's output is
+    its own forward's, not a slice of one forward over all of them."""
+
+    class Centred(nn.Module):
+        """Depends on the whole batch: x minus the batch's mean, then a Linear."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x - x.mean(dim=0, keepdim=True))
+
+    source = Centred()
+    ex = Executor(CpuStandIn(1 * MIB))
+    ex.add_stage(("c", 0), [Centred().to("meta")], HostStage.build([dict(source.state_dict())]))
+    await ex.load(("c", 0))
+    xs = [torch.randn(rows, 4) for rows in (3, 1, 2)]
+    out = await ex.run(("c", 0), [{"x": x} for x in xs], separate=True)
+    assert out.rows == 6 and len(out.parts) == 3
+    for x, part in zip(xs, out.parts, strict=True):
+        assert_forward_close(part[""], forward(source, x))
+    batched = await ex.run(("c", 0), [{"x": x} for x in xs])  # one forward over all rows
+    # The model tells the two apart: centred on all six rows, the first part's output moves.
+    assert (batched.parts[0][""] - out.parts[0][""]).abs().max() > 1e-2
+    assert ex.counters["runs"] == 2
+    ex.close()
+
+
 async def test_model_error_fails_the_run_not_the_executor() -> None:
     ex = Executor(CpuStandIn(8 * MIB))
     blocks, host, ref = stage_of(mlp("a"))
