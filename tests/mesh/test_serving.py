@@ -4,6 +4,7 @@ concurrency, errors."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -149,17 +150,12 @@ def test_requests_of_a_model_taking_one_per_forward_share_runs_under_load(
     """A model deployed with max_batch_size 1 under a burst: queued requests travel to the
     worker several to a run (fewer runs than requests), each computed alone, each answer its
     own request's."""
-    spec = mlp_spec("one-per-forward", width=128, depth=4, seed=31)
+    spec = dataclasses.replace(
+        mlp_spec("one-per-forward", width=128, depth=4, seed=31), max_batch_size=1
+    )
     ref = reference(spec)
     with mesh.client() as c:
-        c.deploy(
-            spec.name,
-            spec.factory,
-            kwargs=spec.kwargs,
-            seed=spec.seed,
-            max_batch_size=1,
-            replicas=1,
-        )
+        deploy(c, spec, replicas=1)
 
     async def burst() -> list[tuple[torch.Tensor, torch.Tensor, dict]]:  # type: ignore[type-arg]
         async with AsyncClient(mesh.frontend, timeout=60) as client:
