@@ -563,25 +563,8 @@ class Executor:
                 try:
                     for parts in batches:
                         inputs, rows = concat_parts(parts, dev.torch_device)
-                        x: Any = inputs
-                        for i, block in enumerate(st.blocks):
-                            tw = time.perf_counter()
-                            ready[i].order_current()
-                            wait_s += time.perf_counter() - tw
-                            if generation in st.abandoned:
-                                raise FlowmeshError(
-                                    Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted"
-                                )
-                            try:
-                                with SERVING_CALLS.shared():  # not while a model is traced
-                                    x = call_model(block, x) if i == 0 else block(x)
-                            except Exception as exc:
-                                where = traceback.extract_tb(exc.__traceback__)[-1]
-                                raise FlowmeshError(
-                                    Code.MODEL_ERROR,
-                                    f"{st.key[0]}: block {i} raised {type(exc).__name__}: "
-                                    f"{exc} ({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
-                                ) from None
+                        x, waited = self._forward(st, ready, inputs, generation)
+                        wait_s += waited
                         outputs.append((self._off_arena(_named_outputs(x)), rows))
                 finally:
                     # Past this point of the compute stream the run no longer reads the stage's
@@ -599,6 +582,29 @@ class Executor:
         finally:
             if not marked:  # the compute lane itself failed: nothing of the run was queued
                 dev.mark_done(done)
+
+    @staticmethod
+    def _forward(st: Stage, ready: list[Any], x: Any, generation: int) -> tuple[Any, float]:
+        """`x` through the stage's blocks, each once its bytes are in; returns the output and
+        the seconds spent waiting for them."""
+        wait_s = 0.0
+        for i, block in enumerate(st.blocks):
+            tw = time.perf_counter()
+            ready[i].order_current()
+            wait_s += time.perf_counter() - tw
+            if generation in st.abandoned:
+                raise FlowmeshError(Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted")
+            try:
+                with SERVING_CALLS.shared():  # not while a model is traced
+                    x = call_model(block, x) if i == 0 else block(x)
+            except Exception as exc:
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                raise FlowmeshError(
+                    Code.MODEL_ERROR,
+                    f"{st.key[0]}: block {i} raised {type(exc).__name__}: {exc} "
+                    f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
+                ) from None
+        return x, wait_s
 
     def _off_arena(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Outputs that view the arena (a block returning a weight) are copied, on the compute
