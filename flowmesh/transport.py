@@ -38,6 +38,13 @@ from flowmesh.protocol import (
 
 LINGER_MS = 200
 
+# pyzmq's constants are enum members, and flag arithmetic on them costs microseconds; the
+# readers and senders below use them several times per message, so as plain ints.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
 
 class PeerGone(FlowmeshError):
     """The peer an address names is not connected (ROUTER_MANDATORY)."""
@@ -111,6 +118,27 @@ class _Channel:
         self.sync = zmq.Socket.shadow(sock.underlying)
         self.waiter: asyncio.Future[None] | None = None
 
+    def readable(self) -> bool:
+        """A whole message is queued (reading the events also re-arms the FD's edge)."""
+        return bool(self.sync.getsockopt(_EVENTS) & _POLLIN)
+
+    def recv(self) -> list[zmq.Frame]:
+        """One queued message's frames (pyzmq's recv_multipart asks RCVMORE of the socket
+        after each frame; the frame knows it)."""
+        recv = self.sync.recv
+        frame = recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
+
+    def send(self, frames: list[Any]) -> None:
+        send = self.sync.send
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
+
     def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -120,7 +148,7 @@ class _Channel:
         """After a send from elsewhere: libzmq's FD is edge-triggered and a send may consume
         the edge of messages that arrived meanwhile, so look at the socket's events and wake a
         waiting reader if it has input (pyzmq's asyncio layer does the same after its sends)."""
-        if self.waiter is not None and self.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self.waiter is not None and self.readable():
             self.wake()
 
 
@@ -148,7 +176,7 @@ def send_frames(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
         if sock.closed:  # the shadow's handle is freed with the socket: never touch it
             _send_failed(zmq.ZMQError(zmq.ENOTSOCK))
         try:
-            chan.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            chan.send(frames)
         except zmq.ZMQError as exc:
             _send_failed(exc)
         finally:
@@ -214,7 +242,7 @@ async def pump(
     """
     throttle = LogThrottle(log)
 
-    def one(frames: list[Any]) -> Awaitable[None]:
+    def one(frames: list[Any]) -> Awaitable[None] | None:
         return handle_one(
             sock,
             frames,
@@ -241,7 +269,6 @@ async def read_frames(
     under the reader, say); `on_frames` must not raise."""
     loop = asyncio.get_running_loop()
     chan = _CHANNELS[sock] = _Channel(sock)
-    recv = chan.sync.recv_multipart
     fd = chan.sync.getsockopt(zmq.FD)
     # pyzmq registers its own reader on this FD the first time it needs the loop; have that
     # happen now, so that it cannot later replace ours (the loop keeps one reader per FD).
@@ -256,9 +283,11 @@ async def read_frames(
             while n < YIELD_EVERY:
                 if sock.closed:  # the shadow's handle is freed with the socket: never touch it
                     raise zmq.ZMQError(zmq.ENOTSOCK)
+                if not chan.readable():
+                    break
                 try:
-                    frames = recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                    frames = chan.recv()
+                except zmq.Again:  # readable() said a message was queued; never mind it
                     break
                 n += 1
                 result = on_frames(frames)
@@ -266,18 +295,19 @@ async def read_frames(
                     await result
             if n >= YIELD_EVERY:
                 await asyncio.sleep(0)
-            elif not chan.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                # Empty: sleep until the FD fires or a send elsewhere finds input (`poke`).
-                chan.waiter = loop.create_future()
-                # Closing the socket under its reader takes the FD's loop reader with it (pyzmq
-                # clears its own): look again within a second, so that the reader ends (above)
-                # rather than waits for ever.
-                check = loop.call_later(CLOSED_CHECK_S, chan.wake)
-                try:
-                    await chan.waiter
-                finally:
-                    chan.waiter = None
-                    check.cancel()
+                continue
+            # Empty (just seen): sleep until the FD fires or a send elsewhere finds input
+            # (`poke`).
+            chan.waiter = loop.create_future()
+            # Closing the socket under its reader takes the FD's loop reader with it (pyzmq
+            # clears its own): look again within a second, so that the reader ends (above)
+            # rather than waits for ever.
+            check = loop.call_later(CLOSED_CHECK_S, chan.wake)
+            try:
+                await chan.waiter
+            finally:
+                chan.waiter = None
+                check.cancel()
     finally:
         if _CHANNELS.get(sock) is chan:
             del _CHANNELS[sock]
@@ -285,7 +315,7 @@ async def read_frames(
             loop.remove_reader(fd)
 
 
-async def handle_one(
+def handle_one(
     sock: zmq.asyncio.Socket,
     frames: list[Any],
     handle: Handler,
@@ -295,16 +325,19 @@ async def handle_one(
     limits: Limits = DEFAULT_LIMITS,
     throttle: LogThrottle | None = None,
     with_user: bool = False,
-) -> None:
+) -> Awaitable[None] | None:
     """Decode and dispatch one received message; answer any failure with an Error. Never
     raises (except cancellation): one message must not end its socket's reader.
+
+    Synchronous when the handler is (no coroutine per message); for a coroutine handler it
+    returns what to await, which answers that handler's failure the same way.
 
     `with_user`: the handler takes the ZAP User-Id of the connection as a third argument
     (None when the connection has none)."""
     throttle = throttle or LogThrottle(log)
     if routed:
         if not frames:
-            return
+            return None
         envelope, body = frames[:1], frames[1:]
         peer: bytes | None = envelope[0].bytes if hasattr(envelope[0], "bytes") else envelope[0]
     else:
@@ -315,18 +348,15 @@ async def handle_one(
         if throttle.allow():
             log.warning("rejected message from %r: %s", peer, exc)
         _answer(sock, envelope, error_for(exc), log)
-        return
+        return None
     except Exception as exc:  # a decoder bug: the message is still the sender's fault
         if throttle.allow():
             log.exception("could not decode a message from %r", peer)
         reason = f"undecodable message: {type(exc).__name__}"
         _answer(sock, envelope, Error(id=None, code=str(Code.BAD_MESSAGE), reason=reason), log)
-        return
-    try:
-        result = handle(peer, msg, user_id(frames[-1])) if with_user else handle(peer, msg)
-        if result is not None:
-            await result
-    except Exception as exc:
+        return None
+
+    def refused(exc: Exception) -> None:
         # Throttled: a refusal (OVERLOADED under a flood) or a handler bug a peer can trigger
         # at will must not turn into a log line per message.
         if not throttle.allow():
@@ -338,6 +368,22 @@ async def handle_one(
         if isinstance(msg, Error):
             return  # never answer an error with an error: two peers would bounce it forever
         _answer(sock, envelope, error_for(exc, getattr(msg, "id", None)), log)
+
+    try:
+        result = handle(peer, msg, user_id(frames[-1])) if with_user else handle(peer, msg)
+    except Exception as exc:
+        refused(exc)
+        return None
+    if result is None:
+        return None
+
+    async def finish(pending: Awaitable[None]) -> None:
+        try:
+            await pending
+        except Exception as exc:
+            refused(exc)
+
+    return finish(result)
 
 
 def _answer(
