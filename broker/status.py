@@ -75,16 +75,29 @@ class Timings:
             ["worker"],
             registry=None,
         )
+        self._children: dict[str, tuple[Histogram, ...]] = {}
 
     def answered(self, model: str, info: Mapping[str, Any]) -> None:
         """One request answered with `info` (the Result's, in milliseconds)."""
-        self.latency.labels(model).observe(info["latency_ms"] / 1000)
-        self.queue_wait.labels(model).observe(info["queue_ms"] / 1000)
-        self.load_wait.labels(model).observe(info["load_wait_ms"] / 1000)
-        self.run.labels(model).observe(info["run_ms"] / 1000)
+        latency, queue_wait, load_wait, run, _ = self._of(model)
+        latency.observe(info["latency_ms"] / 1000)
+        queue_wait.observe(info["queue_ms"] / 1000)
+        load_wait.observe(info["load_wait_ms"] / 1000)
+        run.observe(info["run_ms"] / 1000)
 
     def batch_started(self, model: str, requests: int) -> None:
-        self.batch.labels(model).observe(requests)
+        self._of(model)[4].observe(requests)
+
+    def _of(self, model: str) -> tuple[Histogram, ...]:
+        """A model's histogram children, looked up once (`labels` takes a lock and builds a
+        key on every call; these run for every request answered)."""
+        got = self._children.get(model)
+        if got is None:
+            got = self._children[model] = tuple(
+                h.labels(model)
+                for h in (self.latency, self.queue_wait, self.load_wait, self.run, self.batch)
+            )
+        return got
 
     def loaded(self, worker: str, nbytes: int, seconds: float) -> None:
         self.load.labels(worker).observe(seconds)
