@@ -10,9 +10,17 @@ here and sets the creating thread's count in each of its threads at start.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def torch_pool(workers: int, name: str) -> ThreadPoolExecutor:
@@ -23,3 +31,80 @@ def torch_pool(workers: int, name: str) -> ThreadPoolExecutor:
         initializer=torch.set_num_threads,
         initargs=(torch.get_num_threads(),),
     )
+
+
+class TorchLanes:
+    """Threads that run torch calls for an event loop: `submit` returns an asyncio future,
+    settled on the loop when the call returns.
+
+    What `loop.run_in_executor` on a `torch_pool` does, without concurrent.futures' machinery
+    between the two (a Future with its condition variable per call, chained to the asyncio
+    future through callbacks): for a small model's run that machinery cost about a quarter of
+    the CPU of the run itself (scripts/bench_lanes.py). Like a `torch_pool`, each thread runs
+    torch with the thread count of the thread creating the lanes.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        threads = torch.get_num_threads()
+        self._threads = [
+            threading.Thread(target=self._work, args=(threads,), name=f"{name}_{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        if self._closed:
+            raise RuntimeError("cannot run on lanes that were shut down")
+        fut: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, fut, fn, args))
+        return fut
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Stop the threads once they finish their current call; calls not started are
+        cancelled (`cancel_futures`) or still run first."""
+        self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    loop, fut = item[0], item[1]
+                    with contextlib.suppress(RuntimeError):  # its loop is closed already
+                        loop.call_soon_threadsafe(fut.cancel)
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+    def _work(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            loop, fut, fn, args = item
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # the caller's future carries it, whatever it is
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():  # cancelled meanwhile
+        return
+    if error is None:
+        fut.set_result(result)
+    elif isinstance(error, StopIteration):  # a future cannot hold one
+        fut.set_exception(RuntimeError(f"StopIteration: {error}"))
+    else:
+        fut.set_exception(error)

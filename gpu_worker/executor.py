@@ -41,7 +41,7 @@ from torch import nn
 
 from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.threads import torch_pool
+from flowmesh.threads import TorchLanes, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
@@ -179,7 +179,7 @@ class Executor:
         self._queued = [0] * self.copy_lanes
         self._warm_lanes()
         self._waiter = torch_pool(1, "copy-wait")
-        self._compute = torch_pool(compute_lanes, "compute")
+        self._compute = TorchLanes(compute_lanes, "compute")
         self.compute_lanes = compute_lanes
         self._tasks: set[asyncio.Task[None]] = set()
         # Called (on the event loop) when the executor's own choice changed what is resident.
@@ -517,9 +517,8 @@ class Executor:
         # Runs that are past their marker no longer read the bytes: keep only those that may.
         st.users = [m for m in st.users if not m.done()]
         st.users.append(done)
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(
-            self._compute,
+        fut = self._compute.submit(
+            asyncio.get_running_loop(),
             self._run_blocks,
             st,
             list(st.ready),
@@ -587,23 +586,33 @@ class Executor:
     def _forward(st: Stage, ready: list[Any], x: Any, generation: int) -> tuple[Any, float]:
         """`x` through the stage's blocks, each once its bytes are in; returns the output and
         the seconds spent waiting for them."""
+        blocks = st.blocks
         wait_s = 0.0
-        for i, block in enumerate(st.blocks):
+        i = 0
+        while i < len(blocks):
             tw = time.perf_counter()
             ready[i].order_current()
             wait_s += time.perf_counter() - tw
+            # This block and the ones after it whose bytes are already in run under one hold
+            # of the lock (for a resident stage: all of them, one hold per forward); a block
+            # still loading is waited for outside it, so a builder never waits on a copy.
+            end = i + 1
+            while end < len(blocks) and ready[end].done():
+                end += 1
             if generation in st.abandoned:
                 raise FlowmeshError(Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted")
-            try:
-                with SERVING_CALLS.shared():  # not while a model is traced
-                    x = call_model(block, x) if i == 0 else block(x)
-            except Exception as exc:
-                where = traceback.extract_tb(exc.__traceback__)[-1]
-                raise FlowmeshError(
-                    Code.MODEL_ERROR,
-                    f"{st.key[0]}: block {i} raised {type(exc).__name__}: {exc} "
-                    f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
-                ) from None
+            with SERVING_CALLS.shared():  # not while a model is traced
+                for k in range(i, end):
+                    try:
+                        x = call_model(blocks[k], x) if k == 0 else blocks[k](x)
+                    except Exception as exc:
+                        where = traceback.extract_tb(exc.__traceback__)[-1]
+                        raise FlowmeshError(
+                            Code.MODEL_ERROR,
+                            f"{st.key[0]}: block {k} raised {type(exc).__name__}: {exc} "
+                            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
+                        ) from None
+            i = end
         return x, wait_s
 
     def _off_arena(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

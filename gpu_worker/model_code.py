@@ -33,20 +33,24 @@ class SharedLock:
         self._owner: int | None = None
         self._depth = 0
         self._waiting = 0
+        self._shared_side = _SharedSide(self)
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self) -> _SharedSide:
+        """The shared side, as a context manager (one object: it is taken for every serving
+        forward, where a generator-based one costs more than the forward of a small model)."""
+        return self._shared_side
+
+    def acquire_shared(self) -> None:
         with self._cond:
             while self._owner is not None or self._waiting:
                 self._cond.wait()
             self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                if not self._shared:
-                    self._cond.notify_all()
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._shared -= 1
+            if not self._shared:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -67,6 +71,19 @@ class SharedLock:
                 if not self._depth:
                     self._owner = None
                     self._cond.notify_all()
+
+
+class _SharedSide:
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: SharedLock) -> None:
+        self.lock = lock
+
+    def __enter__(self) -> None:
+        self.lock.acquire_shared()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release_shared()
 
 
 SERVING_CALLS = SharedLock()

@@ -8,6 +8,8 @@ tiny model (`--width`, one Linear + GELU + Linear) is timed in the same run:
 - **inline**: the forward called on the event loop's thread (the reference; not what a worker does);
 - **bare pool**: `run_in_executor` on a one-thread pool (the hand-off alone, and the GIL: every
   torch op releases and takes it again, so the loop and the lane trade it at each op);
+- **lanes**: `flowmesh.threads.TorchLanes.submit`, what the executor hands runs to (no
+  concurrent.futures machinery between the lane and the loop);
 - **executor**: `gpu_worker.executor.Executor.run` on a loaded stage (the hand-off plus the run's
   bookkeeping: markers, batching of parts, outputs split back).
 
@@ -30,7 +32,7 @@ import uvloop
 
 from flowmesh.build import build_meta, build_seeded
 from flowmesh.spec import ModelSpec
-from flowmesh.threads import torch_pool
+from flowmesh.threads import TorchLanes, torch_pool
 from gpu_worker.device import CpuStandIn
 from gpu_worker.executor import Executor
 from gpu_worker.host_tier import HostStage
@@ -70,6 +72,11 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     async def bare() -> torch.Tensor:
         return await loop.run_in_executor(pool, forward)
 
+    lanes = TorchLanes(args.lanes, "lanes")
+
+    async def lane() -> torch.Tensor:
+        return await lanes.submit(loop, forward)
+
     ex = Executor(CpuStandIn(64 << 20), compute_lanes=args.lanes)
     host = HostStage.build([dict(b.state_dict()) for b in model.children()])
     ex.add_stage(("tiny", 0), list(build_meta(spec).children()), host)
@@ -79,10 +86,16 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         return await ex.run(("tiny", 0), [{"": x}])
 
     results = {}
-    for name, one in (("inline", inline), ("bare pool", bare), ("executor", executor)):
+    for name, one in (
+        ("inline", inline),
+        ("bare pool", bare),
+        ("lanes", lane),
+        ("executor", executor),
+    ):
         results[name] = await timed(one, args.runs, args.concurrency)
     ex.close()
     pool.shutdown()
+    lanes.shutdown()
     return results
 
 

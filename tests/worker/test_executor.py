@@ -177,6 +177,44 @@ async def test_a_cold_run_computes_its_first_block_before_its_last_block_is_copi
     ex.close()
 
 
+async def test_a_run_waiting_for_bytes_does_not_keep_a_model_from_being_built() -> None:
+    # A resident stage's forward takes the serving lock once; a run still waiting for a
+    # block's bytes must wait outside it, or a deploy building a model (the lock's exclusive
+    # side) would wait for that whole copy. The last block's copy is held back until a build
+    # got through; a run holding the lock across its wait would keep the build out.
+    from gpu_worker.model_code import building_model
+
+    dev = RecordingCpu(8 * MIB)
+    ex = Executor(dev, copy_chunk_bytes=1)
+    blocks, host, ref = stage_of(mlp("a", depth=6))
+    ex.add_stage(("a", 0), blocks, host)
+    first_computed = threading.Event()
+    blocks[0].register_forward_hook(lambda *_: first_computed.set())
+    built: list[bool] = []
+
+    def build_before_last_copy(marker: Any) -> None:
+        if marker is not ex.stages[("a", 0)].copies[-1].marker:
+            return
+        assert first_computed.wait(10), "the run did not start computing"
+        entered = threading.Event()
+
+        def build() -> None:
+            with building_model():
+                entered.set()
+
+        threading.Thread(target=build, daemon=True).start()
+        built.append(entered.wait(5))
+
+    dev.before_copy = build_before_last_copy
+    loading = ex.load(("a", 0))
+    x = torch.randn(2, 256)
+    out = await ex.run(("a", 0), [{"x": x}])  # issued before the load completed
+    await loading
+    assert built == [True], "a model could not be built while a run waited for a copy"
+    assert_forward_close(out.parts[0][""], forward(ref, x))
+    ex.close()
+
+
 async def test_batch_of_parts_is_split_back() -> None:
     ex = Executor(CpuStandIn(8 * MIB))
     blocks, host, ref = stage_of(mlp("a"))

@@ -1,0 +1,54 @@
+"""TorchLanes: calls run on the lanes' threads and settle their futures on the loop, errors
+included; shutting down cancels what has not started, so no caller waits for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from flowmesh.threads import TorchLanes
+
+
+async def test_results_and_errors_come_back_on_the_loop() -> None:
+    lanes = TorchLanes(2, "t")
+    loop = asyncio.get_running_loop()
+    caller = threading.get_ident()
+    try:
+        total, ran_in = await lanes.submit(loop, lambda a, b: (a + b, threading.get_ident()), 2, 3)
+        assert total == 5 and ran_in != caller
+        got, ran_on = await lanes.submit(loop, lambda: (7, threading.current_thread().name))
+        assert got == 7 and ran_on.startswith("t_")
+
+        def boom() -> None:
+            raise ValueError("from a lane")
+
+        with pytest.raises(ValueError, match="from a lane"):
+            await lanes.submit(loop, boom)
+    finally:
+        lanes.shutdown()
+
+
+async def test_shutdown_cancels_calls_not_started_and_refuses_new_ones() -> None:
+    lanes = TorchLanes(1, "t")
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold() -> str:
+        started.set()
+        release.wait(10)
+        return "held"
+
+    running = lanes.submit(loop, hold)
+    queued = [lanes.submit(loop, lambda: "never") for _ in range(3)]
+    await asyncio.to_thread(started.wait, 10)
+    lanes.shutdown(cancel_futures=True)
+    release.set()
+    assert await running == "held"  # the call under way finishes
+    for fut in queued:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(fut, 10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        lanes.submit(loop, lambda: 1)
