@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
+import typing
 
 import msgpack
 import numpy as np
@@ -334,6 +336,93 @@ def test_any_value_anywhere_in_a_header_is_a_decode_error_or_valid(data: st.Data
         p.decode([msgpack.packb(head), *frames[1:]])
     except p.DecodeError as exc:
         assert exc.ref is None or type(exc.ref) is int
+
+
+# --------------------------------------------------------------------------- the fast path
+
+# Values msgspec reads into an `Any` field more liberally than msgpack.unpackb(strict_map_key=
+# True) does: maps keyed by ints, timestamps, extension types.
+LIBERAL = st.one_of(
+    WRONG,
+    st.dictionaries(st.integers(-3, 3), st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=2),
+    st.builds(lambda: {"k": {1: "v"}}),  # fresh each draw: the test mutates what it draws
+    st.builds(lambda: [{b"k": 1}]),
+    st.builds(msgpack.Timestamp, st.integers(0, 2**32 - 1)),
+    st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=4)),
+)
+
+HOT = [
+    p.Infer(id=1, model="m", tensors={"x": torch.ones(2, 3), "y": torch.ones(0)}),
+    p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
+    p.RunResult(id=2, model="m", stage=0, tensors={"0/": torch.ones(2)}, info={"compute_s": 1}),
+    p.Result(id=1, tensors={"": torch.ones(1)}, info={"batch": 1, "workers": ["w"], "a": {}}),
+    p.Heartbeat(stats={"runs": 3, "stages": {"m/0": "resident"}, "x": [1.5, None]}),
+    p.Register(id=3, role="worker", name="w", pid=4, info={"a": [1]}),
+    p.Error(id=None, code="internal", reason="r"),
+    p.PlanRequest(id=5, spec={"name": "m"}, stages=2),
+]
+
+
+def _same(a: p.Message, b: p.Message) -> bool:
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "tensors":
+            if [(k, t.dtype, t.shape, t.frame) for k, t in x.items()] != [
+                (k, t.dtype, t.shape, t.frame) for k, t in y.items()
+            ]:
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_every_message_type_takes_the_fast_path() -> None:
+    for name, cls in p.message_types().items():
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            tp = hints[f.name]
+            origin = typing.get_origin(tp)
+            kwargs[f.name] = {int: 3, str: "s", float: 1.5, bool: True}.get(
+                tp, {} if origin is dict else [] if origin is list else None
+            )
+        frames = p.encode(cls(**kwargs))
+        fast = p._decode_fast(frames, p.DEFAULT_LIMITS)
+        assert fast is not None, f"{name} is decoded field by field"
+        assert _same(fast, p._decode_checked(frames)), name
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_fast_path_accepts_nothing_the_checked_path_refuses(data: st.DataObject) -> None:
+    base = data.draw(st.sampled_from(HOT))
+    frames = p.encode(base)
+    head = msgpack.unpackb(frames[0])
+    for _ in range(data.draw(st.integers(1, 2))):
+        slots = _slots(head)
+        if not slots:
+            break
+        slot = data.draw(st.sampled_from(slots))
+        target = head
+        for key in slot[:-1]:
+            target = target[key]  # type: ignore[index]
+        if isinstance(target, dict | list):
+            target[slot[-1]] = data.draw(LIBERAL)  # type: ignore[index]
+    if data.draw(st.booleans()):
+        head[data.draw(st.sampled_from(["extra", "tensors", "v", "t", "id"]))] = data.draw(LIBERAL)
+    frames = [msgpack.packb(head), *frames[1:]]
+    fast = p._decode_fast(frames, p.DEFAULT_LIMITS)
+    try:
+        checked: p.Message | None = p._decode_checked(frames)
+    except p.DecodeError:
+        checked = None
+    if fast is not None:
+        assert checked is not None, f"the fast path took what the checked path refuses: {head}"
+        assert _same(fast, checked), (fast, checked)
 
 
 # --------------------------------------------------------------------------- the reader
