@@ -7,7 +7,9 @@ import argparse
 from broker.core import BrokerConfig
 from broker.service import BrokerService
 from flowmesh import logs, metrics
+from flowmesh.affinity import pin_process
 from flowmesh.config import (
+    CPUS,
     FLOAT,
     INT,
     LOG_LEVEL_OPTION,
@@ -115,6 +117,7 @@ OPTIONS = Options(
             None,
             "key directory (flowmesh keys init): CURVE on both sockets, only its keys let in",
         ),
+        CPUS,
         METRICS_PORT,
         Option(
             "--state-dir",
@@ -134,6 +137,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = OPTIONS.parse(argv)
+    if args.cpus:
+        try:
+            pin_process(args.cpus)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     logs.setup("broker", args.log_level)
     if args.eviction not in ("value", "lru", "count"):
         raise SystemExit(f"--eviction {args.eviction!r}: expected value, lru or count")

@@ -245,6 +245,13 @@ METRICS_PORT = Option(
     "--metrics-port", INT, 0, "serve Prometheus /metrics on this TCP port (0: off)"
 )
 LOG_LEVEL_OPTION = Option("--log-level", LOG_LEVEL, None, "debug, info, warning, error or critical")
+CPUS = Option(
+    "--cpus",
+    TEXT,
+    None,
+    "run this process on these CPUs only, as taskset writes them (0-3,6); a worker on the "
+    "cores next to its GPU, the broker on cores no worker uses (default: any)",
+)
 # A partitioner's or worker's own allow-list (it narrows the broker's) and its CURVE key.
 PEER_ALLOW = Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True)
 PEER_KEYS = Option(

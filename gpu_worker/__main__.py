@@ -9,8 +9,10 @@ import sys
 import torch
 
 from flowmesh import logs, metrics
+from flowmesh.affinity import pin_process
 from flowmesh.auth import load_keys
 from flowmesh.config import (
+    CPUS,
     FLOAT,
     INT,
     LOG_LEVEL_OPTION,
@@ -54,6 +56,7 @@ OPTIONS = Options(
         Option("--name", TEXT, None, "worker name (default host-device)"),
         Option("--compute-lanes", INT, 2, "concurrent runs"),
         Option("--threads", INT, None, "torch CPU threads"),
+        CPUS,
         PEER_ALLOW,
         PEER_KEYS,
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
@@ -105,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = OPTIONS.parse(argv)
+    if args.cpus:
+        try:
+            pin_process(args.cpus)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     logs.setup("worker", args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)

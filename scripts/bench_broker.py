@@ -6,12 +6,16 @@ processes like the mesh's, are (1) a raw DEALER->ROUTER echo and (2) a raw relay
 echo, i.e. the same four hops with no flowmesh logic. Sequential latency (one request at a time)
 and pipelined throughput (many outstanding) are both reported, as ratios.
 
+`--pin A,B` runs the broker on CPU A and the worker on CPU B (`--cpus`), and the references
+alike: the relay on A, the echo servers on B; the client (this process) is not pinned. Without
+it every process runs anywhere, as the kernel places it.
+
 The three are interleaved in rounds (after one warm-up round), so that machine noise hits them
 alike; each round gives its own ratios, and the summary is their median over the rounds (on a
 shared machine one round's raw relay p50 can move by several times).
 
     python scripts/bench_broker.py [--requests 2000] [--concurrency 32] [--rounds 5]
-        [--out bench-out]
+        [--pin 0,1] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -35,9 +40,15 @@ from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
 
 
-def echo_server(endpoint: str, envelope: int, ready: Any) -> None:
+def pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})  # before the ZeroMQ context: its threads inherit it
+
+
+def echo_server(endpoint: str, envelope: int, cpu: int | None, ready: Any) -> None:
     """ROUTER that decodes each message and answers with its tensors (like a worker would).
     `envelope` routing frames precede the message (2 behind a relay: relay's and client's)."""
+    pin(cpu)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port(endpoint)
@@ -49,8 +60,9 @@ def echo_server(endpoint: str, envelope: int, ready: Any) -> None:
         sock.send_multipart([*frames[:envelope], *p.encode(reply)], copy=False)
 
 
-def relay_server(endpoint: str, upstream: str, ready: Any) -> None:
+def relay_server(endpoint: str, upstream: str, cpu: int | None, ready: Any) -> None:
     """ROUTER in front, DEALER behind: forwards frames both ways without decoding (zmq.proxy)."""
+    pin(cpu)
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER)
     port = front.bind_to_random_port(endpoint)
@@ -128,8 +140,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--width", type=int, default=16, help="tiny model width (payload floats)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after a warm-up)")
+    ap.add_argument(
+        "--pin",
+        default="",
+        help="A,B: broker and relay on CPU A, worker and echo servers on CPU B (default: off)",
+    )
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    front_cpu = back_cpu = None
+    if args.pin:
+        front_cpu, back_cpu = (int(c) for c in args.pin.split(","))
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     procs = []
@@ -140,8 +160,13 @@ def main() -> None:
         procs.append(proc)
         return f"tcp://127.0.0.1:{q.get(timeout=30)}"
 
-    echo_ep = start(echo_server, "tcp://127.0.0.1", 1)
-    relay_ep = start(relay_server, "tcp://127.0.0.1", start(echo_server, "tcp://127.0.0.1", 2))
+    echo_ep = start(echo_server, "tcp://127.0.0.1", 1, back_cpu)
+    relay_ep = start(
+        relay_server,
+        "tcp://127.0.0.1",
+        start(echo_server, "tcp://127.0.0.1", 2, back_cpu),
+        front_cpu,
+    )
     x = torch.randn(1, args.width)
     paths = (
         ("raw echo (1 hop each way)", run_raw, echo_ep),
@@ -150,7 +175,12 @@ def main() -> None:
     )
     rounds: list[dict[str, dict[str, float]]] = []
     with LocalMesh(
-        cpu_workers=1, memory_budget="64MiB", partitioner=True, threads_per_worker=1
+        cpu_workers=1,
+        memory_budget="64MiB",
+        partitioner=True,
+        threads_per_worker=1,
+        broker_args=["--cpus", str(front_cpu)] if args.pin else [],
+        worker_args=["--cpus", str(back_cpu)] if args.pin else [],
     ) as mesh:
         with mesh.client() as c:
             c.deploy(
@@ -200,6 +230,7 @@ def main() -> None:
         requests=args.requests,
         concurrency=args.concurrency,
         width=args.width,
+        pin=args.pin or None,
     )
     out = Path(args.out)
     out.mkdir(exist_ok=True)
