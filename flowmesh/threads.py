@@ -90,13 +90,24 @@ class TorchLanes:
             item = self._queue.get()
             if item is None:
                 return
-            loop, fut, fn, args = item
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:  # the caller's future carries it, whatever it is
-                result, error = None, exc
-            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
-                loop.call_soon_threadsafe(_settle, fut, result, error)
+            _run_one(*item)
+            # What the call was given must not outlive it while the thread waits for the next
+            # (a stage's host buffer goes back to its slab when nothing holds the stage).
+            del item
+
+
+def _run_one(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future[Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    try:
+        result, error = fn(*args), None
+    except BaseException as exc:  # the caller's future carries it, whatever it is
+        result, error = None, exc
+    with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+        loop.call_soon_threadsafe(_settle, fut, result, error)
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
