@@ -29,7 +29,7 @@ from flowmesh.auth import CurveKeys, stop_watching, watch_handshakes
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
-from flowmesh.transport import connect_dealer, pump, send
+from flowmesh.transport import connect_dealer, pump, send, send_from_thread
 
 
 class MeshPeer:
@@ -141,6 +141,20 @@ class MeshPeer:
             )
         return False
 
+    def send_from_thread(self, msg: p.Message) -> bool:
+        """Send `msg` from a thread other than the event loop's (a compute lane answering its
+        own run), encoded on that thread. False, with nothing sent, when it cannot go out from
+        there; the caller then hands it to `send` on the loop, which drops or answers it as
+        it always does."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            frames = p.encode(msg)
+        except Exception:  # e.g. a dtype that cannot travel: `send` answers with an Error
+            return False
+        return send_from_thread(sock, frames)
+
     def _on_message(self, _peer: bytes | None, msg: p.Message) -> None:
         self.last_heard = time.monotonic()
         if isinstance(msg, p.RegisterAck):
@@ -239,9 +253,12 @@ class MeshPeer:
                 self.sock = None
                 session.cancel()
                 reader.cancel()
+                await asyncio.gather(session, reader, return_exceptions=True)
+                # The reader has ended: no compute lane sends on the socket any more
+                # (`send_from_thread`), so the loop may touch it alone.
                 stop_watching(sock)
                 watcher.cancel()
-                await asyncio.gather(session, reader, watcher, return_exceptions=True)
+                await asyncio.gather(watcher, return_exceptions=True)
                 sock.close(linger=0)
             if not reader.cancelled():
                 # Only a failing socket ends the reader: stop the process (exit status 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -110,34 +111,45 @@ def connect_dealer(
 class _Channel:
     """A pumped socket's fast path: a plain (sync) shadow of the same libzmq socket, read and
     written with NOBLOCK, bypassing pyzmq's asyncio layer (a future and poller round per
-    message), and the future its reader waits on while the socket is empty."""
+    message), and the future its reader waits on while the socket is empty.
 
-    __slots__ = ("sync", "waiter")
+    A libzmq socket may be used by one thread at a time. Its loop uses it, and `send_from_thread`
+    lets other threads of the process send on it too (a worker's compute lane answering its own
+    run): every use of the socket holds `lock` (uncontended, a fraction of a microsecond), and
+    `open` turns False, under the lock, when the reader ends, before anyone closes the socket."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    __slots__ = ("lock", "loop", "open", "sync", "waiter")
+
+    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
         self.sync = zmq.Socket.shadow(sock.underlying)
         self.waiter: asyncio.Future[None] | None = None
+        self.lock = threading.Lock()
+        self.loop = loop
+        self.open = True
 
     def readable(self) -> bool:
         """A whole message is queued (reading the events also re-arms the FD's edge)."""
-        return bool(self.sync.getsockopt(_EVENTS) & _POLLIN)
+        with self.lock:
+            return bool(self.sync.getsockopt(_EVENTS) & _POLLIN)
 
     def recv(self) -> list[zmq.Frame]:
         """One queued message's frames (pyzmq's recv_multipart asks RCVMORE of the socket
         after each frame; the frame knows it)."""
         recv = self.sync.recv
-        frame = recv(_NOBLOCK, copy=False)
-        frames = [frame]
-        while frame.more:
+        with self.lock:
             frame = recv(_NOBLOCK, copy=False)
-            frames.append(frame)
+            frames = [frame]
+            while frame.more:
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame)
         return frames
 
     def send(self, frames: list[Any]) -> None:
         send = self.sync.send
         last = len(frames) - 1
-        for i, frame in enumerate(frames):
-            send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
+        with self.lock:
+            for i, frame in enumerate(frames):
+                send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -162,6 +174,35 @@ def _send_failed(exc: BaseException) -> None:
     if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
         raise PeerGone("peer is not connected")
     raise exc
+
+
+def send_from_thread(sock: zmq.asyncio.Socket, frames: list[Any]) -> bool:
+    """`send_frames` from a thread other than the socket's event loop, where the socket has a
+    reader (`read_frames`). False, with nothing sent, when it cannot go now: no reader (the
+    socket is closing), a full queue, a peer gone; the caller then hands the message to the
+    loop, whose own send says what happened.
+
+    The socket's owner must end its reader before it touches the socket otherwise (a
+    monitor, close): from then on no thread sends on it."""
+    chan = _CHANNELS.get(sock)
+    if chan is None:
+        return False
+    with chan.lock:  # the loop neither reads nor sends on the socket meanwhile
+        if not chan.open or sock.closed:
+            return False
+        sync = chan.sync
+        last = len(frames) - 1
+        try:
+            for i, frame in enumerate(frames):
+                sync.send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
+        except zmq.ZMQError:  # the first frame was refused: nothing went out
+            return False
+        # The send may have taken the FD edge of a message that arrived meanwhile.
+        waiting = bool(sync.getsockopt(_EVENTS) & _POLLIN)
+    if waiting:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more
+            chan.loop.call_soon_threadsafe(chan.wake)
+    return True
 
 
 def send(sock: zmq.asyncio.Socket, msg: Message, envelope: list[Any] | None = None) -> None:
@@ -268,7 +309,7 @@ async def read_frames(
     the same path. Ends only by cancellation or when the socket fails (a ZMQError: closed
     under the reader, say); `on_frames` must not raise."""
     loop = asyncio.get_running_loop()
-    chan = _CHANNELS[sock] = _Channel(sock)
+    chan = _CHANNELS[sock] = _Channel(sock, loop)
     fd = chan.sync.getsockopt(zmq.FD)
     # pyzmq registers its own reader on this FD the first time it needs the loop; have that
     # happen now, so that it cannot later replace ours (the loop keeps one reader per FD).
@@ -309,6 +350,8 @@ async def read_frames(
                 chan.waiter = None
                 check.cancel()
     finally:
+        with chan.lock:  # no other thread sends on it from now on (`send_from_thread`)
+            chan.open = False
         if _CHANNELS.get(sock) is chan:
             del _CHANNELS[sock]
         with contextlib.suppress(Exception):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import traceback
 from collections import deque
@@ -47,6 +48,8 @@ from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
 from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import SERVING_CALLS
+
+log = logging.getLogger("worker")
 
 StageKey = tuple[str, int]
 
@@ -69,6 +72,8 @@ class RunOutput:
     compute_s: float
     wait_s: float
     rows: int
+    # The run's `on_lane` answered it from the compute lane (see `Executor.run`).
+    answered: bool = False
 
 
 @dataclass
@@ -492,11 +497,19 @@ class Executor:
     # ------------------------------------------------------------------ run
 
     def run(
-        self, key: StageKey, parts: list[Mapping[str, Any]], separate: bool = False
+        self,
+        key: StageKey,
+        parts: list[Mapping[str, Any]],
+        separate: bool = False,
+        on_lane: Callable[[RunOutput], bool] | None = None,
     ) -> asyncio.Future[RunOutput]:
         """Run one batch (the parts are concatenated along dim 0) through a loaded stage; with
         `separate`, each part through the stage on its own, one after the other (requests of a
-        model that takes one per forward, sent together: one hand-off for all of them)."""
+        model that takes one per forward, sent together: one hand-off for all of them).
+
+        `on_lane(output)` is called on the compute lane as soon as the run is computed, before
+        the loop hears of it: True when it answered the run from there (`output.answered`),
+        so that the answer does not wait for the loop to wake up."""
         st = self._stage(key)
         if st.state is State.HOST:
             # Evicted since the broker last heard (the worker chooses its evictions): bring it
@@ -519,7 +532,8 @@ class Executor:
         st.users.append(done)
         fut = self._compute.submit(
             asyncio.get_running_loop(),
-            self._run_blocks,
+            self._run_and_answer,
+            on_lane,
             st,
             list(st.ready),
             [[p] for p in parts] if separate else [parts],
@@ -541,6 +555,15 @@ class Executor:
 
         fut.add_done_callback(settle)
         return fut
+
+    def _run_and_answer(self, on_lane: Callable[[RunOutput], bool] | None, *args: Any) -> RunOutput:
+        out = self._run_blocks(*args)
+        if on_lane is not None:
+            try:
+                out.answered = on_lane(out)
+            except Exception:  # the loop answers instead, as for a run without on_lane
+                log.exception("answering a run from its compute lane")
+        return out
 
     def _run_blocks(
         self,

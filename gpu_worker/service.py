@@ -109,6 +109,7 @@ class WorkerService(MeshPeer):
         self._digests: dict[tuple[str, int], str] = {}
         # Stages prepared (weights read into the host tier) since the process started.
         self.stages_prepared = 0
+        self.lane_answers = 0
         # Stages whose weights are being read in: "model/stage" -> [bytes read, bytes to read]
         # (reported with the heartbeats, so `flowmesh deploy` can show its progress).
         self._preparing: dict[str, list[int]] = {}
@@ -177,6 +178,7 @@ class WorkerService(MeshPeer):
     def stats(self) -> dict[str, Any]:
         out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
         out["stages_prepared"] = self.stages_prepared
+        out["lane_answers"] = self.lane_answers  # runs answered from their compute lane
         out["preparing"] = {k: list(v) for k, v in list(self._preparing.items())}
         out.update(self.direct.counters)
         out["direct_pending"] = len(self.direct.runs)  # announced runs not finished here
@@ -408,8 +410,6 @@ class WorkerService(MeshPeer):
         return parts
 
     def _run(self, msg: p.Run) -> None:
-        fut = self.executor.run((msg.model, msg.stage), self._parts(msg), separate=msg.separate)
-
         def result(out: RunOutput) -> p.Message:
             tensors = {
                 f"{k}/{name}": t for k, part in enumerate(out.parts) for name, t in part.items()
@@ -422,7 +422,23 @@ class WorkerService(MeshPeer):
                 info={"compute_s": out.compute_s, "wait_s": out.wait_s},
             )
 
-        self._answer_when_done(fut, msg.id, result)
+        def answer(f: asyncio.Future[RunOutput]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._fail(msg.id, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
+            elif f.result().answered:
+                self.lane_answers += 1
+            else:
+                self.send(result(f.result()))
+
+        # The result goes out from the compute lane that computed it (one thread hand-off
+        # less on every request's path); the loop sends it only if the lane could not.
+        fut = self.executor.run(
+            (msg.model, msg.stage),
+            self._parts(msg),
+            separate=msg.separate,
+            on_lane=lambda out: self.send_from_thread(result(out)),
+        )
+        fut.add_done_callback(answer)
 
     # ------------------------------------------------------------------ direct runs
 

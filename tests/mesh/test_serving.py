@@ -45,6 +45,25 @@ def test_infer_matches_a_direct_forward(mesh: LocalMesh) -> None:
             assert_forward_close(c.infer("exact-gpt", ids), reference(gpt)(ids))
 
 
+def test_run_results_go_out_from_the_compute_lane(mesh: LocalMesh) -> None:
+    """A run's result is sent by the compute lane that computed it, not after a hand-off back
+    to the worker's event loop (a thread wake-up on every request's path)."""
+    spec = mlp_spec("lane-answers", width=32, depth=2, seed=5)
+    ref = reference(spec)
+    with mesh.client() as c:
+        deploy(c, spec, replicas=1)
+        (row,) = [m for m in c.status()["models"] if m["name"] == spec.name]
+        worker = row["replicas"][0]["workers"][0]
+        c.infer(spec.name, torch.randn(1, 32))  # loaded before the count starts
+        before = fresh_stats(c, worker)
+        for _ in range(5):
+            x = torch.randn(2, 32)
+            assert_forward_close(c.infer(spec.name, x), ref(x))
+        after = fresh_stats(c, worker)
+    assert after["runs"] - before["runs"] == 5
+    assert after["lane_answers"] - before["lane_answers"] == 5
+
+
 def test_weights_from_safetensors_are_served(mesh: LocalMesh, tmp_path) -> None:  # type: ignore[no-untyped-def]
     seeded = mlp_spec("from-file", seed=11)
     path = tmp_path / "w.safetensors"
