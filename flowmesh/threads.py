@@ -39,9 +39,9 @@ class TorchLanes:
 
     What `loop.run_in_executor` on a `torch_pool` does, without concurrent.futures' machinery
     between the two (a Future with its condition variable per call, chained to the asyncio
-    future through callbacks): for a small model's run that machinery cost about a quarter of
-    the CPU of the run itself (scripts/bench_lanes.py). Like a `torch_pool`, each thread runs
-    torch with the thread count of the thread creating the lanes.
+    future through callbacks), which shows on every run of a small model
+    (scripts/bench_lanes.py compares the two). Like a `torch_pool`, each thread runs torch with
+    the thread count of the thread creating the lanes.
     """
 
     def __init__(self, workers: int, name: str) -> None:
