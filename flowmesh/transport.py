@@ -130,7 +130,10 @@ class _Channel:
     def readable(self) -> bool:
         """A whole message is queued (reading the events also re-arms the FD's edge)."""
         with self.lock:
-            return bool(self.sync.getsockopt(_EVENTS) & _POLLIN)
+            return self._readable_locked()
+
+    def _readable_locked(self) -> bool:
+        return bool(self.sync.getsockopt(_EVENTS) & _POLLIN)
 
     def recv(self) -> list[zmq.Frame]:
         """One queued message's frames (pyzmq's recv_multipart asks RCVMORE of the socket
@@ -145,11 +148,14 @@ class _Channel:
         return frames
 
     def send(self, frames: list[Any]) -> None:
+        with self.lock:
+            self._send_locked(frames)
+
+    def _send_locked(self, frames: list[Any]) -> None:
         send = self.sync.send
         last = len(frames) - 1
-        with self.lock:
-            for i, frame in enumerate(frames):
-                send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
+        for i, frame in enumerate(frames):
+            send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -190,15 +196,12 @@ def send_from_thread(sock: zmq.asyncio.Socket, frames: list[Any]) -> bool:
     with chan.lock:  # the loop neither reads nor sends on the socket meanwhile
         if not chan.open or sock.closed:
             return False
-        sync = chan.sync
-        last = len(frames) - 1
         try:
-            for i, frame in enumerate(frames):
-                sync.send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
+            chan._send_locked(frames)
         except zmq.ZMQError:  # the first frame was refused: nothing went out
             return False
         # The send may have taken the FD edge of a message that arrived meanwhile.
-        waiting = bool(sync.getsockopt(_EVENTS) & _POLLIN)
+        waiting = chan._readable_locked()
     if waiting:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more
             chan.loop.call_soon_threadsafe(chan.wake)

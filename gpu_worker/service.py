@@ -260,15 +260,18 @@ class WorkerService(MeshPeer):
         task.add_done_callback(self._tasks.discard)
 
     def _answer_when_done(
-        self, fut: asyncio.Future[T], ref: int, reply: Callable[[T], p.Message]
+        self, fut: asyncio.Future[T], ref: int, reply: Callable[[T], p.Message | None]
     ) -> None:
-        """Send `reply(result)` once `fut` settles, or an error naming command `ref`."""
+        """Send `reply(result)` once `fut` settles (None: answered already), or an error
+        naming command `ref`."""
 
         def done(f: asyncio.Future[T]) -> None:
             if f.cancelled() or f.exception() is not None:
                 self._fail(ref, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
             else:
-                self.send(reply(f.result()))
+                answer = reply(f.result())
+                if answer is not None:
+                    self.send(answer)
 
         fut.add_done_callback(done)
 
@@ -422,13 +425,11 @@ class WorkerService(MeshPeer):
                 info={"compute_s": out.compute_s, "wait_s": out.wait_s},
             )
 
-        def answer(f: asyncio.Future[RunOutput]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                self._fail(msg.id, f.exception() or FlowmeshError(Code.INTERNAL, "cancelled"))
-            elif f.result().answered:
+        def unless_answered(out: RunOutput) -> p.Message | None:
+            if out.answered:
                 self.lane_answers += 1
-            else:
-                self.send(result(f.result()))
+                return None
+            return result(out)
 
         # The result goes out from the compute lane that computed it (one thread hand-off
         # less on every request's path); the loop sends it only if the lane could not.
@@ -438,7 +439,7 @@ class WorkerService(MeshPeer):
             separate=msg.separate,
             on_lane=lambda out: self.send_from_thread(result(out)),
         )
-        fut.add_done_callback(answer)
+        self._answer_when_done(fut, msg.id, unless_answered)
 
     # ------------------------------------------------------------------ direct runs
 

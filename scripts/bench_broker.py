@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import statistics
 import time
 from pathlib import Path
@@ -38,11 +37,12 @@ import zmq.asyncio
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
+from flowmesh.affinity import pin_process
 
 
 def pin(cpu: int | None) -> None:
     if cpu is not None:
-        os.sched_setaffinity(0, {cpu})  # before the ZeroMQ context: its threads inherit it
+        pin_process(str(cpu))  # as --cpus does for the broker and the worker
 
 
 def echo_server(endpoint: str, envelope: int, cpu: int | None, ready: Any) -> None:
