@@ -53,6 +53,10 @@ from flowmesh.value import stage_value
 
 log = logging.getLogger("broker.serving")
 
+# Prefetch is a guess from arrival rates, which change slowly: looking every 50 ms is as good
+# as looking on every request, and with a large catalogue far cheaper (it scans every model).
+PREFETCH_EVERY_S = 0.05
+
 
 class ReplicaKeeper(Protocol):
     """What the router needs from the registry (`broker.registry.Registry`): nothing else, so a
@@ -72,6 +76,11 @@ class ServingRouter:
         self.calls = ctx.calls
         self.totals = ctx.totals
         self.batches: dict[int, Batch] = {}  # run id -> the batch it runs
+        # Names of the models that may have requests queued (a superset: `pump` drops those
+        # without), so that a pump costs what waits, not the size of the catalogue.
+        self.queued: dict[str, None] = {}
+        # Prefetch looks at every model: at most once per PREFETCH_EVERY_S, not per request.
+        self.next_prefetch = float("-inf")
         # What status and /metrics report of answered requests, batches and loads.
         self.timings = Timings()
         # Requests refused at the door: (model, code) -> count; "" for a model not deployed
@@ -129,6 +138,7 @@ class ServingRouter:
             deadline=now + timeout,
         )
         model.queue.append(req)
+        self.queued[model.name] = None
         self.ctx.outstanding[addr] = mine + 1
         model.rate.add(now)
         model.requests += 1
@@ -164,7 +174,10 @@ class ServingRouter:
         return int(n), signature
 
     def expire_queued(self, model: Model, now: float) -> None:
-        """Answer TIMEOUT to the requests of `model` still queued past their deadline."""
+        """Answer TIMEOUT to the requests of `model` still queued past their deadline (every
+        tick, for every model: it also sees that `pump` knows of every queued request)."""
+        if model.queue:
+            self.queued[model.name] = None
         expired = [r for r in model.queue if r.deadline <= now]
         if expired:
             model.queue = type(model.queue)(r for r in model.queue if r.deadline > now)
@@ -200,11 +213,18 @@ class ServingRouter:
             if peer.reserved_for and (owner is None or not owner.queue):
                 peer.reserved_for = None
         for _ in range(10_000):  # bounded: each pass either dispatches or stops
-            waiting = [m for m in self.models.values() if m.queue and m.state is ModelState.READY]
+            waiting = []
+            for name in list(self.queued):
+                model = self.models.get(name)
+                if model is None or not model.queue:
+                    del self.queued[name]
+                elif model.state is ModelState.READY:
+                    waiting.append(model)
             waiting.sort(key=self._deadline)  # earliest deadline first
             if not any(self._dispatch(m, now) for m in waiting):
                 break
-        if self.cfg.prefetch:
+        if self.cfg.prefetch and now >= self.next_prefetch:
+            self.next_prefetch = now + PREFETCH_EVERY_S
             self._prefetch(now)
 
     def _deadline(self, model: Model) -> float:
@@ -670,6 +690,7 @@ class ServingRouter:
                     )
             else:  # its replica was given up midway: start again on another one
                 model.queue.extendleft(r for r in reversed(batch.requests) if r.client is not None)
+                self.queued[model.name] = None
             self.pump(now)
             return
         batch.replica.inflight -= 1
@@ -778,10 +799,12 @@ class ServingRouter:
             if peer is not None and res is not None and res.phase is Phase.RESIDENT:
                 del peer.resident[res.key]
             model.queue.extendleft(reversed(live))
+            self.queued[model.name] = None
         elif model is not None and code == Code.MODEL_ERROR and len(live) > 1:
             for r in live:  # find the request that breaks the model; the others succeed
                 r.solo = True
             model.queue.extendleft(reversed(live))
+            self.queued[model.name] = None
         else:
             for r in live:
                 self.ctx.answer_error(r, code, reason)
@@ -845,6 +868,7 @@ class ServingRouter:
                     req.retries += 1
                     self.totals["retried"] += 1
                     model.queue.appendleft(req)
+                    self.queued[model.name] = None
                 else:
                     self.ctx.answer_error(
                         req, Code.WORKER_LOST, f"worker {lost} was lost while running this request"

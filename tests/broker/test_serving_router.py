@@ -745,3 +745,58 @@ def test_ablation_policies_lru_by_bytes_and_count_based() -> None:
         ("load", "new"),
         ("run", "new"),
     ]
+
+
+class CountingModels(dict[str, Model]):
+    """The models table, counting how often something walks it whole."""
+
+    walks = 0
+
+    def values(self) -> Any:
+        self.walks += 1
+        return super().values()
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_a_request_costs_the_same_whatever_the_size_of_the_catalogue() -> None:
+    rig = Rig()
+    rig.ctx.models = rig.router.models = models = CountingModels()
+    rig.worker("w0", budget=1000 * MIB)
+    for i in range(300):
+        rig.model(f"idle{i}", [MIB], ["w0"])
+    rig.model("hot", [MIB], ["w0"])
+    _, out = rig.infer("hot", 1, 0.0)
+    rig.router.loaded(
+        rig.ctx.peers["w0"], p.Loaded(id=3, model="hot", stage=0, nbytes=MIB, seconds=0.01), 0.0
+    )
+    rig.result("w0", out[-1][2], 0.001)
+    walks = models.walks
+    for i in range(100):  # 100 requests within 20 ms: served without walking the catalogue
+        now = 0.002 + i * 0.0002
+        _, out = rig.infer("hot", 10 + i, now)
+        assert [m.TYPE for _, _, m in out] == ["run"]
+        assert [m.TYPE for _, _, m in rig.result("w0", out[-1][2], now)] == ["result"]
+    assert models.walks == walks
+    rig.infer("hot", 999, 1.0)  # later, the prefetch looks at the catalogue again: once
+    assert models.walks == walks + 1
+
+
+def test_the_tick_finds_a_queued_request_that_no_pump_knew_of() -> None:
+    rig = Rig()
+    peer = rig.worker("w0", max_inflight=0)  # takes no run for now: requests queue
+    model = rig.model("m", [MIB], ["w0"])
+    rig.resident("w0", ("m", 0), MIB, 0.0)
+    rig.infer("m", 1, 0.0)
+    assert len(model.queue) == 1 and list(rig.router.queued) == ["m"]
+    rig.router.queued.clear()  # as if a path queued it without saying so
+    peer.max_inflight = 4
+    rig.router.pump(0.1)
+    assert len(model.queue) == 1 and rig.ctx.drain() == []  # no pump knows of it
+    rig.router.expire_queued(model, 0.2)  # every tick, for every model
+    rig.router.pump(0.2)
+    assert not model.queue and [m.TYPE for _, _, m in rig.ctx.drain()] == ["run"]
+    rig.router.pump(0.3)
+    assert list(rig.router.queued) == []  # an empty queue is dropped
