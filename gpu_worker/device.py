@@ -26,6 +26,8 @@ from gpu_worker.memory import Marker
 
 log = logging.getLogger("flowmesh.worker.device")
 
+_HERE = contextlib.nullcontext()
+
 # Default size of the pinned host tier on CUDA, as a multiple of the device budget (the host tier
 # keeps every stage deployed to the worker, resident or not), within the bounds below.
 HOST_TIER_PER_BUDGET = 2
@@ -33,26 +35,48 @@ HOST_TIER_MIN = 256 << 20
 HOST_TIER_MAX_OF_RAM = 0.5  # never pin more than this share of the machine's memory by default
 
 
+# Guards a CpuMarker's flag against its (rare) waiters: one lock for all of them, held for a
+# few bytecodes.
+_MARKERS = threading.Lock()
+
+
 class CpuMarker:
-    """Done when the task that owns it finished its part."""
+    """Done when the task that owns it finished its part.
+
+    A flag, and a threading.Event only once some thread has to wait for it: every serving run
+    makes one, and almost none is ever waited for, so the Event (a Condition, a lock and their
+    set-up) is not made for nothing."""
+
+    __slots__ = ("_done", "_event")
 
     def __init__(self, done: bool = False) -> None:
-        self._event = threading.Event()
-        if done:
-            self._event.set()
+        self._done = done
+        self._event: threading.Event | None = None
 
     def set(self) -> None:
-        self._event.set()
+        with _MARKERS:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        with _MARKERS:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def order_current(self) -> None:
         # A CPU thread runs its work as it issues it: ordering means waiting.
-        self._event.wait()
+        self.wait()
 
 
 class CudaMarker:
@@ -154,10 +178,10 @@ class Device:
         """Mark `marker` at the current point of copy lane `lane` (after what it issued)."""
         marker.set()
 
-    @contextlib.contextmanager
-    def compute(self, serving: bool = False) -> Iterator[None]:
-        """Where this thread's compute runs; `serving`: inference, ahead of training."""
-        yield
+    def compute(self, serving: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Where this thread's compute runs; `serving`: inference, ahead of training. On the
+        CPU: right here (one reusable no-op context, entered on every run)."""
+        return _HERE
 
     def mark_done(self, marker: Any) -> None:
         """Complete `marker` at the current point of this thread's compute work."""

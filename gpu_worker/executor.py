@@ -173,6 +173,8 @@ class Executor:
         if self.memory.capacity > device.budget_bytes:
             raise ValueError("device memory larger than the device's arena")
         self.arena = self.memory.arena
+        # Where the device's arena starts (it is never replaced): `_off_arena` asks every run.
+        self._arena_ptr = device.arena.untyped_storage().data_ptr()
         self.stages: dict[StageKey, Stage] = {}
         self._waiting: deque[StageKey] = deque()  # loads waiting for training's ranges, in order
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -595,8 +597,9 @@ class Executor:
                     dev.mark_done(done)
                     marked = True
                 parts_out = []
+                on_host = dev.kind == "cpu"
                 for out, rows in outputs:
-                    host = {n: t.to("cpu") for n, t in out.items()}
+                    host = out if on_host else {n: t.to("cpu") for n, t in out.items()}
                     parts_out.extend(split_rows(host, rows))
                 compute_s = time.perf_counter() - t0 - wait_s
                 total = sum(sum(rows) for _, rows in outputs)
@@ -641,7 +644,7 @@ class Executor:
     def _off_arena(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Outputs that view the arena (a block returning a weight) are copied, on the compute
         lane before the run's marker: an eviction may hand those bytes to another stage."""
-        arena_ptr = self.device.arena.untyped_storage().data_ptr()
+        arena_ptr = self._arena_ptr
         return {
             name: t.clone() if t.untyped_storage().data_ptr() == arena_ptr else t
             for name, t in outputs.items()
@@ -694,6 +697,14 @@ def _wait_all(markers: list[Any]) -> None:
 
 def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
     """Concatenate the parts' inputs along dim 0; returns the inputs and rows per part."""
+    if len(parts) == 1:  # a run of one request, the common case: nothing to concatenate
+        (part,) = parts
+        merged = {}
+        for n, t in part.items():
+            t = t.tensor() if hasattr(t, "tensor") else t
+            merged[n] = t.to(device, non_blocking=False) if t.device != device else t
+        first = merged[next(iter(merged))]
+        return merged, [int(first.shape[0]) if first.dim() else 1]
     tensors = [
         {n: (t.tensor() if hasattr(t, "tensor") else t) for n, t in p.items()} for p in parts
     ]

@@ -28,7 +28,7 @@ class SharedLock:
     its thread); a waiting exclusive holder goes first."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # never taken twice by a thread
         self._shared = 0
         self._owner: int | None = None
         self._depth = 0
@@ -49,7 +49,8 @@ class SharedLock:
     def release_shared(self) -> None:
         with self._cond:
             self._shared -= 1
-            if not self._shared:
+            # Only an exclusive holder waits for the shared side to empty.
+            if not self._shared and self._waiting:
                 self._cond.notify_all()
 
     @contextmanager
