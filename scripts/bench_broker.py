@@ -6,6 +6,9 @@ processes like the mesh's, are (1) a raw DEALER->ROUTER echo and (2) a raw relay
 echo, i.e. the same four hops with no flowmesh logic. Sequential latency (one request at a time)
 and pipelined throughput (many outstanding) are both reported, as ratios.
 
+`--idle-models N` deploys N more models that nobody asks for: a catalogue's size must not
+cost a request anything (the broker once walked every model twice per request).
+
 `--pin A,B` runs the broker on CPU A and the worker on CPU B (`--cpus`), and the references
 alike: the relay on A, the echo servers on B; the client (this process) is not pinned. Without
 it every process runs anywhere, as the kernel places it.
@@ -15,7 +18,7 @@ alike; each round gives its own ratios, and the summary is their median over the
 shared machine one round's raw relay p50 can move by several times).
 
     python scripts/bench_broker.py [--requests 2000] [--concurrency 32] [--rounds 5]
-        [--pin 0,1] [--out bench-out]
+        [--idle-models 0] [--pin 0,1] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -141,6 +144,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16, help="tiny model width (payload floats)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after a warm-up)")
     ap.add_argument(
+        "--idle-models", type=int, default=0, help="models deployed beside it, never asked for"
+    )
+    ap.add_argument(
         "--pin",
         default="",
         help="A,B: broker and relay on CPU A, worker and echo servers on CPU B (default: off)",
@@ -190,6 +196,8 @@ def main() -> None:
                 seed=0,
                 max_batch_size=1,
             )
+            for i in range(args.idle_models):
+                c.deploy(f"idle-{i}", "flowmesh.examples:mlp", kwargs={"width": 4, "depth": 1})
         for rnd in range(args.rounds + 1):  # round 0 warms up
             results: dict[str, dict[str, float]] = {}
             for name, fn, ep in paths:
@@ -230,6 +238,7 @@ def main() -> None:
         requests=args.requests,
         concurrency=args.concurrency,
         width=args.width,
+        idle_models=args.idle_models,
         pin=args.pin or None,
     )
     out = Path(args.out)
