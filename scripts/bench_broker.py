@@ -13,12 +13,14 @@ cost a request anything (the broker once walked every model twice per request).
 alike: the relay on A, the echo servers on B; the client (this process) is not pinned. Without
 it every process runs anywhere, as the kernel places it.
 
-The three are interleaved in rounds (after one warm-up round), so that machine noise hits them
-alike; each round gives its own ratios, and the summary is their median over the rounds (on a
-shared machine one round's raw relay p50 can move by several times).
+The three paths take turns within each round: `--chunk` sequential requests each, over and
+over, then bursts of outstanding requests each, so that a slow spell of a shared machine (from
+milliseconds to minutes; one path measured alone for a few seconds could see its p50 move by
+several times) falls on all of them alike. Each round (after a warm-up round) gives its own
+ratios; the summary is their median over the rounds.
 
     python scripts/bench_broker.py [--requests 2000] [--concurrency 32] [--rounds 5]
-        [--idle-models 0] [--pin 0,1] [--out bench-out]
+        [--chunk 25] [--idle-models 0] [--pin 0,1] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -75,66 +77,101 @@ def relay_server(endpoint: str, upstream: str, cpu: int | None, ready: Any) -> N
     zmq.proxy(front, back)
 
 
-async def run_raw(endpoint: str, n: int, concurrency: int, x: torch.Tensor) -> dict[str, float]:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    waiting: dict[int, asyncio.Future[None]] = {}
+ECHO = "raw echo (1 hop each way)"
+RELAY = "raw relay + echo (2 hops each way)"
+MESH = "flowmesh infer"
 
-    async def reader() -> None:
+
+class RawPath:
+    """A raw DEALER talking to an echo server, directly or through the relay."""
+
+    def __init__(self, endpoint: str, x: torch.Tensor) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.x = x
+        self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.ids = iter(range(1, 10**9))
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            frames = await self.sock.recv_multipart(copy=False)
             msg = p.decode(frames)
-            waiting.pop(msg.id).set_result(None)  # type: ignore[attr-defined]
+            self.waiting.pop(msg.id).set_result(None)  # type: ignore[attr-defined]
 
-    task = asyncio.create_task(reader())
-    ids = iter(range(1, 10**9))
-
-    async def one() -> None:
-        i = next(ids)
+    async def one(self) -> None:
+        i = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
-        waiting[i] = fut
-        await sock.send_multipart(p.encode(p.Infer(id=i, model="m", tensors={"": x})), copy=False)
+        self.waiting[i] = fut
+        msg = p.Infer(id=i, model="m", tensors={"": self.x})
+        await self.sock.send_multipart(p.encode(msg), copy=False)
         await fut
 
-    out = await measure(one, n, concurrency)
-    task.cancel()
-    sock.close(0)
-    ctx.term()
-    return out
+    async def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close(0)
+        self.ctx.term()
 
 
-async def run_mesh(endpoint: str, n: int, concurrency: int, x: torch.Tensor) -> dict[str, float]:
-    async with AsyncClient(endpoint) as client:
+class MeshPath:
+    def __init__(self, endpoint: str, x: torch.Tensor) -> None:
+        self.client = AsyncClient(endpoint)
+        self.x = x
 
-        async def one() -> None:
-            await client.infer("tiny", x)
+    async def one(self) -> None:
+        await self.client.infer("tiny", self.x)
 
-        return await measure(one, n, concurrency)
+    async def close(self) -> None:
+        await self.client.close()
 
 
-async def measure(one: Any, n: int, concurrency: int) -> dict[str, float]:
-    for _ in range(50):  # warm up connections and code paths
-        await one()
-    lat = []
-    for _ in range(n // 4):
-        t = time.perf_counter()
-        await one()
-        lat.append((time.perf_counter() - t) * 1e6)
-    t = time.perf_counter()
-    sem = asyncio.Semaphore(concurrency)
-
-    async def bounded() -> None:
-        async with sem:
-            await one()
-
-    await asyncio.gather(*(bounded() for _ in range(n)))
-    wall = time.perf_counter() - t
-    return {
-        "p50_us": statistics.median(lat),
-        "mean_us": statistics.fmean(lat),
-        "msgs_per_s": n / wall,
+async def measure_round(
+    endpoints: dict[str, str], n: int, concurrency: int, chunk: int, x: torch.Tensor
+) -> dict[str, dict[str, float]]:
+    """One round: the paths take turns, `chunk` sequential requests each, then bursts of
+    `concurrency` x 8 outstanding each, so that a slow spell of the machine (they last from
+    milliseconds to minutes here) falls on every path alike."""
+    paths = {
+        name: MeshPath(ep, x) if name == MESH else RawPath(ep, x) for name, ep in endpoints.items()
     }
+    try:
+        for path in paths.values():
+            for _ in range(50):  # warm up connections and code paths
+                await path.one()
+        lat: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(max(1, n // 4 // chunk)):
+            for name, path in paths.items():
+                for _ in range(chunk):
+                    t = time.perf_counter()
+                    await path.one()
+                    lat[name].append((time.perf_counter() - t) * 1e6)
+        burst = concurrency * 8
+        wall = dict.fromkeys(paths, 0.0)
+        sent = dict.fromkeys(paths, 0)
+        for _ in range(max(1, n // burst)):
+            for name, path in paths.items():
+                sem = asyncio.Semaphore(concurrency)
+
+                async def bounded(path: Any = path, sem: asyncio.Semaphore = sem) -> None:
+                    async with sem:
+                        await path.one()
+
+                t = time.perf_counter()
+                await asyncio.gather(*(bounded() for _ in range(burst)))
+                wall[name] += time.perf_counter() - t
+                sent[name] += burst
+        return {
+            name: {
+                "p50_us": statistics.median(lat[name]),
+                "mean_us": statistics.fmean(lat[name]),
+                "msgs_per_s": sent[name] / wall[name],
+            }
+            for name in paths
+        }
+    finally:
+        for path in paths.values():
+            await path.close()
 
 
 def main() -> None:
@@ -143,6 +180,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--width", type=int, default=16, help="tiny model width (payload floats)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after a warm-up)")
+    ap.add_argument(
+        "--chunk", type=int, default=25, help="sequential requests per turn of each path"
+    )
     ap.add_argument(
         "--idle-models", type=int, default=0, help="models deployed beside it, never asked for"
     )
@@ -174,11 +214,6 @@ def main() -> None:
         front_cpu,
     )
     x = torch.randn(1, args.width)
-    paths = (
-        ("raw echo (1 hop each way)", run_raw, echo_ep),
-        ("raw relay + echo (2 hops each way)", run_raw, relay_ep),
-        ("flowmesh infer", run_mesh, ""),
-    )
     rounds: list[dict[str, dict[str, float]]] = []
     with LocalMesh(
         cpu_workers=1,
@@ -199,19 +234,17 @@ def main() -> None:
             for i in range(args.idle_models):
                 c.deploy(f"idle-{i}", "flowmesh.examples:mlp", kwargs={"width": 4, "depth": 1})
         for rnd in range(args.rounds + 1):  # round 0 warms up
-            results: dict[str, dict[str, float]] = {}
-            for name, fn, ep in paths:
-                results[name] = uvloop.run(
-                    fn(ep or mesh.frontend, args.requests, args.concurrency, x)
-                )
+            endpoints = {ECHO: echo_ep, RELAY: relay_ep, MESH: mesh.frontend}
+            results = uvloop.run(
+                measure_round(endpoints, args.requests, args.concurrency, args.chunk, x)
+            )
             if rnd:
                 rounds.append(results)
     for proc in procs:
         proc.kill()
-    echo, relay, mesh_name = (name for name, _, _ in paths)
 
     def ratios(r: dict[str, dict[str, float]]) -> dict[str, float]:
-        m, rel, base = r[mesh_name], r[relay], r[echo]
+        m, rel, base = r[MESH], r[RELAY], r[ECHO]
         return {
             "latency_vs_raw_echo": m["p50_us"] / base["p50_us"],
             "latency_vs_raw_relay": m["p50_us"] / rel["p50_us"],
@@ -239,6 +272,7 @@ def main() -> None:
         concurrency=args.concurrency,
         width=args.width,
         idle_models=args.idle_models,
+        chunk=args.chunk,
         pin=args.pin or None,
     )
     out = Path(args.out)
