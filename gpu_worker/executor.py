@@ -697,17 +697,7 @@ def _wait_all(markers: list[Any]) -> None:
 
 def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
     """Concatenate the parts' inputs along dim 0; returns the inputs and rows per part."""
-    if len(parts) == 1:  # a run of one request, the common case: nothing to concatenate
-        (part,) = parts
-        merged = {}
-        for n, t in part.items():
-            t = t.tensor() if hasattr(t, "tensor") else t
-            merged[n] = t.to(device, non_blocking=False) if t.device != device else t
-        first = merged[next(iter(merged))]
-        return merged, [int(first.shape[0]) if first.dim() else 1]
-    tensors = [
-        {n: (t.tensor() if hasattr(t, "tensor") else t) for n, t in p.items()} for p in parts
-    ]
+    tensors = [{n: _tensor(t) for n, t in p.items()} for p in parts]
     names = list(tensors[0])
     for p in tensors[1:]:
         if list(p) != names:
@@ -715,10 +705,15 @@ def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[
     rows = [int(p[names[0]].shape[0]) if p[names[0]].dim() else 1 for p in tensors]
     merged = {}
     for n in names:
-        ts = [p[n] for p in tensors]
-        t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+        # One part (a run of one request, the common case): nothing to concatenate.
+        t = tensors[0][n] if len(tensors) == 1 else torch.cat([p[n] for p in tensors], dim=0)
         merged[n] = t.to(device, non_blocking=False) if t.device != device else t
     return merged, rows
+
+
+def _tensor(t: Any) -> torch.Tensor:
+    """A received TensorRef's tensor, or the tensor itself."""
+    return t.tensor() if hasattr(t, "tensor") else t
 
 
 def _named_outputs(x: Any) -> dict[str, torch.Tensor]:
