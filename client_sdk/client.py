@@ -46,7 +46,13 @@ from client_sdk.errors import ClientError, Timeout, TooLarge, Unavailable, error
 from client_sdk.jobs import AsyncJob, Job
 from client_sdk.sweep import sweep_async
 from flowmesh import protocol as p
-from flowmesh.auth import CurveKeys, load_keys, stop_watching, watch_handshakes
+from flowmesh.auth import (
+    CurveKeys,
+    handshake_events,
+    load_keys,
+    stop_watching,
+    watch_handshakes,
+)
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, read_frames, send, send_frames
 
@@ -134,7 +140,13 @@ class AsyncClient:
         if self._sock is None:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            sock = connect_dealer(self._ctx, self.address, limits=self.limits, curve=self.curve)
+            sock = connect_dealer(
+                self._ctx,
+                self.address,
+                limits=self.limits,
+                curve=self.curve,
+                monitor=handshake_events(link=True),
+            )
             loop = asyncio.get_running_loop()
             reader = loop.create_task(self._read(sock), name="flowmesh-client-reader")
             reader.add_done_callback(functools.partial(self._reader_done, sock))

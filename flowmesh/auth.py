@@ -231,6 +231,19 @@ def _why(kind: int, keyed: bool) -> str:
     }.get(kind, "the CURVE handshake failed (the wrong broker.key?)")
 
 
+def handshake_events(link: bool = False) -> int:
+    """The monitor events `watch_handshakes` reads; with the link's ups and downs (`link`)."""
+    events = (
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_MONITOR_STOPPED
+    )
+    if link:
+        events |= zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    return int(events)
+
+
 async def watch_handshakes(
     sock: zmq.asyncio.Socket,
     on_refused: Callable[[str], None],
@@ -242,16 +255,13 @@ async def watch_handshakes(
     broker without keys or none for one with them), until its monitor stops (`stop_watching`).
     Without it a refused DEALER only queues, silently. `on_link(up)`, when given, hears of the
     connection itself: False when it is lost, True when a handshake (again) succeeds (a socket
-    has one monitor, so this one watcher tells both)."""
-    events = (
-        zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        | zmq.EVENT_MONITOR_STOPPED
-    )
-    if on_link is not None:
-        events |= zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    mon = sock.get_monitor_socket(events)
+    has one monitor, so this one watcher tells both).
+
+    Start the monitor before the socket connects (`connect_dealer(monitor=handshake_events(
+    ...))`): a handshake refused before this coroutine first runs is otherwise never seen, and
+    ZeroMQ may not try again, so a call waits for its timeout instead of failing at once. The
+    monitor started there is the one read here (pyzmq keeps a socket's monitor socket)."""
+    mon = sock.get_monitor_socket(handshake_events(on_link is not None))
     try:
         while True:
             event = parse_monitor_message(await mon.recv_multipart())

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from flowmesh import protocol as p
-from flowmesh.auth import CurveKeys, stop_watching, watch_handshakes
+from flowmesh.auth import CurveKeys, handshake_events, stop_watching, watch_handshakes
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
@@ -231,6 +231,7 @@ class MeshPeer:
                 limits=self.limits,
                 hwm=self.send_hwm,
                 curve=self.curve,
+                monitor=handshake_events(),
             )
             # A refused handshake is said so, not left to look like a silent broker.
             watcher = asyncio.create_task(

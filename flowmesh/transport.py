@@ -96,14 +96,19 @@ def connect_dealer(
     hwm: int = 10_000,
     *,
     curve: CurveKeys | None = None,
+    monitor: int = 0,
 ) -> zmq.asyncio.Socket:
-    """A DEALER connected to `endpoint`; a CURVE client of it with `curve` keys."""
+    """A DEALER connected to `endpoint`; a CURVE client of it with `curve` keys. `monitor`:
+    the events of a monitor started before the connection is (`flowmesh.auth.watch_handshakes`
+    reads it), so that none of them comes and goes before anyone watches."""
     sock = ctx.socket(zmq.DEALER)
     _common(sock, limits, hwm)
     if curve:
         curve_client(sock, curve)
     if identity:
         sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+    if monitor:
+        sock.get_monitor_socket(monitor)
     sock.connect(endpoint)
     return sock
 

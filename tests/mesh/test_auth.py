@@ -177,6 +177,18 @@ async def test_unknown_and_missing_client_keys_are_refused_fast(
         assert st["zap_refused"] >= zap_before + 2, (zap_before, st["zap_refused"])
 
 
+async def test_a_refusal_before_the_client_looks_is_still_seen(keyed_mesh: LocalMesh) -> None:
+    """The handshake is refused while the client's event loop is busy elsewhere: the refusal
+    must still fail the call at once, not at its timeout. (Without the monitor started before
+    the connection, about half of these waited for the timeout.)"""
+    for _ in range(4):
+        async with AsyncClient(keyed_mesh.frontend, timeout=10, keys=False) as anon:
+            anon._connect()
+            time.sleep(0.5)  # the loop does not turn: the refusal comes and goes meanwhile
+            exc = await _refused_call(anon)
+            assert exc.code == Code.UNAUTHORIZED and "requires a CURVE key" in exc.reason, exc
+
+
 def test_unauthenticated_workers_are_refused_and_the_mesh_keeps_serving(
     keyed_mesh: LocalMesh, ref: torch.nn.Module, tmp_path: Path
 ) -> None:
