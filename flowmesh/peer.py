@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -87,6 +88,14 @@ class MeshPeer:
 
     def close(self) -> None:
         """Release resources when the process stops."""
+
+    def reader_thread(
+        self,
+    ) -> tuple[Callable[[list[Any]], bool], Callable[[], None] | None] | None:
+        """To read the broker's socket on a thread of its own: what that thread does with each
+        message first, and its set-up (`transport.read_frames_on_thread`'s `here` and `init`).
+        None (the default): the event loop reads the socket."""
+        return None
 
     # -- plumbing
 
@@ -240,8 +249,17 @@ class MeshPeer:
                 ),
                 name=f"{self.role}-handshakes",
             )
+            here, init = self.reader_thread() or (None, None)
             reader = asyncio.create_task(
-                pump(sock, self._on_message, routed=False, log=self.log, limits=self.limits),
+                pump(
+                    sock,
+                    self._on_message,
+                    routed=False,
+                    log=self.log,
+                    limits=self.limits,
+                    here=here,
+                    init=init,
+                ),
                 name=f"{self.role}-reader",
             )
             session = asyncio.create_task(self._session(), name=f"{self.role}-session")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import select
 import threading
 import time
 import weakref
@@ -116,14 +118,27 @@ def connect_dealer(
 class _Channel:
     """A pumped socket's fast path: a plain (sync) shadow of the same libzmq socket, read and
     written with NOBLOCK, bypassing pyzmq's asyncio layer (a future and poller round per
-    message), and the future its reader waits on while the socket is empty.
+    message), and how to wake its reader while the socket is empty.
 
     A libzmq socket may be used by one thread at a time. Its loop uses it, and `send_from_thread`
     lets other threads of the process send on it too (a worker's compute lane answering its own
     run): every use of the socket holds `lock` (uncontended, a fraction of a microsecond), and
-    `open` turns False, under the lock, when the reader ends, before anyone closes the socket."""
+    `open` turns False, under the lock, when the reader ends, before anyone closes the socket.
 
-    __slots__ = ("lock", "loop", "open", "sync", "waiter")
+    The reader is a task of the loop (`read_frames`: it waits on `waiter`) or a thread of its
+    own (`read_frames_on_thread`: it waits on the socket's FD and `wake_w`, a pipe)."""
+
+    __slots__ = (
+        "handled",
+        "lock",
+        "loop",
+        "open",
+        "posted",
+        "reader_ident",
+        "sync",
+        "waiter",
+        "wake_w",
+    )
 
     def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
         self.sync = zmq.Socket.shadow(sock.underlying)
@@ -131,6 +146,11 @@ class _Channel:
         self.lock = threading.Lock()
         self.loop = loop
         self.open = True
+        # A reader thread's: its pipe's write end (-1: the reader is a task of the loop), its
+        # thread, and the messages it passed to the loop and those the loop has handled.
+        self.wake_w = -1
+        self.reader_ident: int | None = None
+        self.posted = self.handled = 0
 
     def readable(self) -> bool:
         """A whole message is queued (reading the events also re-arms the FD's edge)."""
@@ -143,14 +163,28 @@ class _Channel:
     def recv(self) -> list[zmq.Frame]:
         """One queued message's frames (pyzmq's recv_multipart asks RCVMORE of the socket
         after each frame; the frame knows it)."""
-        recv = self.sync.recv
         with self.lock:
+            return self._recv_locked()
+
+    def _recv_locked(self) -> list[zmq.Frame]:
+        recv = self.sync.recv
+        frame = recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
             frame = recv(_NOBLOCK, copy=False)
-            frames = [frame]
-            while frame.more:
-                frame = recv(_NOBLOCK, copy=False)
-                frames.append(frame)
+            frames.append(frame)
         return frames
+
+    def recv_queued(self, sock: zmq.Socket) -> list[zmq.Frame] | None:
+        """A reader thread's read of `sock` (this channel's): the next queued message's frames,
+        None when there is none. Raises ENOTSOCK once the reader has ended or the socket is
+        closed (the shadow's handle is freed with the socket: never touch it then)."""
+        with self.lock:
+            if not self.open or sock.closed:
+                raise zmq.ZMQError(zmq.ENOTSOCK)
+            if not self._readable_locked():
+                return None
+            return self._recv_locked()
 
     def send(self, frames: list[Any]) -> None:
         with self.lock:
@@ -167,12 +201,32 @@ class _Channel:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def ping(self) -> None:
+        """Wake a reader thread (a byte down its pipe; a full pipe already wakes it)."""
+        with self.lock:  # the thread closes the pipe under it as it ends
+            if self.wake_w >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self.wake_w, b"\0")
+
     def poke(self) -> None:
-        """After a send from elsewhere: libzmq's FD is edge-triggered and a send may consume
+        """After a send from the loop: libzmq's FD is edge-triggered and a send may consume
         the edge of messages that arrived meanwhile, so look at the socket's events and wake a
         waiting reader if it has input (pyzmq's asyncio layer does the same after its sends)."""
-        if self.waiter is not None and self.readable():
+        if self.wake_w >= 0:
+            if self.readable():
+                self.ping()
+        elif self.waiter is not None and self.readable():
             self.wake()
+
+    def input_seen(self) -> None:
+        """A send from a thread other than the loop's found input queued: wake its reader,
+        unless the sender is the reader thread itself (it looks again before it waits)."""
+        if self.wake_w >= 0:
+            if threading.get_ident() != self.reader_ident:
+                self.ping()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more
+                self.loop.call_soon_threadsafe(self.wake)
 
 
 # Sockets read by `pump`: `send` to them takes the same fast path and keeps their reader awake.
@@ -208,8 +262,7 @@ def send_from_thread(sock: zmq.asyncio.Socket, frames: list[Any]) -> bool:
         # The send may have taken the FD edge of a message that arrived meanwhile.
         waiting = chan._readable_locked()
     if waiting:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more
-            chan.loop.call_soon_threadsafe(chan.wake)
+        chan.input_seen()
     return True
 
 
@@ -280,6 +333,8 @@ async def pump(
     log: logging.Logger,
     limits: Limits = DEFAULT_LIMITS,
     with_user: bool = False,
+    here: Callable[[list[Any]], bool] | None = None,
+    init: Callable[[], None] | None = None,
 ) -> None:
     """The socket's only reader: decode, validate, dispatch; answer every failure, never die.
 
@@ -287,7 +342,9 @@ async def pump(
     it. A handler may be sync (preferred: the broker's state changes are) or a coroutine. Only a
     failing socket ends the reader; whatever one message does is answered and logged.
 
-    It reads through `read_frames`, and must stay the socket's only reader for its life.
+    It reads through `read_frames`, and must stay the socket's only reader for its life; with
+    `here`, through `read_frames_on_thread` (`here` and `init` as there), and the loop handles
+    what `here` leaves to it.
     """
     throttle = LogThrottle(log)
 
@@ -303,7 +360,10 @@ async def pump(
             with_user=with_user,
         )
 
-    await read_frames(sock, one)
+    if here is None:
+        await read_frames(sock, one)
+    else:
+        await read_frames_on_thread(sock, one, here, init=init, log=log)
 
 
 async def read_frames(
@@ -364,6 +424,128 @@ async def read_frames(
             del _CHANNELS[sock]
         with contextlib.suppress(Exception):
             loop.remove_reader(fd)
+
+
+async def read_frames_on_thread(
+    sock: zmq.asyncio.Socket,
+    on_frames: Callable[[list[Any]], Awaitable[None] | None],
+    here: Callable[[list[Any]], bool],
+    *,
+    init: Callable[[], None] | None = None,
+    log: logging.Logger | None = None,
+    name: str = "reader",
+) -> None:
+    """`read_frames` with the reading done by a thread of its own, which offers each message to
+    `here(frames)` first: True when `here` handled it there, on the reader thread; the rest go
+    to `on_frames` on the loop, in order, in batches (one loop wake-up each).
+
+    What it is for: a worker computes a small model's run on the thread that read it. Handed
+    to another thread instead, the run waits for that thread to wake up, and trades the GIL
+    with the loop, which cost more than the run itself (scripts/bench_broker.py). The thread
+    waits on the socket's FD with the GIL released, as the loop would.
+
+    Order is kept: a message is offered to `here` only when the loop has handled every message
+    passed to it before (a run never overtakes the Load before it). `here` must not raise (what
+    it raises is logged, and the message counts as handled); `init` runs first on the thread.
+    Like `read_frames`, it ends by cancellation, when the socket fails, or when `on_frames`
+    raises; once it has ended, the thread no longer touches the socket (it may still be inside
+    `here`, whose sends then find no reader)."""
+    log = log or logging.getLogger("transport")
+    loop = asyncio.get_running_loop()
+    chan = _CHANNELS[sock] = _Channel(sock, loop)
+    fd = chan.sync.getsockopt(zmq.FD)
+    # pyzmq's own reader on the FD, registered the first time it needs the loop, would read the
+    # socket's events on the loop thread, under the reader thread: register it now, and remove
+    # it, so that the thread is the FD's only watcher.
+    if hasattr(sock, "_get_loop"):
+        sock._get_loop()
+    with contextlib.suppress(Exception):
+        loop.remove_reader(fd)
+    wake_r, chan.wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(chan.wake_w, False)
+    stop = threading.Event()
+    # What the thread hands the loop: batches of messages, then how it ended (None: stopped).
+    inbox: asyncio.Queue[list[list[Any]] | BaseException | None] = asyncio.Queue()
+
+    def post(item: list[list[Any]] | BaseException | None) -> None:
+        if isinstance(item, list):
+            chan.posted += len(item)
+        loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+    def read() -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
+        batch: list[list[Any]] = []
+        while not stop.is_set():
+            frames = chan.recv_queued(sock)
+            if frames is None:  # empty (just seen): hand over what is the loop's, then wait
+                if batch:
+                    post(batch)
+                    batch = []
+                _wait_for_input(poller, wake_r)
+                continue
+            if not batch and chan.handled == chan.posted:
+                try:
+                    if here(frames):
+                        continue
+                except Exception:
+                    log.exception("handling a message on the reader thread")
+                    continue
+            batch.append(frames)
+            if len(batch) >= YIELD_EVERY:
+                post(batch)
+                batch = []
+
+    def body() -> None:
+        chan.reader_ident = threading.get_ident()
+        end: BaseException | None = None
+        try:
+            if init is not None:
+                init()
+            read()
+        except BaseException as exc:  # ENOTSOCK once the reader has ended is no failure
+            end = exc
+        finally:
+            with chan.lock:  # no more pings into a pipe that is closing
+                wake_w, chan.wake_w = chan.wake_w, -1
+            os.close(wake_r)
+            os.close(wake_w)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            post(end)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    try:
+        # As `read_frames` does: each message handled (a coroutine handler's awaited) before
+        # the next, a failure ends the reader, and the loop turns after each batch.
+        while True:
+            item = await inbox.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            for frames in item:
+                result = on_frames(frames)
+                if result is not None:
+                    await result
+                chan.handled += 1
+            await asyncio.sleep(0)
+    finally:
+        stop.set()
+        chan.ping()
+        with chan.lock:  # from here the thread neither reads nor sends on the socket
+            chan.open = False
+        if _CHANNELS.get(sock) is chan:
+            del _CHANNELS[sock]
+
+
+def _wait_for_input(poller: select.poll, wake_r: int) -> None:
+    """A reader thread's sleep, GIL released: until the socket's FD fires, a ping comes down
+    its pipe (`_Channel.ping`), or CLOSED_CHECK_S pass."""
+    poller.poll(CLOSED_CHECK_S * 1000)
+    with contextlib.suppress(BlockingIOError):
+        os.read(wake_r, 4096)
 
 
 def handle_one(

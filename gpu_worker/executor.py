@@ -13,6 +13,8 @@ futures return; tests drive it in-process.
 - `run` queues a batch on a compute lane. The lane waits for each block's copy just before it
   computes that block, so a cold request starts computing while later blocks are still in flight.
   A run for a stage that is not on the device brings it back first (a load like any other).
+- `run_here` computes a run on the calling thread instead (the worker's reader thread), for a
+  resident stage whose runs take under QUICK_RUN_S: a hand-off to a lane would cost more.
 - `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
   next owner waits on their markers (stream order), never on a global synchronisation.
 
@@ -22,6 +24,11 @@ training gives back every range it can at once, and the load goes ahead (in arri
 soon as it fits. Runs sent for a stage whose load waits simply wait on its blocks' markers.
 
 Torch work and copies never run on the event-loop thread.
+
+Every method runs on the event loop but `run_here`. What a run admitted there shares with the
+loop (a stage's state, generation, users and in-flight count, the run counters) changes under
+`_lock`: an eviction either sees the run among the stage's users, and orders the bytes' next
+owner after it, or the run sees the stage gone and is not admitted.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import traceback
 from collections import deque
@@ -52,6 +60,13 @@ from gpu_worker.model_code import SERVING_CALLS
 log = logging.getLogger("worker")
 
 StageKey = tuple[str, int]
+
+# A run of a resident stage whose runs take less than this (smoothed) is computed by the thread
+# that read it (`Executor.run_here`). Handing it to a compute lane costs a thread wake-up and
+# the GIL's trips between the two threads: on a busy host, more than a small model's forward
+# (scripts/bench_broker.py). Longer runs go to the lanes, so that the reader is back at its
+# socket within about this long.
+QUICK_RUN_S = 0.001
 
 
 class State(Enum):
@@ -102,6 +117,7 @@ class Stage:
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     last_used: float = 0.0
     keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
+    run_s: float = 0.0  # compute seconds of its runs, smoothed (0: none ran yet)
 
 
 @dataclass
@@ -176,6 +192,9 @@ class Executor:
         # Where the device's arena starts (it is never replaced): `_off_arena` asks every run.
         self._arena_ptr = device.arena.untyped_storage().data_ptr()
         self.stages: dict[StageKey, Stage] = {}
+        # What runs admitted by `run_here` (on another thread) share with the loop: see the
+        # module docstring. Held for bookkeeping only, never across a copy or a forward.
+        self._lock = threading.Lock()
         self._waiting: deque[StageKey] = deque()  # loads waiting for training's ranges, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self.memory.wake_serving.append(self._wake)
@@ -280,16 +299,18 @@ class Executor:
         """Stages this executor may evict, the one worth least first."""
         now = time.monotonic()
         bw = self.bandwidth or 1e9
-        idle = [
-            s
-            for s in self.stages.values()
-            if s.state is State.RESIDENT and not s.inflight and s.key not in keep
-        ]
-        if self.eviction == "lru":
-            return sorted(idle, key=lambda s: (s.last_used, s.key))
-        return sorted(
-            idle, key=lambda s: (stage_value(s.rate.at(now), s.host.nbytes, bw), s.last_used, s.key)
-        )
+        with self._lock:  # a run admitted on the reader thread updates rates and counts
+            idle = [
+                s
+                for s in self.stages.values()
+                if s.state is State.RESIDENT and not s.inflight and s.key not in keep
+            ]
+            if self.eviction == "lru":
+                return sorted(idle, key=lambda s: (s.last_used, s.key))
+            return sorted(
+                idle,
+                key=lambda s: (stage_value(s.rate.at(now), s.host.nbytes, bw), s.last_used, s.key),
+            )
 
     def _evict_for(self, victim: Stage) -> None:
         self.evict(victim.key)
@@ -482,14 +503,16 @@ class Executor:
                 if not m.done():
                     self._mark_copied(m)
             self.memory.unclaim()
-        after = [*st.ready, *st.users]
+        with self._lock:  # no run is admitted on the reader thread while the bytes go
+            after = [*st.ready, *st.users]
+            extents = st.extents
+            st.state, st.extents, st.users = State.HOST, [], []
+            st.generation += 1
         freed = 0
-        for ext in st.extents:
+        for ext in extents:
             if ext is not None:
                 freed += ext.size
                 self.memory.free(ext, after, "serving")
-        st.state, st.extents, st.users = State.HOST, [], []
-        st.generation += 1
         if st.loading is not None and not st.loading.done():
             st.loading.set_exception(FlowmeshError(Code.NOT_RESIDENT, "evicted while loading"))
             st.loading.exception()  # mark retrieved: nobody may be waiting on it
@@ -523,40 +546,80 @@ class Executor:
                     Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded: {exc.reason}"
                 ) from None
             self.counters["implicit_loads"] += 1
-        now = time.monotonic()
-        st.rate.add(now, len(parts))
-        st.last_used = now
-        st.inflight += 1
+        with self._lock:
+            done = self._admit(st, len(parts))
+            ready, generation = list(st.ready), st.generation
         self.memory.serving_started()
-        done = self.device.new_marker()
-        # Runs that are past their marker no longer read the bytes: keep only those that may.
-        st.users = [m for m in st.users if not m.done()]
-        st.users.append(done)
         fut = self._compute.submit(
             asyncio.get_running_loop(),
             self._run_and_answer,
             on_lane,
             st,
-            list(st.ready),
+            ready,
             [[p] for p in parts] if separate else [parts],
             done,
-            st.generation,
+            generation,
         )
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
-            st.inflight -= 1
             self.memory.serving_ended()
+            failed = f.cancelled() or f.exception() is not None
+            self._finish_run(st, done, None if failed else f.result())
+
+        fut.add_done_callback(settle)
+        return fut
+
+    def run_here(
+        self, key: StageKey, parts: list[Mapping[str, Any]], separate: bool = False
+    ) -> RunOutput | None:
+        """`run`, computed on the calling thread, which is not the event loop's (the worker's
+        reader thread): for a resident stage whose runs take under QUICK_RUN_S. Returns None,
+        having done nothing, for any other stage (loading, evicted, unknown, slow, or never run
+        yet), whose run the caller then hands to `run` on the loop. Raises what a run's future
+        would."""
+        st = self.stages.get(key)
+        if st is None:
+            return None
+        with self._lock:
+            if st.state is not State.RESIDENT or not 0.0 < st.run_s < QUICK_RUN_S:
+                return None
+            done = self._admit(st, len(parts))
+            ready, generation = list(st.ready), st.generation
+        self.memory.serving_started()
+        out = None
+        try:
+            batches = [[p] for p in parts] if separate else [parts]
+            out = self._run_blocks(st, ready, batches, done, generation)
+            return out
+        finally:
+            self.memory.serving_ended()
+            self._finish_run(st, done, out)
+
+    def _admit(self, st: Stage, requests: int) -> Any:
+        """Count a run in (under `_lock`); returns the marker of its end on the device."""
+        now = time.monotonic()
+        st.rate.add(now, requests)
+        st.last_used = now
+        st.inflight += 1
+        done = self.device.new_marker()
+        # Runs that are past their marker no longer read the bytes: keep only those that may.
+        st.users = [m for m in st.users if not m.done()]
+        st.users.append(done)
+        return done
+
+    def _finish_run(self, st: Stage, done: Any, out: RunOutput | None) -> None:
+        """Count a run out; `out` None: it failed."""
+        with self._lock:
+            st.inflight -= 1
             if done.done():  # else a later run or the eviction still finds it in `users`
                 with contextlib.suppress(ValueError):  # gone if evicted (and maybe reloaded)
                     st.users.remove(done)
             self.counters["runs"] += 1
-            if f.cancelled() or f.exception() is not None:
+            if out is None:
                 self.counters["run_errors"] += 1
-            else:
-                self.counters["rows"] += f.result().rows
-
-        fut.add_done_callback(settle)
-        return fut
+                return
+            self.counters["rows"] += out.rows
+            st.run_s = 0.8 * st.run_s + 0.2 * out.compute_s if st.run_s else out.compute_s
 
     def _run_and_answer(self, on_lane: Callable[[RunOutput], bool] | None, *args: Any) -> RunOutput:
         out = self._run_blocks(*args)

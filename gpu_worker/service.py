@@ -25,6 +25,7 @@ worker to drop (`DropStage`, `TrainClose`), so the worker keeps everything until
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -110,6 +111,7 @@ class WorkerService(MeshPeer):
         # Stages prepared (weights read into the host tier) since the process started.
         self.stages_prepared = 0
         self.lane_answers = 0
+        self.reader_runs = 0  # runs computed (or failed) and answered on the reader thread
         # Stages whose weights are being read in: "model/stage" -> [bytes read, bytes to read]
         # (reported with the heartbeats, so `flowmesh deploy` can show its progress).
         self._preparing: dict[str, list[int]] = {}
@@ -179,6 +181,7 @@ class WorkerService(MeshPeer):
         out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
         out["stages_prepared"] = self.stages_prepared
         out["lane_answers"] = self.lane_answers  # runs answered from their compute lane
+        out["reader_runs"] = self.reader_runs  # runs answered from the reader thread
         out["preparing"] = {k: list(v) for k, v in list(self._preparing.items())}
         out.update(self.direct.counters)
         out["direct_pending"] = len(self.direct.runs)  # announced runs not finished here
@@ -412,24 +415,23 @@ class WorkerService(MeshPeer):
             raise FlowmeshError(Code.BAD_REQUEST, "every part of a run needs its tensors")
         return parts
 
-    def _run(self, msg: p.Run) -> None:
-        def result(out: RunOutput) -> p.Message:
-            tensors = {
-                f"{k}/{name}": t for k, part in enumerate(out.parts) for name, t in part.items()
-            }
-            return p.RunResult(
-                id=msg.id,
-                model=msg.model,
-                stage=msg.stage,
-                tensors=tensors,
-                info={"compute_s": out.compute_s, "wait_s": out.wait_s},
-            )
+    @staticmethod
+    def _run_result(msg: p.Run, out: RunOutput) -> p.RunResult:
+        tensors = {f"{k}/{name}": t for k, part in enumerate(out.parts) for name, t in part.items()}
+        return p.RunResult(
+            id=msg.id,
+            model=msg.model,
+            stage=msg.stage,
+            tensors=tensors,
+            info={"compute_s": out.compute_s, "wait_s": out.wait_s},
+        )
 
+    def _run(self, msg: p.Run) -> None:
         def unless_answered(out: RunOutput) -> p.Message | None:
             if out.answered:
                 self.lane_answers += 1
                 return None
-            return result(out)
+            return self._run_result(msg, out)
 
         # The result goes out from the compute lane that computed it (one thread hand-off
         # less on every request's path); the loop sends it only if the lane could not.
@@ -437,9 +439,46 @@ class WorkerService(MeshPeer):
             (msg.model, msg.stage),
             self._parts(msg),
             separate=msg.separate,
-            on_lane=lambda out: self.send_from_thread(result(out)),
+            on_lane=lambda out: self.send_from_thread(self._run_result(msg, out)),
         )
         self._answer_when_done(fut, msg.id, unless_answered)
+
+    def reader_thread(self) -> tuple[Callable[[list[Any]], bool], Callable[[], None]]:
+        loop = asyncio.get_running_loop()
+        threads = torch.get_num_threads()  # see flowmesh.threads: a new thread must be told
+
+        def here(frames: list[Any]) -> bool:
+            return self._run_here(frames, loop)
+
+        return here, lambda: torch.set_num_threads(threads)
+
+    def _run_here(self, frames: list[Any], loop: asyncio.AbstractEventLoop) -> bool:
+        """On the reader thread: a run of a quick resident stage is computed and answered right
+        here (`Executor.run_here`: no hand-off to a lane, no trip through the loop). False for
+        every other message, which the loop then decodes (again) and handles."""
+        try:
+            msg = p.decode(frames, self.limits)
+        except Exception:  # the loop answers it with the reason
+            return False
+        if not isinstance(msg, p.Run) or msg.ticket:
+            return False
+        self.last_heard = time.monotonic()
+        answer: p.Message
+        try:
+            out = self.executor.run_here((msg.model, msg.stage), self._parts(msg), msg.separate)
+        except Exception as exc:
+            if not isinstance(exc, FlowmeshError):
+                self.log.error("run %d failed: %r", msg.id, exc)
+            answer = p.error_for(exc, msg.id)
+        else:
+            if out is None:
+                return False
+            answer = self._run_result(msg, out)
+        self.reader_runs += 1
+        if not self.send_from_thread(answer):  # the loop's send says what happened to it
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to answer
+                loop.call_soon_threadsafe(self.send, answer)
+        return True
 
     # ------------------------------------------------------------------ direct runs
 

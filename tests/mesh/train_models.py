@@ -1,9 +1,11 @@
 """Model factories the tests add to the mesh's allow-list (`--allow tests.mesh...`): one with
 dropout and BatchNorm (an eval must switch both off), one whose own code raises on a marked input
 value (isolation of a failing job), one that raises deep inside on a NaN (a failure in the middle
-of a pipeline)."""
+of a pipeline), one whose forward takes milliseconds whatever the machine (a slow model)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -84,3 +86,19 @@ def dropout_gpt(
     model = nn.Sequential(*layers, LMHead(d_model, vocab))
     model.flowmesh_inputs = {"ids": {"dtype": "int64", "shape": [-1, -1]}}  # type: ignore[assignment]
     return model
+
+
+class Pause(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            time.sleep(self.seconds)
+        return x
+
+
+def slow_mlp(pause_ms: float = 5.0) -> nn.Module:
+    """A small MLP that pauses `pause_ms` in its forward: a run never counts as quick."""
+    return _declare(nn.Sequential(nn.Linear(8, 16), Pause(pause_ms / 1000), nn.Linear(16, 5)))

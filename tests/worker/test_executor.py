@@ -23,6 +23,7 @@ from flowmesh.build import build_meta, build_seeded
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close, assert_same_bits
+from gpu_worker import executor as executor_module
 from gpu_worker.device import CpuMarker, CpuStandIn
 from gpu_worker.executor import Executor, State
 from gpu_worker.host_tier import HostStage
@@ -632,3 +633,130 @@ async def test_compute_lanes_run_torch_with_the_process_thread_count() -> None:
     finally:
         torch.set_num_threads(before)
     assert block.seen and set(block.seen) == {1}, block.seen
+
+
+# ------------------------------------------------------------------ runs on the reader thread
+
+
+class Sleep(nn.Module):
+    """Identity that takes `seconds`: a stage whose runs are never quick."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+async def test_a_quick_stage_runs_on_the_calling_thread_once_it_has_run_on_a_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Quickness is what a run measured; this machine's speed is not what is tested here.
+    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
+    ex = Executor(CpuStandIn(8 * MIB))
+    blocks, host, ref = stage_of(mlp("a", width=64, depth=2))
+    ex.add_stage(("a", 0), blocks, host)
+    x = torch.randn(3, 64)
+    assert ex.run_here(("b", 0), [{"x": x}]) is None  # not on this worker: the loop says so
+    await ex.load(("a", 0))
+    assert ex.run_here(("a", 0), [{"x": x}]) is None  # never ran: how long it takes is unknown
+    await ex.run(("a", 0), [{"x": x}])
+    seen: list[int] = []
+    blocks[0].register_forward_hook(lambda *_: seen.append(threading.get_ident()))
+    out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}, {"x": x[:1]}])
+    assert out is not None and [set(p) for p in out.parts] == [{""}, {""}]
+    assert_forward_close(out.parts[0][""], forward(ref, x))
+    assert_forward_close(out.parts[1][""], forward(ref, x[:1]))
+    assert seen and threading.get_ident() not in seen  # computed on the calling thread
+    st = ex.stages[("a", 0)]
+    assert st.users == [] and st.inflight == 0
+    assert ex.counters["runs"] == 2 and ex.counters["rows"] == 7
+    ex.evict(("a", 0))
+    assert ex.run_here(("a", 0), [{"x": x}]) is None  # evicted: the loop brings it back
+    ex.close()
+
+
+async def test_a_slow_stage_is_left_to_the_compute_lanes() -> None:
+    ex = Executor(CpuStandIn(8 * MIB))
+    blocks, _, ref = stage_of(mlp("a", width=64, depth=2))
+    children = list(ref.children())
+    slow = Sleep(2 * executor_module.QUICK_RUN_S)
+    host = HostStage.build([*(dict(c.state_dict()) for c in children), {}])
+    ex.add_stage(("a", 0), [*blocks, slow], host)
+    await ex.load(("a", 0))
+    x = torch.randn(1, 64)
+    await ex.run(("a", 0), [{"x": x}])
+    assert ex.stages[("a", 0)].run_s >= executor_module.QUICK_RUN_S
+    assert ex.run_here(("a", 0), [{"x": x}]) is None
+    assert ex.counters["runs"] == 1
+    ex.close()
+
+
+async def test_a_model_error_on_the_calling_thread_fails_that_run_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
+    ex = Executor(CpuStandIn(8 * MIB))
+    blocks, host, ref = stage_of(mlp("a"))
+    ex.add_stage(("a", 0), blocks, host)
+    await ex.load(("a", 0))
+    x = torch.randn(1, 256)
+    await ex.run(("a", 0), [{"x": x}])
+    with pytest.raises(FlowmeshError) as info:
+        await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": torch.randn(2, 7)}])
+    assert info.value.code is Code.MODEL_ERROR and "block 0" in info.value.reason
+    st = ex.stages[("a", 0)]
+    assert st.users == [] and st.inflight == 0  # the failed run released its marker too
+    assert ex.counters["run_errors"] == 1
+    out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}])
+    assert out is not None
+    assert_forward_close(out.parts[0][""], forward(ref, x))
+    ex.close()
+
+
+async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop evicts a stage while another thread computes a run of it, and loads another
+    stage into the same bytes: that copy must wait for the run's marker, as for a lane's run."""
+    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
+    spec_a, spec_b = mlp("a"), mlp("b", seed=1)
+    blocks_a, _, ref_a = stage_of(spec_a)
+    blocks_b, host_b, ref_b = stage_of(spec_b)
+    gate = Gate()
+    blocks_a = [blocks_a[0], gate, *blocks_a[1:]]
+    children = list(ref_a.children())
+    host_a = HostStage.build([dict(b.state_dict()) for b in [children[0], gate, *children[1:]]])
+    assert host_a.nbytes == host_b.nbytes  # b can only go where a was
+    dev = RecordingCpu(host_a.nbytes)
+    ex = Executor(dev, compute_lanes=2)
+    ex.add_stage(("a", 0), blocks_a, host_a)
+    ex.add_stage(("b", 0), blocks_b, host_b)
+    await ex.load(("a", 0))
+    x = torch.randn(2, 256)
+    gate.release.set()
+    await ex.run(("a", 0), [{"x": x}])  # measured: quick from now on
+    gate.release.clear()
+    gate.entered.clear()
+    running = asyncio.create_task(asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}]))
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    (a_run,) = ex.stages[("a", 0)].users
+    ex.evict(("a", 0))
+    loading = ex.load(("b", 0))
+    b_copy = ex.stages[("b", 0)].copies[-1].marker
+    await until(
+        lambda: dev.log.has("wait", a_run) or dev.log.has("set", b_copy),
+        "b's copy to wait on a's run or to land",
+    )
+    gate.release.set()
+    out = await running
+    await loading
+    assert dev.log.index("set", a_run) < dev.log.index("set", b_copy), (
+        "b's bytes landed in a's range while a's run on the calling thread still read it"
+    )
+    assert out is not None
+    assert_forward_close(out.parts[0][""], forward(ref_a, x))
+    assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], forward(ref_b, x))
+    ex.close()
