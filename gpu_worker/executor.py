@@ -14,7 +14,8 @@ futures return; tests drive it in-process.
   computes that block, so a cold request starts computing while later blocks are still in flight.
   A run for a stage that is not on the device brings it back first (a load like any other).
 - `run_here` computes a run on the calling thread instead (the worker's reader thread), for a
-  resident stage whose runs take under QUICK_RUN_S: a hand-off to a lane would cost more.
+  resident stage whose run is expected to take under QUICK_RUN_S: a hand-off to a lane would
+  cost more.
 - `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
   next owner waits on their markers (stream order), never on a global synchronisation.
 
@@ -61,12 +62,14 @@ log = logging.getLogger("worker")
 
 StageKey = tuple[str, int]
 
-# A run of a resident stage whose runs take less than this (smoothed) is computed by the thread
-# that read it (`Executor.run_here`). Handing it to a compute lane costs a thread wake-up and
-# the GIL's trips between the two threads: on a busy host, more than a small model's forward
-# (scripts/bench_broker.py). Longer runs go to the lanes, so that the reader is back at its
-# socket within about this long.
-QUICK_RUN_S = 0.001
+# A run of a resident stage expected to take less than this (its forwards times their smoothed
+# time) is computed by the thread that read it (`Executor.run_here`). Handing it to a compute
+# lane costs a thread wake-up and the GIL's trips between the two threads: on a busy host, more
+# than a small model's forward (scripts/bench_broker.py). Longer runs go to the lanes, so that
+# the reader is back at its socket within about this long. Per forward, not per run: a run of
+# several requests that take one forward each (the broker groups them under load) costs their
+# sum.
+QUICK_RUN_S = 0.002
 
 
 class State(Enum):
@@ -117,7 +120,7 @@ class Stage:
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     last_used: float = 0.0
     keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
-    run_s: float = 0.0  # compute seconds of its runs, smoothed (0: none ran yet)
+    forward_s: float = 0.0  # compute seconds of one forward, smoothed (0: none ran yet)
 
 
 @dataclass
@@ -564,7 +567,9 @@ class Executor:
         def settle(f: asyncio.Future[RunOutput]) -> None:
             self.memory.serving_ended()
             failed = f.cancelled() or f.exception() is not None
-            self._finish_run(st, done, None if failed else f.result())
+            self._finish_run(
+                st, done, None if failed else f.result(), len(parts) if separate else 1
+            )
 
         fut.add_done_callback(settle)
         return fut
@@ -573,15 +578,16 @@ class Executor:
         self, key: StageKey, parts: list[Mapping[str, Any]], separate: bool = False
     ) -> RunOutput | None:
         """`run`, computed on the calling thread, which is not the event loop's (the worker's
-        reader thread): for a resident stage whose runs take under QUICK_RUN_S. Returns None,
-        having done nothing, for any other stage (loading, evicted, unknown, slow, or never run
-        yet), whose run the caller then hands to `run` on the loop. Raises what a run's future
-        would."""
+        reader thread): for a resident stage, when the run is expected to take under
+        QUICK_RUN_S. Returns None, having done nothing, for any other run (of a stage loading,
+        evicted, unknown or never run yet, or too long), which the caller then hands to `run` on
+        the loop. Raises what a run's future would."""
         st = self.stages.get(key)
         if st is None:
             return None
         with self._lock:
-            if st.state is not State.RESIDENT or not 0.0 < st.run_s < QUICK_RUN_S:
+            forwards = len(parts) if separate else 1
+            if st.state is not State.RESIDENT or not 0.0 < st.forward_s * forwards < QUICK_RUN_S:
                 return None
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
@@ -593,7 +599,7 @@ class Executor:
             return out
         finally:
             self.memory.serving_ended()
-            self._finish_run(st, done, out)
+            self._finish_run(st, done, out, forwards)
 
     def _admit(self, st: Stage, requests: int) -> Any:
         """Count a run in (under `_lock`); returns the marker of its end on the device."""
@@ -607,8 +613,8 @@ class Executor:
         st.users.append(done)
         return done
 
-    def _finish_run(self, st: Stage, done: Any, out: RunOutput | None) -> None:
-        """Count a run out; `out` None: it failed."""
+    def _finish_run(self, st: Stage, done: Any, out: RunOutput | None, forwards: int) -> None:
+        """Count a run of `forwards` forwards out; `out` None: it failed."""
         with self._lock:
             st.inflight -= 1
             if done.done():  # else a later run or the eviction still finds it in `users`
@@ -619,7 +625,8 @@ class Executor:
                 self.counters["run_errors"] += 1
                 return
             self.counters["rows"] += out.rows
-            st.run_s = 0.8 * st.run_s + 0.2 * out.compute_s if st.run_s else out.compute_s
+            one = out.compute_s / forwards
+            st.forward_s = 0.8 * st.forward_s + 0.2 * one if st.forward_s else one
 
     def _run_and_answer(self, on_lane: Callable[[RunOutput], bool] | None, *args: Any) -> RunOutput:
         out = self._run_blocks(*args)

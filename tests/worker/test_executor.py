@@ -688,7 +688,7 @@ async def test_a_slow_stage_is_left_to_the_compute_lanes() -> None:
     await ex.load(("a", 0))
     x = torch.randn(1, 64)
     await ex.run(("a", 0), [{"x": x}])
-    assert ex.stages[("a", 0)].run_s >= executor_module.QUICK_RUN_S
+    assert ex.stages[("a", 0)].forward_s >= executor_module.QUICK_RUN_S
     assert ex.run_here(("a", 0), [{"x": x}]) is None
     assert ex.counters["runs"] == 1
     ex.close()
@@ -759,4 +759,25 @@ async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_a
     assert out is not None
     assert_forward_close(out.parts[0][""], forward(ref_a, x))
     assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], forward(ref_b, x))
+    ex.close()
+
+
+async def test_a_run_of_many_forwards_is_quick_only_if_they_add_up_to_a_quick_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker groups queued requests of a model that takes one per forward into one run:
+    such a run costs one forward per request."""
+    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 0.02)
+    ex = Executor(CpuStandIn(8 * MIB))
+    blocks, _, ref = stage_of(mlp("a", width=64, depth=2))
+    children = list(ref.children())
+    host = HostStage.build([*(dict(c.state_dict()) for c in children), {}])
+    ex.add_stage(("a", 0), [*blocks, Sleep(0.004)], host)
+    await ex.load(("a", 0))
+    x = torch.randn(1, 64)
+    await ex.run(("a", 0), [{"x": x}, {"x": x}], separate=True)  # 4 ms and more per forward
+    assert ex.run_here(("a", 0), [{"x": x}] * 8, separate=True) is None  # 32 ms and more
+    out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}, {"x": x}], True)
+    assert out is not None and len(out.parts) == 2
+    assert_forward_close(out.parts[1][""], forward(ref, x))
     ex.close()
