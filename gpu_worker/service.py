@@ -4,6 +4,11 @@ Commands are applied in arrival order on the event loop (allocation bookkeeping 
 ordered); stage preparation, copies and compute run on worker threads; results go back as soon as
 their futures resolve, so one slow model never holds up the others.
 
+The broker's socket is read by a thread of its own (`transport.read_frames_on_thread`): a quick
+run of a resident stage (`Executor.run_here`) is computed and answered right there, without a
+hand-off to a compute lane, which for a small model cost more than its forward; every other
+message goes to the loop, in order.
+
 The worker is the one owner of its device memory (`gpu_worker.memory.DeviceMemory`): one arena
 holds the serving stages (within the serving budget; the executor chooses which idle stages to
 evict for a load, and `Resident` tells the broker what it holds after each Load and each choice

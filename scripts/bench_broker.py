@@ -9,6 +9,9 @@ and pipelined throughput (many outstanding) are both reported, as ratios.
 `--idle-models N` deploys N more models that nobody asks for: a catalogue's size must not
 cost a request anything (the broker once walked every model twice per request).
 
+Under the bursts, it also reports the CPU time each process of the flowmesh path takes per
+request (the client, this process; the broker; the worker), from /proc (Linux only).
+
 `--pin A,B` runs the broker on CPU A and the worker on CPU B (`--cpus`), and the references
 alike: the relay on A, the echo servers on B; the client (this process) is not pinned. Without
 it every process runs anywhere, as the kernel places it.
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -82,6 +86,20 @@ RELAY = "raw relay + echo (2 hops each way)"
 MESH = "flowmesh infer"
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far, from /proc; this process is
+    "client". Empty where there is no /proc."""
+    if not os.path.isdir("/proc/self"):
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"client": sum(os.times()[:2])}
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class RawPath:
     """A raw DEALER talking to an echo server, directly or through the relay."""
 
@@ -127,11 +145,17 @@ class MeshPath:
 
 
 async def measure_round(
-    endpoints: dict[str, str], n: int, concurrency: int, chunk: int, x: torch.Tensor
+    endpoints: dict[str, str],
+    n: int,
+    concurrency: int,
+    chunk: int,
+    x: torch.Tensor,
+    mesh_pids: dict[str, int] | None = None,
 ) -> dict[str, dict[str, float]]:
     """One round: the paths take turns, `chunk` sequential requests each, then bursts of
     `concurrency` x 8 outstanding each, so that a slow spell of the machine (they last from
-    milliseconds to minutes here) falls on every path alike."""
+    milliseconds to minutes here) falls on every path alike. `mesh_pids`: the processes whose
+    CPU per request is measured over the flowmesh path's bursts (`cpu_us_<process>`)."""
     paths = {
         name: MeshPath(ep, x) if name == MESH else RawPath(ep, x) for name, ep in endpoints.items()
     }
@@ -149,6 +173,7 @@ async def measure_round(
         burst = concurrency * 8
         wall = dict.fromkeys(paths, 0.0)
         sent = dict.fromkeys(paths, 0)
+        cpu: dict[str, float] = {}
         for _ in range(max(1, n // burst)):
             for name, path in paths.items():
                 sem = asyncio.Semaphore(concurrency)
@@ -157,11 +182,14 @@ async def measure_round(
                     async with sem:
                         await path.one()
 
+                before = cpu_seconds(mesh_pids or {}) if name == MESH else {}
                 t = time.perf_counter()
                 await asyncio.gather(*(bounded() for _ in range(burst)))
                 wall[name] += time.perf_counter() - t
                 sent[name] += burst
-        return {
+                for proc, secs in cpu_seconds(mesh_pids or {}).items() if before else ():
+                    cpu[proc] = cpu.get(proc, 0.0) + secs - before[proc]
+        out = {
             name: {
                 "p50_us": statistics.median(lat[name]),
                 "mean_us": statistics.fmean(lat[name]),
@@ -169,6 +197,9 @@ async def measure_round(
             }
             for name in paths
         }
+        for proc, secs in cpu.items():
+            out[MESH][f"cpu_us_{proc}"] = secs / sent[MESH] * 1e6
+        return out
     finally:
         for path in paths.values():
             await path.close()
@@ -233,10 +264,12 @@ def main() -> None:
             )
             for i in range(args.idle_models):
                 c.deploy(f"idle-{i}", "flowmesh.examples:mlp", kwargs={"width": 4, "depth": 1})
+        pids = {c.name.removesuffix("-0"): c.proc.pid for c in mesh.children}
+        pids = {k: v for k, v in pids.items() if k in ("broker", "worker")}
         for rnd in range(args.rounds + 1):  # round 0 warms up
             endpoints = {ECHO: echo_ep, RELAY: relay_ep, MESH: mesh.frontend}
             results = uvloop.run(
-                measure_round(endpoints, args.requests, args.concurrency, args.chunk, x)
+                measure_round(endpoints, args.requests, args.concurrency, args.chunk, x, pids)
             )
             if rnd:
                 rounds.append(results)
@@ -265,6 +298,14 @@ def main() -> None:
     summary: dict[str, Any] = {
         key: statistics.median(q[key] for q in per_round) for key in per_round[0]
     }
+    cpu_keys = [k for k in rounds[0][MESH] if k.startswith("cpu_us_")]
+    for key in cpu_keys:
+        summary[key] = statistics.median(r[MESH][key] for r in rounds)
+    if cpu_keys:
+        print(
+            "CPU per request over the flowmesh bursts (median over the rounds): "
+            + ", ".join(f"{k.removeprefix('cpu_us_')} {summary[k]:.0f} us" for k in cpu_keys)
+        )
     summary.update(
         rounds=rounds,
         per_round=per_round,
