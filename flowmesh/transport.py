@@ -505,7 +505,7 @@ async def read_frames_on_thread(
             if init is not None:
                 init()
             read()
-        except BaseException as exc:  # ENOTSOCK once the reader has ended is no failure
+        except BaseException as exc:  # it ends the reader (if the reader has not ended first)
             end = exc
         finally:
             with chan.lock:  # no more pings into a pipe that is closing

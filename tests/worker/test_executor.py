@@ -345,20 +345,26 @@ class Gate(nn.Module):
         return x
 
 
-async def test_evicted_bytes_are_reused_only_after_their_last_run() -> None:
-    spec_a, spec_b = mlp("a"), mlp("b", seed=1)
-    blocks_a, _, ref_a = stage_of(spec_a)
-    blocks_b, host_b, ref_b = stage_of(spec_b)
-    gate = Gate()
-    # The gate is block 1 of a; a's weights after it are still read once the gate opens.
+def one_range_for_two(gate: Gate) -> tuple[RecordingCpu, Executor, nn.Module, nn.Module]:
+    """Stages a and b of one size on a device that holds one of them (b can only go where a
+    was); `gate` is a's block 1, so a's weights after it are still read once it opens. Returns
+    the device, the executor, and a's and b's references."""
+    blocks_a, _, ref_a = stage_of(mlp("a"))
+    blocks_b, host_b, ref_b = stage_of(mlp("b", seed=1))
     blocks_a = [blocks_a[0], gate, *blocks_a[1:]]
     children = list(ref_a.children())
     host_a = HostStage.build([dict(b.state_dict()) for b in [children[0], gate, *children[1:]]])
-    assert host_a.nbytes == host_b.nbytes  # b can only go where a was
+    assert host_a.nbytes == host_b.nbytes
     dev = RecordingCpu(host_a.nbytes)
     ex = Executor(dev, compute_lanes=2)
     ex.add_stage(("a", 0), blocks_a, host_a)
     ex.add_stage(("b", 0), blocks_b, host_b)
+    return dev, ex, ref_a, ref_b
+
+
+async def test_evicted_bytes_are_reused_only_after_their_last_run() -> None:
+    gate = Gate()
+    dev, ex, ref_a, ref_b = one_range_for_two(gate)
     await ex.load(("a", 0))
     x = torch.randn(2, 256)
     running = ex.run(("a", 0), [{"x": x}])
@@ -722,18 +728,8 @@ async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_a
     """The loop evicts a stage while another thread computes a run of it, and loads another
     stage into the same bytes: that copy must wait for the run's marker, as for a lane's run."""
     monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
-    spec_a, spec_b = mlp("a"), mlp("b", seed=1)
-    blocks_a, _, ref_a = stage_of(spec_a)
-    blocks_b, host_b, ref_b = stage_of(spec_b)
     gate = Gate()
-    blocks_a = [blocks_a[0], gate, *blocks_a[1:]]
-    children = list(ref_a.children())
-    host_a = HostStage.build([dict(b.state_dict()) for b in [children[0], gate, *children[1:]]])
-    assert host_a.nbytes == host_b.nbytes  # b can only go where a was
-    dev = RecordingCpu(host_a.nbytes)
-    ex = Executor(dev, compute_lanes=2)
-    ex.add_stage(("a", 0), blocks_a, host_a)
-    ex.add_stage(("b", 0), blocks_b, host_b)
+    dev, ex, ref_a, ref_b = one_range_for_two(gate)
     await ex.load(("a", 0))
     x = torch.randn(2, 256)
     gate.release.set()
