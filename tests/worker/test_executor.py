@@ -362,14 +362,11 @@ def one_range_for_two(gate: Gate) -> tuple[RecordingCpu, Executor, nn.Module, nn
     return dev, ex, ref_a, ref_b
 
 
-async def test_evicted_bytes_are_reused_only_after_their_last_run() -> None:
-    gate = Gate()
-    dev, ex, ref_a, ref_b = one_range_for_two(gate)
-    await ex.load(("a", 0))
-    x = torch.randn(2, 256)
-    running = ex.run(("a", 0), [{"x": x}])
-    (a_run,) = ex.stages[("a", 0)].users
-    assert await asyncio.to_thread(gate.entered.wait, 10)
+async def evict_under_the_run(
+    dev: RecordingCpu, ex: Executor, gate: Gate, a_run: Any, running: Any
+) -> Any:
+    """With a's run `running` held at `gate` (its marker `a_run`): evict a, load b into the
+    same bytes, let the run go; b's copy must land only after the run. The run's output."""
     ex.evict(("a", 0))  # scheduled release while a run still reads a's bytes
     loading = ex.load(("b", 0))  # same bytes: its copy must order after the run
     b_copy = ex.stages[("b", 0)].copies[-1].marker
@@ -385,6 +382,18 @@ async def test_evicted_bytes_are_reused_only_after_their_last_run() -> None:
     assert dev.log.index("set", a_run) < dev.log.index("set", b_copy), (
         "b's bytes landed in a's range while a's run was still reading it"
     )
+    return out
+
+
+async def test_evicted_bytes_are_reused_only_after_their_last_run() -> None:
+    gate = Gate()
+    dev, ex, ref_a, ref_b = one_range_for_two(gate)
+    await ex.load(("a", 0))
+    x = torch.randn(2, 256)
+    running = ex.run(("a", 0), [{"x": x}])
+    (a_run,) = ex.stages[("a", 0)].users
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    out = await evict_under_the_run(dev, ex, gate, a_run, running)
     assert_forward_close(out.parts[0][""], forward(ref_a, x))
     assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], forward(ref_b, x))
     ex.close()
@@ -739,19 +748,7 @@ async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_a
     running = asyncio.create_task(asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}]))
     assert await asyncio.to_thread(gate.entered.wait, 10)
     (a_run,) = ex.stages[("a", 0)].users
-    ex.evict(("a", 0))
-    loading = ex.load(("b", 0))
-    b_copy = ex.stages[("b", 0)].copies[-1].marker
-    await until(
-        lambda: dev.log.has("wait", a_run) or dev.log.has("set", b_copy),
-        "b's copy to wait on a's run or to land",
-    )
-    gate.release.set()
-    out = await running
-    await loading
-    assert dev.log.index("set", a_run) < dev.log.index("set", b_copy), (
-        "b's bytes landed in a's range while a's run on the calling thread still read it"
-    )
+    out = await evict_under_the_run(dev, ex, gate, a_run, running)
     assert out is not None
     assert_forward_close(out.parts[0][""], forward(ref_a, x))
     assert_forward_close((await ex.run(("b", 0), [{"x": x}])).parts[0][""], forward(ref_b, x))
