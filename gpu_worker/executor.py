@@ -62,14 +62,22 @@ log = logging.getLogger("worker")
 
 StageKey = tuple[str, int]
 
-# A run of a resident stage expected to take less than this (its forwards times their smoothed
-# time) is computed by the thread that read it (`Executor.run_here`). Handing it to a compute
-# lane costs a thread wake-up and the GIL's trips between the two threads: on a busy host, more
-# than a small model's forward (scripts/bench_broker.py). Longer runs go to the lanes, so that
-# the reader is back at its socket within about this long. Per forward, not per run: a run of
-# several requests that take one forward each (the broker groups them under load) costs their
-# sum.
+# A run of a resident stage expected to take less than this (its forwards times the time of one,
+# `Stage.forward_s`) is computed by the thread that read it (`Executor.run_here`). Handing it to
+# a compute lane costs a thread wake-up and the GIL's trips between the two threads: on a busy
+# host, more than a small model's forward (scripts/bench_broker.py). Longer runs go to the
+# lanes, so that the reader is back at its socket within about this long. Per forward, not per
+# run: a run of several requests that take one forward each (the broker groups them under load)
+# costs their sum.
 QUICK_RUN_S = 0.002
+
+# `Stage.forward_s` is the fastest of this many recent forwards. Waiting for the GIL or for a
+# core only ever adds to a forward's time, and on a busy host it added more than the forward
+# (a tiny model measured 70 us alone, 150-1,000 us in a mesh under load). A smoothed mean of that
+# wrongly sent its grouped runs to the lanes, where they waited longer still and were measured
+# slower again: the runs stayed there. A forward that really got slower (larger inputs) counts
+# once this many in a row were.
+FORWARD_WINDOW = 16
 
 
 class State(Enum):
@@ -120,7 +128,9 @@ class Stage:
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     last_used: float = 0.0
     keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
-    forward_s: float = 0.0  # compute seconds of one forward, smoothed (0: none ran yet)
+    # Compute seconds of one forward: the fastest of the last FORWARD_WINDOW (0: none ran yet).
+    forward_s: float = 0.0
+    recent_forwards: deque[float] = field(default_factory=lambda: deque(maxlen=FORWARD_WINDOW))
 
 
 @dataclass
@@ -625,8 +635,8 @@ class Executor:
                 self.counters["run_errors"] += 1
                 return
             self.counters["rows"] += out.rows
-            one = out.compute_s / forwards
-            st.forward_s = 0.8 * st.forward_s + 0.2 * one if st.forward_s else one
+            st.recent_forwards.append(out.compute_s / forwards)
+            st.forward_s = min(st.recent_forwards)
 
     def _run_and_answer(self, on_lane: Callable[[RunOutput], bool] | None, *args: Any) -> RunOutput:
         out = self._run_blocks(*args)

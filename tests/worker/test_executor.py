@@ -709,6 +709,39 @@ async def test_a_slow_stage_is_left_to_the_compute_lanes() -> None:
     ex.close()
 
 
+async def test_a_forward_slowed_once_by_a_wait_leaves_its_stage_quick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A wait for the GIL or for a core adds to a forward's time now and then: a stage is slow
+    # only when every forward of the window was.
+    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 0.02)
+    monkeypatch.setattr(executor_module, "FORWARD_WINDOW", 4)
+    ex = Executor(CpuStandIn(1 * MIB))
+    nap = Sleep(0.0)
+    ex.add_stage(("a", 0), [nap], HostStage.build([{}]))
+    await ex.load(("a", 0))
+    x = torch.randn(1, 4)
+
+    async def run_taking(seconds: float) -> None:
+        nap.seconds = seconds
+        await ex.run(("a", 0), [{"x": x}])
+        nap.seconds = 0.0
+
+    def quick() -> bool:
+        return ex.run_here(("a", 0), [{"x": x}]) is not None  # runs (quickly) when it is
+
+    await run_taking(0.0)
+    assert quick()
+    await run_taking(0.15)  # one forward waited long
+    assert quick()
+    for _ in range(4):  # every forward of the window slow: the stage has become slow
+        await run_taking(0.15)
+    assert not quick()
+    await run_taking(0.0)  # fast again
+    assert quick()
+    ex.close()
+
+
 async def test_a_model_error_on_the_calling_thread_fails_that_run_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
