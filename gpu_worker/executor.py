@@ -62,21 +62,19 @@ log = logging.getLogger("worker")
 
 StageKey = tuple[str, int]
 
-# A run of a resident stage expected to take less than this (its forwards times the time of one,
-# `Stage.forward_s`) is computed by the thread that read it (`Executor.run_here`). Handing it to
-# a compute lane costs a thread wake-up and the GIL's trips between the two threads: on a busy
-# host, more than a small model's forward (scripts/bench_broker.py). Longer runs go to the
-# lanes, so that the reader is back at its socket within about this long. Per forward, not per
-# run: a run of several requests that take one forward each (the broker groups them under load)
-# costs their sum.
+# A run of a resident stage expected to take less than this (`Stage.expected_s`) is computed by
+# the thread that read it (`Executor.run_here`). Handing it to a compute lane costs a thread
+# wake-up and the GIL's trips between the two threads: on a busy host, more than a small model's
+# forward (scripts/bench_broker.py). Longer runs go to the lanes, so that the reader is back at
+# its socket within about this long.
 QUICK_RUN_S = 0.002
 
-# `Stage.forward_s` is the fastest of this many recent forwards. Waiting for the GIL or for a
-# core only ever adds to a forward's time, and on a busy host it added more than the forward
+# A stage's forward and row times are the fastest of this many recent runs. Waiting for the GIL
+# or for a core only ever adds to a run's time, and on a busy host it added more than the forward
 # (a tiny model measured 70 us alone, 150-1,000 us in a mesh under load). A smoothed mean of that
 # wrongly sent its grouped runs to the lanes, where they waited longer still and were measured
-# slower again: the runs stayed there. A forward that really got slower (larger inputs) counts
-# once this many in a row were.
+# slower again: the runs stayed there. A stage that really got slower counts once this many
+# runs in a row were.
 FORWARD_WINDOW = 16
 
 
@@ -128,9 +126,24 @@ class Stage:
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     last_used: float = 0.0
     keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
-    # Compute seconds of one forward: the fastest of the last FORWARD_WINDOW (0: none ran yet).
+    # Compute seconds of one forward, and per row, each the fastest of the last FORWARD_WINDOW
+    # runs (0: none ran yet). See `expected_s`.
     forward_s: float = 0.0
-    recent_forwards: deque[float] = field(default_factory=lambda: deque(maxlen=FORWARD_WINDOW))
+    row_s: float = 0.0
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FORWARD_WINDOW))
+
+    def expected_s(self, forwards: int, rows: int) -> float:
+        """What a run of `forwards` forwards over `rows` rows in all takes at least: each of its
+        forwards as long as the fastest one, each of its rows as long as the fastest per row.
+        Forwards alone would take a large batch for as quick as a small one; rows alone, a
+        model whose forward costs the same whatever its rows (a large model on a GPU) for quick
+        on one row. 0: not known yet."""
+        return max(forwards * self.forward_s, rows * self.row_s)
+
+    def measured(self, compute_s: float, forwards: int, rows: int) -> None:
+        self.recent.append((compute_s / forwards, compute_s / max(1, rows)))
+        self.forward_s = min(f for f, _ in self.recent)
+        self.row_s = min(r for _, r in self.recent)
 
 
 @dataclass
@@ -597,7 +610,8 @@ class Executor:
             return None
         with self._lock:
             forwards = len(parts) if separate else 1
-            if st.state is not State.RESIDENT or not 0.0 < st.forward_s * forwards < QUICK_RUN_S:
+            expected = st.expected_s(forwards, _rows(parts))
+            if st.state is not State.RESIDENT or not 0.0 < expected < QUICK_RUN_S:
                 return None
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
@@ -635,8 +649,7 @@ class Executor:
                 self.counters["run_errors"] += 1
                 return
             self.counters["rows"] += out.rows
-            st.recent_forwards.append(out.compute_s / forwards)
-            st.forward_s = min(st.recent_forwards)
+            st.measured(out.compute_s, forwards, out.rows)
 
     def _run_and_answer(self, on_lane: Callable[[RunOutput], bool] | None, *args: Any) -> RunOutput:
         out = self._run_blocks(*args)
@@ -789,6 +802,18 @@ def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[
         t = tensors[0][n] if len(tensors) == 1 else torch.cat([p[n] for p in tensors], dim=0)
         merged[n] = t.to(device, non_blocking=False) if t.device != device else t
     return merged, rows
+
+
+def _rows(parts: list[Mapping[str, Any]]) -> int:
+    """The rows of a run's parts (dim 0 of each part's first input; a scalar is one row), read
+    from shapes only: a received TensorRef has one without becoming a tensor."""
+    rows = 0
+    for part in parts:
+        for t in part.values():
+            shape = t.shape
+            rows += int(shape[0]) if len(shape) else 1
+            break
+    return rows
 
 
 def _tensor(t: Any) -> torch.Tensor:

@@ -742,6 +742,47 @@ async def test_a_forward_slowed_once_by_a_wait_leaves_its_stage_quick(
     ex.close()
 
 
+class SleepPerRow(nn.Module):
+    """Identity that takes `fixed` seconds plus `per_row` seconds per row of its input."""
+
+    def __init__(self, fixed: float, per_row: float) -> None:
+        super().__init__()
+        self.fixed, self.per_row = fixed, per_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.fixed + self.per_row * x.shape[0])
+        return x
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_row", "measured_rows", "quick_rows", "slow_rows"),
+    [
+        # Time grows with rows: a batch larger than those measured is not quick for it.
+        (0.0, 0.01, 1, 2, 16),
+        # Time is the forward's whatever the rows (a large model on a GPU): one row is as slow
+        # as the batch measured.
+        (0.15, 0.0, 16, None, 1),
+    ],
+)
+async def test_a_run_is_expected_to_take_its_forwards_and_its_rows_at_least(
+    monkeypatch: pytest.MonkeyPatch,
+    fixed: float,
+    per_row: float,
+    measured_rows: int,
+    quick_rows: int | None,
+    slow_rows: int,
+) -> None:
+    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 0.1)
+    ex = Executor(CpuStandIn(1 * MIB))
+    ex.add_stage(("a", 0), [SleepPerRow(fixed, per_row)], HostStage.build([{}]))
+    await ex.load(("a", 0))
+    await ex.run(("a", 0), [{"x": torch.randn(measured_rows, 4)}])
+    if quick_rows is not None:
+        assert ex.run_here(("a", 0), [{"x": torch.randn(quick_rows, 4)}]) is not None
+    assert ex.run_here(("a", 0), [{"x": torch.randn(slow_rows, 4)}]) is None
+    ex.close()
+
+
 async def test_a_model_error_on_the_calling_thread_fails_that_run_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
