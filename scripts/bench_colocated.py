@@ -160,8 +160,13 @@ def main() -> None:
     ap.add_argument("--train-width", type=int, default=96)
     ap.add_argument("--inflight", type=int, default=2, help="steps queued per job")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument(
+        "--gpu", type=int, default=None, help="the worker on this CUDA device (default: CPU)"
+    )
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    if args.gpu is not None and not torch.cuda.is_available():
+        ap.error("--gpu: this torch sees no CUDA device")
 
     serve_bytes = sum(p.numel() * 4 for p in build_seeded(served_spec(args.width)).parameters())
     # One job's footprint, measured the way a worker reports it, sets the training bytes.
@@ -171,6 +176,8 @@ def main() -> None:
     mesh = LocalMesh(
         cpu_workers=1,
         memory_budget=f"{2 * serve_bytes}B",
+        gpus=None if args.gpu is None else [args.gpu],
+        gpu_budget=f"{2 * serve_bytes}B",
         train_bytes=train_bytes,
         heartbeat_s=0.5,
         threads_per_worker=args.threads,
