@@ -20,7 +20,10 @@ SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 
 
 def run_script(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": sys.executable}
+    # The script's meshes are its own, keyless: not the session's keys (FLOWMESH_TEST_KEYS=1
+    # puts the operator key in FLOWMESH_KEYS, which its clients would then offer).
+    env = {k: v for k, v in os.environ.items() if k != "FLOWMESH_KEYS"}
+    env["PYTHON"] = sys.executable
     return subprocess.run(
         ["bash", str(SCRIPT), *args, str(out)],
         cwd=ROOT,
