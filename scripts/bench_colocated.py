@@ -15,7 +15,10 @@ memory counters (claims by serving, bytes training gave back, most it borrowed).
 checked against the model's own forward.
 
     python scripts/bench_colocated.py [--jobs 4] [--ratio 3] [--requests 200] [--width 512]
-        [--train-width 96] [--out bench-out]
+        [--train-width 96] [--gpu N] [--out bench-out]
+
+`--gpu N` puts the worker on CUDA device N (its arena and training bytes on the GPU) in place of
+a CPU stand-in.
 """
 
 from __future__ import annotations
