@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -150,9 +151,9 @@ class Device:
     def _sync(self) -> None:
         pass
 
-    @property
+    @functools.cached_property
     def torch_device(self) -> torch.device:
-        return self.arena.device
+        return self.arena.device  # the arena is never replaced
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         raise NotImplementedError

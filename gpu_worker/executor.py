@@ -677,12 +677,15 @@ class Executor:
                 t0 = time.perf_counter()
                 wait_s = 0.0
                 outputs: list[tuple[dict[str, torch.Tensor], list[int]]] = []
+                total = 0
+                device = dev.torch_device
                 try:
                     for parts in batches:
-                        inputs, rows = concat_parts(parts, dev.torch_device)
+                        inputs, rows = concat_parts(parts, device)
                         x, waited = self._forward(st, ready, inputs, generation)
                         wait_s += waited
                         outputs.append((self._off_arena(_named_outputs(x)), rows))
+                        total += sum(rows)
                 finally:
                     # Past this point of the compute stream the run no longer reads the stage's
                     # bytes (whatever happened): their later owners order after this marker, not
@@ -695,7 +698,6 @@ class Executor:
                     host = out if on_host else {n: t.to("cpu") for n, t in out.items()}
                     parts_out.extend(split_rows(host, rows))
                 compute_s = time.perf_counter() - t0 - wait_s
-                total = sum(sum(rows) for _, rows in outputs)
                 return RunOutput(parts_out, compute_s, wait_s, total)
         finally:
             if not marked:  # the compute lane itself failed: nothing of the run was queued
@@ -709,9 +711,10 @@ class Executor:
         wait_s = 0.0
         i = 0
         while i < len(blocks):
-            tw = time.perf_counter()
-            ready[i].order_current()
-            wait_s += time.perf_counter() - tw
+            if not ready[i].done():  # still copying in (a resident stage's never are)
+                tw = time.perf_counter()
+                ready[i].order_current()
+                wait_s += time.perf_counter() - tw
             # This block and the ones after it whose bytes are already in run under one hold
             # of the lock (for a resident stage: all of them, one hold per forward); a block
             # still loading is waited for outside it, so a builder never waits on a copy.
@@ -790,18 +793,24 @@ def _wait_all(markers: list[Any]) -> None:
 
 def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
     """Concatenate the parts' inputs along dim 0; returns the inputs and rows per part."""
+    if len(parts) == 1:  # a run of one request, the common case: nothing to concatenate
+        merged = {n: _on(_tensor(t), device) for n, t in parts[0].items()}
+        if not merged:
+            raise FlowmeshError(Code.BAD_REQUEST, "a part of a run has no inputs")
+        first = next(iter(merged.values()))
+        return merged, [int(first.shape[0]) if first.dim() else 1]
     tensors = [{n: _tensor(t) for n, t in p.items()} for p in parts]
     names = list(tensors[0])
     for p in tensors[1:]:
         if list(p) != names:
             raise FlowmeshError(Code.BAD_REQUEST, "parts of a batch name different inputs")
     rows = [int(p[names[0]].shape[0]) if p[names[0]].dim() else 1 for p in tensors]
-    merged = {}
-    for n in names:
-        # One part (a run of one request, the common case): nothing to concatenate.
-        t = tensors[0][n] if len(tensors) == 1 else torch.cat([p[n] for p in tensors], dim=0)
-        merged[n] = t.to(device, non_blocking=False) if t.device != device else t
+    merged = {n: _on(torch.cat([p[n] for p in tensors], dim=0), device) for n in names}
     return merged, rows
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
 
 
 def _rows(parts: list[Mapping[str, Any]]) -> int:
