@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,14 @@ from flowmesh.auth import BACKEND_DOMAIN, FRONTEND_DOMAIN, KeyRing, MeshAuthenti
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import run_until_stopped
 from flowmesh.sdnotify import notify
-from flowmesh.transport import bind_router, pump, send
+from flowmesh.transport import bind_router, pump, send, send_bundled
 
 log = logging.getLogger("broker")
 
 # Consecutive failed ticks after which the broker stops (non-zero) rather than limp on.
 MAX_TICK_FAILURES = 3
+# Clients remembered as taking bundles (the latest to send one).
+MAX_BUNDLING = 1 << 16
 
 
 class BrokerService:
@@ -60,25 +63,52 @@ class BrokerService:
         self.ready_file = ready_file
         self._stop = asyncio.Event()
         self.socks: dict[str, zmq.asyncio.Socket] = {}
+        # Clients that sent a bundle, so take them (see `protocol.Bundle`): the latest
+        # MAX_BUNDLING of them, a bound whatever the number of connections over time.
+        self.bundling: OrderedDict[bytes, None] = OrderedDict()
 
     def _flush(self) -> None:
         """Send what the core queued. Called after every message and tick, so an answer never
-        waits for the next one; one message that cannot go out never holds back the others."""
+        waits for the next one; one message that cannot go out never holds back the others.
+
+        What goes to one client that takes bundles goes in bundles (the answers of a grouped
+        run, say: one send and one read for all of them). Nothing to a worker is bundled: its
+        reader thread computes a quick run the moment it reads it, alone."""
         now = time.monotonic()
         for _ in range(1000):  # send failures may queue answers of their own
             out = self.core.drain()
             if not out:
                 return
+            to_clients: dict[bytes, list[p.Message]] = {}
             for dest, addr, msg in out:
+                if dest == CLIENT and addr in self.bundling:
+                    to_clients.setdefault(addr, []).append(msg)  # in order, per client
+                    continue
                 try:
                     send(self.socks[dest], msg, [addr])
-                except FlowmeshError as exc:
-                    self._send_failed(dest, addr, msg, exc, now)
-                except Exception as exc:  # e.g. a value msgpack cannot pack: a bug, not fatal
-                    log.exception("could not encode %s for %r", msg.TYPE, addr)
-                    failure = FlowmeshError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
-                    self._send_failed(dest, addr, msg, failure, now)
+                except Exception as exc:
+                    self._not_sent(dest, addr, msg, exc, now)
+            for addr, msgs in to_clients.items():
+                for failed, exc in send_bundled(self.socks[CLIENT], msgs, [addr], self.limits):
+                    for msg in failed:
+                        self._not_sent(CLIENT, addr, msg, exc, now)
         log.error("send failures kept queueing answers; the rest go out on the next flush")
+
+    def _client_bundles(self, addr: bytes | None) -> None:
+        if addr is None:
+            return
+        self.bundling[addr] = None
+        self.bundling.move_to_end(addr)
+        if len(self.bundling) > MAX_BUNDLING:
+            self.bundling.popitem(last=False)
+
+    def _not_sent(
+        self, dest: str, addr: bytes, msg: p.Message, exc: BaseException, now: float
+    ) -> None:
+        if not isinstance(exc, FlowmeshError):  # e.g. a value msgpack cannot pack: a bug
+            log.error("could not encode %s for %r", msg.TYPE, addr, exc_info=exc)
+            exc = FlowmeshError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self._send_failed(dest, addr, msg, exc, now)
 
     def _send_failed(
         self, dest: str, addr: bytes, msg: p.Message, exc: FlowmeshError, now: float
@@ -175,6 +205,7 @@ class BrokerService:
                     log=log,
                     limits=self.limits,
                     with_user=keyed,
+                    on_bundle=self._client_bundles,
                 )
             ),
             asyncio.create_task(

@@ -129,6 +129,12 @@ class AsyncClient:
         # Connections of the current socket lost so far: a call records the one it went on.
         self._link = 0
         self.resent = 0  # calls sent again after the connection was lost with them in flight
+        # Calls sent in bundles, and answers that came in bundles (see `_send_outbox`).
+        self.bundled_calls = 0
+        self.bundled_answers = 0
+        # Calls made in this loop turn after its first send, to go together (`_send_outbox`).
+        self._outbox: list[tuple[int, list[Any]]] | None = None
+        self._outbox_sock: zmq.asyncio.Socket | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -271,9 +277,15 @@ class AsyncClient:
         except Exception:
             log.exception("could not handle an answer from the broker at %s", self.address)
 
-    def _dispatch(self, frames: list[Any]) -> None:
+    def _on_member(self, frames: list[Any]) -> None:
         try:
-            msg = p.decode(frames, self.limits)
+            self._dispatch(frames, member=True)
+        except Exception:
+            log.exception("could not handle an answer from the broker at %s", self.address)
+
+    def _dispatch(self, frames: list[Any], member: bool = False) -> None:
+        try:
+            msg = p.decode_member(frames, self.limits) if member else p.decode(frames, self.limits)
         except p.DecodeError as exc:
             # An answer this client refuses (over its own limits, say) still ends its call now.
             call = self._pending.pop(exc.ref, None) if exc.ref is not None else None
@@ -282,6 +294,11 @@ class AsyncClient:
                 call.fut.set_exception(
                     error_from(exc.code, f"the broker's answer was refused: {exc.reason}")
                 )
+            return
+        if type(msg) is p.Bundle:  # answers sent together: each as if it had come alone
+            self.bundled_answers += len(msg.members)
+            for frames in msg.members:
+                self._on_member(frames)
             return
         ref = getattr(msg, "id", None)
         if ref is None:
@@ -410,14 +427,20 @@ class AsyncClient:
         if isinstance(msg, RETRYABLE):
             pending.msg, pending.deadline = msg, loop.time() + limit
         self._pending[ref] = pending
-        try:
-            send_frames(sock, frames)
-        except FlowmeshError as exc:
-            self._pending.pop(ref, None)
-            raise error_from(exc.code, f"cannot send to {self.address}: {exc.reason}") from None
-        except zmq.ZMQError as exc:  # the socket failed under the reader, which is ending
-            self._pending.pop(ref, None)
-            raise Unavailable(Code.UNAVAILABLE, f"cannot send to {self.address}: {exc}") from None
+        if self._outbox is not None and self._outbox_sock is sock:
+            self._outbox.append((ref, frames))  # goes with the other calls of this loop turn
+        else:
+            try:
+                send_frames(sock, frames)
+            except (FlowmeshError, zmq.ZMQError) as exc:
+                self._pending.pop(ref, None)
+                raise self._send_error(exc) from None
+            # The first call of a loop turn goes at once; the calls made after it in the same
+            # turn (many tasks calling at once, or the tasks that answers just woke) go
+            # together at the start of the next turn, in one bundle: one send, one wake-up of
+            # the broker and one read there for all of them.
+            self._outbox, self._outbox_sock = [], sock
+            loop.call_soon(self._send_outbox)
         # A timer on the call's own future, not wait_for (a task and two futures per call).
         timer = loop.call_later(limit + GRACE_S, _expire, fut)
         try:
@@ -437,6 +460,32 @@ class AsyncClient:
         finally:
             timer.cancel()
             self._pending.pop(ref, None)
+
+    def _send_error(self, exc: BaseException) -> ClientError:
+        if isinstance(exc, FlowmeshError):
+            return error_from(exc.code, f"cannot send to {self.address}: {exc.reason}")
+        # A ZMQError: the socket failed under the reader, which is ending.
+        return Unavailable(Code.UNAVAILABLE, f"cannot send to {self.address}: {exc}")
+
+    def _send_outbox(self) -> None:
+        """Send the calls collected since the last send of a loop turn, bundled; a send that
+        fails fails its calls."""
+        box, sock = self._outbox or [], self._outbox_sock
+        self._outbox = self._outbox_sock = None
+        if not box or sock is None:
+            return
+        at = 0
+        for count, frames in p.bundled([frames for _, frames in box], self.limits):
+            try:
+                send_frames(sock, frames)
+            except (FlowmeshError, zmq.ZMQError) as exc:
+                for ref, _ in box[at : at + count]:
+                    call = self._pending.pop(ref, None)
+                    if call is not None and not call.fut.done():
+                        call.fut.set_exception(self._send_error(exc))
+            else:
+                self.bundled_calls += count if count > 1 else 0
+            at += count
 
     def _ms(self, timeout: float | None) -> int:
         return int(1000 * (self.timeout if timeout is None else timeout))

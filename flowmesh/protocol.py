@@ -35,6 +35,12 @@ from flowmesh.errors import Code, FlowmeshError
 
 PROTOCOL_VERSION = 1
 
+# Members of one bundle at most: a bound on the work one received message makes.
+MAX_BUNDLE = 256
+# Bundles are for small messages, whose sends cost more than their bytes: a sender bundles no
+# more than this many bytes together, and sends a larger message alone.
+BUNDLE_BYTES = 1 << 20
+
 # Bytes per element of every dtype that may travel.
 ITEMSIZE: dict[str, int] = {
     "float32": 4,
@@ -561,8 +567,57 @@ class PlanJob(Message):
     request: dict[str, Any]
 
 
+# -- any socket
+
+
+@message("bundle")
+class Bundle(Message):
+    """Several messages sent as one: under load, one send, one wake-up and one read stand for
+    many (a client's calls of one event-loop turn, the answers of one grouped run).
+
+    On the wire the header carries `counts`, the number of frames of each member, and the
+    members' frames follow it, one member after the other. `decode` only splits them: each member
+    is decoded and handled on its own, in order, as if it had come alone, so that a bad member is
+    answered by its own error and the others go on. A bundle never holds a bundle.
+
+    Only a peer known to take bundles is sent one: the broker bundles what it sends a client
+    once that client has sent it a bundle, so that a client of its own that does not know them
+    (one speaking the protocol over a plain socket) never gets one."""
+
+    members: list[list[Any]] = field(default_factory=list)  # each member's frames
+
+
 def message_types() -> dict[str, type[Message]]:
     return dict(_REGISTRY)
+
+
+def bundled(
+    encoded: list[list[Any]], limits: Limits = DEFAULT_LIMITS
+) -> list[tuple[int, list[Any]]]:
+    """Encoded messages (each its frames) as few sends as bundles allow, in order: a run of two
+    or more becomes one bundle while it stays within BUNDLE_BYTES (or half the receiver's
+    `limits.max_message_bytes`) and MAX_BUNDLE members; a message alone goes as it is. Each
+    send is (how many of the messages it carries, its frames)."""
+    cap = min(BUNDLE_BYTES, limits.max_message_bytes // 2)
+    sends: list[tuple[int, list[Any]]] = []
+    run: list[list[Any]] = []
+    size = 0
+
+    def close() -> None:
+        if len(run) == 1:
+            sends.append((1, run[0]))
+        elif run:
+            sends.append((len(run), encode(Bundle(members=list(run)))))
+
+    for member in encoded:
+        nbytes = sum(_frame_len(f) for f in member)
+        if run and (size + nbytes > cap or len(run) >= MAX_BUNDLE):
+            close()
+            run, size = [], 0
+        run.append(member)
+        size += nbytes
+    close()
+    return sends
 
 
 # --------------------------------------------------------------------------- validation
@@ -684,18 +739,24 @@ class _Fields:
 
 _FIELDS: dict[type, _Fields] = {}
 
+# Fields that travel as frames after the header, described in it (`tensors` by their name, dtype
+# and shape; a bundle's `members` by their frame counts), not as header values.
+_FRAMED = ("tensors", "members")
+
 
 def _fields(cls: type[Message]) -> _Fields:
     got = _FIELDS.get(cls)
     if got is None:
         all_hints = typing.get_type_hints(cls)
-        hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls) if f.name != "tensors"}
+        hints = {
+            f.name: all_hints[f.name] for f in dataclasses.fields(cls) if f.name not in _FRAMED
+        }
         required = frozenset(
             f.name
             for f in dataclasses.fields(cls)
             if f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING
-            and f.name != "tensors"
+            and f.name not in _FRAMED
         )
         got = _FIELDS[cls] = _Fields(hints, required, {n: _compile(t) for n, t in hints.items()})
     return got
@@ -721,6 +782,10 @@ def encode(msg: Message) -> list[Any]:
             meta.append([name, dtype, list(shape)])
             frames.append(buf)
         header["tensors"] = meta
+    elif type(msg) is Bundle:
+        header["counts"] = [len(m) for m in msg.members]
+        for m in msg.members:
+            frames.extend(m)
     # For these plain values msgspec writes msgpack.packb(use_bin_type=True)'s bytes, faster.
     frames[0] = msgspec.msgpack.encode(header)
     return frames
@@ -818,6 +883,8 @@ def _decode_checked(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Messa
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise DecodeError(Code.UNKNOWN_TYPE, f"unknown message type {_short(type_name)}", ref)
+    if cls is Bundle:
+        return Bundle(members=_split_members(header, frames[1:]))
     meta = header.pop("tensors", [])
     tensors = _decode_tensors(meta, frames[1:], sizes[1:], cls, limits, ref)
     fields = _fields(cls)
@@ -904,6 +971,9 @@ def _mirror(cls: type[Message]) -> type[msgspec.Struct]:
     hints = typing.get_type_hints(cls)
     fields: list[Any] = [("v", int)]
     for f in dataclasses.fields(cls):
+        if f.name == "members":  # a bundle: how many frames each member has
+            fields.append(("counts", list[int]))
+            continue
         tp = list[tuple[str, str, list[int]]] if f.name == "tensors" else hints[f.name]
         if f.default is not dataclasses.MISSING:
             fields.append((f.name, tp, f.default))
@@ -927,7 +997,7 @@ def _fast_decoder() -> tuple[msgspec.msgpack.Decoder[Any], dict[type, _Wire]]:
     for cls in _REGISTRY.values():
         hints = typing.get_type_hints(cls)
         names = tuple(f.name for f in dataclasses.fields(cls))
-        any_fields = tuple(n for n in names if n != "tensors" and _holds_any(hints[n]))
+        any_fields = tuple(n for n in names if n not in _FRAMED and _holds_any(hints[n]))
         wires[_mirror(cls)] = _Wire(cls, names, any_fields)
     union = Union[tuple(wires)]  # noqa: UP007 (a tuple of types, built at run time)
     return msgspec.msgpack.Decoder(union, ext_hook=_no_ext), wires
@@ -957,6 +1027,15 @@ def _decode_fast(frames: list[Any], limits: Limits) -> Message | None:
         return None
     wire = wires[type(header)]
     cls = wire.cls
+    if cls is Bundle:
+        counts = header.counts
+        if len(counts) > MAX_BUNDLE or sum(counts) != len(frames) - 1 or min(counts, default=1) < 1:
+            return None
+        members, at = [], 1
+        for n in counts:
+            members.append(frames[at : at + n])
+            at += n
+        return Bundle(members=members)
     for name in wire.any_fields:
         if not _plain(getattr(header, name)):
             return None
@@ -1037,6 +1116,37 @@ def _decode_tensors(
             )
         out[name] = TensorRef(dtype, tuple(shape), frames[i])
     return out
+
+
+def decode_member(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """`decode` of one member of a bundle, which may not be a bundle itself."""
+    msg = decode(frames, limits)
+    if type(msg) is Bundle:
+        raise DecodeError(Code.BAD_MESSAGE, "a bundle inside a bundle")
+    return msg
+
+
+def _split_members(header: dict[str, Any], frames: list[Any]) -> list[list[Any]]:
+    counts = header.pop("counts", None)
+    if header:
+        names = ", ".join(_short(k) for k in sorted(header, key=str)[:5])
+        raise DecodeError(Code.BAD_MESSAGE, f"bundle: unknown field(s) {names}")
+    if not isinstance(counts, list) or not all(_is_int(c) and c >= 1 for c in counts):
+        raise DecodeError(
+            Code.BAD_MESSAGE, f"bundle.counts: expected a list of ints >= 1, got {_short(counts)}"
+        )
+    if len(counts) > MAX_BUNDLE:
+        raise DecodeError(Code.TOO_LARGE, f"bundle of {len(counts)} messages, limit {MAX_BUNDLE}")
+    if sum(counts) != len(frames):
+        raise DecodeError(
+            Code.BAD_FRAMES,
+            f"bundle header counts {sum(counts)} frame(s) but {len(frames)} arrived",
+        )
+    members, at = [], 0
+    for n in counts:
+        members.append(frames[at : at + n])
+        at += n
+    return members
 
 
 def error_for(exc: BaseException, ref: int | None = None) -> Error:

@@ -30,11 +30,14 @@ from flowmesh.auth import CurveKeys, curve_client, curve_server, user_id
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.protocol import (
     DEFAULT_LIMITS,
+    Bundle,
     DecodeError,
     Error,
     Limits,
     Message,
+    bundled,
     decode,
+    decode_member,
     encode,
     error_for,
 )
@@ -335,6 +338,7 @@ async def pump(
     with_user: bool = False,
     here: Callable[[list[Any]], bool] | None = None,
     init: Callable[[], None] | None = None,
+    on_bundle: Callable[[bytes | None], None] | None = None,
 ) -> None:
     """The socket's only reader: decode, validate, dispatch; answer every failure, never die.
 
@@ -345,6 +349,9 @@ async def pump(
     It reads through `read_frames`, and must stay the socket's only reader for its life; with
     `here`, through `read_frames_on_thread` (`here` and `init` as there), and the loop handles
     what `here` leaves to it.
+
+    `on_bundle(sender)` is called for each bundle received, before its members are handled:
+    a sender that sends bundles can take them (see `protocol.Bundle`).
     """
     throttle = LogThrottle(log)
 
@@ -358,6 +365,7 @@ async def pump(
             limits=limits,
             throttle=throttle,
             with_user=with_user,
+            on_bundle=on_bundle,
         )
 
     if here is None:
@@ -558,12 +566,17 @@ def handle_one(
     limits: Limits = DEFAULT_LIMITS,
     throttle: LogThrottle | None = None,
     with_user: bool = False,
+    member: bool = False,
+    on_bundle: Callable[[bytes | None], None] | None = None,
 ) -> Awaitable[None] | None:
     """Decode and dispatch one received message; answer any failure with an Error. Never
     raises (except cancellation): one message must not end its socket's reader.
 
     Synchronous when the handler is (no coroutine per message); for a coroutine handler it
     returns what to await, which answers that handler's failure the same way.
+
+    A bundle's members are handled one by one, in order, as if each had come alone (`member`:
+    this is one of them, and may not be a bundle itself), after `on_bundle(sender)`.
 
     `with_user`: the handler takes the ZAP User-Id of the connection as a third argument
     (None when the connection has none)."""
@@ -576,7 +589,7 @@ def handle_one(
     else:
         envelope, body, peer = [], frames, None
     try:
-        msg = decode(body, limits)
+        msg = decode_member(body, limits) if member else decode(body, limits)
     except DecodeError as exc:
         if throttle.allow():
             log.warning("rejected message from %r: %s", peer, exc)
@@ -588,6 +601,21 @@ def handle_one(
         reason = f"undecodable message: {type(exc).__name__}"
         _answer(sock, envelope, Error(id=None, code=str(Code.BAD_MESSAGE), reason=reason), log)
         return None
+
+    if type(msg) is Bundle:
+        if on_bundle is not None:
+            on_bundle(peer)
+        members = [[*envelope, *m] for m in msg.members]
+        return _handle_members(
+            sock,
+            members,
+            handle,
+            routed=routed,
+            log=log,
+            limits=limits,
+            throttle=throttle,
+            with_user=with_user,
+        )
 
     def refused(exc: Exception) -> None:
         # Throttled: a refusal (OVERLOADED under a flood) or a handler bug a peer can trigger
@@ -617,6 +645,66 @@ def handle_one(
             refused(exc)
 
     return finish(result)
+
+
+def _handle_members(
+    sock: zmq.asyncio.Socket, members: list[list[Any]], handle: Handler, **kw: Any
+) -> Awaitable[None] | None:
+    """A bundle's members (each with the envelope), in order. A coroutine handler's member is
+    awaited before the next one is handled, as `read_frames` does for whole messages."""
+    for i, frames in enumerate(members):
+        pending = handle_one(sock, frames, handle, member=True, **kw)
+        if pending is not None:
+            return _handle_rest(pending, sock, members[i + 1 :], handle, kw)
+    return None
+
+
+async def _handle_rest(
+    pending: Awaitable[None],
+    sock: zmq.asyncio.Socket,
+    members: list[list[Any]],
+    handle: Handler,
+    kw: dict[str, Any],
+) -> None:
+    await pending
+    for frames in members:
+        more = handle_one(sock, frames, handle, member=True, **kw)
+        if more is not None:
+            await more
+
+
+def send_bundled(
+    sock: zmq.asyncio.Socket,
+    messages: list[Message],
+    envelope: list[Any] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> list[tuple[list[Message], BaseException]]:
+    """Send `messages` to one peer, in order, bundled (`protocol.bundled`). Never raises: what
+    could not go out is returned, each failure with the messages it took (one that cannot be
+    encoded alone; all the messages of a send that failed)."""
+    if len(messages) == 1:  # the common case at low load: nothing to bundle
+        try:
+            send(sock, messages[0], envelope)
+        except Exception as exc:
+            return [(messages, exc)]
+        return []
+    failed: list[tuple[list[Message], BaseException]] = []
+    encoded: list[list[Any]] = []
+    kept: list[Message] = []
+    for msg in messages:
+        try:
+            encoded.append(encode(msg))
+            kept.append(msg)
+        except Exception as exc:
+            failed.append(([msg], exc))
+    at = 0
+    for count, frames in bundled(encoded, limits):
+        try:
+            send_frames(sock, [*(envelope or []), *frames])
+        except Exception as exc:
+            failed.append((kept[at : at + count], exc))
+        at += count
+    return failed
 
 
 def _answer(

@@ -530,3 +530,87 @@ async def test_the_reader_lets_other_tasks_run_while_messages_are_queued() -> No
         assert max(gaps) <= 2 * transport.YIELD_EVERY, max(gaps)
     finally:
         await _close(ctx, router, dealer, task=task)
+
+
+# --------------------------------------------------------------------------- bundles
+
+
+def _bits(frames: list[object]) -> list[bytes]:
+    return [bytes(memoryview(f)) for f in frames]  # type: ignore[arg-type]
+
+
+def test_a_bundle_carries_its_members_frames_unchanged_and_in_order() -> None:
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    msgs: list[p.Message] = [
+        p.Infer(id=1, model="m", tensors={"": x}),
+        p.Status(id=2),
+        p.Infer(id=3, model="m", tensors={"a": x, "b": x[:1]}),
+    ]
+    members = [p.encode(m) for m in msgs]
+    frames = p.encode(p.Bundle(members=members))
+    assert len(frames) == 1 + sum(len(m) for m in members)
+    for decode in (p.decode, p._decode_checked):
+        got = decode(frames)
+        assert isinstance(got, p.Bundle)
+        # Pure data movement: every frame bit for bit.
+        assert [_bits(m) for m in got.members] == [_bits(m) for m in members]
+        back = [p.decode_member(m) for m in got.members]
+        assert [type(m) for m in back] == [type(m) for m in msgs]
+        assert [m.id for m in back] == [1, 2, 3]  # type: ignore[attr-defined]
+        assert torch.equal(back[2].tensors["b"].tensor(), x[:1])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("counts", "code"),
+    [
+        ([1, 3], Code.BAD_FRAMES),  # four frames announced, three sent
+        ([1, 1], Code.BAD_FRAMES),  # two announced, three sent
+        ([0, 3], Code.BAD_MESSAGE),  # a member has at least its header
+        ([1.0, 2], Code.BAD_MESSAGE),
+        ([True, 2], Code.BAD_MESSAGE),
+        ("12", Code.BAD_MESSAGE),
+        ([1] * (p.MAX_BUNDLE + 1), Code.TOO_LARGE),
+    ],
+)
+def test_a_bundle_whose_counts_do_not_fit_its_frames_is_refused(counts: object, code: Code) -> None:
+    x = torch.ones(1, 2)
+    body = [*p.encode(p.Status(id=1)), *p.encode(p.Infer(id=2, model="m", tensors={"": x}))]
+    with pytest.raises(p.DecodeError) as info:
+        p.decode([header(t="bundle", counts=counts), *body])
+    assert info.value.code is code, info.value
+
+
+def test_a_bundle_with_an_unknown_field_is_refused() -> None:
+    with pytest.raises(p.DecodeError) as info:
+        p.decode([header(t="bundle", counts=[1], extra=1), *p.encode(p.Status(id=1))])
+    assert info.value.code is Code.BAD_MESSAGE and "extra" in info.value.reason
+
+
+def test_a_bundle_inside_a_bundle_is_refused_as_a_member() -> None:
+    inner = p.encode(p.Bundle(members=[p.encode(p.Status(id=1))]))
+    outer = p.decode(p.encode(p.Bundle(members=[inner])))
+    assert isinstance(outer, p.Bundle)
+    with pytest.raises(p.DecodeError) as info:
+        p.decode_member(outer.members[0])
+    assert info.value.code is Code.BAD_MESSAGE and "bundle inside a bundle" in info.value.reason
+
+
+def test_bundled_keeps_order_and_bounds_each_send() -> None:
+    small = [p.encode(p.Status(id=i)) for i in range(p.MAX_BUNDLE + 3)]
+    sends = p.bundled(small)
+    assert [n for n, _ in sends] == [p.MAX_BUNDLE, 3]
+    ids = []
+    for _, frames in sends:
+        msg = p.decode(frames)
+        assert isinstance(msg, p.Bundle)
+        ids += [p.decode_member(m).id for m in msg.members]  # type: ignore[attr-defined]
+    assert ids == list(range(p.MAX_BUNDLE + 3))
+    # Alone, a message goes as it is; past the byte bound, a message starts a new send.
+    assert p.bundled(small[:1]) == [(1, small[0])]
+    big = p.encode(p.Infer(id=9, model="m", tensors={"": torch.zeros(p.BUNDLE_BYTES // 4)}))
+    sends = p.bundled([small[0], small[1], big, small[2]])
+    assert [n for n, _ in sends] == [2, 1, 1]
+    assert sends[1][1] is big
+    # The receiver's limit bounds a bundle too: half its largest message.
+    tight = p.Limits(max_message_bytes=4 * len(small[0][0]))
+    assert [n for n, _ in p.bundled(small[:5], tight)] == [2, 2, 1]

@@ -8,11 +8,13 @@ import asyncio
 import contextlib
 import logging
 
+import msgpack
 import zmq
 import zmq.asyncio
 
 from flowmesh import protocol as p
 from flowmesh import transport
+from flowmesh.errors import Code, FlowmeshError
 
 LOG = logging.getLogger("test.batching")
 
@@ -133,6 +135,84 @@ async def test_a_flood_lets_other_tasks_run() -> None:
     finally:
         await _stop(tick)
         await _stop(task)
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+
+
+async def test_each_member_of_a_bundle_is_handled_alone_and_in_order() -> None:
+    """A bundle's members reach the handler one by one, in order; a member that cannot be
+    decoded, one the handler refuses and a bundle inside the bundle are each answered with
+    their own error, and the members after them are still handled. A coroutine handler's
+    member is done before the next one starts, as for messages sent alone."""
+    ctx = zmq.asyncio.Context()
+    router, ep = transport.bind_router(ctx, "inproc://batch-bundle")
+    dealer = transport.connect_dealer(ctx, ep)
+    events: list[str] = []
+
+    async def handle(_a: bytes | None, msg: p.Message) -> None:
+        assert isinstance(msg, p.Status)
+        if msg.id == 4:
+            raise FlowmeshError(Code.BAD_REQUEST, "not this one")
+        events.append(f"start {msg.id}")
+        await asyncio.sleep(0.01)  # the next member waits for this one
+        events.append(f"end {msg.id}")
+
+    task = asyncio.create_task(transport.pump(router, handle, routed=True, log=LOG))
+    try:
+        members = [
+            p.encode(p.Status(id=1)),
+            # An unknown field: refused, answered with its id.
+            [msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "status", "id": 2, "oops": 1})],
+            p.encode(p.Status(id=3)),
+            p.encode(p.Status(id=4)),  # the handler refuses it
+            p.encode(p.Bundle(members=[p.encode(p.Status(id=5))])),
+            p.encode(p.Status(id=6)),
+        ]
+        await dealer.send_multipart(p.encode(p.Bundle(members=members)))
+        errors = []
+        for _ in range(3):
+            reply = p.decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+            assert isinstance(reply, p.Error)
+            errors.append((reply.id, reply.code))
+        assert errors == [
+            (2, str(Code.BAD_MESSAGE)),
+            (4, str(Code.BAD_REQUEST)),
+            (None, str(Code.BAD_MESSAGE)),  # the inner bundle: no id to answer
+        ]
+        for _ in range(200):
+            if len(events) == 6:
+                break
+            await asyncio.sleep(0.01)
+        assert events == ["start 1", "end 1", "start 3", "end 3", "start 6", "end 6"]
+    finally:
+        await _stop(task)
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+
+
+async def test_send_bundled_says_which_messages_did_not_go() -> None:
+    """Messages to one peer go in bundles; one that cannot be encoded is reported alone and the
+    others still go; to a peer that is not connected, every message is reported, none raised."""
+    ctx = zmq.asyncio.Context()
+    router, ep = transport.bind_router(ctx, "inproc://batch-bundled-send")
+    dealer = transport.connect_dealer(ctx, ep, identity="d")
+    try:
+        await dealer.send_multipart(p.encode(p.Status(id=0)))  # the router learns our address
+        await asyncio.wait_for(router.recv_multipart(), 5)
+        good = [p.StatusReply(id=i, status={"n": i}) for i in range(1, 5)]
+        bad = p.StatusReply(id=99, status={"n": object()})  # msgpack cannot pack it
+        failed = transport.send_bundled(router, [*good[:2], bad, *good[2:]], [b"d"])
+        assert [([m.id for m in msgs], type(exc)) for msgs, exc in failed] == [([99], TypeError)]
+        got = p.decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+        assert isinstance(got, p.Bundle)
+        assert [p.decode_member(m).id for m in got.members] == [1, 2, 3, 4]  # type: ignore[attr-defined]
+        failed = transport.send_bundled(router, good, [b"nobody"])
+        assert [([m.id for m in msgs], type(exc)) for msgs, exc in failed] == [
+            ([1, 2, 3, 4], transport.PeerGone)
+        ]
+    finally:
         router.close(0)
         dealer.close(0)
         ctx.term()

@@ -196,6 +196,33 @@ def test_requests_of_a_model_taking_one_per_forward_share_runs_under_load(
     assert row["batches"] < 48, row["batches"]  # several requests to a run
 
 
+def test_calls_made_together_travel_in_bundles_each_answered_as_its_own(mesh: LocalMesh) -> None:
+    """Calls made in one loop turn go to the broker in bundles, and the answers of one grouped
+    run come back in one: each call still gets its own answer, or its own error, exact."""
+    spec = dataclasses.replace(mlp_spec("bundled", width=64, depth=2, seed=41), max_batch_size=1)
+    ref = reference(spec)
+    with mesh.client() as c:
+        deploy(c, spec, replicas=1)
+    xs = [torch.randn(1, 64, generator=torch.Generator().manual_seed(k)) for k in range(40)]
+
+    async def together() -> tuple[list[object], int, int]:
+        async with AsyncClient(mesh.frontend, timeout=60) as client:
+            calls = [client.infer(spec.name, x) for x in xs]
+            calls.insert(10, client.infer("ghost", xs[0]))
+            calls.insert(20, client.infer(spec.name, torch.randn(1, 65)))
+            outs = await asyncio.gather(*calls, return_exceptions=True)
+            return outs, client.bundled_calls, client.bundled_answers
+
+    outs, bundled_calls, bundled_answers = asyncio.run(together())
+    assert isinstance(outs[10], errors.ModelNotFound), outs[10]
+    assert isinstance(outs[20], errors.BadRequest), outs[20]
+    for x, out in zip(xs, outs[:10] + outs[11:20] + outs[21:], strict=True):
+        assert isinstance(out, torch.Tensor), out
+        assert_forward_close(out, ref(x))
+    assert bundled_calls == 41  # every call but the first of the turn
+    assert bundled_answers >= 2  # the answers of a grouped run, at least once
+
+
 def test_bad_requests_get_clear_errors_and_nothing_hangs(mesh: LocalMesh) -> None:
     with mesh.client(timeout=20) as c:
         with pytest.raises(errors.NotAllowed, match="allow-list"):
