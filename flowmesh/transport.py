@@ -133,19 +133,23 @@ class _Channel:
 
     __slots__ = (
         "handled",
+        "idle",
+        "kick",
         "lock",
         "loop",
         "open",
         "posted",
         "reader_ident",
         "sync",
-        "waiter",
         "wake_w",
     )
 
     def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
         self.sync = zmq.Socket.shadow(sock.underlying)
-        self.waiter: asyncio.Future[None] | None = None
+        # A loop reader's (`read_frames`): it waits for the FD (nothing to read, nothing being
+        # handled), and how to have it read soon (from the loop's thread).
+        self.idle = False
+        self.kick: Callable[[], None] | None = None
         self.lock = threading.Lock()
         self.loop = loop
         self.open = True
@@ -200,9 +204,8 @@ class _Channel:
             send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
 
     def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self.kick is not None:
+            self.kick()
 
     def ping(self) -> None:
         """Wake a reader thread (a byte down its pipe; a full pipe already wakes it)."""
@@ -218,7 +221,7 @@ class _Channel:
         if self.wake_w >= 0:
             if self.readable():
                 self.ping()
-        elif self.waiter is not None and self.readable():
+        elif self.idle and self.readable():
             self.wake()
 
     def input_seen(self) -> None:
@@ -380,10 +383,12 @@ async def read_frames(
     """Be the socket's only reader: call `on_frames` with each message's frames, in order.
 
     It reads in batches through a sync shadow of the socket (NOBLOCK until empty, at most
-    YIELD_EVERY before the loop turns), waiting on the socket's FD only when it is empty: one
-    loop wake-up per batch instead of a pyzmq future per message. `send` to the socket takes
-    the same path. Ends only by cancellation or when the socket fails (a ZMQError: closed
-    under the reader, say); `on_frames` must not raise."""
+    YIELD_EVERY before the loop turns), right in the loop's callback for the socket's FD: no
+    pyzmq future per message, and no task to wake up either, which would cost a turn of the
+    loop on every message's way in. `send` to the socket takes the same path. A coroutine that
+    `on_frames` returns is awaited (on a task) before the next message is read. Ends only by
+    cancellation or when the socket fails (a ZMQError: closed under the reader, say), or when
+    `on_frames` raises, which it must not."""
     loop = asyncio.get_running_loop()
     chan = _CHANNELS[sock] = _Channel(sock, loop)
     fd = chan.sync.getsockopt(zmq.FD)
@@ -391,41 +396,85 @@ async def read_frames(
     # happen now, so that it cannot later replace ours (the loop keeps one reader per FD).
     if hasattr(sock, "_get_loop"):
         sock._get_loop()
-    loop.add_reader(fd, chan.wake)
-    try:
-        while True:
-            # Drain in batches: every message already queued is read with NOBLOCK, without a
-            # trip through the event loop, up to YIELD_EVERY; then the loop turns (fairness).
-            n = 0
+    ended: asyncio.Future[None] = loop.create_future()
+    busy: list[asyncio.Task[None]] = []  # the task awaiting a coroutine of `on_frames`
+    scheduled = False
+
+    def stop(exc: BaseException) -> None:
+        chan.idle = False
+        if not ended.done():
+            ended.set_exception(exc)
+
+    def drain() -> None:
+        nonlocal scheduled
+        scheduled = False
+        if ended.done():
+            return
+        if busy:  # a message is still being handled: it reads on once that is done
+            with contextlib.suppress(zmq.ZMQError):
+                chan.readable()  # takes the FD's signal, which would fire again and again
+            return
+        chan.idle = False
+        n = 0
+        try:
             while n < YIELD_EVERY:
                 if sock.closed:  # the shadow's handle is freed with the socket: never touch it
                     raise zmq.ZMQError(zmq.ENOTSOCK)
                 if not chan.readable():
-                    break
+                    chan.idle = True  # empty (just seen): until the FD fires or a `kick`
+                    return
                 try:
                     frames = chan.recv()
                 except zmq.Again:  # readable() said a message was queued; never mind it
-                    break
+                    chan.idle = True
+                    return
                 n += 1
                 result = on_frames(frames)
                 if result is not None:
-                    await result
-            if n >= YIELD_EVERY:
-                await asyncio.sleep(0)
-                continue
-            # Empty (just seen): sleep until the FD fires or a send elsewhere finds input
-            # (`poke`).
-            chan.waiter = loop.create_future()
-            # Closing the socket under its reader takes the FD's loop reader with it (pyzmq
-            # clears its own): look again within a second, so that the reader ends (above)
-            # rather than waits for ever.
-            check = loop.call_later(CLOSED_CHECK_S, chan.wake)
-            try:
-                await chan.waiter
-            finally:
-                chan.waiter = None
-                check.cancel()
+                    busy.append(loop.create_task(finish(result)))
+                    return
+        except BaseException as exc:  # the socket failed, or `on_frames` raised: it ends
+            stop(exc)
+            return
+        kick()  # YIELD_EVERY read: more may be queued, but the loop turns first (fairness)
+
+    async def finish(result: Awaitable[None]) -> None:
+        try:
+            await result
+        except asyncio.CancelledError:  # the reader is ending (its own cancellation)
+            raise
+        except BaseException as exc:
+            stop(exc)
+            return
+        finally:
+            busy.clear()
+        kick()
+
+    def kick() -> None:
+        nonlocal scheduled
+        if not scheduled and not ended.done():
+            scheduled = True
+            loop.call_soon(drain)
+
+    def look() -> None:
+        # Closing the socket under its reader takes the FD's loop reader with it (pyzmq clears
+        # its own): look again every CLOSED_CHECK_S, so that the reader ends rather than waits
+        # for ever.
+        nonlocal check
+        kick()
+        check = loop.call_later(CLOSED_CHECK_S, look)
+
+    chan.kick = kick
+    loop.add_reader(fd, drain)
+    check = loop.call_later(CLOSED_CHECK_S, look)
+    kick()  # what was queued before the reader started
+    try:
+        await ended
     finally:
+        check.cancel()
+        chan.kick, chan.idle = None, False
+        for task in busy:
+            task.cancel()
         with chan.lock:  # no other thread sends on it from now on (`send_from_thread`)
             chan.open = False
         if _CHANNELS.get(sock) is chan:
@@ -551,9 +600,10 @@ async def read_frames_on_thread(
 def _wait_for_input(poller: select.poll, wake_r: int) -> None:
     """A reader thread's sleep, GIL released: until the socket's FD fires, a ping comes down
     its pipe (`_Channel.ping`), or CLOSED_CHECK_S pass."""
-    poller.poll(CLOSED_CHECK_S * 1000)
-    with contextlib.suppress(BlockingIOError):
-        os.read(wake_r, 4096)
+    for fd, _ in poller.poll(CLOSED_CHECK_S * 1000):
+        if fd == wake_r:  # emptied only when pinged: a read of an empty pipe costs a raise
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
 
 
 def handle_one(

@@ -216,3 +216,39 @@ async def test_send_bundled_says_which_messages_did_not_go() -> None:
         router.close(0)
         dealer.close(0)
         ctx.term()
+
+
+async def test_a_coroutine_handler_finishes_one_message_before_the_next_is_read() -> None:
+    """The reader reads in the FD's callback; a message whose handler is a coroutine is
+    awaited before the reader takes the next one, however many are queued, and a failing
+    coroutine is answered while the messages after it still come."""
+    ctx = zmq.asyncio.Context()
+    router, ep = transport.bind_router(ctx, "inproc://batch-coroutine")
+    dealer = transport.connect_dealer(ctx, ep)
+    events: list[str] = []
+
+    async def handle(_a: bytes | None, msg: p.Message) -> None:
+        assert isinstance(msg, p.Status)
+        events.append(f"start {msg.id}")
+        await asyncio.sleep(0.005)
+        if msg.id == 2:
+            raise FlowmeshError(Code.BAD_REQUEST, "not this one")
+        events.append(f"end {msg.id}")
+
+    for i in (1, 2, 3):  # all queued before the reader starts
+        await dealer.send_multipart(p.encode(p.Status(id=i)))
+    task = asyncio.create_task(transport.pump(router, handle, routed=True, log=LOG))
+    try:
+        reply = p.decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+        assert isinstance(reply, p.Error) and reply.id == 2
+        for _ in range(200):
+            if len(events) == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert events == ["start 1", "end 1", "start 2", "start 3", "end 3"]
+        assert not task.done()  # a failed message never ends the reader
+    finally:
+        await _stop(task)
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
