@@ -28,7 +28,10 @@ class SharedLock:
     its thread); a waiting exclusive holder goes first."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())  # never taken twice by a thread
+        # The shared side takes `_lock` itself: the same lock as `_cond`'s, without the Python
+        # frames of Condition.__enter__/__exit__ on every serving forward.
+        self._lock = threading.Lock()  # never taken twice by a thread
+        self._cond = threading.Condition(self._lock)
         self._shared = 0
         self._owner: int | None = None
         self._depth = 0
@@ -41,13 +44,13 @@ class SharedLock:
         return self._shared_side
 
     def acquire_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             while self._owner is not None or self._waiting:
                 self._cond.wait()
             self._shared += 1
 
     def release_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shared -= 1
             # Only an exclusive holder waits for the shared side to empty.
             if not self._shared and self._waiting:
