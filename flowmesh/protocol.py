@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Union
 
 import msgpack
 import msgspec
+import numpy
 
 from flowmesh.errors import Code, FlowmeshError
 
@@ -40,6 +41,12 @@ MAX_BUNDLE = 256
 # Bundles are for small messages, whose sends cost more than their bytes: a sender bundles no
 # more than this many bytes together, and sends a larger message alone.
 BUNDLE_BYTES = 1 << 20
+
+# numpy's dtype of each dtype that may travel, but bfloat16 (numpy has none).
+_NUMPY_DTYPES = {
+    name: numpy.dtype(name)
+    for name in ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8")
+} | {"bool": numpy.dtype(bool)}
 
 # Bytes per element of every dtype that may travel.
 ITEMSIZE: dict[str, int] = {
@@ -107,7 +114,12 @@ class TensorRef:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
-        return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
+        # Through numpy: a view as well, in half the time of torch.frombuffer + reshape (a
+        # received tensor is made on every request's path, in the worker and in the client).
+        np_dtype = _NUMPY_DTYPES.get(self.dtype)
+        if np_dtype is None:  # bfloat16, which numpy lacks: its bits, as torch.frombuffer does
+            return torch.frombuffer(buf, dtype=dtype).reshape(self.shape)
+        return torch.from_numpy(numpy.frombuffer(buf, np_dtype).reshape(self.shape))
 
     def __repr__(self) -> str:
         return f"TensorRef({self.dtype}, {list(self.shape)})"
