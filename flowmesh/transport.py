@@ -128,8 +128,9 @@ class _Channel:
     run): every use of the socket holds `lock` (uncontended, a fraction of a microsecond), and
     `open` turns False, under the lock, when the reader ends, before anyone closes the socket.
 
-    The reader is a task of the loop (`read_frames`: it waits on `waiter`) or a thread of its
-    own (`read_frames_on_thread`: it waits on the socket's FD and `wake_w`, a pipe)."""
+    The reader is the loop's callback for the socket's FD (`read_frames`: `kick` has it read
+    soon, `idle` says it waits) or a thread of its own (`read_frames_on_thread`: it waits on the
+    socket's FD and `wake_w`, a pipe)."""
 
     __slots__ = (
         "handled",
