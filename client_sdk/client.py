@@ -472,6 +472,7 @@ class AsyncClient:
         fails fails its calls."""
         box, sock = self._outbox or [], self._outbox_sock
         self._outbox = self._outbox_sock = None
+        box = [item for item in box if item[0] in self._pending]  # not those cancelled since
         if not box or sock is None:
             return
         at = 0
@@ -484,7 +485,8 @@ class AsyncClient:
                     if call is not None and not call.fut.done():
                         call.fut.set_exception(self._send_error(exc))
             else:
-                self.bundled_calls += count if count > 1 else 0
+                if count > 1:
+                    self.bundled_calls += count
             at += count
 
     def _ms(self, timeout: float | None) -> int:
