@@ -472,7 +472,6 @@ class AsyncClient:
         fails fails its calls."""
         box, sock = self._outbox or [], self._outbox_sock
         self._outbox = self._outbox_sock = None
-        box = [item for item in box if item[0] in self._pending]  # not those cancelled since
         if not box or sock is None:
             return
         at = 0
