@@ -54,7 +54,13 @@ from flowmesh.auth import (
     watch_handshakes,
 )
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.transport import connect_dealer, read_frames, send, send_frames
+from flowmesh.transport import (
+    connect_dealer,
+    read_frames,
+    send,
+    send_encoded_bundled,
+    send_frames,
+)
 
 log = logging.getLogger("client_sdk")
 T = TypeVar("T")
@@ -271,15 +277,9 @@ class AsyncClient:
                 f"its socket stopped receiving (socket closed: {sock.closed})",
             ) from None
 
-    def _on_frames(self, frames: list[Any]) -> None:
+    def _on_frames(self, frames: list[Any], member: bool = False) -> None:
         try:
-            self._dispatch(frames)
-        except Exception:
-            log.exception("could not handle an answer from the broker at %s", self.address)
-
-    def _on_member(self, frames: list[Any]) -> None:
-        try:
-            self._dispatch(frames, member=True)
+            self._dispatch(frames, member)
         except Exception:
             log.exception("could not handle an answer from the broker at %s", self.address)
 
@@ -298,7 +298,7 @@ class AsyncClient:
         if type(msg) is p.Bundle:  # answers sent together: each as if it had come alone
             self.bundled_answers += len(msg.members)
             for frames in msg.members:
-                self._on_member(frames)
+                self._on_frames(frames, member=True)
             return
         ref = getattr(msg, "id", None)
         if ref is None:
@@ -474,19 +474,16 @@ class AsyncClient:
         self._outbox = self._outbox_sock = None
         if not box or sock is None:
             return
-        at = 0
-        for count, frames in p.bundled([frames for _, frames in box], self.limits):
-            try:
-                send_frames(sock, frames)
-            except (FlowmeshError, zmq.ZMQError) as exc:
-                for ref, _ in box[at : at + count]:
-                    call = self._pending.pop(ref, None)
-                    if call is not None and not call.fut.done():
-                        call.fut.set_exception(self._send_error(exc))
-            else:
-                if count > 1:
-                    self.bundled_calls += count
-            at += count
+        sends = send_encoded_bundled(sock, [frames for _, frames in box], limits=self.limits)
+        for taken, exc in sends:
+            if exc is None:
+                if len(taken) > 1:
+                    self.bundled_calls += len(taken)
+                continue
+            for i in taken:
+                call = self._pending.pop(box[i][0], None)
+                if call is not None and not call.fut.done():
+                    call.fut.set_exception(self._send_error(exc))
 
     def _ms(self, timeout: float | None) -> int:
         return int(1000 * (self.timeout if timeout is None else timeout))

@@ -42,12 +42,6 @@ MAX_BUNDLE = 256
 # more than this many bytes together, and sends a larger message alone.
 BUNDLE_BYTES = 1 << 20
 
-# numpy's dtype of each dtype that may travel, but bfloat16 (numpy has none).
-_NUMPY_DTYPES = {
-    name: numpy.dtype(name)
-    for name in ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8")
-} | {"bool": numpy.dtype(bool)}
-
 # Bytes per element of every dtype that may travel.
 ITEMSIZE: dict[str, int] = {
     "float32": 4,
@@ -61,6 +55,9 @@ ITEMSIZE: dict[str, int] = {
     "uint8": 1,
     "bool": 1,
 }
+
+# numpy's dtype of each dtype that may travel, but bfloat16 (numpy has none).
+_NUMPY_DTYPES = {name: numpy.dtype(name) for name in ITEMSIZE if name != "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -1043,11 +1040,7 @@ def _decode_fast(frames: list[Any], limits: Limits) -> Message | None:
         counts = header.counts
         if len(counts) > MAX_BUNDLE or sum(counts) != len(frames) - 1 or min(counts, default=1) < 1:
             return None
-        members, at = [], 1
-        for n in counts:
-            members.append(frames[at : at + n])
-            at += n
-        return Bundle(members=members)
+        return Bundle(members=_cut(frames[1:], counts))
     for name in wire.any_fields:
         if not _plain(getattr(header, name)):
             return None
@@ -1154,6 +1147,11 @@ def _split_members(header: dict[str, Any], frames: list[Any]) -> list[list[Any]]
             Code.BAD_FRAMES,
             f"bundle header counts {sum(counts)} frame(s) but {len(frames)} arrived",
         )
+    return _cut(frames, counts)
+
+
+def _cut(frames: list[Any], counts: list[int]) -> list[list[Any]]:
+    """A bundle's frames (after its header), member by member."""
     members, at = [], 0
     for n in counts:
         members.append(frames[at : at + n])

@@ -748,14 +748,31 @@ def send_bundled(
             kept.append(msg)
         except Exception as exc:
             failed.append(([msg], exc))
+    for taken, exc in send_encoded_bundled(sock, encoded, envelope, limits):
+        if exc is not None:
+            failed.append(([kept[i] for i in taken], exc))
+    return failed
+
+
+def send_encoded_bundled(
+    sock: zmq.asyncio.Socket,
+    encoded: list[list[Any]],
+    envelope: list[Any] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> list[tuple[range, BaseException | None]]:
+    """Send encoded messages (each its frames) to one peer, in order, bundled
+    (`protocol.bundled`). Never raises: returns each send, as the indices of the messages it
+    took and what it raised (None: it went)."""
+    sends: list[tuple[range, BaseException | None]] = []
     at = 0
     for count, frames in bundled(encoded, limits):
         try:
             send_frames(sock, [*(envelope or []), *frames])
+            sends.append((range(at, at + count), None))
         except Exception as exc:
-            failed.append((kept[at : at + count], exc))
+            sends.append((range(at, at + count), exc))
         at += count
-    return failed
+    return sends
 
 
 def _answer(
