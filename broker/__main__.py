@@ -11,6 +11,7 @@ from flowmesh.affinity import pin_process
 from flowmesh.config import (
     CPUS,
     FLOAT,
+    INSECURE,
     INT,
     LOG_LEVEL_OPTION,
     METRICS_PORT,
@@ -19,6 +20,7 @@ from flowmesh.config import (
     Option,
     Options,
 )
+from flowmesh.exposure import check_keyless_bind
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
 from flowmesh.spec import DEFAULT_ALLOW
@@ -117,6 +119,7 @@ OPTIONS = Options(
             None,
             "key directory (flowmesh keys init): CURVE on both sockets, only its keys let in",
         ),
+        INSECURE,
         CPUS,
         METRICS_PORT,
         Option(
@@ -142,7 +145,14 @@ def main(argv: list[str] | None = None) -> None:
             pin_process(args.cpus)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-    logs.setup("broker", args.log_level)
+    log = logs.setup("broker", args.log_level)
+    for flag, endpoint, lets in (
+        ("--frontend", args.frontend, "deploy, undeploy and train models and read every answer"),
+        ("--backend", args.backend, "register as a worker and answer the runs sent to it"),
+    ):
+        check_keyless_bind(
+            flag, endpoint, lets, keyed=bool(args.keys), insecure=bool(args.insecure), log=log
+        )
     if args.eviction not in ("value", "lru", "count"):
         raise SystemExit(f"--eviction {args.eviction!r}: expected value, lru or count")
     cfg = BrokerConfig(

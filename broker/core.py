@@ -37,6 +37,7 @@ from broker.training import TrainingRouter
 from flowmesh import protocol as p
 from flowmesh.auth import Identity, authorize_client
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 
 log = logging.getLogger("broker.core")
 
@@ -69,7 +70,12 @@ class BrokerCore:
         # Set by the shell when CURVE keys are on: every message then comes with the Identity
         # of its connection's key, and what it may do is checked against it.
         self.auth = False
+        # What the frontend's socket accepts, set by the shell: told to each client (`Welcome`).
+        self.limits = p.DEFAULT_LIMITS
         self.ctx.totals["auth_refused"] = 0
+        # For the lines logged per message, answer or call: what a peer or client can make
+        # happen at will must not become a log line each.
+        self.log_throttle = LogThrottle(log)
         # Peers lost for missing `liveness` heartbeats in a row (status and /metrics).
         self.ctx.totals["heartbeat_losses"] = 0
         # The rooms call each other only through these callbacks, set here once.
@@ -155,7 +161,7 @@ class BrokerCore:
 
     @property
     def plan_cache(self) -> dict[str, dict[str, Any]]:
-        return self.registry.plan_cache
+        return self.registry.plan_cache.entries
 
     @property
     def totals(self) -> dict[str, Any]:
@@ -176,6 +182,11 @@ class BrokerCore:
     def on_client(
         self, addr: bytes, msg: p.Message, now: float, identity: Identity | None = None
     ) -> None:
+        if type(msg) is p.Hello:  # any connection may learn what it must not send (no secret)
+            lim = self.limits
+            welcome = p.Welcome(msg.id, lim.max_message_bytes, lim.max_header_bytes)
+            self.ctx.to_client(addr, welcome)
+            return
         if self.auth:
             try:
                 authorize_client(identity, msg.TYPE)
@@ -242,7 +253,9 @@ class BrokerCore:
         call = self.calls.get(msg.id) if msg.id is not None else None
         if call is None or call.peer != peer.name:
             # Not an answer to anything we asked this peer (a late one, or a forged one).
-            log.warning("error from %s: %s %s (id %s)", peer.name, msg.code, msg.reason, msg.id)
+            self.log_throttle.warning(
+                "error from %s: %s %s (id %s)", peer.name, msg.code, msg.reason, msg.id
+            )
             return
         del self.calls[msg.id]  # type: ignore[arg-type]
         if call.kind == "load":
@@ -283,7 +296,7 @@ class BrokerCore:
         code = str(Code.OVERLOADED if undelivered else Code.TIMEOUT)
         if undelivered is None:
             self.totals["expired_calls"] += 1
-            log.warning(
+            self.log_throttle.warning(
                 "call expired kind=%s peer=%s model=%s",
                 call.kind,
                 call.peer,
@@ -341,7 +354,9 @@ class BrokerCore:
         """The shell could not deliver `msg`: a gone peer is dead; a full one fails the work
         that waited on the message, so no state is left expecting an answer to it."""
         self.totals["dropped_sends"] += 1
-        log.warning("could not send %s to %s %r: %s", msg.TYPE, dest, addr, exc.reason)
+        self.log_throttle.warning(
+            "could not send %s to %s %r: %s", msg.TYPE, dest, addr, exc.reason
+        )
         if dest == CLIENT:
             return  # the client's own timeout answers it
         if exc.code == Code.UNAVAILABLE:  # PeerGone

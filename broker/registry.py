@@ -3,7 +3,8 @@
 A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It owns:
 
 - **Peers**: registration (a process registering again keeps its state; a restarted one replaces
-  its old self), readiness on the first heartbeat, liveness on `tick`, and the clean-up of a lost
+  its old self once that is lost; a name a live peer of another process holds is refused with
+  `name_taken`), readiness on the first heartbeat, liveness on `tick`, and the clean-up of a lost
   peer's calls and replicas.
 - **The model catalogue**: `deploy` (plan from a partitioner, cached by the spec's hash, then one
   `DeployStage` per stage and replica), `undeploy`, and plans asked for by clients.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,7 @@ import msgpack
 
 from broker.checks import check_plan, check_stats
 from broker.context import BACKEND, Context, fail
+from broker.plan_cache import PlanCache
 from broker.policy import heart_failed, place_replicas, scale_step
 from broker.state import Call, Model, ModelState, Peer, Phase, Replica, Residency
 from broker.status import model_status
@@ -40,6 +43,7 @@ from broker.store import ModelRecord, Store
 from flowmesh import protocol as p
 from flowmesh.auth import Identity, check_registration
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 from flowmesh.spec import ModelSpec, check_factory, parse_inputs
 
 log = logging.getLogger("broker.registry")
@@ -62,7 +66,7 @@ class Registry:
         self.by_addr = ctx.by_addr
         self.models = ctx.models
         self.calls = ctx.calls
-        self.plan_cache: dict[str, dict[str, Any]] = {}  # spec and request hash -> answer
+        self.plan_cache = PlanCache()  # spec and request hash -> answer, bounded in bytes
         self.on_change = on_change
         self.on_replica_lost = on_replica_lost
         self.on_worker_lost = on_worker_lost
@@ -74,6 +78,8 @@ class Registry:
         # with the stages they hold, until `restore_until` (see `restore`, `finish_restore`).
         self.restoring: list[tuple[str, Replica]] = []
         self.restore_until: float | None = None
+        # Registrations refused for a name a live peer holds: a flood of them logs a few lines.
+        self.refusals = LogThrottle(log)
 
     # ================================================================== peers
 
@@ -92,7 +98,7 @@ class Registry:
                 check_registration(identity, msg.name, msg.role)
             except FlowmeshError:
                 self.ctx.totals["auth_refused"] = self.ctx.totals.get("auth_refused", 0) + 1
-                log.warning(
+                self.refusals.warning(
                     "refused registration name=%s role=%s key=%s",
                     msg.name,
                     msg.role,
@@ -112,7 +118,7 @@ class Registry:
         old = self.peers.get(msg.name)
         if (
             old is not None
-            and (old.role, old.pid, old.budget) == (msg.role, msg.pid, msg.budget_bytes)
+            and same_process(old, addr, msg)
             and self.by_addr.get(addr) in (None, msg.name)
         ):
             # The same process registering again (it missed our heartbeats, or opened a fresh
@@ -132,6 +138,25 @@ class Registry:
                 old.registrations,
             )
             return
+        if old is not None and old.addr != addr and not self._silent(old, now):
+            # Another process under a name a live peer holds: an impostor, or a second worker
+            # started under the same name. Refused (its process stops), never flapping between
+            # the two; a restarted process gets in once its predecessor is lost (its connection
+            # gone, the next tick's heartbeat cannot reach it; or silent past liveness).
+            self.ctx.totals["names_refused"] = self.ctx.totals.get("names_refused", 0) + 1
+            self.refusals.warning(
+                "refused registration name=%s role=%s pid=%d: held by the live pid %d",
+                msg.name,
+                msg.role,
+                msg.pid,
+                old.pid,
+            )
+            raise fail(
+                Code.NAME_TAKEN,
+                f"name {msg.name!r} is held by a live {old.role} of another process (pid "
+                f"{old.pid}, heard from {now - old.last_seen:.1f} s ago): start this one under "
+                "another --name, or stop that one first",
+            )
         if old is not None:
             self.peer_dead(old, now, "re-registered (restarted)")
         stale = self.by_addr.get(addr)
@@ -164,6 +189,9 @@ class Registry:
             self._adopt(self.peers[msg.name], held_stages, now)
             self.on_worker_joined(msg.name, held_jobs, now)
             self.finish_restore(now)
+
+    def _silent(self, peer: Peer, now: float) -> bool:
+        return heart_failed(peer.last_seen, now, self.cfg.heartbeat_s, self.cfg.liveness)
 
     def _ack(self, ref: int, *, kept: bool) -> p.RegisterAck:
         return p.RegisterAck(
@@ -354,7 +382,7 @@ class Registry:
             self.plan_failed(call, str(exc.code), f"partitioner {peer.name}: {exc.reason}")
             return
         answer = {"plan": msg.plan, "inputs": msg.inputs}
-        self.plan_cache[call.data["key"]] = answer
+        self.plan_cache.put(call.data["key"], answer)
         self._plan_ready(call.data, answer, now)
 
     def _plan_ready(self, then: dict[str, Any], answer: dict[str, Any], now: float) -> None:
@@ -911,6 +939,24 @@ def _check_result(item: Any, where: str) -> None:
         )
     if not ok:
         raise fail(Code.BAD_REQUEST, f"{where}: not a step answer: {item!r:.80}")
+
+
+def same_process(old: Peer, addr: bytes, msg: p.Register) -> bool:
+    """`msg` comes from the very process that registered `old`: on the same connection (the
+    broker names connections, and none can take another's), or on a fresh one with the secret
+    that process sent with its first registration (`info["session"]`, see `flowmesh.peer`). A
+    pid and a budget alone, which anyone reading status knows, prove nothing."""
+    if (old.role, old.pid, old.budget) != (msg.role, msg.pid, msg.budget_bytes):
+        return False
+    if old.addr == addr:
+        return True
+    session, known = msg.info.get("session"), old.info.get("session")
+    return (
+        isinstance(session, str)
+        and isinstance(known, str)
+        and bool(known)
+        and secrets.compare_digest(session.encode(), known.encode())
+    )
 
 
 def check_inventory(inv: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

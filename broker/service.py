@@ -57,6 +57,7 @@ class BrokerService:
         # Read now, so that a missing or broken key directory stops the broker at start.
         self.keyring = KeyRing(keys) if keys else None
         self.core.auth = self.keyring is not None
+        self.core.limits = limits
         self.auth: MeshAuthenticator | None = None
         self.frontend_ep, self.backend_ep = frontend, backend
         self.limits = limits

@@ -49,6 +49,7 @@ from broker.state import (
 from broker.status import Timings
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 from flowmesh.value import stage_value
 
 log = logging.getLogger("broker.serving")
@@ -76,6 +77,8 @@ class ServingRouter:
         self.calls = ctx.calls
         self.totals = ctx.totals
         self.batches: dict[int, Batch] = {}  # run id -> the batch it runs
+        # Lines logged per worker answer: what a worker can send at will is not a line each.
+        self.log_throttle = LogThrottle(log)
         # Names of the models that may have requests queued (a superset: `pump` drops those
         # without), so that a pump costs what waits, not the size of the catalogue.
         self.queued: dict[str, None] = {}
@@ -625,7 +628,7 @@ class ServingRouter:
         if res is not None and res.phase is Phase.LOADING:
             del peer.resident[key]
         self._hold_prefetch(key[0])
-        log.warning(
+        self.log_throttle.warning(
             "load failed worker=%s stage=%s code=%s reason=%s",
             peer.name,
             key,
@@ -670,7 +673,7 @@ class ServingRouter:
             parts = self._result_parts(batch, msg.tensors, last)
         except FlowmeshError as exc:
             del self.batches[msg.id]
-            log.warning("bad run_result from %s: %s", peer.name, exc.reason)
+            self.log_throttle.warning("bad run_result from %s: %s", peer.name, exc.reason)
             self.run_failed(batch, str(Code.INTERNAL), f"worker {peer.name}: {exc.reason}", now)
             return
         del self.batches[msg.id]

@@ -40,6 +40,7 @@ from broker.state import Peer
 from broker.store import JobRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 from flowmesh.spec import ModelSpec, check_factory
 
 log = logging.getLogger("broker.training")
@@ -147,6 +148,8 @@ class TrainingRouter:
         self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
         # Where jobs are kept across restarts (`--state-dir`); None: nowhere.
         self.store: Store | None = None
+        # For the line per expired call: a client's steps to a stuck worker are not one each.
+        self.log_throttle = LogThrottle(log)
 
     CLIENT_TYPES = (p.TrainOpen, p.TrainStep, p.TrainEval, p.TrainSave, p.TrainClose, p.Jobs)
     WORKER_TYPES = (
@@ -619,7 +622,7 @@ class TrainingRouter:
                 # It may open later: close it there, so it holds nothing nobody can reach.
                 del self.jobs[call.job]
                 self._to_worker(call.worker, p.TrainClose(id=next(self._ids), job=call.job))
-            log.warning("training call expired: %s", reason)
+            self.log_throttle.warning("training call expired: %s", reason)
             self._answer(call, p.Error(id=call.client_id, code=str(Code.TIMEOUT), reason=reason))
 
     def worker_lost(self, worker: str) -> None:

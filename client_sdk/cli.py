@@ -245,9 +245,12 @@ def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
         metrics_port=args.metrics_port,
         keys=args.keys,
         allow=args.allow,
+        data_roots=args.data_root,
+        checkpoint_roots=args.checkpoint_root,
         broker_args=[
             *(["--state-dir", args.state_dir] if args.state_dir else []),
             *(["--autoscale", "1"] if args.autoscale else []),
+            *(["--insecure", "1"] if args.insecure else []),
         ],
     )
 
@@ -274,13 +277,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         if mesh.metrics_port:
             where = ", ".join(f"{n} :{port}" for n, port in mesh.metrics_ports().items())
             print(f"flowmesh up: Prometheus /metrics on {where}", flush=True)
-        while not stop.wait(0.5):
+        dead: list[str] = []
+        while not dead and not stop.wait(0.5):
             dead = [c.name for c in mesh.children if c.proc.poll() is not None]
-            if dead:
-                print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
-                break
+        if dead:
+            print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+            mesh.keep_logs()  # stop says where they are
     print("flowmesh stopped")
-    return 0
+    return 1 if dead else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -964,6 +968,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="key directory (flowmesh keys init): CURVE everywhere; the keys of the processes "
         "'up' starts are added to it",
+    )
+    p.add_argument(
+        "--data-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory under which clients may name weights files, Hugging Face directories "
+        "and checkpoints to resume (repeatable; default: the working directory)",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory under which clients save training checkpoints and resume from them "
+        "(repeatable; default: the working directory)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="without --keys, let --listen be a non-loopback address anyway: anyone who reaches "
+        "it may deploy, train, register as a worker and read every answer (default: refused)",
     )
     p.add_argument(
         "--metrics-port",

@@ -6,19 +6,25 @@ frames and come back as tensors over the received frames (treat them as read-onl
 own them).
 
 Nothing waits for the timeout when the answer cannot come: a request over the client's own
-`limits` raises `TooLarge` before it is sent, and if the reader stops, every call in flight fails
-at once with the cause (the next call connects again on a fresh socket).
+`limits`, or over the broker's, raises `TooLarge` before it is sent, and if the reader stops,
+every call in flight fails at once with the cause (the next call connects again on a fresh
+socket). The broker's limits are learned on each connection (`Hello`, answered by `Welcome`)
+before any call goes out on it: beyond twice its limit, the broker's socket drops the connection
+that carries a message, and every answer in flight on it with the connection.
 
 With `keys` (or FLOWMESH_KEYS), the socket is a CURVE client: a broker that refuses the key fails
 the calls in flight at once with an UNAUTHORIZED error, rather than leaving them to their timeout.
 
 A broker that goes away (it crashed, or restarts) takes the answers of the calls in flight with
-it; ZeroMQ connects again by itself, and calls made meanwhile wait in the socket and go out once
-it is back. The calls in flight when the connection was lost are settled by what they are: one
-that is safe to send twice (inference, status, jobs, plans; a training step, which the broker
-never applies twice as it carries its `seq`, and an evaluation) is sent once more as soon as the
-connection is back, with what is left of its timeout; any other (deploy, undeploy, training
-open, save and close) fails at once with UNAVAILABLE, saying that it may or may not have run.
+it; ZeroMQ connects again by itself, and calls made meanwhile wait, and go out once it is back.
+The calls in flight when the connection was lost are settled by what they are: one that is safe
+to send twice (inference, status, jobs, plans; a training step, which the broker never applies
+twice as it carries its `seq`, and an evaluation) is sent once more as soon as the connection is
+back and the broker has stated its limits on it, with what is left of its timeout; any other
+(deploy, undeploy, training open, save and close) fails at once with UNAVAILABLE, saying that it
+may or may not have run. A call over the broker's limits is never sent again but fails with
+`TooLarge`: such a call is what a broker drops a connection for, and sent again it would drop
+the new one too, with the answers of every call in flight on it.
 """
 
 from __future__ import annotations
@@ -83,12 +89,15 @@ RETRYABLE = (p.Infer, p.Status, p.Jobs, p.PlanRequest, p.TrainStep, p.TrainEval)
 class _Pending:
     fut: asyncio.Future[p.Message]
     nbytes: int  # the request's encoded size: what an answer without an id is matched by
+    kind: str  # the request's TYPE
     # For a call that may be sent again (RETRYABLE): the message and its deadline (loop time).
     msg: p.Message | None = None
     deadline: float = 0.0
     link: int = 0  # the connection it went out on (`AsyncClient._link` then)
     lost: bool = False  # that connection was lost: sent again once a new one is up
     retried: bool = False
+    # Not sent yet: its frames wait for the broker's limits on this connection (`_welcomed`).
+    held: list[Any] | None = None
 
 
 def client_keys(keys: Any) -> CurveKeys | None:
@@ -134,6 +143,12 @@ class AsyncClient:
         self._reader: asyncio.Task[None] | None = None
         # Connections of the current socket lost so far: a call records the one it went on.
         self._link = 0
+        # The broker's limits as it stated them on the current connection (None: not known,
+        # or it states none); `_known` once it answered the Hello of the current connection
+        # (`_hello`: its id, and the connection it was sent on).
+        self.broker_limits: p.Limits | None = None
+        self._known = False
+        self._hello = (0, -1)
         self.resent = 0  # calls sent again after the connection was lost with them in flight
         # Calls sent in bundles, and answers that came in bundles (see `_send_outbox`).
         self.bundled_calls = 0
@@ -163,6 +178,7 @@ class AsyncClient:
             reader = loop.create_task(self._read(sock), name="flowmesh-client-reader")
             reader.add_done_callback(functools.partial(self._reader_done, sock))
             self._sock, self._reader = sock, reader
+            self._send_hello(sock)
             # Also without keys: a broker that wants keys then fails our calls at once too.
             self._watcher = self._background(
                 watch_handshakes(
@@ -203,57 +219,87 @@ class AsyncClient:
     def _on_link(self, sock: zmq.asyncio.Socket, up: bool) -> None:
         """The connection to the broker was lost (`up` False) or is up again: the answers of
         the calls in flight on a lost one cannot come. Each is failed now, or marked to be sent
-        once more when the next connection is up (see the module's docstring)."""
+        once more when the broker has stated its limits on the next connection (see the module's
+        docstring). Calls made meanwhile wait for those limits too."""
         if self._sock is not sock:
             return
-        if not up:
-            lost, self._link = self._link, self._link + 1
-            for cid, call in list(self._pending.items()):
-                if call.fut.done() or call.link != lost or call.lost:
-                    continue
-                if call.msg is not None and not call.retried:
-                    call.lost = True
-                    continue
-                del self._pending[cid]
-                again = " again (it was already sent twice)" if call.retried else ""
-                call.fut.set_exception(
-                    Unavailable(
-                        Code.UNAVAILABLE,
-                        f"the connection to the broker at {self.address} was lost{again} with "
-                        f"this call in flight; it may or may not have run",
-                    )
+        if up:
+            if self._hello[1] != self._link:  # the first connection's went out with the socket
+                self._send_hello(sock)
+            return
+        lost, self._link = self._link, self._link + 1
+        # Limits stated on the lost connection, even in an answer read only now, are not taken:
+        # the next one's Hello asks again.
+        self._known, self.broker_limits, self._hello = False, None, (0, -1)
+        for cid, call in list(self._pending.items()):
+            if call.fut.done() or call.link != lost or call.lost or call.held is not None:
+                continue
+            if call.msg is not None and not call.retried:
+                call.lost = True
+                continue
+            del self._pending[cid]
+            again = " again (it was already sent twice)" if call.retried else ""
+            call.fut.set_exception(
+                Unavailable(
+                    Code.UNAVAILABLE,
+                    f"the connection to the broker at {self.address} was lost{again} with "
+                    f"this call in flight; it may or may not have run",
                 )
+            )
+
+    def _send_hello(self, sock: zmq.asyncio.Socket) -> None:
+        """Ask the broker for its limits on this connection (see `_welcomed`)."""
+        ref = next(self._ids)
+        self._known, self.broker_limits, self._hello = False, None, (ref, self._link)
+        try:
+            send(sock, p.Hello(id=ref))
+        except (FlowmeshError, zmq.ZMQError) as exc:  # the socket failed: its reader is ending
+            log.info("could not ask the broker at %s for its limits: %s", self.address, exc)
+
+    def _welcomed(self, limits: p.Limits | None) -> None:
+        """The broker answered the Hello of the current connection with its `limits` (None: it
+        knows no Hello, so only the client's own limits apply): the calls made meanwhile go
+        out, and those the last connection was lost with go once more, each unless it is over
+        the broker's limits (`_check`)."""
+        self.broker_limits, self._known = limits, True
+        sock = self._sock
+        if sock is None:
             return
         now = asyncio.get_running_loop().time()
+        box: list[tuple[int, list[Any]]] = []
         for cid, call in list(self._pending.items()):
-            if not call.lost or call.fut.done() or call.msg is None:
+            if call.fut.done():
                 continue
-            call.lost, call.retried, call.link = False, True, self._link
-            left = call.deadline - now
-            if left <= 0:
-                continue  # its timeout ends it
-            msg = call.msg
-            if getattr(msg, "timeout_ms", None) is not None:
-                msg = dataclasses.replace(msg, timeout_ms=max(1, int(left * 1000)))  # type: ignore[type-var]
+            again = call.held is None
+            if call.held is not None:
+                frames, call.held = call.held, None
+            elif call.lost and call.msg is not None:
+                call.lost, call.retried = False, True
+                left = call.deadline - now
+                if left <= 0:
+                    continue  # its timeout ends it
+                msg = call.msg
+                if getattr(msg, "timeout_ms", None) is not None:
+                    msg = dataclasses.replace(msg, timeout_ms=max(1, int(left * 1000)))  # type: ignore[type-var]
+                frames = p.encode(msg)
+            else:
+                continue
             try:
-                send(sock, msg)
-            except (FlowmeshError, zmq.ZMQError) as exc:
+                self._check(call.kind, frames, again)
+            except TooLarge as exc:
                 del self._pending[cid]
-                call.fut.set_exception(
-                    Unavailable(
-                        Code.UNAVAILABLE,
-                        f"the connection to the broker at {self.address} was lost with this "
-                        f"call in flight, and sending it again failed: {exc}",
-                    )
-                )
+                call.fut.set_exception(exc)
                 continue
-            self.resent += 1
-            log.info(
-                "sent %s %d again: the connection to %s was lost with it in flight",
-                msg.TYPE,
-                cid,
-                self.address,
-            )
+            call.link = self._link
+            box.append((cid, frames))
+            if again:
+                self.resent += 1
+                log.info(
+                    "sending call %d again: the connection to %s was lost with it in flight",
+                    cid,
+                    self.address,
+                )
+        self._send_box(sock, box)
 
     @staticmethod
     async def _drop(sock: zmq.asyncio.Socket, reader: asyncio.Task[None] | None) -> None:
@@ -301,6 +347,9 @@ class AsyncClient:
                 self._on_frames(frames, member=True)
             return
         ref = getattr(msg, "id", None)
+        if ref is not None and ref == self._hello[0]:
+            self._hello_answered(msg)
+            return
         if ref is None:
             if isinstance(msg, p.Error):
                 self._unmatched_error(msg)
@@ -315,6 +364,23 @@ class AsyncClient:
         else:
             call.fut.set_result(msg)
 
+    def _hello_answered(self, msg: p.Message) -> None:
+        if isinstance(msg, p.Welcome):
+            limits = p.Limits(
+                max_message_bytes=msg.max_message_bytes, max_header_bytes=msg.max_header_bytes
+            )
+            self._welcomed(limits)
+            return
+        # An error: a broker that knows no Hello; it still refuses what is over its limits, but
+        # a message over twice its limit drops the connection.
+        reason = f"{msg.code}: {msg.reason}" if isinstance(msg, p.Error) else msg.TYPE
+        log.warning(
+            "the broker at %s did not state its limits (%s); only the client's own apply",
+            self.address,
+            reason,
+        )
+        self._welcomed(None)
+
     def _unmatched_error(self, msg: p.Error) -> None:
         """An error the broker could not give an id: it could not read the header of one of our
         messages. Our headers are well formed, so in practice the message was over a size limit
@@ -326,7 +392,7 @@ class AsyncClient:
         ones down with it, and failing none leaves the culprit to its timeout. Should the guess
         be wrong, one call fails early and the culprit still ends at its timeout.
         """
-        live = [(cid, c) for cid, c in self._pending.items() if not c.fut.done()]
+        live = [(cid, c) for cid, c in self._pending.items() if not c.fut.done() and c.held is None]
         if not live:
             log.warning(
                 "the broker answered %s with no id and no call is in flight: %s",
@@ -389,45 +455,64 @@ class AsyncClient:
                 call.fut.set_exception(type(exc)(exc.code, exc.reason))
 
     def _encode(self, msg: p.Message) -> tuple[list[Any], int]:
-        """`msg`'s frames and the bytes they take on the wire; TooLarge if over the client's
-        own limits.
-
-        Checked before sending because the broker's socket drops a connection that carries a
-        message over twice its limit, answer-less: the call would wait for its full timeout.
-        """
+        """`msg`'s frames and the bytes they take on the wire (`_check`)."""
         try:
             frames = p.encode(msg)
         except FlowmeshError as exc:  # a tensor of a dtype that cannot travel, say
             raise error_from(exc.code, exc.reason) from None
+        return frames, self._check(msg.TYPE, frames)
+
+    def _check(self, kind: str, frames: list[Any], again: bool = False) -> int:
+        """The bytes `frames` take on the wire; TooLarge if over the client's own limits or the
+        broker's (when known; `again`: a call the connection was lost with, to be sent again).
+
+        Checked before sending because the broker's socket drops a connection that carries a
+        message over twice its limit, answer-less: the call would wait for its full timeout,
+        and every other call in flight on the connection would lose its answer."""
         header = memoryview(frames[0]).nbytes
         total = sum(memoryview(f).nbytes for f in frames)
-        if header > self.limits.max_header_bytes:
-            raise TooLarge(
-                Code.TOO_LARGE,
-                f"{msg.TYPE} not sent: its header is {header} bytes, over the client's limit "
-                f"of {self.limits.max_header_bytes} (Limits.max_header_bytes)",
+        own, broker = self.limits, self.broker_limits
+        if header > own.max_header_bytes:
+            why = (
+                f"its header is {header} bytes, over the client's limit of "
+                f"{own.max_header_bytes} (Limits.max_header_bytes)"
             )
-        if total > self.limits.max_message_bytes:
-            raise TooLarge(
-                Code.TOO_LARGE,
-                f"{msg.TYPE} not sent: it is {total} bytes, over the client's limit of "
-                f"{self.limits.max_message_bytes} (Limits.max_message_bytes); send fewer rows "
-                f"per call, or raise the limit on the client and the broker (--max-message)",
+        elif total > own.max_message_bytes:
+            why = (
+                f"it is {total} bytes, over the client's limit of {own.max_message_bytes} "
+                f"(Limits.max_message_bytes); send fewer rows per call, or raise the limit on "
+                f"the client and the broker (--max-message)"
             )
-        return frames, total
+        elif broker is not None and header > broker.max_header_bytes:
+            why = (
+                f"its header is {header} bytes, over the limit of {broker.max_header_bytes} "
+                f"of the broker at {self.address}"
+            )
+        elif broker is not None and total > broker.max_message_bytes:
+            why = (
+                f"it is {total} bytes, over the limit of {broker.max_message_bytes} of the "
+                f"broker at {self.address} (its --max-message); send fewer rows per call, or "
+                f"raise the broker's limit"
+            )
+        else:
+            return total
+        verb = "not sent again (the connection was lost with it in flight)" if again else "not sent"
+        raise TooLarge(Code.TOO_LARGE, f"{kind} {verb}: {why}")
 
     async def _call(self, msg: p.Message, timeout: float | None) -> p.Message:
+        sock = self._connect()  # first: a fresh socket knows no broker's limits yet
         frames, nbytes = self._encode(msg)
-        sock = self._connect()
         ref: int = msg.id  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[p.Message] = loop.create_future()
         limit = self.timeout if timeout is None else timeout
-        pending = _Pending(fut, nbytes, link=self._link)
+        pending = _Pending(fut, nbytes, msg.TYPE, link=self._link)
         if isinstance(msg, RETRYABLE):
             pending.msg, pending.deadline = msg, loop.time() + limit
         self._pending[ref] = pending
-        if self._outbox is not None and self._outbox_sock is sock:
+        if not self._known:
+            pending.held = frames  # until the broker states its limits (`_welcomed`)
+        elif self._outbox is not None and self._outbox_sock is sock:
             self._outbox.append((ref, frames))  # goes with the other calls of this loop turn
         else:
             try:
@@ -447,7 +532,9 @@ class AsyncClient:
             return await fut
         except TimeoutError:
             again = ""
-            if pending.retried:
+            if pending.held is not None:
+                again = " (not sent: the broker has not answered this client since it connected)"
+            elif pending.retried:
                 again = " (sent again after the connection to the broker was lost)"
             elif pending.lost:
                 again = (
@@ -472,9 +559,19 @@ class AsyncClient:
         fails fails its calls."""
         box, sock = self._outbox or [], self._outbox_sock
         self._outbox = self._outbox_sock = None
-        if not box or sock is None:
+        if sock is not None:
+            self._send_box(sock, box)
+
+    def _send_box(self, sock: zmq.asyncio.Socket, box: list[tuple[int, list[Any]]]) -> None:
+        """Send calls (id, frames) bundled, within the broker's limits; a send that fails fails
+        its calls."""
+        if not box:
             return
-        sends = send_encoded_bundled(sock, [frames for _, frames in box], limits=self.limits)
+        limits, broker = self.limits, self.broker_limits
+        if broker is not None:  # a bundle stays within half the smaller limit
+            smaller = min(limits.max_message_bytes, broker.max_message_bytes)
+            limits = dataclasses.replace(limits, max_message_bytes=smaller)
+        sends = send_encoded_bundled(sock, [frames for _, frames in box], limits=limits)
         for taken, exc in sends:
             if exc is None:
                 if len(taken) > 1:

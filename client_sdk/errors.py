@@ -69,6 +69,11 @@ class Forbidden(ClientError):
     client key instead of an operator key."""
 
 
+class IOFailure(ClientError):
+    """A worker could not read or write a file (a full disk, a permission): the reason names the
+    path and the operating system's words for what went wrong."""
+
+
 class InternalError(ClientError):
     pass
 
@@ -95,6 +100,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
     Code.VERSION: ProtocolError,
     Code.UNAUTHORIZED: Unauthorized,
     Code.FORBIDDEN: Forbidden,
+    Code.IO_ERROR: IOFailure,
 }
 
 

@@ -3,7 +3,9 @@
 `flowmesh up`, the demo and the tests all start the mesh through `LocalMesh`. It binds the broker
 on free loopback ports, waits (with a timeout, failing early if a child dies) until every worker
 and the partitioner are ready, and stops every child on exit — SIGTERM first, SIGKILL if one
-lingers.
+lingers. The children's logs go to the run directory, a fresh temporary one unless `run_dir` is
+given: removed at exit, but kept (and where, said on stderr) when the start failed, an exception
+left the mesh, or the caller asked (`keep_logs`: something failed that only it can tell).
 
 `keys`: CURVE on every socket (`flowmesh.auth`). True makes a fresh key directory in the run
 directory; a path uses that one (made with `flowmesh keys init`). Either way the mesh adds the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +71,10 @@ def wait_until(probe: Any, what: str, timeout: float, watch: list[Child] | None 
     raise FlowmeshError(Code.TIMEOUT, f"timed out waiting for {what}\n{logs}")
 
 
+def _repeated(flag: str, values: list[str | Path] | None) -> list[str]:
+    return [a for v in values or () for a in (flag, str(v))]
+
+
 @dataclass
 class LocalMesh:
     """Start with `with LocalMesh(cpu_workers=2, memory_budget="256MiB") as mesh: ...`."""
@@ -90,6 +97,11 @@ class LocalMesh:
     # partitioner and workers receive it at registration. None: the broker's default.
     allow: list[str] | None = None
     broker_args: list[str] = field(default_factory=list)
+    # Directories whose files clients may name: workers and the partitioner read weights, Hugging
+    # Face directories and checkpoints to resume under `data_roots`; workers save checkpoints
+    # under `checkpoint_roots` (and resume from them). None: the processes' working directory.
+    data_roots: list[str | Path] | None = None
+    checkpoint_roots: list[str | Path] | None = None
     worker_args: list[str] = field(default_factory=list)
     # Prometheus /metrics (`--metrics-port`): the broker on this port, the partitioner on the
     # next, worker i on port + 2 + i (`metrics_ports()`); 0: off.
@@ -104,7 +116,9 @@ class LocalMesh:
         self.children: list[Child] = []
         self.frontend = ""
         self.backend = ""
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        # The run directory made here (no `run_dir` given): removed at stop unless kept.
+        self._tmp: Path | None = None
+        self._keep = False
         self.key_dir: Path | None = None
         # The secret file of the mesh's own operator key (None when keys are off).
         self.client_keys: Path | None = None
@@ -115,11 +129,14 @@ class LocalMesh:
         try:
             self.start()
         except BaseException:
+            self.keep_logs()
             self.stop()
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:
+            self.keep_logs()
         self.stop()
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
@@ -145,8 +162,7 @@ class LocalMesh:
 
     def start(self) -> None:
         if self.run_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="flowmesh-")
-            self.run_dir = Path(self._tmp.name)
+            self._tmp = self.run_dir = Path(tempfile.mkdtemp(prefix="flowmesh-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ready = self.run_dir / "broker.json"
         ready.unlink(missing_ok=True)
@@ -183,6 +199,7 @@ class LocalMesh:
                     self.backend,
                     "--name",
                     "partitioner-0",
+                    *_repeated("--data-root", self.data_roots),
                     *self._metrics_args("partitioner"),
                     *self._key_args("partitioner-0", "partitioner"),
                 ],
@@ -197,6 +214,8 @@ class LocalMesh:
                 f"worker-{i}",
                 "--compute-lanes",
                 str(self.compute_lanes),
+                *_repeated("--data-root", self.data_roots),
+                *_repeated("--checkpoint-root", self.checkpoint_roots),
                 *self._metrics_args(f"worker-{i}"),
                 *self._key_args(f"worker-{i}", "worker"),
                 *self.worker_args,
@@ -343,6 +362,16 @@ class LocalMesh:
                 child.proc.wait(5)
         self.children.clear()
         if self._tmp is not None:
-            self._tmp.cleanup()
+            if self._keep:
+                print(f"flowmesh: the mesh's logs are kept in {self._tmp}", file=sys.stderr)
+            else:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self.run_dir = None
             self._tmp = None
-            self.run_dir = None
+
+    def keep_logs(self) -> Path | None:
+        """Keep the run directory, the children's logs among it, once the mesh stops (a
+        failure's evidence; `stop` says where). A mesh that fails to start, or is left by an
+        exception, keeps it anyway."""
+        self._keep = True
+        return self.run_dir

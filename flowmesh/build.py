@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.roots import io_error, not_safetensors
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec, check_factory, parse_inputs
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -144,10 +145,10 @@ def read_weights(
     out: dict[str, torch.Tensor] = {}
     try:
         handle = safe_open(path, framework="pt", device="cpu")
-    except (OSError, FileNotFoundError) as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r}: {exc}") from None
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r} unreadable: {exc}") from None
+    except OSError as exc:
+        raise io_error(exc, f"weights {path!r}") from None
+    except Exception:  # safetensors' own error types, whose text may quote the file
+        raise not_safetensors(f"weights {path!r}") from None
     with handle as f:
         available = set(f.keys())
         for local, stored in names.items():
@@ -187,24 +188,18 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     try:
         with open(path, "rb") as f:
             head = f.read(8)
-            if len(head) != 8:
-                raise ValueError("file shorter than its header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 * 2**20:
-                raise ValueError(f"header length {n} is implausible")
-            raw = f.read(n)
-            if len(raw) != n:
-                raise ValueError("file shorter than its header")
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+            raw = f.read(n) if 0 <= n <= 100 * 2**20 else b""
     except OSError as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r}: {exc}") from None
-    except ValueError as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r} unreadable: {exc}") from None
+        raise io_error(exc, f"weights {path!r}") from None
     try:
+        if len(raw) != n:
+            raise ValueError
         header = json.loads(raw)
         if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except ValueError as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r} unreadable: {exc}") from None
+            raise ValueError
+    except ValueError:  # UnicodeDecodeError's text would quote a byte of the file
+        raise not_safetensors(f"weights {path!r}") from None
     header.pop("__metadata__", None)
     return header, 8 + n
 
@@ -219,7 +214,10 @@ def _pread_into(
     done = 0
     while done < len(dst):
         chunk = dst[done : done + READ_CHUNK]
-        got = os.preadv(fd, [chunk], offset + done)
+        try:
+            got = os.preadv(fd, [chunk], offset + done)
+        except OSError as exc:
+            raise io_error(exc, f"weights {path!r}") from None
         if got <= 0:
             raise FlowmeshError(
                 Code.BAD_REQUEST, f"weights {path!r}: the file ends inside a tensor's data"
@@ -250,7 +248,7 @@ def read_weights_into(
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"weights {path!r}: {exc}") from None
+        raise io_error(exc, f"weights {path!r}") from None
     try:
         for stored, dst in dests.items():
             where = f"weights {path!r}: tensor {stored!r}"

@@ -252,8 +252,25 @@ CPUS = Option(
     "run this process on these CPUs only, as taskset writes them (0-3,6); a worker on the "
     "cores next to its GPU, the broker on cores no worker uses (default: any)",
 )
+# Without --keys, a non-loopback bind is refused unless this is given (flowmesh.exposure).
+INSECURE = Option(
+    "--insecure",
+    INT,
+    0,
+    "1: without --keys, bind a non-loopback address anyway; anyone who reaches it is trusted "
+    "(the log says so). 0: such a bind stops the process",
+)
 # A partitioner's or worker's own allow-list (it narrows the broker's) and its CURVE key.
 PEER_ALLOW = Option("--allow", TEXT, None, "allowed factory modules (repeatable)", repeat=True)
+# Where a partitioner or worker reads the files clients name (flowmesh/roots.py).
+DATA_ROOT = Option(
+    "--data-root",
+    TEXT,
+    None,
+    "a directory under which clients may name files to read: weights, Hugging Face "
+    "directories, checkpoints to resume (repeatable; default: the working directory)",
+    repeat=True,
+)
 PEER_KEYS = Option(
     "--keys",
     TEXT,

@@ -18,6 +18,7 @@ class Code(StrEnum):
     NOT_ALLOWED = "not_allowed"
     UNAUTHORIZED = "unauthorized"  # no key the broker knows (CURVE on)
     FORBIDDEN = "forbidden"  # a known key whose role or name does not grant the call
+    NAME_TAKEN = "name_taken"  # a live peer of another process holds the name registered
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_EXISTS = "model_exists"
     TOO_BIG = "too_big"  # cannot fit the devices, whatever is evicted
@@ -31,6 +32,7 @@ class Code(StrEnum):
     NOT_A_CHAIN = "not_a_chain"
     PLAN_ERROR = "plan_error"
     DEPLOY_FAILED = "deploy_failed"
+    IO_ERROR = "io_error"  # reading or writing a file failed: the path and the errno's text
     INTERNAL = "internal"
 
 

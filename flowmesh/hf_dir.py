@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.roots import io_error, not_safetensors
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -61,28 +62,31 @@ def read_config(path: str) -> dict[str, Any]:
     if not cfg.is_file():
         raise _bad(f"hf directory {path!r} has no {CONFIG}")
     try:
-        data = json.loads(cfg.read_text())
-    except (OSError, ValueError) as exc:
-        raise _bad(f"hf directory {path!r}: {CONFIG} is unreadable: {exc}") from None
+        data = json.loads(cfg.read_bytes())
+    except OSError as exc:
+        raise io_error(exc, f"hf directory {path!r}: {CONFIG}") from None
+    except ValueError:  # the parser's text may quote the file (a byte that is not UTF-8)
+        raise _bad(f"hf directory {path!r}: {CONFIG} is unreadable: not JSON") from None
     if not isinstance(data, dict):
         raise _bad(f"hf directory {path!r}: {CONFIG} is not a JSON object")
     return data
 
 
 def architecture(path: str, config: dict[str, Any] | None = None) -> str:
-    """The directory's architecture (config.json `architectures[0]`), checked to be supported."""
+    """The directory's architecture (config.json `architectures[0]`), checked to be supported.
+    A refusal does not quote the file: only names flowmesh itself supports are ever shown."""
     config = read_config(path) if config is None else config
     archs = config.get("architectures")
     supported = supported_architectures()
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise _bad(
-            f"hf directory {path!r}: {CONFIG} names no architecture (model_type "
-            f"{config.get('model_type')!r}); supported: {', '.join(supported)}"
+            f"hf directory {path!r}: {CONFIG} names no architecture; supported: "
+            f"{', '.join(supported)}"
         )
     if len(archs) != 1 or archs[0] not in supported:
         raise _bad(
-            f"hf directory {path!r}: architecture {', '.join(map(str, archs))} is not "
-            f"supported; supported: {', '.join(supported)}"
+            f"hf directory {path!r}: the architecture {CONFIG} names is not supported; "
+            f"supported: {', '.join(supported)}"
         )
     return archs[0]
 
@@ -118,15 +122,20 @@ def weight_files(path: str) -> dict[str, str]:
     index = root / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise _bad(f"hf directory {path!r}: {INDEX} is unreadable: {exc}") from None
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+        except OSError as exc:
+            raise io_error(exc, f"hf directory {path!r}: {INDEX}") from None
+        except (ValueError, KeyError, TypeError):
+            raise _bad(
+                f"hf directory {path!r}: {INDEX} is unreadable: no JSON weight_map"
+            ) from None
         if not isinstance(weight_map, dict):
             raise _bad(f"hf directory {path!r}: {INDEX} has no weight_map mapping")
         out = {}
         for key, name in weight_map.items():
             if not isinstance(name, str) or os.path.basename(name) != name:
-                raise _bad(f"hf directory {path!r}: {INDEX} maps {key!r} to {name!r}")
+                # Not quoted: only a name that is a file of the directory is ever shown.
+                raise _bad(f"hf directory {path!r}: {INDEX} maps a tensor outside the directory")
             out[key] = str(root / name)
         return out
     single = root / SINGLE
@@ -137,8 +146,10 @@ def weight_files(path: str) -> dict[str, str]:
     try:
         with safe_open(str(single), framework="pt", device="cpu") as f:
             return dict.fromkeys(f.keys(), str(single))
-    except Exception as exc:
-        raise _bad(f"hf directory {path!r}: {SINGLE} is unreadable: {exc}") from None
+    except OSError as exc:
+        raise io_error(exc, f"hf directory {path!r}: {SINGLE}") from None
+    except Exception:  # safetensors' own error types, whose text may quote the file
+        raise not_safetensors(f"hf directory {path!r}: {SINGLE}") from None
 
 
 @contextmanager
@@ -221,10 +232,13 @@ def read_weights(
 
     out: dict[str, torch.Tensor] = {}
     for file, wanted in locate(path, names, base_prefix).items():
+        where = f"hf directory {path!r}: {os.path.basename(file)}"
         try:
             handle = safe_open(file, framework="pt", device="cpu")
-        except Exception as exc:
-            raise _bad(f"hf directory {path!r}: {os.path.basename(file)}: {exc}") from None
+        except OSError as exc:
+            raise io_error(exc, where) from None
+        except Exception:  # safetensors' own error types, whose text may quote the file
+            raise not_safetensors(where) from None
         with handle as f:
             present = set(f.keys())
             for local, stored in wanted:

@@ -4,20 +4,29 @@ notice a silent broker and register again.
 A worker or partitioner subclasses `MeshPeer`, says who it is (`registration`), what it reports
 (`stats`), and handles its commands (`handle`). Registration is confirmed by the broker's ack; the
 broker counts the peer as ready once its first heartbeat follows. A registration left unanswered,
-or a broker silent past its liveness, gets a fresh socket under the same identity.
+or a broker silent past its liveness, gets a fresh socket.
 
-With CURVE keys (`curve`, set before `serve`), the socket is a CURVE client and the broker picks
-its routing id: the name registered is the one the key's certificate grants, and a refused key or
-registration is logged as such (and counted in `auth_refusals`), then tried again like any other
-unanswered registration.
+The broker, not the peer, names each connection (no routing id is set here): no socket can take
+over another's. Each registration carries the process's own secret (`session`, in its `info`),
+so that the broker knows this very process again on a fresh socket and keeps its state, which a
+pid, visible to any client in status, would not prove. A name a live peer of another process
+holds is refused (`name_taken`): tried again for `register_timeout_s` (the holder may be this
+process's predecessor, not yet declared lost), then the process stops with that error (exit
+status 1) rather than flap with the other one.
+
+With CURVE keys (`curve`, set before `serve`), the socket is a CURVE client: the name registered
+is the one the key's certificate grants, and a refused key or registration is logged as such
+(and counted in `auth_refusals`), then tried again like any other unanswered registration.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +67,12 @@ class MeshPeer:
         self.reconnects = 0
         self._drop_run = 0  # drops since the last send that went out
         self._acked = asyncio.Event()
+        # Set by the broker's answer to a registration: an ack, or a refusal of our name.
+        self._answered = asyncio.Event()
+        self._name_refusal: str | None = None  # the refusal's reason, for `_register`
+        self._name_refused_since: float | None = None
+        # Proves to the broker that a registration on a fresh socket comes from this process.
+        self.session = secrets.token_hex(16)
         self._stop = asyncio.Event()
         self.sock: zmq.asyncio.Socket | None = None
         # CURVE keys (flowmesh.auth.load_keys), or None for a plain socket.
@@ -174,7 +189,9 @@ class MeshPeer:
             # what we hold then would leave the broker counting on stages that are gone.
             again = self.registrations > 0 and not msg.kept
             self.registrations += 1
+            self._name_refused_since = None
             self._acked.set()
+            self._answered.set()
             self.on_registered(again)
             notify("READY=1")
             self.send(self._heartbeat())  # the broker marks us ready on it
@@ -187,6 +204,9 @@ class MeshPeer:
             self._acked.clear()
         elif isinstance(msg, p.Error) and msg.id is None:
             self.log.warning("broker error: %s %s", msg.code, msg.reason)
+        elif isinstance(msg, p.Error) and msg.code == Code.NAME_TAKEN:
+            self._name_refusal = msg.reason
+            self._answered.set()
         elif isinstance(msg, p.Error) and msg.code in (Code.FORBIDDEN, Code.UNAUTHORIZED):
             # Our key does not grant what we asked (registering under this name, say): the
             # next try is at the registration timeout, on a fresh socket.
@@ -196,14 +216,32 @@ class MeshPeer:
             self.handle(msg)
 
     async def _register(self) -> bool:
-        """Send our registration once; True when the broker acked it in time."""
+        """Send our registration once; True when the broker answered it in time: acked, or our
+        name refused (then after a pause, to be tried again; raises once it has been refused
+        for `register_timeout_s`)."""
         self._acked.clear()
-        self.send(self.registration())
+        self._answered.clear()
+        self._name_refusal = None
+        reg = self.registration()
+        self.send(dataclasses.replace(reg, info={**reg.info, "session": self.session}))
         try:
-            await asyncio.wait_for(self._acked.wait(), self.register_timeout_s)
+            await asyncio.wait_for(self._answered.wait(), self.register_timeout_s)
         except TimeoutError:
             return False
+        if self._name_refusal is not None:
+            await self._name_taken(self._name_refusal)
         return True
+
+    async def _name_taken(self, reason: str) -> None:
+        now = time.monotonic()
+        if self._name_refused_since is None:
+            self._name_refused_since = now
+            self.log.warning("the broker refused our name: %s; trying again a while", reason)
+        if now - self._name_refused_since >= self.register_timeout_s:
+            self.log.error("the broker refused our name: %s; stopping", reason)
+            raise FlowmeshError(Code.NAME_TAKEN, reason)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), min(self.heartbeat_s, 0.5))
 
     async def _session(self) -> str:
         """Register, then heartbeat, on the current socket, until the broker stops answering
@@ -225,18 +263,13 @@ class MeshPeer:
         """Owns the socket to the broker: one socket and its one reader at a time.
 
         A broker that stops answering gets a fresh socket, not more messages on the old one:
-        the old connection may be dead in a way ZeroMQ never reports. When another socket takes
-        our routing id (ROUTER_HANDOVER), the broker's end of our connection stays open but
-        unread and unanswered forever; only a new connection takes the id back.
+        the old connection may be dead in a way ZeroMQ never reports.
         """
         while not self._stop.is_set():
             self._acked.clear()
             sock = connect_dealer(
                 ctx,
                 self.broker,
-                # With keys, the broker names the connection, so no key holder can take over
-                # another's routing id; the registration binds the name to the key.
-                identity=None if self.curve else self.name,
                 limits=self.limits,
                 hwm=self.send_hwm,
                 curve=self.curve,

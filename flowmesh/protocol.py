@@ -272,6 +272,25 @@ class Error(Message):
     reason: str
 
 
+@message("hello")
+class Hello(Message):
+    """A client's first message on each connection: it asks for the broker's limits, and sends
+    nothing else until they are known (`Welcome`)."""
+
+    id: int
+
+
+@message("welcome")
+class Welcome(Message):
+    """The broker's `Limits` on what a client may send it. Beyond `max_message_bytes` a request
+    is refused, and beyond twice that the broker's socket drops the connection that carried it
+    (taking the answers of every call in flight on it): a client refuses such calls unsent."""
+
+    id: int
+    max_message_bytes: int
+    max_header_bytes: int
+
+
 # -- training jobs, client <-> broker; the broker sends the same types on to the job's worker
 # under its own call id (a job command), and the worker answers with the matching reply.
 

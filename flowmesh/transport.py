@@ -2,8 +2,9 @@
 back-pressure visible, and the one reader loop per socket that validates and answers.
 
 Pitfalls handled here once (see STYLE.md): ROUTER_MANDATORY so mail to a vanished peer raises
-instead of being dropped; ROUTER_HANDOVER so a restarted worker can reuse its identity; a short
-LINGER so closing never hangs; every send is non-blocking, so a full high-water mark becomes an
+instead of being dropped; routing ids the ROUTER chooses, never the peer (ROUTER_HANDOVER off, so
+no connection can take another's, and seeded, see `_seed_routing_ids`); a short LINGER so closing
+never hangs; every send is non-blocking, so a full high-water mark becomes an
 OVERLOADED error for the sender of the request rather than a stalled event loop.
 
 With CURVE keys (`flowmesh.auth`), the ROUTERs are CURVE servers checked by ZAP, and a reader
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import select
 import threading
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +30,7 @@ import zmq.asyncio
 
 from flowmesh.auth import CurveKeys, curve_client, curve_server, user_id
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 from flowmesh.protocol import (
     DEFAULT_LIMITS,
     Bundle,
@@ -68,6 +71,17 @@ def _common(sock: zmq.Socket, limits: Limits, hwm: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_bytes)
 
 
+@functools.cache
+def _seed_routing_ids() -> None:
+    """Seed C's rand(), from which libzmq 4.3 draws the first routing id a ROUTER gives a peer
+    (then counts up). Nothing else seeds it, so every process's first ROUTER gives out
+    0x006b8b4567 first: a stranger could connect under the id the next peer will get, and
+    libzmq aborts the whole process when the two meet (socket_base.cpp, add_out_pipe). Seeded
+    from the OS, the next id is one of 2**32."""
+    with contextlib.suppress(OSError, AttributeError):  # no C library to seed: nothing to do
+        ctypes.CDLL(None).srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
+
+
 def bind_router(
     ctx: zmq.asyncio.Context,
     endpoint: str,
@@ -78,13 +92,16 @@ def bind_router(
 ) -> tuple[zmq.asyncio.Socket, str]:
     """A bound ROUTER and the endpoint it really got (port 0 / '*' picks a free port).
 
-    `curve`: (the broker's secret key, ZAP domain) to make it a CURVE server. Peers then do not
-    choose their routing ids, and ROUTER_HANDOVER is off: no connection can take another's id,
-    whatever key it holds."""
+    `curve`: (the broker's secret key, ZAP domain) to make it a CURVE server.
+
+    ROUTER_HANDOVER is off, with keys or without: a connection claiming a routing id another
+    one holds is ignored by libzmq (nothing it sends is read, nothing is sent to it), so none
+    can take over a live peer's mail. Our peers set no routing id; the ROUTER numbers them."""
+    _seed_routing_ids()
     sock = ctx.socket(zmq.ROUTER)
     _common(sock, limits, hwm)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve else 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if curve:
         curve_server(sock, *curve)
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -307,29 +324,6 @@ YIELD_EVERY = 32
 
 # How often a reader waiting on an empty socket looks whether it was closed under it.
 CLOSED_CHECK_S = 1.0
-
-
-class LogThrottle:
-    """At most `burst` log lines per `period` seconds; the rest are counted and summarised, so
-    that a flood of bad messages cannot turn into a flood of log lines."""
-
-    def __init__(self, log: logging.Logger, burst: int = 20, period: float = 1.0) -> None:
-        self.log, self.burst, self.period = log, burst, period
-        self.window = 0.0
-        self.count = 0
-        self.suppressed = 0
-
-    def allow(self) -> bool:
-        now = time.monotonic()
-        if now - self.window >= self.period:
-            if self.suppressed:
-                self.log.warning("%d more refused message(s) not logged", self.suppressed)
-            self.window, self.count, self.suppressed = now, 0, 0
-        self.count += 1
-        if self.count > self.burst:
-            self.suppressed += 1
-            return False
-        return True
 
 
 async def pump(
@@ -644,13 +638,13 @@ def handle_one(
     except DecodeError as exc:
         if throttle.allow():
             log.warning("rejected message from %r: %s", peer, exc)
-        _answer(sock, envelope, error_for(exc), log)
+        _answer(sock, envelope, error_for(exc), throttle)
         return None
     except Exception as exc:  # a decoder bug: the message is still the sender's fault
         if throttle.allow():
             log.exception("could not decode a message from %r", peer)
         reason = f"undecodable message: {type(exc).__name__}"
-        _answer(sock, envelope, Error(id=None, code=str(Code.BAD_MESSAGE), reason=reason), log)
+        _answer(sock, envelope, Error(id=None, code=str(Code.BAD_MESSAGE), reason=reason), throttle)
         return None
 
     if type(msg) is Bundle:
@@ -679,7 +673,7 @@ def handle_one(
             log.exception("handler failed on %s from %r", msg.TYPE, peer)
         if isinstance(msg, Error):
             return  # never answer an error with an error: two peers would bounce it forever
-        _answer(sock, envelope, error_for(exc, getattr(msg, "id", None)), log)
+        _answer(sock, envelope, error_for(exc, getattr(msg, "id", None)), throttle)
 
     try:
         result = handle(peer, msg, user_id(frames[-1])) if with_user else handle(peer, msg)
@@ -776,11 +770,12 @@ def send_encoded_bundled(
 
 
 def _answer(
-    sock: zmq.asyncio.Socket, envelope: list[Any], reply: Message, log: logging.Logger
+    sock: zmq.asyncio.Socket, envelope: list[Any], reply: Message, throttle: LogThrottle
 ) -> None:
+    # Throttled: a peer that floods garbage and leaves makes every one of its answers fail.
     try:
         send(sock, reply, envelope)
     except FlowmeshError as exc:
-        log.warning("could not answer %r: %s", envelope, exc.reason)
+        throttle.warning("could not answer %r: %s", envelope, exc.reason)
     except Exception:  # an answer that cannot go out must not take the reader down with it
-        log.exception("could not answer %r", envelope)
+        throttle.exception("could not answer %r", envelope)

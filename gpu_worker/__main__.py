@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import socket
 import sys
 
@@ -13,7 +15,9 @@ from flowmesh.affinity import pin_process
 from flowmesh.auth import load_keys
 from flowmesh.config import (
     CPUS,
+    DATA_ROOT,
     FLOAT,
+    INSECURE,
     INT,
     LOG_LEVEL_OPTION,
     METRICS_PORT,
@@ -24,8 +28,10 @@ from flowmesh.config import (
     Option,
     Options,
 )
+from flowmesh.exposure import check_keyless_bind
 from flowmesh.lifecycle import run_process
 from flowmesh.protocol import Limits
+from flowmesh.roots import Roots
 from flowmesh.units import parse_size
 from gpu_worker.device import open_device
 from gpu_worker.service import WorkerService
@@ -53,12 +59,28 @@ OPTIONS = Options(
             "leaves free and gives it back at once when serving needs it (0 = this worker takes "
             "no training jobs)",
         ),
-        Option("--name", TEXT, None, "worker name (default host-device)"),
+        Option(
+            "--name",
+            TEXT,
+            None,
+            "worker name, unique in the mesh (default host-device, e.g. gpu7-cuda0; a CPU "
+            "stand-in without --keys adds its pid)",
+        ),
         Option("--compute-lanes", INT, 2, "concurrent runs"),
         Option("--threads", INT, None, "torch CPU threads"),
         CPUS,
         PEER_ALLOW,
         PEER_KEYS,
+        DATA_ROOT,
+        Option(
+            "--checkpoint-root",
+            TEXT,
+            None,
+            "a directory under which clients' training checkpoints are saved (a new directory, "
+            "or over a flowmesh checkpoint) and resumed from (repeatable; default: the working "
+            "directory)",
+            repeat=True,
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option(
             "--switch-interval",
@@ -87,7 +109,8 @@ OPTIONS = Options(
             "tcp://127.0.0.1:0",
             "where other workers send this worker a model's activations directly, stage to "
             "stage (port 0: any free port; on a mesh over several hosts, this host's address "
-            "the others reach; CURVE with --keys); empty: none, the broker relays them",
+            "the others reach; CURVE with --keys, without them only with --insecure 1); empty: "
+            "none, the broker relays them",
         ),
         Option(
             "--eviction",
@@ -96,6 +119,7 @@ OPTIONS = Options(
             "which idle stages a load evicts first: value (rows run per second x seconds to "
             "copy back) or lru (least recently used alone: a benchmark's ablation)",
         ),
+        INSECURE,
         METRICS_PORT,
         LOG_LEVEL_OPTION,
     ),
@@ -106,6 +130,13 @@ def parser() -> argparse.ArgumentParser:
     return OPTIONS.parser()
 
 
+def default_name(device: str, *, keyed: bool, host: str = "", pid: int = 0) -> str:
+    """host-device: one worker per GPU. CPU stand-ins, of which a host may run several, add
+    their pid (without keys: with them, the name is the key's, so stays host-device)."""
+    name = f"{host or socket.gethostname()}-{device.replace(':', '')}"
+    return name if keyed or device.startswith("cuda") else f"{name}-{pid or os.getpid()}"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = OPTIONS.parse(argv)
     if args.cpus:
@@ -114,6 +145,15 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
     logs.setup("worker", args.log_level)
+    if args.peer_endpoint:
+        check_keyless_bind(
+            "--peer-endpoint",
+            args.peer_endpoint,
+            "send this worker activations to hold and compute (a run's ticket still checked)",
+            keyed=bool(args.keys),
+            insecure=bool(args.insecure),
+            log=logging.getLogger("worker"),
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     # The event loop, the copy lane and the compute lanes share the GIL; with the default 5 ms
@@ -131,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if device.budget_bytes < train_bytes:
         raise SystemExit(f"--train-bytes {args.train_bytes} leaves no device memory for serving")
-    name = args.name or f"{socket.gethostname()}-{args.device.replace(':', '')}"
+    name = args.name or default_name(args.device, keyed=bool(args.keys))
     service = WorkerService(
         name,
         args.broker,
@@ -143,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         train_bytes=train_bytes,
         peer_endpoint=args.peer_endpoint,
         eviction=args.eviction,
+        roots=Roots.of(args.data_root, args.checkpoint_root, f"worker {name}"),
     )
+    for warning in service.roots.warnings():
+        logging.getLogger("worker").warning("%s", warning)
     if args.keys:
         service.curve = load_keys(args.keys, name)
     # exits non-zero when a task failed

@@ -8,20 +8,34 @@ what arrives and acts on what it returns.
 
 A Hop is taken only for a run the broker announced, with that run's ticket, for this stage and a
 chunk not seen yet, and under CURVE keys only from the key the Run names (`from_key`). One that
-comes before its run's announcement (the two travel on different connections) waits here, a
-bounded number of them for a bounded time; one for a run given up (`cancel`) is dropped quietly,
-as the stage before may not have heard yet.
+comes before its run's announcement (the two travel on different connections) waits here, within
+bounds: runs, bytes per run and in all, and time (`expire`, on the worker's clock, whether or not
+more Hops come). What does not fit is refused (a run's own bytes) or pushes out the oldest runs'
+(the others); a run whose early Hops were dropped could never finish, so its Run fails at once
+when it comes. One for a run given up (`cancel`) is dropped quietly, as the stage before may not
+have heard yet.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+
+# What a Hop kept before its Run costs besides its tensors' bytes (the message's own objects),
+# so that Hops without tensors are bounded as well.
+HOP_OVERHEAD = 1024
+# The bytes of Hops kept before their Run: one run's, and all runs' together.
+EARLY_RUN_BYTES = 64 << 20
+EARLY_BYTES = 256 << 20
+# Runs remembered as given up (Hops still on their way are dropped quietly), and as having lost
+# early Hops (their Run fails when it comes).
+REMEMBERED = 1024
 
 
 @dataclass
@@ -38,14 +52,39 @@ class DirectRun:
         return not self.msg.next_peer
 
 
+@dataclass
+class _Early:
+    """The Hops of one run not announced yet, with the key of the connection each came on."""
+
+    since: float
+    hops: list[tuple[p.Hop, str]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def hop_bytes(hop: p.Hop) -> int:
+    """What keeping `hop` costs: its tensors' bytes, its model's name, the message itself."""
+    tensors = sum(getattr(t, "nbytes", 0) for t in hop.tensors.values())
+    return HOP_OVERHEAD + len(hop.model) + tensors
+
+
 class DirectRuns:
-    def __init__(self, max_early: int = 256, early_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        max_early: int = 256,
+        early_ttl_s: float = 30.0,
+        max_run_bytes: int = EARLY_RUN_BYTES,
+        max_early_bytes: int = EARLY_BYTES,
+    ) -> None:
         self.runs: dict[int, DirectRun] = {}
-        # Hops before their Run, with the key of the connection each came on.
-        self._early: OrderedDict[int, tuple[float, list[tuple[p.Hop, str]]]] = OrderedDict()
-        self._cancelled: deque[int] = deque(maxlen=1024)
+        self._early: OrderedDict[int, _Early] = OrderedDict()  # oldest first
+        self.early_bytes = 0
+        # By (run, ticket): a forged Hop, which cannot know the ticket, fails no real run.
+        self._lost: OrderedDict[tuple[int, int], FlowmeshError] = OrderedDict()
+        self._cancelled: deque[int] = deque(maxlen=REMEMBERED)
         self.max_early = max_early
         self.early_ttl_s = early_ttl_s
+        self.max_early_bytes = max_early_bytes
+        self.max_run_bytes = min(max_run_bytes, max_early_bytes)
         self.counters = {"hops_in": 0, "hops_early": 0, "hops_dropped": 0, "direct_runs": 0}
 
     def announce(self, msg: p.Run) -> tuple[DirectRun, list[p.Hop]]:
@@ -54,16 +93,25 @@ class DirectRuns:
             raise FlowmeshError(Code.BAD_REQUEST, f"run {msg.id}: chunks must be >= 1")
         if msg.id in self.runs:
             raise FlowmeshError(Code.BAD_REQUEST, f"run {msg.id} was announced already")
+        entry = self._early.pop(msg.id, None)
+        early = entry.hops if entry is not None else []
+        if entry is not None:
+            self.early_bytes -= entry.nbytes
+        lost = self._lost.pop((msg.id, msg.ticket), None)
+        if lost is not None:
+            self.counters["hops_dropped"] += len(early)
+            self._cancelled.append(msg.id)  # its Hops still on their way
+            raise lost
         run = self.runs[msg.id] = DirectRun(msg)
         self.counters["direct_runs"] += 1
-        _, early = self._early.pop(msg.id, (0.0, []))
         taken = [h for h, sender in early if self._check(run, h, sender)]
         self.counters["hops_dropped"] += len(early) - len(taken)
         return run, taken
 
     def accept(self, hop: p.Hop, now: float | None = None, sender: str = "") -> DirectRun | None:
         """The run `hop` belongs to, or None: kept until its Run comes, or dropped. `sender`:
-        the key of the connection it came on (under CURVE keys)."""
+        the key of the connection it came on (under CURVE keys). Raises TOO_LARGE for an
+        early Hop that would take its run over `max_run_bytes`."""
         self.counters["hops_in"] += 1
         run = self.runs.get(hop.id)
         if run is not None:
@@ -73,19 +121,69 @@ class DirectRuns:
                     f"hop for run {hop.id}: wrong ticket, stage, chunk or sender",
                 )
             return run
-        if hop.id in self._cancelled:
+        if hop.id in self._cancelled or (hop.id, hop.ticket) in self._lost:
             self.counters["hops_dropped"] += 1
             return None
         now = time.monotonic() if now is None else now
-        while self._early and (
-            len(self._early) >= self.max_early
-            or next(iter(self._early.values()))[0] + self.early_ttl_s < now
-        ):
-            _, (_, dropped) = self._early.popitem(last=False)
-            self.counters["hops_dropped"] += len(dropped)
-        self._early.setdefault(hop.id, (now, []))[1].append((hop, sender))
+        self.expire(now)
+        cost = hop_bytes(hop)
+        entry = self._early.get(hop.id)
+        held = entry.nbytes if entry is not None else 0
+        if held + cost > self.max_run_bytes:
+            reason = (
+                f"run {hop.id}: its activations that came before its Run would take "
+                f"{held + cost} bytes, over the {self.max_run_bytes} bytes a run may keep waiting"
+            )
+            self.counters["hops_dropped"] += 1
+            self._drop(hop.id, FlowmeshError(Code.TOO_LARGE, reason), [hop.ticket])
+            raise FlowmeshError(Code.TOO_LARGE, reason)
+        while True:
+            if entry is None and len(self._early) >= self.max_early:
+                bound = f"{self.max_early} runs"
+            elif self.early_bytes + cost > self.max_early_bytes:
+                bound = f"{self.max_early_bytes} bytes"
+            else:
+                break
+            # The oldest other run's make room (this run's fit alone: max_run_bytes).
+            oldest = next(k for k in self._early if k != hop.id)
+            reason = (
+                f"run {oldest}: its activations that came before its Run were dropped to make "
+                f"room for newer runs' (at most {bound} wait)"
+            )
+            self._drop(oldest, FlowmeshError(Code.OVERLOADED, reason))
+        if entry is None:
+            entry = self._early[hop.id] = _Early(now)
+        entry.hops.append((hop, sender))
+        entry.nbytes += cost
+        self.early_bytes += cost
         self.counters["hops_early"] += 1
         return None
+
+    def expire(self, now: float) -> None:
+        """Drop the early Hops of runs not announced within `early_ttl_s`: the worker calls it
+        on its clock, so that they go even if no Hop comes after them."""
+        while self._early:
+            run_id, entry = next(iter(self._early.items()))
+            if entry.since + self.early_ttl_s >= now:
+                return
+            reason = (
+                f"run {run_id}: its activations waited {now - entry.since:.1f} s for its Run, "
+                f"over {self.early_ttl_s:.0f} s"
+            )
+            self._drop(run_id, FlowmeshError(Code.TIMEOUT, reason))
+
+    def _drop(self, run_id: int, why: FlowmeshError, tickets: Iterable[int] = ()) -> None:
+        """Forget `run_id`'s early Hops; its Run, if it comes with one of their tickets (or
+        `tickets`), fails with `why`."""
+        entry = self._early.pop(run_id, None)
+        hops = entry.hops if entry is not None else []
+        if entry is not None:
+            self.early_bytes -= entry.nbytes
+            self.counters["hops_dropped"] += len(hops)
+        for ticket in {*(h.ticket for h, _ in hops), *tickets}:
+            self._lost[(run_id, ticket)] = why
+            if len(self._lost) > REMEMBERED:
+                self._lost.popitem(last=False)
 
     def _check(self, run: DirectRun, hop: p.Hop, sender: str) -> bool:
         ok = (
@@ -110,5 +208,7 @@ class DirectRuns:
 
     def cancel(self, run_id: int) -> None:
         self.runs.pop(run_id, None)
-        self._early.pop(run_id, None)
+        entry = self._early.pop(run_id, None)
+        if entry is not None:
+            self.early_bytes -= entry.nbytes
         self._cancelled.append(run_id)

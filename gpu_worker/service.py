@@ -46,7 +46,9 @@ import zmq.asyncio
 from flowmesh import protocol as p
 from flowmesh.auth import PEERS_DOMAIN, PeerKeys, peer_authenticator
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 from flowmesh.peer import MeshPeer
+from flowmesh.roots import Roots
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, narrow_allow
 from flowmesh.threads import torch_pool
 from flowmesh.transport import bind_router, connect_dealer, pump, send
@@ -81,8 +83,13 @@ class WorkerService(MeshPeer):
         train_bytes: int = 0,
         peer_endpoint: str = "tcp://127.0.0.1:0",
         eviction: str = "value",
+        roots: Roots | None = None,
     ) -> None:
         super().__init__(name, broker, limits=limits)
+        # Where clients' paths may lead (weights, hf directories, checkpoints): `flowmesh.roots`.
+        self.roots = roots or Roots.of(None, None, f"worker {name}")
+        # For lines logged per message: whoever reaches our sockets cannot flood the log.
+        self.log_throttle = LogThrottle(self.log)
         # Where other workers send us activations ("": no direct runs, the broker relays them).
         # Under CURVE keys it is a CURVE server with our own key, and takes only the workers
         # the broker names as a run's previous stage (`peer_keys`).
@@ -247,8 +254,16 @@ class WorkerService(MeshPeer):
                 log=self.log,
                 limits=self.limits,
                 with_user=curve is not None,
-            )
+            ),
+            self._expire_early_hops(),
         ]
+
+    async def _expire_early_hops(self) -> None:
+        """Hops kept for runs not announced go when they are too old, whether or not more
+        Hops come (`DirectRuns.expire`)."""
+        while True:
+            await asyncio.sleep(max(self.direct.early_ttl_s / 10, 0.1))
+            self.direct.expire(time.monotonic())
 
     def close(self) -> None:
         for sock in (*self._to_peers.values(), self._peer_sock):
@@ -285,7 +300,7 @@ class WorkerService(MeshPeer):
 
     def _fail(self, ref: int, exc: BaseException) -> None:
         if not isinstance(exc, FlowmeshError):
-            self.log.error("command %d failed: %r", ref, exc)
+            self.log_throttle.error("command %d failed: %r", ref, exc)
         self.send(p.error_for(exc, ref))
 
     def handle(self, msg: p.Message) -> None:
@@ -332,6 +347,7 @@ class WorkerService(MeshPeer):
         try:
             spec = ModelSpec.from_dict(msg.spec)
             check_factory(spec.factory, self.allow, f"worker {self.name}")
+            self._check_files(spec)
             blocks, host = await asyncio.get_running_loop().run_in_executor(
                 self._deploys,
                 prepare_stage,
@@ -473,7 +489,7 @@ class WorkerService(MeshPeer):
             out = self.executor.run_here((msg.model, msg.stage), self._parts(msg), msg.separate)
         except Exception as exc:
             if not isinstance(exc, FlowmeshError):
-                self.log.error("run %d failed: %r", msg.id, exc)
+                self.log_throttle.error("run %d failed: %r", msg.id, exc)
             answer = p.error_for(exc, msg.id)
         else:
             if out is None:
@@ -514,7 +530,7 @@ class WorkerService(MeshPeer):
         """What other workers send to our peer socket: activations, nothing else. `key`: the
         sender's CURVE key (its connection's ZAP User-Id), under keys."""
         if isinstance(msg, p.Error):
-            self.log.warning("a peer answered %s: %s %s", msg.id, msg.code, msg.reason)
+            self.log_throttle.warning("a peer answered %s: %s %s", msg.id, msg.code, msg.reason)
             return
         if not isinstance(msg, p.Hop):
             raise FlowmeshError(Code.BAD_REQUEST, f"a worker's peer socket takes no {msg.TYPE}")
@@ -615,15 +631,24 @@ class WorkerService(MeshPeer):
             )
         return self.trainer
 
+    def _check_files(self, spec: ModelSpec) -> None:
+        """A spec's files are read only under this worker's roots."""
+        if spec.weights is not None:
+            self.roots.readable(spec.weights, "weights")
+        if spec.hf is not None:
+            self.roots.readable(spec.hf, "hf directory")
+
     def _open_job(self, msg: p.TrainOpen) -> dict[str, Any]:
         """On a thread: build, plan and lay out the job (profiling and weights take a while)."""
         trainer = self._trainer()
         spec = ModelSpec.from_dict(msg.spec)
         check_factory(spec.factory, self.allow, f"worker {self.name}")
+        self._check_files(spec)
+        resume = None if msg.resume is None else self.roots.readable(msg.resume, "checkpoint")
         if msg.config:
             config = TrainConfig.from_dict(msg.config)
-        elif msg.resume is not None:
-            config = config_from(read_meta(msg.resume))
+        elif resume is not None:
+            config = config_from(read_meta(resume))
         else:
             raise FlowmeshError(Code.BAD_REQUEST, "a training job needs a configuration")
         # Chunk target: half the training bytes, so that one sub-model task computes while the
@@ -637,9 +662,10 @@ class WorkerService(MeshPeer):
             batch=msg.batch,
             target_bytes=target,
             allow=self.allow,
-            resume=msg.resume,
+            resume=resume,
         )
-        if spec.weights is not None and msg.resume is None:
+        job.batch = msg.batch  # what its memory was planned for: no step may bring more rows
+        if spec.weights is not None and resume is None:
             from flowmesh.build import build_reference
 
             with torch.no_grad():
@@ -738,6 +764,7 @@ class WorkerService(MeshPeer):
         job = trainer.jobs.get(msg.job)
         if job is None:
             raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {msg.job!r} here")
+        path = self.roots.writable(msg.path, "checkpoint")
         saved: Future[tuple[str, int]] = Future()
 
         def done(f: Future[Any]) -> None:
@@ -747,9 +774,9 @@ class WorkerService(MeshPeer):
             if exc is not None:
                 saved.set_exception(exc)
             else:
-                saved.set_result((str(f.result()), job.step_count))
+                saved.set_result((msg.path, job.step_count))  # the path as the client wrote it
 
-        trainer.save(msg.job, msg.path).add_done_callback(done)
+        trainer.save(msg.job, path).add_done_callback(done)
 
         def reply(r: tuple[str, int]) -> p.Message:
             return p.TrainSaved(id=msg.id, job=msg.job, path=r[0], step=r[1])

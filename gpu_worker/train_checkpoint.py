@@ -12,18 +12,31 @@ A checkpoint is a directory holding
   a configuration continues with this one; one with another loss is refused.
 
 Tensors are matched by name, not by sub-model, so a job may resume under another chunk plan.
+
+A save goes into a new directory (its parents made), an empty one, or one that holds a flowmesh
+checkpoint, whose two files it replaces; never into a directory holding anything else. It is
+atomic: both files are written in full beside the old ones and flushed to the disk, then put in
+place, the state file first. The state file's copy of the JSON is what a resume reads
+(`read_meta`), so a save cut short at any point leaves the old checkpoint or the new one, never
+a mix. A write that fails (a full disk) is an io_error naming the path, and leaves the old files
+as they were.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
+from flowmesh.build import SAFETENSORS_DTYPES
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.roots import io_error, not_safetensors
 
 if TYPE_CHECKING:
     from gpu_worker.train_job import TrainingJob
@@ -32,6 +45,9 @@ FORMAT = "flowmesh-training-checkpoint"
 VERSION = 1
 STATE_FILE = "state.safetensors"
 META_FILE = "job.json"
+# Files a save writes before putting them in place (left only by a process killed mid-save).
+TMP_PREFIX = ".flowmesh-tmp-"
+DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def _bad(reason: str) -> FlowmeshError:
@@ -50,13 +66,79 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def save_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> Path:
-    """Write `job`'s checkpoint to the directory `path` (created; files replaced atomically).
-    The job must be idle: the executor runs this as a task of the job's chain."""
-    from safetensors.torch import save_file
+def _is_checkpoint(directory: Path) -> bool:
+    try:
+        meta = json.loads((directory / META_FILE).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
+
+def _check_target(out: Path, where: str) -> None:
+    """Refuse to save over anything but a flowmesh checkpoint (or an empty directory)."""
+    try:
+        names = [n for n in os.listdir(out) if not n.startswith(TMP_PREFIX)]
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise FlowmeshError(Code.NOT_ALLOWED, f"{where} is a file, not a directory") from None
+    except OSError as exc:
+        raise io_error(exc, where) from None
+    if names and not _is_checkpoint(out):
+        raise FlowmeshError(
+            Code.NOT_ALLOWED,
+            f"{where} holds files that are not a flowmesh checkpoint; save into a new or "
+            "empty directory, or over a flowmesh checkpoint",
+        )
+
+
+def _write_new(directory: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """A new file in `directory`, written by `write` and flushed to the disk (removed if that
+    fails)."""
+    tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    with open(tmp, "xb") as f:
+        try:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return tmp
+
+
+def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], meta: str) -> None:
+    """`tensors` as a safetensors file, each written from its own memory: no copy of the whole
+    checkpoint is made, and a failing write is the OSError it is (safetensors' own writer
+    raises its own error type, errno lost)."""
+    header: dict[str, Any] = {"__metadata__": {"flowmesh": meta}}
+    offset = 0
+    for name, t in tensors.items():
+        code = DTYPE_CODES.get(t.dtype)
+        if code is None:
+            raise _bad(f"checkpoint tensor {name!r} is {t.dtype}, which a checkpoint cannot hold")
+        header[name] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.numel() * t.element_size()],
+        }
+        offset += t.numel() * t.element_size()
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data 8-aligned, as safetensors writes it
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for t in tensors.values():
+        if t.numel():
+            flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            f.write(memoryview(flat.numpy()))
+
+
+def save_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> Path:
+    """Write `job`'s checkpoint to the directory `path`: a new or empty one, or over a flowmesh
+    checkpoint, atomically (see the module). The job must be idle: the executor runs this as a
+    task of the job's chain."""
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    where = f"checkpoint {str(out)!r}"
+    _check_target(out, where)
     tensors: dict[str, torch.Tensor] = {n: i.home for n, i in job.tensors.items()}
     scalars: dict[str, dict[str, Any]] = {}
     for sub in job.subs:
@@ -93,30 +175,61 @@ def save_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> Path:
         "optimizer_scalars": scalars,
     }
     text = json.dumps(meta, indent=1, sort_keys=True)
-    tmp_state, tmp_meta = out / f".{STATE_FILE}.tmp", out / f".{META_FILE}.tmp"
-    # safetensors refuses tensors that share memory; the host tier's are views of slabs.
-    save_file(
-        {k: v.detach().contiguous().clone() for k, v in tensors.items()},
-        str(tmp_state),
-        metadata={"flowmesh": text},
-    )
-    tmp_meta.write_text(text + "\n")
-    os.replace(tmp_state, out / STATE_FILE)
-    os.replace(tmp_meta, out / META_FILE)
+    written: list[Path] = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written.append(_write_new(out, lambda f: _write_safetensors(f, tensors, text)))
+        written.append(_write_new(out, lambda f: f.write(text.encode() + b"\n")))
+        # The state file first: it carries the JSON that a resume reads (`read_meta`).
+        os.replace(written[0], out / STATE_FILE)
+        os.replace(written[1], out / META_FILE)
+        fd = os.open(out, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the renames too
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise io_error(exc, where) from None
+    finally:
+        for tmp in written:
+            tmp.unlink(missing_ok=True)  # put in place already, unless the save failed
     return out
 
 
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint's JSON (what a resuming `train_open` needs to rebuild the job)."""
+def _parse_meta(raw: str | bytes, where: str) -> dict[str, Any]:
     try:
-        meta = json.loads((Path(path) / META_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise _bad(f"checkpoint {str(path)!r}: {exc}") from None
+        meta = json.loads(raw)
+    except ValueError:  # the parser's text may quote the file
+        meta = None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise _bad(f"checkpoint {str(path)!r} is not a flowmesh training checkpoint")
+        raise _bad(f"{where} is not a flowmesh training checkpoint")
     if meta.get("version") != VERSION:
-        raise _bad(f"checkpoint {str(path)!r} has version {meta.get('version')!r}, not {VERSION}")
+        # A flowmesh checkpoint's own field, shown as a number only.
+        version = meta.get("version")
+        shown = version if isinstance(version, int) else "another"
+        raise _bad(f"{where} has version {shown}, this worker reads {VERSION}")
     return meta
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint's JSON (what a resuming `train_open` needs to rebuild the job): job.json
+    marks the directory a flowmesh checkpoint; the state file's copy, put in place first by a
+    save, is the one returned (the same, unless a save was cut short between the two)."""
+    from safetensors import safe_open
+
+    where = f"checkpoint {str(path)!r}"
+    try:
+        meta = _parse_meta((Path(path) / META_FILE).read_bytes(), where)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _bad(f"{where} is not a flowmesh training checkpoint (no {META_FILE})") from None
+    except OSError as exc:
+        raise io_error(exc, where) from None
+    try:
+        with safe_open(str(Path(path) / STATE_FILE), framework="pt", device="cpu") as f:
+            embedded = (f.metadata() or {}).get("flowmesh")
+    except Exception:  # what is wrong with the state file, `load_checkpoint` says
+        return meta
+    return _parse_meta(embedded, where) if embedded else meta
 
 
 def load_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> int:
@@ -142,8 +255,10 @@ def load_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> int:
     file = Path(path) / STATE_FILE
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")
-    except Exception as exc:
-        raise _bad(f"checkpoint {str(file)!r} unreadable: {exc}") from None
+    except OSError as exc:
+        raise io_error(exc, f"checkpoint {str(file)!r}") from None
+    except Exception:  # safetensors' own error types, whose text may quote the file
+        raise not_safetensors(f"checkpoint {str(file)!r}") from None
     with handle as f, torch.no_grad():
         names = set(f.keys())
         for n, info in job.tensors.items():

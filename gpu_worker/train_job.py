@@ -383,6 +383,14 @@ def _split(inputs: Inputs, n: int) -> list[Inputs]:
     return [{k: parts[k][i] for k in inputs} for i in range(n)]
 
 
+def _split_rows(inputs: Inputs, rows: int) -> list[Inputs]:
+    """`inputs` in pieces of `rows` rows (the last may have fewer)."""
+    if isinstance(inputs, torch.Tensor):
+        return list(inputs.split(rows))
+    parts = {k: v.split(rows) for k, v in inputs.items()}
+    return [{k: parts[k][i] for k in inputs} for i in range(len(next(iter(parts.values()))))]
+
+
 def _as_output(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -452,6 +460,11 @@ class TrainingJob:
         self.step_count = 0
         self.last_loss: float | None = None
         self.broken: str | None = None
+        # The batch the activation reservations were planned for (`open_job`'s, set by the
+        # worker): a step of more rows is refused, as its activations would outgrow what the
+        # budget counts for them, and an evaluation of more is cut into more micro-batches.
+        # None: not known, nothing checked (a job built by hand).
+        self.batch: int | None = None
         gen = torch.Generator().manual_seed(config.seed)
         cuda_state = None
         if self._cuda is not None:
@@ -475,6 +488,9 @@ class TrainingJob:
         self._total_norm: dict[int, torch.Tensor] = {}
         self._touched: set[str] = set()
         self._correct: dict[int, list[int]] = {}  # eval request -> [right, counted] predictions
+        # An evaluation cut into more micro-batches than a step's (over the job's batch): its
+        # rows, by which each micro-batch's loss is weighed.
+        self._eval_rows: dict[int, int] = {}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -686,17 +702,22 @@ class TrainingJob:
     # -- planning a step ---------------------------------------------------------------------
 
     def begin_step(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
-        """Validate a step's batch and keep its micro-batches until the step ends."""
+        """Validate a step's batch and keep its micro-batches until the step ends. A batch over
+        the one the job was opened for (`batch`) is refused: its activations would outgrow
+        the memory planned for them."""
         self._begin(request, inputs, targets)
 
     def begin_eval(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
         """Validate an evaluation's batch and keep its micro-batches until it ends. It is split
         like a step's so that each task's activations stay within the reservation a forward
-        task of the job was planned with."""
-        self._begin(request, inputs, targets)
+        task of the job was planned with; one over the job's `batch` is cut into more of them,
+        each of at most a step's micro-batch (its loss weighs each by its rows)."""
+        self._begin(request, inputs, targets, evaluating=True)
         self._correct[request] = [0, 0]
 
-    def _begin(self, request: int, inputs: Inputs, targets: torch.Tensor) -> None:
+    def _begin(
+        self, request: int, inputs: Inputs, targets: torch.Tensor, evaluating: bool = False
+    ) -> None:
         if self.broken is not None:
             raise _bad(f"job {self.name!r} is broken ({self.broken}); resume from a checkpoint")
         batch = _batch_of(inputs)
@@ -714,9 +735,20 @@ class TrainingJob:
         if int(targets.shape[0]) != batch:
             raise _bad(f"targets have {int(targets.shape[0])} rows for a batch of {batch}")
         n = self.config.accumulate
-        if batch % n:
+        if self.batch is not None and batch > self.batch:
+            if not evaluating:
+                raise _bad(
+                    f"a batch of {batch} is over the batch of {self.batch} job {self.name!r} "
+                    "was opened for (its memory was planned for that many rows): send at most "
+                    f"{self.batch}, or open a job for {batch}"
+                )
+            micro = max(1, self.batch // n)
+            self._data[request] = (_split_rows(inputs, micro), list(targets.split(micro)))
+            self._eval_rows[request] = batch
+        elif batch % n:
             raise _bad(f"a batch of {batch} does not split into {n} equal micro-batches")
-        self._data[request] = (_split(inputs, n), list(targets.chunk(n)))
+        else:
+            self._data[request] = (_split(inputs, n), list(targets.chunk(n)))
         self._losses[request] = []
         self._nonfinite[request] = False
 
@@ -783,7 +815,7 @@ class TrainingJob:
         """A forward of every sub-model per micro-batch, the loss at the end of the last."""
         tasks = [
             self._task(request, EVAL, i, m, False)
-            for m in range(self.config.accumulate)
+            for m in range(len(self._data[request][0]))
             for i in range(self.parts)
         ]
         tasks[-1].last = True
@@ -1024,8 +1056,10 @@ class TrainingJob:
             self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
             return TaskResult()
         target = self._unstash(self._data[task.request][1][task.micro])
+        rows = self._eval_rows.get(task.request)
         with torch.no_grad():
-            loss = self._loss(out, target) / self.config.accumulate
+            loss = self._loss(out, target)
+            loss = loss / self.config.accumulate if rows is None else loss * (len(target) / rows)
         value = float(loss.item())
         self._losses[task.request].append(value)
         self._nonfinite[task.request] |= not math.isfinite(value)
@@ -1044,6 +1078,7 @@ class TrainingJob:
         nonfinite = self._nonfinite.pop(request, False)
         right, counted = self._correct.pop(request, [0, 0])
         self._data.pop(request, None)
+        self._eval_rows.pop(request, None)
         metrics: dict[str, float] = {"nonfinite": float(nonfinite)}
         if counted:
             metrics["accuracy"] = right / counted
@@ -1053,7 +1088,7 @@ class TrainingJob:
         """Forget a failed evaluation; it changed nothing, so the job stays usable."""
         for key in [k for k in self._acts if k[0] == request]:
             del self._acts[key]
-        for store in (self._data, self._losses, self._nonfinite, self._correct):
+        for store in (self._data, self._losses, self._nonfinite, self._correct, self._eval_rows):
             store.pop(request, None)  # type: ignore[attr-defined]
 
     def _where(self, task: Task) -> str:

@@ -8,6 +8,7 @@ import socket
 from flowmesh import logs, metrics
 from flowmesh.auth import load_keys
 from flowmesh.config import (
+    DATA_ROOT,
     INT,
     LOG_LEVEL_OPTION,
     METRICS_PORT,
@@ -31,6 +32,7 @@ OPTIONS = Options(
         Option("--measure-device", TEXT, "cpu", "where to time blocks when asked"),
         PEER_ALLOW,
         PEER_KEYS,
+        DATA_ROOT,
         METRICS_PORT,
         LOG_LEVEL_OPTION,
     ),
@@ -43,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = OPTIONS.parse(argv)
-    logs.setup("partitioner", args.log_level)
+    log = logs.setup("partitioner", args.log_level)
     name = args.name or f"{socket.gethostname()}-partitioner"
     service = PartitionerService(
         name,
@@ -51,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         allow=tuple(args.allow) if args.allow else None,  # None: the broker's list
         threads=args.threads,
         measure_device=args.measure_device,
+        data_roots=args.data_root,
     )
+    for warning in service.roots.warnings():
+        log.warning("%s", warning)
     if args.keys:
         service.curve = load_keys(args.keys, name)
     # exits non-zero when a task failed

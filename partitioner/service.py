@@ -12,7 +12,9 @@ from typing import Any
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.logs import LogThrottle
 from flowmesh.peer import MeshPeer
+from flowmesh.roots import Roots
 from flowmesh.spec import (
     BLOCK_ALIGN,
     DEFAULT_ALLOW,
@@ -31,10 +33,15 @@ def plan_for(
     allow: tuple[str, ...] = DEFAULT_ALLOW,
     measure_device: str | None = None,
     who: str = "partitioner",
+    roots: Roots | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(plan as data, declared inputs) for a PlanJob request. Pure apart from torch on meta."""
+    """(plan as data, declared inputs) for a PlanJob request. Pure apart from torch on meta,
+    and a Hugging Face directory's config, read only under `roots` (default: the working
+    directory). A spec's weights file is not read here: the workers read it, under theirs."""
     spec = ModelSpec.from_dict(request["spec"])
     check_factory(spec.factory, allow, who)
+    if spec.hf is not None:
+        (roots or Roots.of(None, (), who)).readable(spec.hf, "hf directory")
     kind = request.get("kind", "stages")
     batch = int(request.get("batch") or 1)
     prof = profile(
@@ -94,8 +101,11 @@ class PartitionerService(MeshPeer):
         threads: int = 2,
         measure_device: str = "cpu",
         limits: p.Limits = p.DEFAULT_LIMITS,
+        data_roots: list[str] | None = None,
     ) -> None:
         super().__init__(name, broker, limits=limits)
+        # Where a plan's Hugging Face directory may be (`flowmesh.roots`; None: here).
+        self.roots = Roots.of(data_roots, (), f"partitioner {name}")
         # The mesh's list arrives at registration (`on_allow`); `own` may only narrow it.
         self.own_allow = allow
         self.allow = allow if allow is not None else DEFAULT_ALLOW
@@ -104,6 +114,8 @@ class PartitionerService(MeshPeer):
         self._tasks: set[asyncio.Task[None]] = set()
         self.planned = 0
         self.failed = 0
+        # One traceback per failed plan request would let any client fill the log.
+        self.log_throttle = LogThrottle(self.log)
 
     def registration(self) -> p.Register:
         return p.Register(
@@ -143,11 +155,12 @@ class PartitionerService(MeshPeer):
                 self.allow,
                 self.measure_device,
                 f"partitioner {self.name}",
+                self.roots,
             )
         except Exception as exc:
             self.failed += 1
             if not isinstance(exc, FlowmeshError):
-                self.log.exception("planning failed")
+                self.log_throttle.exception("planning failed")
             self.send(p.error_for(exc, msg.id))
             return
         self.planned += 1

@@ -240,6 +240,7 @@ def flowmesh_config(
         allow=["bench_zoo"],
         threads_per_worker=cfg["threads"],
         env=env,
+        data_roots=[work / "models"],  # where the models' weights files are
         ready_timeout_s=120.0,
         broker_args=list(broker_args or []),
         worker_args=list(worker_args or []),

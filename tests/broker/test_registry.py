@@ -66,9 +66,9 @@ class Rig:
         self.reg.register(name.encode(), msg, 0.0)
         return self.ctx.peers[name]
 
-    def join(self, name: str, budget: int = 100 * MIB) -> Peer:
+    def join(self, name: str, budget: int = 100 * MIB, **kw: Any) -> Peer:
         """Register and heartbeat: a ready peer; what that sent and called is forgotten."""
-        peer = self.register(name, budget=budget)
+        peer = self.register(name, budget=budget, **kw)
         self.reg.heartbeat(peer, p.Heartbeat(stats={}), 0.0)
         self.out()
         self.events.clear()
@@ -111,15 +111,60 @@ def test_a_peer_is_acknowledged_then_ready_on_its_first_heartbeat() -> None:
 
 
 def test_the_same_process_registering_again_keeps_what_it_holds() -> None:
+    """On a fresh socket, it proves itself with the secret of its first registration."""
     rig = Rig()
-    peer = rig.join("w0")
+    peer = rig.join("w0", info={"session": "s3cret"})
     peer.hosted[("m", 0)] = MIB
-    msg = p.Register(id=9, role="worker", name="w0", pid=1, budget_bytes=100 * MIB)
+    msg = p.Register(
+        id=9, role="worker", name="w0", pid=1, budget_bytes=100 * MIB, info={"session": "s3cret"}
+    )
     rig.reg.register(b"w0-new-socket", msg, 1.0)
     assert rig.out() == [(BACKEND, b"w0-new-socket", ack(9, kept=True))]
     assert rig.peer("w0") is peer and peer.hosted == {("m", 0): MIB}
     assert rig.ctx.by_addr == {b"w0-new-socket": "w0"} and peer.registrations == 2
     assert rig.events == []
+
+
+NAME_HELD = (
+    "name 'w0' is held by a live worker of another process (pid 1, heard from 2.0 s ago): "
+    "start this one under another --name, or stop that one first"
+)
+
+
+@pytest.mark.parametrize(
+    "info",
+    [{}, {"session": "guess"}, {"session": 7}],
+    ids=["no-secret", "wrong-secret", "not-a-string"],
+)
+def test_a_name_a_live_peer_holds_is_refused_to_another_connection(info: dict[str, Any]) -> None:
+    """Its pid and budget, as status shows them, are not enough: the registration is refused
+    while the holder heartbeats, and the holder keeps its name, state and connection."""
+    rig = Rig()
+    rig.join("part")
+    peer = rig.join("w0", info={"session": "s3cret"})
+    rig.deploy("m", [MIB], replicas=1)  # on w0
+    forged = p.Register(id=4, role="worker", name="w0", pid=1, budget_bytes=100 * MIB, info=info)
+    with pytest.raises(FlowmeshError) as refused:
+        rig.reg.register(b"thief", forged, 2.0)
+    assert (refused.value.code, refused.value.reason) == (Code.NAME_TAKEN, NAME_HELD)
+    assert rig.out() == [] and rig.events == []
+    assert rig.peer("w0") is peer and peer.addr == b"w0" and peer.registrations == 1
+    assert rig.ctx.by_addr == {b"part": "part", b"w0": "w0"}
+    assert rig.ctx.models["m"].state is ModelState.READY and peer.hosted == {("m", 0): MIB}
+    assert rig.ctx.totals["names_refused"] == 1
+
+
+def test_a_restarted_worker_gets_its_name_once_its_predecessor_stopped_heartbeating() -> None:
+    rig = Rig()
+    rig.join("w0").last_seen = 1.0
+    restarted = p.Register(id=1, role="worker", name="w0", pid=2, budget_bytes=100 * MIB)
+    with pytest.raises(FlowmeshError) as refused:
+        rig.reg.register(b"w0-restarted", restarted, 4.0)  # 3 periods of silence: still live
+    assert refused.value.code == Code.NAME_TAKEN
+    rig.reg.register(b"w0-restarted", restarted, 4.5)
+    assert rig.out() == [(BACKEND, b"w0-restarted", ack(1, kept=False))]
+    assert rig.events == [("worker_lost", "w0"), ("change", 4.5)]
+    assert rig.peer("w0").pid == 2 and rig.ctx.by_addr == {b"w0-restarted": "w0"}
 
 
 def test_a_worker_registering_afresh_drops_what_nobody_here_asked_for() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,10 +26,10 @@ from flowmesh.spec import ModelSpec
 FAST = {"heartbeat_s": 0.2, "liveness": 10, "threads_per_worker": 1}
 
 TEST_KEYS = os.environ.get("FLOWMESH_TEST_KEYS") == "1"
-# Tests built on a raw socket with no key (taking a routing id, forging a peer): with keys on,
+# Tests built on a raw socket with no key (claiming a routing id, forging a peer): with keys on,
 # the broker refuses that socket before anything the test checks can happen.
 KEYLESS_PREMISE = {
-    "test_worker_whose_routing_id_is_taken_comes_back",
+    "test_without_keys_no_forged_answer_reaches_a_client",
     # These speak raw, keyless DEALER sockets at the broker's ports (malformed messages, forged
     # peers, a flood): with keys on their messages never reach the broker's logic at all.
     "test_malformed_messages_are_answered_while_a_client_keeps_working",
@@ -69,11 +70,19 @@ def _test_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
+def roots_at(path: Path | str) -> dict[str, list[str]]:
+    """LocalMesh arguments for tests' files: its workers and partitioner read clients' files,
+    and save checkpoints, under `path` (`flowmesh.roots`)."""
+    return {"data_roots": [str(path)], "checkpoint_roots": [str(path)]}
+
+
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     """Two CPU stand-in workers of 8 MiB each, shared by a test module (keys on with
-    FLOWMESH_TEST_KEYS=1)."""
-    with LocalMesh(cpu_workers=2, memory_budget="8MiB", **FAST) as m:
+    FLOWMESH_TEST_KEYS=1), reading clients' files under the session's tmp directories."""
+    with LocalMesh(
+        cpu_workers=2, memory_budget="8MiB", **roots_at(tmp_path_factory.getbasetemp()), **FAST
+    ) as m:
         yield m
 
 

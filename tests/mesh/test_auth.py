@@ -1,5 +1,6 @@
 """CURVE keys on a real mesh: strangers are refused before the broker reads a message, a worker
-key cannot take another worker's name, and only operator keys may change what is deployed.
+key cannot take another worker's name (nor its own while a live worker holds it), and only
+operator keys may change what is deployed.
 
 One keyed mesh (`LocalMesh(keys=True)`) serves the module; the processes refused here are started
 beside it and stopped by the test that started them.
@@ -241,6 +242,33 @@ def test_a_worker_key_cannot_register_under_another_workers_name(
             assert_forward_close(c.infer(SPEC.name, x), ref(x))
         finally:
             keyed_mesh.kill(intruder)
+
+
+def test_a_second_process_with_a_worker_s_own_key_stops_while_that_worker_lives(
+    keyed_mesh: LocalMesh, ref: torch.nn.Module
+) -> None:
+    """The key grants the name, but a live worker holds it: refused (`name_taken`), never the
+    two taking turns; the second process stops, saying so."""
+    assert keyed_mesh.key_dir is not None
+    with keyed_mesh.client(timeout=20) as c:
+        before = peer_rows(c)["worker-0"]
+        twin = keyed_mesh.child(
+            spawn_worker(keyed_mesh, "worker-0", ["--keys", str(keyed_mesh.key_dir)])
+        )
+        try:
+            assert twin.proc.wait(120) == 1, twin.tail()
+        finally:
+            if twin.proc.poll() is None:
+                keyed_mesh.kill(twin.name)
+        assert "name_taken" in twin.tail(100), twin.tail()
+        assert "name 'worker-0' is held by a live worker of another process" in twin.tail(100)
+        after = peer_rows(c)["worker-0"]
+        assert (after["pid"], after["registrations"]) == (
+            before["pid"],
+            before["registrations"],
+        ), (before, after)
+        x = torch.randn(2, WIDTH)
+        assert_forward_close(c.infer(SPEC.name, x), ref(x))
 
 
 # ---------------------------------------------------------------------------- (c, d) roles

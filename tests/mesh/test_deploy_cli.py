@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from client_sdk.cli import DeployWatch
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
-from tests.mesh.conftest import FAST, fresh_stats, mlp_spec
+from tests.mesh.conftest import FAST, fresh_stats, mlp_spec, roots_at
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,9 @@ def test_deploy_shows_the_weights_read_and_the_workers_report_reading(tmp_path: 
     spec = mlp_spec("weighty", width=512, depth=6, seed=3)
     path = tmp_path / "weighty.safetensors"
     save_file(build_seeded(spec).state_dict(), str(path))
-    with LocalMesh(cpu_workers=2, memory_budget="16MiB", run_dir=tmp_path, **FAST) as mesh:
+    with LocalMesh(
+        cpu_workers=2, memory_budget="16MiB", run_dir=tmp_path, **roots_at(tmp_path), **FAST
+    ) as mesh:
         cmd = [
             sys.executable, "-m", "client_sdk.cli", "deploy", "weighty", spec.factory,
             "--kwargs", '{"width": 512, "depth": 6}', "--weights", str(path), "--stages", "2",

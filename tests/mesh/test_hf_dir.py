@@ -14,7 +14,7 @@ from flowmesh.hf_dir import READ_LOG_ENV
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from partitioner.chain import chain_of
-from tests.mesh.conftest import FAST
+from tests.mesh.conftest import FAST, roots_at
 
 
 def test_a_llama_directory_is_served_in_two_stages(tmp_path: Path) -> None:
@@ -40,7 +40,11 @@ def test_a_llama_directory_is_served_in_two_stages(tmp_path: Path) -> None:
 
     with (
         LocalMesh(
-            cpu_workers=2, memory_budget="8MiB", env={READ_LOG_ENV: str(reads)}, **FAST
+            cpu_workers=2,
+            memory_budget="8MiB",
+            env={READ_LOG_ENV: str(reads)},
+            **roots_at(tmp_path),
+            **FAST,
         ) as mesh,
         mesh.client() as c,
     ):

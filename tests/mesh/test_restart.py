@@ -27,7 +27,7 @@ from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference
+from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference, roots_at
 from tests.mesh.test_training import ADAM, ALLOW, TRAIN_BYTES, close, data, open_kw, plain, spec
 
 INFER_TIMEOUT = 20.0
@@ -67,6 +67,7 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
         broker_args=[*ALLOW, "--state-dir", str(tmp_path / "state")],
         worker_args=ALLOW,
         run_dir=tmp_path / "run",
+        **roots_at(tmp_path),
         **FAST,
     ) as mesh:
         with mesh.client(timeout=60) as c:

@@ -207,6 +207,8 @@ def test_calls_made_together_travel_in_bundles_each_answered_as_its_own(mesh: Lo
 
     async def together() -> tuple[list[object], int, int]:
         async with AsyncClient(mesh.frontend, timeout=60) as client:
+            # Once the broker has stated its limits: until then every call waits for them.
+            await client.status()
             calls = [client.infer(spec.name, x) for x in xs]
             calls.insert(10, client.infer("ghost", xs[0]))
             calls.insert(20, client.infer(spec.name, torch.randn(1, 65)))

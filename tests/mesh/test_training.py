@@ -23,7 +23,7 @@ from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference
+from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference, roots_at
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -105,13 +105,14 @@ ALLOW = [
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     with LocalMesh(
         cpu_workers=1,
         memory_budget="8MiB",
         train_bytes=TRAIN_BYTES,
         broker_args=ALLOW,
         worker_args=ALLOW,
+        **roots_at(tmp_path_factory.getbasetemp()),
         **FAST,
     ) as m:
         yield m
@@ -231,7 +232,13 @@ def test_a_killed_worker_fails_pending_steps_and_the_job_resumes_elsewhere(
     expected, _ = plain(s, ADAM, batches)
     ckpt = str(tmp_path / "ck")
     with (
-        LocalMesh(cpu_workers=2, memory_budget="8MiB", train_bytes=TRAIN_BYTES, **FAST) as m,
+        LocalMesh(
+            cpu_workers=2,
+            memory_budget="8MiB",
+            train_bytes=TRAIN_BYTES,
+            **roots_at(tmp_path),
+            **FAST,
+        ) as m,
         m.client(timeout=60) as c,
     ):
         job = c.train_open("fragile", s.factory, **open_kw(s, ADAM))

@@ -21,7 +21,7 @@ from client_sdk import train_data
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST
+from tests.mesh.conftest import FAST, roots_at
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = {"width": 32, "depth": 3, "in_features": 8, "out_features": 5}
@@ -29,8 +29,14 @@ STEPS, BATCH = 12, 8
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(cpu_workers=1, memory_budget="8MiB", train_bytes="96KiB", **FAST) as m:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    with LocalMesh(
+        cpu_workers=1,
+        memory_budget="8MiB",
+        train_bytes="96KiB",
+        **roots_at(tmp_path_factory.getbasetemp()),
+        **FAST,
+    ) as m:
         yield m
 
 

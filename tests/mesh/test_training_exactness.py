@@ -41,7 +41,7 @@ from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
 from partitioner.plan import chunk_plan
 from partitioner.profile import profile
-from tests.mesh.conftest import FAST
+from tests.mesh.conftest import FAST, roots_at
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -300,6 +300,7 @@ def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) ->
         train_bytes=TRAIN_BYTES,
         broker_args=ALLOW_ARGS,
         worker_args=ALLOW_ARGS,
+        **roots_at(tmp_path),
         **FAST,
     ) as mesh:
         asyncio.run(run_all(mesh.frontend, cases, data, tmp_path))
@@ -383,7 +384,7 @@ def test_opening_jobs_while_a_job_trains_changes_nothing(tmp_path: Path) -> None
 
     with LocalMesh(
         cpu_workers=1, memory_budget="8MiB", train_bytes=TRAIN_BYTES,
-        broker_args=ALLOW_ARGS, worker_args=ALLOW_ARGS, **FAST,
+        broker_args=ALLOW_ARGS, worker_args=ALLOW_ARGS, **roots_at(tmp_path), **FAST,
     ) as mesh:  # fmt: skip
         losses, opened, errors = asyncio.run(run(mesh.frontend))
     assert not errors, errors

@@ -29,7 +29,7 @@ from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST, fresh_stats
+from tests.mesh.conftest import FAST, fresh_stats, roots_at
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -293,13 +293,14 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     with LocalMesh(
         cpu_workers=1,
         memory_budget="8MiB",
         train_bytes=2 << 20,
         broker_args=ALLOW,
         worker_args=ALLOW,
+        **roots_at(tmp_path_factory.getbasetemp()),
         **FAST,
     ) as m:
         yield m

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from flowmesh import protocol as p
 from flowmesh.auth import PEERS_DOMAIN, PeerKeys
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.direct import DirectRuns
+
+MIB = 1 << 20
 
 
 def run(
@@ -55,6 +58,13 @@ def test_a_hop_before_its_run_waits_and_a_forged_one_is_dropped_then() -> None:
         d.announce(run())  # announced twice
 
 
+def refused(d: DirectRuns, msg: p.Run) -> FlowmeshError:
+    with pytest.raises(FlowmeshError) as err:
+        d.announce(msg)
+    assert msg.id not in d.runs
+    return err.value
+
+
 def test_hops_of_a_cancelled_run_are_dropped_and_early_ones_are_bounded() -> None:
     d = DirectRuns(max_early=2, early_ttl_s=1.0)
     d.announce(run())
@@ -63,10 +73,84 @@ def test_hops_of_a_cancelled_run_are_dropped_and_early_ones_are_bounded() -> Non
     d.accept(hop(run_id=1), now=0.0)
     d.accept(hop(run_id=2), now=0.0)
     d.accept(hop(run_id=3), now=0.5)  # over the bound: the oldest goes
-    assert d.announce(run(run_id=1))[1] == []
+    # Its Run could never finish without that Hop: it fails when it comes, saying why.
+    err = refused(d, run(run_id=1))
+    assert err.code is Code.OVERLOADED and "at most 2 runs" in err.reason
     d.accept(hop(run_id=4), now=5.0)  # past the time limit: run 2's and 3's go
-    assert d.announce(run(run_id=2))[1] == [] and d.announce(run(run_id=3))[1] == []
+    for run_id in (2, 3):
+        err = refused(d, run(run_id=run_id))
+        assert err.code is Code.TIMEOUT and "over 1 s" in err.reason
     assert [h.id for h in d.announce(run(run_id=4))[1]] == [4]
+    assert d.early_bytes == 0
+
+
+def big_hop(run_id: int = 7, chunk: int = 0, ticket: int = 99, nbytes: int = MIB) -> p.Hop:
+    x = torch.zeros(nbytes // 4)
+    return p.Hop(id=run_id, ticket=ticket, model="m", stage=1, chunk=chunk, tensors={"x": x})
+
+
+def test_early_hops_of_one_run_are_bounded_in_bytes_and_its_run_fails_when_it_comes() -> None:
+    # The attack: 100 Hops of 8 MiB (here 1 MiB) for a run nobody announced. Before, all kept.
+    d = DirectRuns(max_run_bytes=8 * MIB, max_early_bytes=32 * MIB)
+    errors = []
+    for chunk in range(100):
+        try:
+            assert d.accept(big_hop(chunk=chunk), now=0.0) is None
+        except FlowmeshError as exc:
+            errors.append(exc)
+        assert d.early_bytes <= 8 * MIB
+    assert d.early_bytes == 0  # a run over its bytes keeps nothing: it cannot finish
+    assert len(errors) == 1 and errors[0].code is Code.TOO_LARGE
+    assert "over the 8388608 bytes a run may keep waiting" in errors[0].reason
+    assert d.counters["hops_early"] == 7 and d.counters["hops_dropped"] == 100
+    # The rest of that run's Hops were dropped quietly; its Run fails at once.
+    err = refused(d, run(chunks=100))
+    assert err.code is Code.TOO_LARGE and err.reason == errors[0].reason
+    assert d.accept(big_hop(chunk=0)) is None and d.early_bytes == 0  # still on their way
+
+
+def test_a_forged_oversized_hop_fails_no_real_run() -> None:
+    d = DirectRuns(max_run_bytes=2 * MIB, max_early_bytes=8 * MIB)
+    with pytest.raises(FlowmeshError) as err:
+        d.accept(big_hop(ticket=1, nbytes=3 * MIB), now=0.0)  # the ticket is the broker's secret
+    assert err.value.code is Code.TOO_LARGE
+    assert d.accept(big_hop(chunk=1), now=0.0) is None  # the real one, with the real ticket
+    state, early = d.announce(run())
+    assert [h.chunk for h in early] == [1] and d.accept(hop(chunk=0)) is state
+
+
+def test_early_hops_of_all_runs_are_bounded_in_bytes_the_oldest_go_first() -> None:
+    d = DirectRuns(max_run_bytes=2 * MIB, max_early_bytes=4 * MIB)
+    for run_id in range(1, 7):
+        d.accept(big_hop(run_id=run_id), now=float(run_id))
+        d.accept(big_hop(run_id=run_id, chunk=1, nbytes=MIB // 2), now=float(run_id))
+        assert d.early_bytes <= 4 * MIB
+    for run_id in range(1, 5):  # pushed out by the newer ones
+        err = refused(d, run(run_id=run_id))
+        assert err.code is Code.OVERLOADED and f"at most {4 * MIB} bytes" in err.reason
+    for run_id in (5, 6):
+        assert [h.chunk for h in d.announce(run(run_id=run_id))[1]] == [0, 1]
+    assert d.early_bytes == 0
+
+
+def test_early_hops_expire_by_the_clock_even_if_no_hop_comes_after_them() -> None:
+    d = DirectRuns(early_ttl_s=30.0)
+    d.accept(big_hop(run_id=1), now=0.0)
+    d.accept(big_hop(run_id=2), now=20.0)
+    d.expire(29.0)
+    assert d.early_bytes > 2 * MIB  # both still in time
+    d.expire(31.0)  # the worker's clock, no Hop: run 1's go
+    assert MIB < d.early_bytes < 2 * MIB
+    assert refused(d, run(run_id=1)).code is Code.TIMEOUT
+    d.expire(51.0)
+    assert d.early_bytes == 0 and d._early == {}
+    assert refused(d, run(run_id=2)).code is Code.TIMEOUT
+    # Empty Hops count too (the message's own cost): a flood of them is bounded as well.
+    d = DirectRuns(max_run_bytes=64 * 1024)
+    with pytest.raises(FlowmeshError):
+        for chunk in range(1000):
+            d.accept(hop(chunk=chunk), now=0.0)
+    assert d.early_bytes == 0 and d.counters["hops_early"] < 64
 
 
 def test_under_keys_only_the_announced_previous_worker_s_hops_are_taken() -> None:

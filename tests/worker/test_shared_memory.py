@@ -9,8 +9,7 @@ results they give alone. Ordering is shown by counters and states, never by wall
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from gpu_worker.host_tier import ALIGN, HostStage
 from gpu_worker.memory import DeviceMemory
 from gpu_worker.train_job import StepResult, TrainConfig
 from gpu_worker.training import TrainingExecutor, open_job
+from tests.support.waiting import until
 
 KIB = 1 << 10
 
@@ -123,13 +123,6 @@ def solo_losses(i: int, train_bytes: int) -> list[float]:
         ex.open(job)
         return [f.result(120).loss for f in [ex.submit(job.name, x, y) for x, y in batches(i)]]
 
-
-async def until(probe: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 async def test_a_serving_load_takes_back_what_training_borrowed_without_waiting_for_it() -> None:
