@@ -21,6 +21,9 @@ successive-halving pruner) tunes an MLP's learning rate and width on the same ki
 workers, a pruned trial's job closes at once; the demo prints the sweep's table and saves
 `trials.json` and `curves.png` (every trial's loss curve) in `demo-sweep/` of the working
 directory.
+
+When anything fails (a wrong output, a job that failed, timed out or differs from PyTorch), the
+mesh's logs, one per process, are kept and their directory printed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from torch.nn import functional as F
 
 from client_sdk.client import AsyncClient
+from client_sdk.errors import Timeout
 from client_sdk.jobs import StepResult
 from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
 from client_sdk.mesh import LocalMesh
@@ -238,6 +242,7 @@ class Trained:
     steps: list[int]
     seconds: float
     errors: list[str] = field(default_factory=list)
+    timed_out: int = 0  # steps with no answer in time (among `errors`)
 
 
 async def train_all(
@@ -273,6 +278,7 @@ async def train_all(
             await job.close()
             results = [r for r in done if isinstance(r, StepResult)]
             errors = [f"{type(r).__name__}: {r}" for r in done if isinstance(r, BaseException)]
+            timed_out = sum(isinstance(r, (Timeout, TimeoutError)) for r in done)
             return Trained(
                 worker=job.info["worker"],
                 sub_models=len(job.info["sub_models"]),
@@ -281,6 +287,7 @@ async def train_all(
                 steps=[r.step for r in results],
                 seconds=seconds,
                 errors=errors,
+                timed_out=timed_out,
             )
 
         done = await asyncio.gather(*(run(n) for n in jobs))
@@ -411,12 +418,15 @@ def main(args: argparse.Namespace | None = None) -> int:
 
         (tallies, wall), trained, swept = asyncio.run(serve_and_train())
         status = asyncio.run(fetch_status(mesh.frontend, after_s=3 * 0.5))
-    code = report(status, tallies, checked, wall)
-    t_ref = time.perf_counter()
-    expected = {n: plain_losses(s, optimizers[n], data[n]) for n, s in train_specs.items()}
-    ref_s = time.perf_counter() - t_ref
-    code = max(code, report_training(status, train_specs, optimizers, trained, expected, ref_s))
-    code = max(code, report_sweep(swept))
+        # Judged before the mesh stops: what failed keeps the workers' logs to say why.
+        code = report(status, tallies, checked, wall)
+        t_ref = time.perf_counter()
+        expected = {n: plain_losses(s, optimizers[n], data[n]) for n, s in train_specs.items()}
+        ref_s = time.perf_counter() - t_ref
+        code = max(code, report_training(status, train_specs, optimizers, trained, expected, ref_s))
+        code = max(code, report_sweep(swept))
+        if code:
+            mesh.keep_logs()  # the mesh says where when it stops
     print(f"\ndemo done in {time.perf_counter() - t_start:.0f} s")
     return code
 
@@ -532,18 +542,10 @@ def report_training(
 ) -> int:
     from client_sdk.cli import table
 
-    rows, bad = [], 0
+    rows, verdicts = [], []
     for name, t in trained.items():
-        want = expected[name]
-        if t.errors or t.steps != list(range(1, len(want) + 1)):
-            verdict, diff = "wrong", float("inf")
-        else:
-            got = compare(
-                torch.tensor(t.losses, dtype=torch.float32),
-                torch.tensor(want, dtype=torch.float32),
-            )
-            verdict, diff = got.verdict, got.max_abs_diff
-        bad += verdict == "wrong"
+        verdict, shown = training_verdict(t, expected[name])
+        verdicts.append(verdict)
         rows.append(
             [
                 name,
@@ -556,7 +558,7 @@ def report_training(
                 f"{t.losses[0]:.4f}" if t.losses else "-",
                 f"{t.losses[-1]:.4f}" if t.losses else "-",
                 f"{len(t.losses) / t.seconds:.1f}",
-                f"{verdict} ({diff:.1e})" if verdict != "exact" else "exact",
+                shown,
                 "; ".join(t.errors[:2]) or "-",
             ]
         )
@@ -608,11 +610,31 @@ def report_training(
         f"float32 tolerance (|diff| <= {atol:g} + {rtol:g} x |expected|, max |diff| shown); "
         "'wrong' otherwise; steps/s while serving and the other jobs share the 2 workers"
     )
+    bad = [v for v in verdicts if v not in ("exact", "close")]
     if bad or over:
-        print(f"FAILED: {bad} training jobs wrong, {len(over)} workers over their memory")
+        counts = ", ".join(f"{bad.count(v)} {v}" for v in sorted(set(bad))) or "none"
+        print(f"FAILED: training jobs {counts}; {len(over)} workers over their memory")
         return 1
     print("OK: every job's losses match plain PyTorch and no worker exceeded its memory")
     return 0
+
+
+def training_verdict(t: Trained, want: list[float]) -> tuple[str, str]:
+    """A job's verdict against plain PyTorch, and how its table cell shows it: a job whose
+    steps went unanswered timed out (it has no losses to be wrong with), one whose steps failed
+    failed; only a job that answered every step in order is compared."""
+    if t.timed_out:
+        return "timed out", f"timed out ({t.timed_out} of {len(want)} steps)"
+    if t.errors:
+        return "failed", f"failed ({len(t.errors)} of {len(want)} steps)"
+    if t.steps != list(range(1, len(want) + 1)):
+        return "wrong", "wrong (steps answered out of order)"
+    got = compare(
+        torch.tensor(t.losses, dtype=torch.float32), torch.tensor(want, dtype=torch.float32)
+    )
+    if got.verdict == "exact":
+        return "exact", "exact"
+    return got.verdict, f"{got.verdict} ({got.max_abs_diff:.1e})"
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ Every method runs on the event loop but `run_here`. What a run admitted there sh
 loop (a stage's state, generation, users and in-flight count, the run counters) changes under
 `_lock`: an eviction either sees the run among the stage's users, and orders the bytes' next
 owner after it, or the run sees the stage gone and is not admitted.
+
+A stage's modules view one load's ranges at a time (`Stage.bound`): a stage evicted under its
+run and loaded again elsewhere fails the run as evicted (the broker runs it again), never lets
+it compute on bytes the new load has not written yet.
 """
 
 from __future__ import annotations
@@ -131,6 +135,17 @@ class Stage:
     forward_s: float = 0.0
     row_s: float = 0.0
     recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=FORWARD_WINDOW))
+    # The generation (load) whose ranges each block's tensors view: -1 none (yet, or while the
+    # copy lane binds it), None a block without tensors. A stage evicted under a run and loaded
+    # again at other offsets is bound to the new ranges at once, before their bytes are in: the
+    # run, seeing another generation before or after it computed a block, fails (`_forward`).
+    bound: list[int | None] = field(init=False, default_factory=list)
+    bound_all: int = -1  # the generation every block is bound to (-1: none, or some not yet)
+    # Held by the copy lane that binds the blocks: one load at a time, never a given-up one.
+    binding: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.bound = [-1 if r.slots else None for r in self.host.regions]
 
     def expected_s(self, forwards: int, rows: int) -> float:
         """What a run of `forwards` forwards over `rows` rows in all takes at least: each of its
@@ -343,27 +358,33 @@ class Executor:
         self.counters["evictions_chosen"] += 1
         self._changed()
 
+    def _promised(self) -> int:
+        """Serving bytes in use, and those the loads waiting for training are promised: a later
+        load must not take them (it would leave a waiting one over the budget)."""
+        waiting = {k for k in self._waiting if k in self.stages and self.stages[k].waiting}
+        return self.memory.used["serving"] + sum(self._need(self.stages[k]) for k in waiting)
+
     def _make_room(self, st: Stage) -> list[Extent] | None:
         """Ranges for `st`, evicting what it takes; None: wait for training to give back."""
         where = f"{st.key[0]!r}/{st.key[1]}"
         need, budget = self._need(st), self.memory.serving_bytes
         victims = self._victims(st.keep)
-        over = self.memory.used["serving"] + need - budget
-        if over > sum(self._need(v) for v in victims):
+        promised = self._promised()
+        if promised + need - budget > sum(self._need(v) for v in victims):
             busy = sorted(f"{k[0]}/{k[1]}" for k in self.resident() if k != st.key)
             raise FlowmeshError(
                 Code.NO_SPACE,
-                f"cannot place {where} ({need} bytes): serving budget {budget}, "
-                f"{self.memory.used['serving']} in use by stages that are busy or kept ({busy})",
+                f"cannot place {where} ({need} bytes): serving budget {budget}, {promised} in use "
+                f"by or promised to stages that are busy, kept or waiting ({busy})",
             )
-        while self.memory.used["serving"] + need > budget:
+        while self._promised() + need > budget:
             self._evict_for(victims.pop(0))
         while True:  # by the budget it fits; the arena may still have no contiguous range
             try:
                 return self._alloc(st)
             except OutOfSpace as exc:
-                if self.memory.used["training"]:
-                    return None  # training gives ranges back (`claim`)
+                if self.memory.lent:
+                    return None  # training gives back what it borrowed here (`claim`)
                 if not victims:
                     raise FlowmeshError(Code.NO_SPACE, f"cannot place {where}: {exc}") from None
                 self._evict_for(victims.pop(0))
@@ -399,10 +420,11 @@ class Executor:
             try:
                 got = self._alloc(st)
             except OutOfSpace as exc:
-                if self.memory.used["training"]:
+                if self.memory.lent:
                     return  # training still gives ranges back: the next free retries
-                # Training holds nothing and it still does not fit: the serving stages
-                # themselves are fragmented. Evict the idle one worth least and try again.
+                # Training holds nothing of serving's bytes and it still does not fit: the
+                # serving stages themselves are fragmented. Evict the idle one worth least and
+                # try again.
                 victims = self._victims(st.keep)
                 if victims:
                     self._evict_for(victims[0])
@@ -440,7 +462,7 @@ class Executor:
         lane = min(range(self.copy_lanes), key=self._queued.__getitem__)
         self._queued[lane] += st.host.nbytes
         copied = loop.run_in_executor(
-            self._copies[lane], self._copy_blocks, st, extents, st.copies, ready, lane
+            self._copies[lane], self._copy_blocks, st, extents, st.copies, ready, lane, generation
         )
 
         async def finish() -> None:
@@ -464,24 +486,26 @@ class Executor:
         extents: list[Extent | None],
         runs: list[CopyRun],
         ready: list[Any],
-        lane: int = 0,
+        lane: int,
+        generation: int,
     ) -> None:
         arena, host = self.device.arena, st.host
-        for run in runs:
-            for i in run.blocks:
-                views = {}
-                for s in host.regions[i].slots:
-                    if s.alias is None:
-                        ext = extents[i]
-                        assert ext is not None
-                        views[s.name] = view_of(arena, ext.offset + s.offset, s)
-                    else:  # tied to a tensor of an earlier block: share its bytes
-                        ab, ai = s.alias
-                        first, owner = host.regions[ab].slots[ai], extents[ab]
-                        assert owner is not None
-                        views[s.name] = view_of(arena, owner.offset + first.offset, first)
-                # Bind before the copy: a run waiting on block i's marker finds it wired.
-                st.blocks[i].load_state_dict(views, assign=True, strict=True)
+        for n, run in enumerate(runs):
+            with st.binding:
+                # Evicted since it was issued, maybe loaded again and bound elsewhere (with two
+                # lanes that copy may have run first): bind nothing, copy nothing, only let
+                # whoever waits on these blocks go (their next owners order after that).
+                gone = st.generation != generation
+                if not gone:
+                    st.bound_all = -1  # an earlier load's runs must check block by block
+                    for i in run.blocks:
+                        self._bind(st, i, extents)
+                        st.bound[i] = generation
+            if gone:
+                for i in (i for later in runs[n:] for i in later.blocks):
+                    if not ready[i].done():
+                        self._mark_copied(ready[i], lane)
+                return
             if run.nbytes == 0:
                 self._mark_copied(run.marker, lane)  # aliases only: nothing to move
             else:
@@ -491,27 +515,63 @@ class Executor:
             for i in run.blocks:
                 if ready[i] is not run.marker:
                     self._mark_copied(ready[i], lane)
+        with st.binding:  # unless a later load (which evicted this one) may be binding them now
+            if st.generation == generation:
+                st.bound_all = generation
+
+    def _bind(self, st: Stage, i: int, extents: list[Extent | None]) -> None:
+        """Point block i's tensors at its range (before the copy: a run waiting on the block's
+        marker finds it wired). A run of an earlier load may be computing with the block: it
+        is marked unbound first, so that the run sees the change (`Stage.bound`)."""
+        arena, host = self.device.arena, st.host
+        views = {}
+        for s in host.regions[i].slots:
+            if s.alias is None:
+                ext = extents[i]
+                assert ext is not None
+                views[s.name] = view_of(arena, ext.offset + s.offset, s)
+            else:  # tied to a tensor of an earlier block: share its bytes
+                ab, ai = s.alias
+                first, owner = host.regions[ab].slots[ai], extents[ab]
+                assert owner is not None
+                views[s.name] = view_of(arena, owner.offset + first.offset, first)
+        st.bound[i] = -1
+        st.blocks[i].load_state_dict(views, assign=True, strict=True)
 
     def _finish_load(
         self, st: Stage, generation: int, exc: BaseException | None, t0: float
     ) -> None:
         fut = st.loading
-        if fut is None or fut.done():
+        if fut is None or fut.done() or st.generation != generation:
+            # Given up since (its future failed then): `st.loading`, if any, is a later load's,
+            # settled by that load's own copy, not this one's.
             return
         if exc is not None:
-            if st.generation == generation and st.state is State.LOADING:
-                self.evict(st.key)
             fut.set_exception(FlowmeshError(Code.INTERNAL, f"load failed: {exc}"))
+            # Runs sent during the load wait on its blocks' markers: the blocks never came, so
+            # the runs must fail (their generation is abandoned), not wait for ever, which would
+            # also keep serving busy and hold training's computes back on the CPU stand-in.
+            self._abandon(st)
+            self.evict(st.key)
             return
         seconds = time.perf_counter() - t0
-        if st.generation == generation and st.state is State.LOADING:
-            st.state = State.RESIDENT
-            self.counters["loads"] += 1
-            self.counters["bytes_loaded"] += st.host.nbytes
-            if seconds > 0 and st.host.nbytes:
-                bw = st.host.nbytes / seconds
-                self.bandwidth = bw if not self.bandwidth else 0.8 * self.bandwidth + 0.2 * bw
+        st.state = State.RESIDENT
+        self.counters["loads"] += 1
+        self.counters["bytes_loaded"] += st.host.nbytes
+        if seconds > 0 and st.host.nbytes:
+            bw = st.host.nbytes / seconds
+            self.bandwidth = bw if not self.bandwidth else 0.8 * self.bandwidth + 0.2 * bw
         fut.set_result(LoadInfo(st.host.nbytes, seconds))
+
+    def _abandon(self, st: Stage) -> None:
+        """The stage's blocks will not come for this generation: wake the runs waiting on their
+        markers, which then find the generation abandoned."""
+        st.abandoned.add(st.generation)
+        if len(st.abandoned) > 8:  # runs of older generations have long been answered
+            st.abandoned.discard(min(st.abandoned))
+        for m in st.ready:
+            if not m.done():
+                self._mark_copied(m)
 
     def evict(self, key: StageKey) -> int:
         """Give the stage's device bytes back now; their next owner waits for its last users."""
@@ -522,12 +582,7 @@ class Executor:
             # Nothing was placed or copied: wake the runs waiting on its markers, which then
             # find their generation abandoned, and stop claiming training's memory.
             st.waiting = False
-            st.abandoned.add(st.generation)
-            if len(st.abandoned) > 8:  # runs of older generations have long been answered
-                st.abandoned.discard(min(st.abandoned))
-            for m in st.ready:
-                if not m.done():
-                    self._mark_copied(m)
+            self._abandon(st)
             self.memory.unclaim()
         with self._lock:  # no run is admitted on the reader thread while the bytes go
             after = [*st.ready, *st.users]
@@ -722,18 +777,26 @@ class Executor:
             while end < len(blocks) and ready[end].done():
                 end += 1
             if generation in st.abandoned:
-                raise FlowmeshError(Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted")
+                raise _evicted(st)
             with SERVING_CALLS.shared():  # not while a model is traced
+                if _rebound(st, i, end, generation):
+                    raise _evicted(st)
                 for k in range(i, end):
                     try:
                         x = call_model(blocks[k], x) if k == 0 else blocks[k](x)
                     except Exception as exc:
+                        if _rebound(st, k, k + 1, generation):
+                            raise _evicted(st) from None
                         where = traceback.extract_tb(exc.__traceback__)[-1]
                         raise FlowmeshError(
                             Code.MODEL_ERROR,
                             f"{st.key[0]}: block {k} raised {type(exc).__name__}: {exc} "
                             f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
                         ) from None
+            # Loaded again elsewhere while these blocks computed: they may have read bytes the
+            # new load has not written yet.
+            if _rebound(st, i, end, generation):
+                raise _evicted(st)
             i = end
         return x, wait_s
 
@@ -784,6 +847,18 @@ class Executor:
     def close(self) -> None:
         for pool in (self._compute, *self._copies, self._waiter):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _rebound(st: Stage, lo: int, hi: int, generation: int) -> bool:
+    """Whether one of blocks [lo, hi) is not bound to the ranges of load `generation`."""
+    if st.bound_all == generation:  # a resident stage's runs: one comparison
+        return False
+    bound = st.bound
+    return any(bound[k] not in (generation, None) for k in range(lo, hi))
+
+
+def _evicted(st: Stage) -> FlowmeshError:
+    return FlowmeshError(Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted")
 
 
 def _wait_all(markers: list[Any]) -> None:

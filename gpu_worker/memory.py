@@ -63,12 +63,16 @@ class Arena:
     def largest_free(self) -> int:
         return max((e.size for e in self._free), default=0)
 
-    def alloc(self, nbytes: int) -> Extent:
+    def alloc(self, nbytes: int, below: int | None = None) -> Extent:
+        """The best-fitting range; with `below`, one that ends at or before that offset."""
         size = self.round(nbytes)
+        limit = self.capacity if below is None else below
         best: int | None = None
+        best_room = 0
         for i, ext in enumerate(self._free):
-            if ext.size >= size and (best is None or ext.size < self._free[best].size):
-                best = i
+            room = min(ext.size, limit - ext.offset)  # a range is taken from its extent's start
+            if room >= size and (best is None or room < best_room):
+                best, best_room = i, room
         if best is None:
             raise OutOfSpace(size, self.free_bytes, self.largest_free)
         ext = self._free[best]
@@ -82,12 +86,12 @@ class Arena:
         self.peak = max(self.peak, self.in_use)
         return got
 
-    def alloc_many(self, sizes: list[int]) -> list[Extent]:
+    def alloc_many(self, sizes: list[int], below: int | None = None) -> list[Extent]:
         """All or nothing: either every size gets a range, or nothing is taken."""
         got: list[Extent] = []
         try:
             for n in sizes:
-                got.append(self.alloc(n))
+                got.append(self.alloc(n, below))
         except OutOfSpace as exc:
             for ext in got:
                 self.free(ext, [])
@@ -128,13 +132,18 @@ class DeviceMemory:
     their ranges here, and inference comes first.
 
     - Serving is planned by the broker against `serving_bytes`; training is guaranteed
-      `train_bytes` (the broker places jobs against it). The arena is their sum.
+      `train_bytes` (the broker places jobs against it). The arena is their sum, and serving's
+      ranges all lie in its first `serving_bytes`: the rest is training's alone, so however
+      serving's stages are placed, a task of up to `train_bytes` finds one range once
+      training's earlier tasks have left it. (Stages placed anywhere split it: once serving
+      went idle, a task could wait for ever for bytes that were free, only not in one piece.)
     - Training fills the gaps: a training task may take any free range, also one serving is not
       using. Serving takes it back at once: a serving load that does not fit while training holds
-      ranges *claims* memory; from then on training admits nothing, and its executor gives back
-      every range whose task has not started computing (`reclaim`). A task already computing
-      released its range when its compute was ordered, so a serving load waits for at most one
-      training compute (the copy is ordered after it, as any reuse is).
+      ranges in serving's part (`lent`) *claims* memory; from then on training admits nothing,
+      and its executor gives back every range whose task has not started computing
+      (`reclaim`). A task already computing released its range when its compute was ordered, so
+      a serving load waits for at most one training compute (the copy is ordered after it, as
+      any reuse is).
     - On the CPU stand-in copies and computes share the cores: training computes only while no
       serving load or run is in flight (`serving_busy`); on a GPU, stream priorities order them.
 
@@ -148,8 +157,11 @@ class DeviceMemory:
         self.serving_bytes = serving_bytes
         self.train_bytes = train_bytes
         self.arena = Arena(serving_bytes + train_bytes, align)
+        # Serving's ranges end at or before this offset (an aligned range ends on the boundary).
+        self.split = serving_bytes // align * align
         self._lock = threading.RLock()
         self.used = {"serving": 0, "training": 0}
+        self.lent = 0  # bytes of training's ranges below `split`: what a claim can take back
         self.peak = {"serving": 0, "training": 0}
         self.claims = 0  # serving loads waiting for training to give ranges back
         self.busy = 0  # serving loads and runs in flight
@@ -168,6 +180,9 @@ class DeviceMemory:
     def round(self, nbytes: int) -> int:
         return self.arena.round(nbytes)
 
+    def _below_split(self, ext: Extent) -> int:
+        return max(0, min(ext.offset + ext.size, self.split) - ext.offset)
+
     def _took(self, tenant: str, size: int) -> None:
         self.used[tenant] += size
         self.peak[tenant] = max(self.peak[tenant], self.used[tenant])
@@ -176,9 +191,10 @@ class DeviceMemory:
             self.counters["borrowed_peak"] = max(self.counters["borrowed_peak"], borrowed)
 
     def alloc_serving(self, sizes: list[int]) -> list[Extent]:
-        """All or nothing; raises OutOfSpace (then `claim` if training holds ranges)."""
+        """All or nothing, below `split`; raises OutOfSpace (then `claim` if training holds
+        ranges there, `lent`)."""
         with self._lock:
-            got = self.arena.alloc_many(sizes)
+            got = self.arena.alloc_many(sizes, self.split)
             self._took("serving", sum(e.size for e in got))
             return got
 
@@ -192,6 +208,7 @@ class DeviceMemory:
             except OutOfSpace:
                 return None
             self._took("training", ext.size)
+            self.lent += self._below_split(ext)
             return ext
 
     def free(self, ext: Extent, after: list[Marker], tenant: str, reclaimed: bool = False) -> None:
@@ -200,6 +217,8 @@ class DeviceMemory:
         with self._lock:
             self.arena.free(ext, after)
             self.used[tenant] -= ext.size
+            if tenant == "training":
+                self.lent -= self._below_split(ext)
             if reclaimed:
                 self.counters["reclaimed_bytes"] += ext.size
         for fn in self.wake_serving if tenant == "training" else self.wake_training:

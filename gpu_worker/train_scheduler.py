@@ -19,7 +19,8 @@ flow). The rules:
 - **Heads first, then oldest first.** Candidates are tried heads before look-aheads, each group
   in the order they became candidates; a candidate that does not fit is skipped so smaller ones
   can back-fill, but after `max_skips` skips it blocks all admissions until it fits (no
-  starvation of large sub-models by small ones).
+  starvation of large sub-models by small ones) or is no candidate any more (serving took back
+  an earlier task's memory: that task goes first).
 - **Compute order.** Runnable tasks (copied, and the head of their chain) run oldest admission
   first.
 """
@@ -164,7 +165,13 @@ class FlowScheduler:
         admitted: list[Task] = []
         while True:
             progress = False
-            for t in self.candidates():
+            candidates = self.candidates()
+            if self._blocking is not None and self._blocking not in candidates:
+                # Serving took back the memory of an earlier task of its job (`unadmit`): that
+                # one is in line again, and until it is admitted the starved task is no
+                # candidate. Held for it, admissions would be held for ever (issue 20's hang).
+                self._blocking = None
+            for t in candidates:
                 if self._blocking is not None and t is not self._blocking:
                     continue
                 if try_alloc(t):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from client_sdk import cli, demo, train_data
 from client_sdk.mesh import LocalMesh
 from flowmesh.build import build_seeded
+from flowmesh.errors import FlowmeshError
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from flowmesh.units import parse_size
@@ -120,3 +122,55 @@ def test_sweep_example_uses_real_offline_data() -> None:
     with torch.no_grad():
         logits = model(ids[:2])
     assert logits.shape == (*ids[:2].shape, 256)
+
+
+def test_a_job_that_timed_out_is_reported_as_a_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20: steps that never came back were shown as `wrong (inf)` against PyTorch."""
+    spec = ModelSpec(name="j", factory="flowmesh.examples:mlp", kwargs={"width": 8})
+    opt = {"name": "sgd", "lr": 0.1}
+    stuck = demo.Trained(
+        worker="worker-1",
+        sub_models=2,
+        footprint=1 << 20,
+        losses=[2.5],
+        steps=[1],
+        seconds=300.0,
+        errors=["Timeout: [timeout] no answer within 300.0 s"] * 2,
+        timed_out=2,
+    )
+    code = demo.report_training(
+        {"workers": []}, {"j": spec}, {"j": opt}, {"j": stuck}, {"j": [2.5, 2.4, 2.3]}, 0.0
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "timed out (2 of 3 steps)" in out and "inf" not in out
+    assert "FAILED: training jobs 1 timed out" in out
+
+
+def test_a_mesh_keeps_its_logs_when_something_failed_and_says_where(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A mesh left normally removes its run directory; one whose start failed, or that a caller
+    found failing (`keep_logs`), keeps it with every process's log, and says where on stderr."""
+    bare = {"cpu_workers": 0, "partitioner": False}
+    with LocalMesh(**bare) as mesh:
+        gone = mesh.run_dir
+    assert gone is not None and not gone.exists()
+
+    kept = []
+    with LocalMesh(**bare) as mesh:
+        kept.append(mesh.keep_logs())
+    failing = LocalMesh(**bare, broker_args=["--no-such-option"])
+    with pytest.raises(FlowmeshError, match="exited"), failing:
+        pass
+    kept.append(failing.run_dir)
+    err = capfd.readouterr().err
+    try:
+        for run in kept:
+            assert run is not None and (run / "broker.log").exists()
+            assert f"logs are kept in {run}" in err
+        assert "--no-such-option" in (kept[1] / "broker.log").read_text()
+    finally:
+        for run in kept:
+            if run is not None:
+                shutil.rmtree(run, ignore_errors=True)

@@ -26,7 +26,7 @@ from flowmesh.testing import assert_forward_close, assert_same_bits
 from gpu_worker import executor as executor_module
 from gpu_worker.device import CpuMarker, CpuStandIn
 from gpu_worker.executor import Executor, State
-from gpu_worker.host_tier import HostStage
+from gpu_worker.host_tier import ALIGN, HostStage
 
 MIB = 1 << 20
 
@@ -847,4 +847,187 @@ async def test_a_run_of_many_forwards_is_quick_only_if_they_add_up_to_a_quick_ru
     out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}, {"x": x}], True)
     assert out is not None and len(out.parts) == 2
     assert_forward_close(out.parts[1][""], forward(ref, x))
+    ex.close()
+
+
+async def test_a_load_given_up_and_made_again_settles_by_its_own_copy() -> None:
+    """A stage evicted while its copy was in flight and loaded again at once: the first copy's
+    end must not settle the second load (issue 20: the stage then stayed `loading` for ever,
+    never to be evicted by the worker's own choice)."""
+    dev = RecordingCpu(MIB)
+    ex = Executor(dev, compute_lanes=1)
+    key = ("a", 0)
+    blocks, host, ref = stage_of(mlp("a", 64, 2))
+    ex.add_stage(key, blocks, host)
+    release, held = threading.Event(), threading.Event()
+
+    def hold_the_first(marker: Any) -> None:
+        if not held.is_set():
+            held.set()
+            release.wait(30)
+
+    dev.before_copy = hold_the_first
+    first = ex.load(key)
+    assert await asyncio.to_thread(held.wait, 10)
+    ex.evict(key)
+    with pytest.raises(FlowmeshError) as given_up:
+        await first
+    assert given_up.value.code == Code.NOT_RESIDENT
+    second = ex.load(key)
+    release.set()
+    await asyncio.wait_for(second, 30)
+    await until(lambda: ex.stages[key].state is State.RESIDENT, "the second load to settle")
+    x = torch.randn(2, 64)
+    assert_forward_close((await ex.run(key, [{"x": x}])).parts[0][""], forward(ref, x))
+    ex.close()
+
+
+async def test_a_failed_copy_fails_the_runs_waiting_on_it() -> None:
+    """A load whose copy raised: the runs sent meanwhile fail instead of waiting for ever on
+    blocks that never come, and serving is idle again (a training compute on the CPU stand-in
+    waits for that)."""
+    dev = RecordingCpu(MIB)
+    ex = Executor(dev, compute_lanes=1)
+    key = ("a", 0)
+    blocks, host, _ = stage_of(mlp("a", 64, 2))
+    ex.add_stage(key, blocks, host)
+
+    def fail(marker: Any) -> None:
+        raise RuntimeError("the copy engine is gone")
+
+    dev.before_copy = fail
+    load = ex.load(key)
+    run = ex.run(key, [{"x": torch.randn(2, 64)}])
+    with pytest.raises(FlowmeshError) as failed:
+        await load
+    assert failed.value.code == Code.INTERNAL and "copy engine" in failed.value.reason
+    with pytest.raises(FlowmeshError) as stranded:
+        await asyncio.wait_for(run, 30)
+    assert stranded.value.code == Code.NOT_RESIDENT
+    assert not ex.memory.serving_busy() and ex.stages[key].state is State.HOST
+    dev.before_copy = None
+    x = torch.randn(2, 64)
+    await ex.load(key)  # a later load of the stage is as good as ever
+    assert (await ex.run(key, [{"x": x}])).parts[0][""].shape == (2, 64)
+    ex.close()
+
+
+@pytest.mark.parametrize("held", ["waiting for its copy", "computing"])
+async def test_a_run_never_computes_on_the_bytes_of_a_later_load_of_its_stage(held: str) -> None:
+    """A run is in flight (waiting for its stage's copy, or computing); the stage is evicted
+    under it and loaded again at other offsets, whose copy waits on a previous user. The second
+    load binds the stage's modules to its own ranges at once: the first run must not compute on
+    them (still unwritten), but on its own bytes, or fail as evicted (the broker then runs it
+    again)."""
+    gate = Gate()
+    blocks, _, ref = stage_of(mlp("a", 64, 2))
+    children = list(ref.children())
+    blocks = [blocks[0], gate, *blocks[1:]]  # the weights after the gate are read once it opens
+    host = HostStage.build([dict(b.state_dict()) for b in [children[0], gate, *children[1:]]])
+    size = host.nbytes
+    dev = RecordingCpu(3 * size)
+    ex = Executor(dev, compute_lanes=1, copy_lanes=2)
+    key = ("a", 0)
+    ex.add_stage(key, blocks, host)
+    release, copying = threading.Event(), threading.Event()
+
+    def hold_the_first(marker: Any) -> None:
+        if not copying.is_set():
+            copying.set()
+            release.wait(30)
+
+    if held == "computing":
+        gate.release.set()
+        await ex.load(key)
+        gate.release.clear()
+    else:
+        dev.before_copy = hold_the_first
+        ex.load(key).add_done_callback(lambda f: f.exception())  # at 0; its copy held
+    # Whatever takes the rest of the arena next orders after a marker this test holds.
+    (rest,) = ex.memory.alloc_serving([2 * size])
+    previous_user = CpuMarker()
+    ex.memory.free(rest, [previous_user], "serving")
+    x = torch.randn(2, 64)
+    run = ex.run(key, [{"x": x}])
+    if held == "computing":
+        assert await asyncio.to_thread(gate.entered.wait, 10)
+    else:
+        assert await asyncio.to_thread(copying.wait, 10)
+    ex.evict(key)
+    pinned = ex.memory.alloc_serving([size])  # the first range goes to someone else
+    again = ex.load(key)  # elsewhere: bound now, copied once the previous user is done
+    bound = ex.stages[key].copies[-1].marker
+    await until(lambda: dev.log.has("copy", bound), "the second load to bind and copy")
+    release.set()
+    gate.release.set()
+    try:
+        out = await asyncio.wait_for(run, 30)
+    except FlowmeshError as exc:
+        assert exc.code == Code.NOT_RESIDENT, exc
+    else:
+        assert_forward_close(out.parts[0][""], forward(ref, x), "a run on its own bytes")
+    previous_user.set()
+    await asyncio.wait_for(again, 30)
+    assert_forward_close((await ex.run(key, [{"x": x}])).parts[0][""], forward(ref, x))
+    for ext in pinned:
+        ex.memory.free(ext, [], "serving")
+    ex.close()
+
+
+async def test_a_copy_of_a_load_given_up_neither_binds_nor_copies_after_a_later_load() -> None:
+    """With two copy lanes, a stage's first copy may still be queued behind another stage's
+    when the stage is evicted and loaded again on the other lane. The first copy, starting
+    last, must leave the stage bound to the second load's ranges (its runs answer right), not
+    to its own, which by then belong to someone else."""
+    allowed: set[Any] = set()
+    gate = threading.Condition()
+
+    def hold_unless_allowed(marker: Any) -> None:
+        with gate:
+            assert gate.wait_for(lambda: marker in allowed, 30), "copy never allowed"
+
+    def allow(key: tuple[str, int]) -> None:
+        with gate:
+            allowed.add(ex.stages[key].copies[0].marker)
+            gate.notify_all()
+
+    stages = {
+        "big": stage_of(mlp("big", 96, 2)),
+        "b": stage_of(mlp("b", 64, 2, seed=1)),
+        "a": stage_of(mlp("a", 64, 2, seed=2)),
+    }
+    size = stages["a"][1].nbytes
+    dev = RecordingCpu(8 * size)
+    ex = Executor(dev, compute_lanes=1, copy_lanes=2)
+    for n, (blocks, host, _) in stages.items():
+        ex.add_stage((n, 0), blocks, host)
+    dev.before_copy = hold_unless_allowed
+    big = ex.load(("big", 0))  # lane 0, held
+    b = ex.load(("b", 0))  # lane 1, held
+    first = ex.load(("a", 0))  # lane 1 (fewer bytes queued), behind b: not started
+    first.add_done_callback(lambda f: f.exception())
+    first_allow = ex.stages[("a", 0)].copies[0].marker
+    spacer = ex.memory.alloc_serving([ALIGN])  # a's range stays apart from the free tail
+    allow(("big", 0))
+    await asyncio.wait_for(big, 30)
+    await until(lambda: ex._queued[0] == 0, "lane 0 to be free")
+    ex.evict(("a", 0))
+    (taken,) = ex.memory.alloc_serving([size])  # a's first range, now another stage's
+    again = ex.load(("a", 0))  # elsewhere, on lane 0
+    allow(("a", 0))
+    await asyncio.wait_for(again, 30)
+    x = torch.randn(2, 64)
+    ref = stages["a"][2]
+    assert_forward_close((await ex.run(("a", 0), [{"x": x}])).parts[0][""], forward(ref, x))
+    allow(("b", 0))
+    with gate:
+        allowed.add(first_allow)  # a's first copy, which starts now, last
+        gate.notify_all()
+    await asyncio.wait_for(b, 30)
+    await until(lambda: not any(ex._queued), "every copy to end")
+    dev.arena[taken.offset : taken.offset + taken.size].zero_()  # its new owner writes it
+    out = await ex.run(("a", 0), [{"x": x}])
+    assert_forward_close(out.parts[0][""], forward(ref, x), "a run after the first copy ended")
+    for ext in (*spacer, taken):
+        ex.memory.free(ext, [], "serving")
     ex.close()
