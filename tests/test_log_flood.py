@@ -27,29 +27,16 @@ from broker.service import BrokerService
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from tests.support.log_lines import Lines, captured_lines
 from tests.support.waiting import until
 
 FLOOD = 5000
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def lines() -> Iterator[Lines]:
-    handler, root = Lines(), logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    yield handler
-    root.removeHandler(handler)
-    root.setLevel(level)
+    with captured_lines() as handler:
+        yield handler
 
 
 

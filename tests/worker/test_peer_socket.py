@@ -6,7 +6,6 @@ loopback, no broker."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Iterator
@@ -24,29 +23,16 @@ from flowmesh.transport import connect_dealer, send
 from gpu_worker.device import CpuStandIn
 from gpu_worker.direct import DirectRuns
 from gpu_worker.service import WorkerService
+from tests.support.log_lines import Lines, captured_lines
 from tests.support.waiting import until
 
 MIB = 1 << 20
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def lines() -> Iterator[Lines]:
-    handler, root = Lines(), logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    yield handler
-    root.removeHandler(handler)
-    root.setLevel(level)
+    with captured_lines() as handler:
+        yield handler
 
 
 
