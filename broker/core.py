@@ -8,9 +8,9 @@ The work itself is done in rooms, each a plain class with exact-output tests of 
 
 - `broker.registry.Registry`: peers (registration, heartbeats, loss), the model catalogue
   (deploy, undeploy, plans), stage placement and replica repair;
-- `broker.serving.ServingRouter`: request queues, batching, residency (loads, evictions), runs
-  and their failover;
-- `broker.training.TrainingRouter`: training jobs, their placement, steps and calls.
+- `broker.serving_router.ServingRouter`: request queues, batching, residency (loads, evictions),
+  runs and their failover;
+- `broker.training_router.TrainingRouter`: training jobs, their placement, steps and calls.
 
 They share one `broker.context.Context` (tables, ids, outbox, totals). This class only builds
 them, routes each message to the room that owns it, and orders the work of a tick.
@@ -24,16 +24,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker.checks import check_plan, check_stats
+from broker.checks import check_stats
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing, fail
 from broker.policy import heart_failed
 from broker.registry import Registry
-from broker.serving import ServingRouter
+from broker.serving_router import ServingRouter
 from broker.state import Batch, Call, Model, Peer
 from broker.status import model_status, peer_rows
 from broker.store import Snapshot, Store
-from broker.training import TrainingRouter
+from broker.training_router import TrainingRouter
 from flowmesh import protocol as p
 from flowmesh.auth import Identity, authorize_client
 from flowmesh.errors import Code, FlowmeshError
@@ -48,7 +48,6 @@ __all__ = [
     "BrokerConfig",
     "BrokerCore",
     "Call",
-    "check_plan",
     "check_stats",
 ]
 

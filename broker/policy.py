@@ -1,6 +1,6 @@
 """The broker's choices as pure functions over plain state: liveness, eviction, placement.
 
-Kept apart from the rooms that use them (`broker.registry`, `broker.serving`) so each rule is
+Kept apart from the rooms that use them (`broker.registry`, `broker.serving_router`) so each rule is
 tested with exact expectations.
 """
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from broker.state import Peer, Residency, StageKey
+from flowmesh.eviction import eviction_order
 
 
 def heart_failed(last_seen: float, now: float, period: float, liveness: int) -> bool:
@@ -25,9 +26,9 @@ def pick_victims(
     value: Callable[[Residency], float] | None = None,
     max_stages: int | None = None,
 ) -> list[StageKey] | None:
-    """Evictable stages whose bytes make room for `need` more bytes: the lowest `value` first
-    (`stage_value`: a hot model is not thrown out for a one-off request), least recently used
-    among equals; least recently used alone when no `value` is given.
+    """Evictable stages whose bytes make room for `need` more bytes, in `eviction_order`: the
+    lowest `value` first (`stage_value`: a hot model is not thrown out for a one-off request),
+    least recently used among equals; least recently used alone when no `value` is given.
 
     `max_stages`: also keep at most that many stages resident, the new one included (a
     count-based policy, as Computron's). Returns [] when the bytes are already free, None when
@@ -45,11 +46,7 @@ def pick_victims(
     if enough():
         return []
     chosen: list[StageKey] = []
-
-    def order(r: Residency) -> tuple[float, float, StageKey]:
-        return (value(r) if value is not None else 0.0, r.last_used, r.key)
-
-    for r in sorted(worker.resident.values(), key=order):
+    for r in eviction_order(worker.resident.values(), value):
         if enough():
             break
         if evictable(r):

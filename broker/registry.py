@@ -33,7 +33,7 @@ from typing import Any
 
 import msgpack
 
-from broker.checks import check_plan, check_stats
+from broker.checks import check_stats
 from broker.context import BACKEND, Context, fail
 from broker.plan_cache import PlanCache
 from broker.policy import heart_failed, place_replicas, scale_step
@@ -44,6 +44,7 @@ from flowmesh import protocol as p
 from flowmesh.auth import Identity, check_registration
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from flowmesh.modelio.plan import Plan
 from flowmesh.spec import ModelSpec, check_factory, parse_inputs
 
 log = logging.getLogger("broker.registry")
@@ -57,7 +58,7 @@ class Registry:
         on_change: Callable[[float], None],
         on_replica_lost: Callable[[Model, Replica, str, float], None],
         on_worker_lost: Callable[[str], None],
-        on_worker_joined: Callable[[str, list[dict[str, Any]], float], None] | None = None,
+        on_worker_joined: Callable[[str, list[p.HeldJob], float], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -377,7 +378,7 @@ class Registry:
         call = self._pop_call(msg.id, "plan", peer)
         peer.inflight_plans -= 1
         try:
-            check_plan(msg.plan)
+            stage_sizes(msg.plan)
         except FlowmeshError as exc:
             self.plan_failed(call, str(exc.code), f"partitioner {peer.name}: {exc.reason}")
             return
@@ -399,7 +400,7 @@ class Registry:
             self._place_new_model(model, answer["plan"], answer["inputs"])
         except FlowmeshError as exc:
             self.deploy_failed(model, exc.code, exc.reason)
-        except Exception as exc:  # a plan that passed check_plan but still cannot be placed
+        except Exception as exc:  # a plan that passed its checks but still cannot be placed
             log.exception("placing model=%s failed", model.name)
             self.deploy_failed(model, Code.PLAN_ERROR, f"{type(exc).__name__}: {exc}")
 
@@ -418,7 +419,7 @@ class Registry:
     def _place_new_model(
         self, model: Model, plan: dict[str, Any], inputs: dict[str, Any] | None
     ) -> None:
-        stage_bytes = check_plan(plan)
+        stage_bytes = stage_sizes(plan)
         n = len(stage_bytes)
         workers = self.ctx.workers()
         if n > len(workers):
@@ -726,7 +727,7 @@ class Registry:
             try:
                 spec = ModelSpec.from_dict(rec.spec)
                 check_factory(spec.factory, self.cfg.allow)
-                stage_bytes = check_plan(rec.plan)
+                stage_bytes = stage_sizes(rec.plan)
                 if list(stage_bytes) != list(rec.stage_bytes):
                     raise fail(Code.PLAN_ERROR, "its stage sizes do not match its plan")
                 inputs = parse_inputs(rec.inputs) if rec.inputs else None
@@ -758,19 +759,19 @@ class Registry:
             )
         self.restore_until = now + grace_s
 
-    def _adopt(self, peer: Peer, held: list[dict[str, Any]], now: float) -> None:
+    def _adopt(self, peer: Peer, held: list[p.HeldStage], now: float) -> None:
         """A worker registered afresh with the stages it holds: each one that a restored
         replica expects there, built from the same spec and plan (its digest), is taken up as
         it is, device copy included; every other stage is dropped (`DropStage`), as no
         replica will run it and its bytes would be lost to the budget."""
         lived = False
         for item in held:
-            key = (item["model"], item["stage"])
+            key = (item.model, item.stage)
             model = self.models.get(key[0])
             slot = None
             if model is not None and key[1] < model.n_stages:
                 digest = p.stage_digest(model.spec.to_dict(), model.plan or {}, key[1])
-                if item["digest"] == digest:
+                if item.digest == digest:
                     slot = next(
                         (
                             r
@@ -786,10 +787,10 @@ class Registry:
                 )
                 continue
             slot.ready[key[1]] = True
-            peer.hosted[key] = item["nbytes"]
-            if item["resident"] and peer.used + item["nbytes"] <= peer.budget:
-                peer.resident[key] = Residency(key, item["nbytes"], Phase.RESIDENT, now)
-            elif item["resident"]:  # over what we plan with: free it
+            peer.hosted[key] = item.nbytes
+            if item.resident and peer.used + item.nbytes <= peer.budget:
+                peer.resident[key] = Residency(key, item.nbytes, Phase.RESIDENT, now)
+            elif item.resident:  # over what we plan with: free it
                 self.ctx.to_peer(
                     peer.name, p.Evict(id=next(self.ctx.ids), model=key[0], stage=key[1])
                 )
@@ -882,63 +883,18 @@ class Registry:
         return call
 
 
-# ====================================================================== inventories
-
-_STAGE_FIELDS: dict[str, type] = {
-    "model": str,
-    "stage": int,
-    "nbytes": int,
-    "resident": bool,
-    "digest": str,
-}
-_JOB_FIELDS: dict[str, type] = {
-    "name": str,
-    "step": int,
-    "seq": int,
-    "footprint": int,
-    "results": list,
-    "running": list,
-}
+# ====================================================================== what peers send
 
 
-def _is(value: Any, tp: type) -> bool:
-    if tp is bool:
-        return isinstance(value, bool)
-    if isinstance(value, bool) or not isinstance(value, tp):
-        return False
-    return not (tp is int and value < 0)
-
-
-def _check_entries(entries: Any, fields: dict[str, type], where: str) -> list[dict[str, Any]]:
-    for i, item in enumerate(entries):
-        if not isinstance(item, dict) or set(item) != set(fields):
-            got = sorted(item) if isinstance(item, dict) else type(item).__name__
-            raise fail(
-                Code.BAD_REQUEST, f"{where}[{i}]: expected fields {sorted(fields)}, got {got}"
-            )
-        for name, tp in fields.items():
-            if not _is(item[name], tp):
-                raise fail(Code.BAD_REQUEST, f"{where}[{i}].{name}: bad value {item[name]!r:.60}")
-    return list(entries)
-
-
-def _check_result(item: Any, where: str) -> None:
-    ok = isinstance(item, dict) and _is(item.get("seq"), int)
-    if ok and "code" in item:
-        ok = set(item) == {"seq", "code", "reason"} and all(
-            isinstance(item[k], str) for k in ("code", "reason")
-        )
-    elif ok:
-        ok = (
-            set(item) == {"seq", "loss", "step", "metrics"}
-            and _is(item["step"], int)
-            and isinstance(item["loss"], int | float)
-            and not isinstance(item["loss"], bool)
-            and isinstance(item["metrics"], dict)
-            and all(isinstance(k, str) for k in item["metrics"])
-        )
-    if not ok:
-        raise fail(Code.BAD_REQUEST, f"{where}: not a step answer: {item!r:.80}")
+def stage_sizes(plan: dict[str, Any]) -> list[int]:
+    """The stage sizes of a partitioner's plan, once the plan's own validation took it
+    (`Plan.from_dict`: PLAN_ERROR naming what is wrong)."""
+    try:
+        return list(Plan.from_dict(plan).range_bytes)
+    except FlowmeshError:
+        raise
+    except Exception as exc:  # a plan's values are a peer's: whatever they are, not fatal
+        raise fail(Code.PLAN_ERROR, f"bad plan: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def same_process(old: Peer, addr: bytes, msg: p.Register) -> bool:
@@ -959,20 +915,10 @@ def same_process(old: Peer, addr: bytes, msg: p.Register) -> bool:
     )
 
 
-def check_inventory(inv: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The stages and jobs of a registration's inventory, each entry checked (BAD_REQUEST
-    naming the first bad one), before the registration changes anything."""
-    unknown = sorted(set(inv) - {"stages", "jobs"})
-    if unknown:
-        raise fail(Code.BAD_REQUEST, f"register inventory: unknown part(s) {unknown}")
-    stages = _check_entries(inv.get("stages", []), _STAGE_FIELDS, "register inventory stages")
-    jobs = _check_entries(inv.get("jobs", []), _JOB_FIELDS, "register inventory jobs")
-    if len({(s["model"], s["stage"]) for s in stages}) != len(stages):
+def check_inventory(inv: p.Inventory) -> tuple[list[p.HeldStage], list[p.HeldJob]]:
+    """The stages and jobs of a registration's inventory (typed and checked on receipt:
+    `p.Inventory`), refused with BAD_REQUEST if a stage is listed twice, before the
+    registration changes anything."""
+    if len({(s.model, s.stage) for s in inv.stages}) != len(inv.stages):
         raise fail(Code.BAD_REQUEST, "register inventory stages: a stage is listed twice")
-    for i, job in enumerate(jobs):
-        where = f"register inventory jobs[{i}]"
-        for k, item in enumerate(job["results"]):
-            _check_result(item, f"{where}.results[{k}]")
-        if not all(_is(s, int) for s in job["running"]):
-            raise fail(Code.BAD_REQUEST, f"{where}.running: expected step seqs")
-    return stages, jobs
+    return inv.stages, inv.jobs

@@ -1,7 +1,7 @@
 """The broker's state as plain data: peers, models, replicas, residency, requests and batches.
 
 Nothing here talks to sockets or reads clocks; the broker's rooms (`broker.registry`,
-`broker.serving`) change it in response to events.
+`broker.serving_router`) change it in response to events.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from flowmesh.eviction import StageKey
 from flowmesh.protocol import TensorRef
 from flowmesh.spec import ModelSpec, TensorSpec
 from flowmesh.value import ArrivalRate
-
-StageKey = tuple[str, int]  # (model name, stage index)
 
 
 class Phase(Enum):

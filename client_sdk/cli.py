@@ -4,6 +4,8 @@ jobs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
 import os
 import signal
@@ -11,201 +13,44 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
+from client_sdk import demo
 from client_sdk.client import DEFAULT_ADDRESS, Client
-from client_sdk.errors import ClientError, Timeout
+from client_sdk.errors import ClientError, Timeout, Unavailable
+from client_sdk.views import (
+    DeployWatch,
+    TrainProgress,
+    deploy_bar,
+    format_deployed,
+    format_infer,
+    format_jobs,
+    format_plan,
+    format_status,
+    status_view,
+    table,
+    watch_text,
+)
 from flowmesh.auth import ROLES, KeyRing, add_key, init_keys
 from flowmesh.errors import FlowmeshError
-from flowmesh.units import fmt_bytes, parse_size
+from flowmesh.units import parse_size
 
 
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header, *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_status(st: dict[str, Any]) -> str:
-    out = [
-        f"broker up {st['uptime_s']:.0f} s  protocol v{st['protocol']}  "
-        f"requests {st['requests']}  completed {st['completed']}  errors {st['errors']}  "
-        f"queued {st['queued']}  running batches {st['inflight_batches']}",
-        "",
-    ]
-    if st.get("direct_batches") or st.get("activation_bytes_relayed"):
-        out.insert(
-            1,
-            f"stages over several workers: {st.get('direct_batches', 0)} batches direct, "
-            f"{fmt_bytes(st.get('activation_bytes_relayed', 0))} of activations relayed",
-        )
-    rows = [
-        [
-            w["name"],
-            w["device"],
-            "ready" if w["ready"] else "joining",
-            fmt_bytes(w["budget_bytes"]),
-            fmt_bytes(w["resident_bytes"]),
-            fmt_bytes(w["peak_bytes"]),
-            fmt_bytes(w["host_bytes"]),
-            w["loads"],
-            fmt_bytes(w.get("load_bytes", 0)),
-            f"{w.get('mean_load_ms', 0.0):.1f}",
-            w["evictions"],
-            w["inflight"],
-            ", ".join(w["resident"]) or "-",
-        ]
-        for w in st["workers"]
-    ]
-    out.append(
-        table(
-            rows,
-            [
-                "worker",
-                "device",
-                "state",
-                "budget",
-                "resident",
-                "peak",
-                "host",
-                "loads",
-                "loaded",
-                "load ms",
-                "evictions",
-                "running",
-                "resident stages",
-            ],
-        )
-    )
-    parts = (
-        ", ".join(
-            f"{p['name']} ({'ready' if p['ready'] else 'joining'})" for p in st["partitioners"]
-        )
-        or "none"
-    )
-    for w in st["workers"]:
-        t = w.get("stats", {})
-        if t.get("train_budget_bytes"):
-            out.append(
-                f"{w['name']} training: resident {fmt_bytes(t.get('train_resident_bytes', 0))} "
-                f"(peak {fmt_bytes(t.get('train_resident_peak', 0))}) of "
-                f"{fmt_bytes(t['train_budget_bytes'])}, tasks {t.get('train_tasks', 0)}, "
-                f"job switches {t.get('train_job_switches', 0)}"
-            )
-    out += ["", f"partitioners: {parts}", ""]
-    rows = []
-    for m in st["models"]:
-        stages = " | ".join(
-            f"{s['blocks'][0]}-{s['blocks'][1] - 1}:{fmt_bytes(s['bytes'])}" for s in m["stages"]
-        )
-        reps = "; ".join(
-            "+".join(r["workers"]) + ("" if r["live"] else " (deploying)") for r in m["replicas"]
-        )
-        rows.append(
-            [
-                m["name"],
-                m["state"],
-                fmt_bytes(m["bytes"]),
-                stages,
-                reps,
-                m["queue"],
-                m["requests"],
-                m["errors"],
-                m["loads"],
-                m["evictions"],
-                f"{m['mean_ms']:.1f}",
-                f"{m['p99_ms']:.1f}",
-                f"{m.get('queue_wait_ms', 0.0):.1f}",
-                f"{m.get('load_wait_ms', 0.0):.1f}",
-                f"{m.get('run_ms', 0.0):.1f}",
-                f"{m.get('mean_batch', 0.0):.1f}",
-            ]
-        )
-    out.append(
-        table(
-            rows,
-            [
-                "model",
-                "state",
-                "bytes",
-                "stages (blocks:bytes)",
-                "replicas",
-                "queue",
-                "requests",
-                "errors",
-                "loads",
-                "evictions",
-                "mean ms",
-                "p99 ms",
-                "queue ms",
-                "load wait ms",
-                "run ms",
-                "batch",
-            ],
-        )
-    )
-    if st.get("jobs"):
-        out += ["", format_jobs(st["jobs"])]
-    return "\n".join(out)
-
-
-def format_jobs(jobs: list[dict[str, Any]]) -> str:
-    """Training jobs as a table: worker, state, step, last loss, steps/s, sub-models."""
-    rows = [
-        [
-            j["name"],
-            j["worker"],
-            j["state"],
-            j["step"],
-            "-" if j["last_loss"] is None else f"{j['last_loss']:.4g}",
-            f"{j['steps_per_s']:.2f}",
-            " | ".join(
-                f"{m['blocks'][0]}-{m['blocks'][1] - 1}:{fmt_bytes(m.get('host_bytes', 0))}"
-                f"/{fmt_bytes(m.get('task_bytes', 0))}"
-                for m in j["sub_models"]
-            )
-            or "-",
-            fmt_bytes(j["footprint"]),
-            "-" if j["saved_step"] is None else j["saved_step"],
-            j["pending"],
-            j["errors"],
-        ]
-        for j in jobs
-    ]
-    header = [
-        "job",
-        "worker",
-        "state",
-        "step",
-        "loss",
-        "steps/s",
-        "sub-models (blocks:host/task bytes)",
-        "footprint",
-        "saved",
-        "pending",
-        "errors",
-    ]
-    return table(rows, header)
-
-
-def format_plan(plan: dict[str, Any]) -> str:
-    from partitioner.plan import Plan
-
-    return Plan.from_dict(plan).table()
-
-
-def _kwargs(text: str | None) -> dict[str, Any]:
+def _json_object(flag: str, text: str | None) -> dict[str, Any]:
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--kwargs is not JSON: {exc}") from None
+        raise SystemExit(f"{flag} is not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise SystemExit("--kwargs must be a JSON object")
+        raise SystemExit(f"{flag} must be a JSON object")
     return value
+
+
+def _kwargs(text: str | None) -> dict[str, Any]:
+    return _json_object("--kwargs", text)
 
 
 def connect(args: argparse.Namespace) -> Client:
@@ -214,7 +59,7 @@ def connect(args: argparse.Namespace) -> Client:
     client = Client(args.broker, keys=getattr(args, "keys", None))
     try:
         client.status(timeout=min(5.0, args.timeout))
-    except Timeout:
+    except (Timeout, Unavailable):  # Unavailable: nothing answered the first contact
         client.close()
         raise SystemExit(
             f"flowmesh {args.cmd}: no broker answers at {args.broker} "
@@ -230,15 +75,16 @@ def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
     """The LocalMesh `flowmesh up` runs (not started)."""
     from client_sdk.mesh import LocalMesh
 
-    host, _, port = args.listen.rpartition(":")
+    host, ports = listen_ports(args)
+    config = ["--config", str(Path(args.config).resolve())] if args.config else []
     return LocalMesh(
         cpu_workers=args.cpu_workers or 2,
         memory_budget=args.memory_budget or "1GiB",
         gpus=gpus or None,
         gpu_budget=args.memory_budget if gpus else None,
-        host=host or "127.0.0.1",
-        frontend_port=int(port or 5555),
-        backend_port=int(port or 5555) + 1,
+        host=host,
+        frontend_port=ports[0] if ports else 0,
+        backend_port=ports[1] if ports else 0,  # port 0: both free ports, chosen at bind
         heartbeat_s=args.heartbeat,
         threads_per_worker=args.threads,
         train_bytes=args.train_bytes or 0,
@@ -251,18 +97,89 @@ def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
             *(["--state-dir", args.state_dir] if args.state_dir else []),
             *(["--autoscale", "1"] if args.autoscale else []),
             *(["--insecure", "1"] if args.insecure else []),
+            *config,
         ],
+        partitioner_args=config,
+        worker_args=config,
+        run_dir=Path(args.log_dir).resolve() if args.log_dir else None,
+    )
+
+
+def check_config(path: str) -> None:
+    """Read each service's table of `flowmesh up --config FILE` as that process will, so that a
+    wrong key stops `up` with one line before anything starts."""
+    from broker.__main__ import OPTIONS as BROKER
+    from flowmesh.config import ConfigError
+    from gpu_worker.__main__ import OPTIONS as WORKER
+    from partitioner.__main__ import OPTIONS as PARTITIONER
+
+    for options in (BROKER, PARTITIONER, WORKER):
+        try:
+            options.read(path)
+        except ConfigError as exc:
+            raise SystemExit(f"flowmesh up: {exc}") from None
+
+
+def listen_ports(args: argparse.Namespace) -> tuple[str, list[int]]:
+    """The host and the ports `flowmesh up` binds: clients' on --listen, workers' the next
+    (none for port 0: the broker binds free ports, and `up` prints them)."""
+    host, _, port = args.listen.rpartition(":")
+    first = int(port or 5555)
+    return host or "127.0.0.1", [first, first + 1] if first else []
+
+
+def busy(host: str, port: int) -> bool:
+    """Whether something listens on host:port already. SO_REUSEADDR as ZeroMQ binds, so that a
+    socket of a stopped mesh still in TIME_WAIT does not count, a listening one does."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return True
+    return False
+
+
+def port_in_use(host: str, port: int) -> str:
+    return (
+        f"flowmesh up: {host}:{port} is already in use: another 'flowmesh up' or broker is "
+        f"listening there; stop it, or choose another port with --listen {host}:PORT"
     )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from gpu_worker.device import discover_gpus
 
+    host, ports = listen_ports(args)
+    for port in ports:
+        if busy(host, port):
+            raise SystemExit(port_in_use(host, port))
+    if args.config:
+        check_config(args.config)
     gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
     mesh = up_mesh(args, gpus)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        dead = run_up(mesh, gpus, stop)
+    except FlowmeshError as exc:
+        if "Address already in use" in str(exc):  # bound by another between check and start
+            raise SystemExit(port_in_use(host, ports[0] if ports else 0)) from None
+        raise
+    if dead or args.log_dir:
+        print("flowmesh stopped")
+    else:
+        print("flowmesh stopped (its logs are removed: --log-dir DIR keeps them)")
+    return 1 if dead else 0
+
+
+def run_up(mesh: Any, gpus: list[int], stop: threading.Event) -> list[str]:
+    """Run the mesh until `stop` is set or one of its processes exits; the names of those that
+    exited. Their logs are kept then (the mesh says where)."""
     with mesh:
         kind = (
             f"{len(gpus)} GPU worker(s)"
@@ -283,11 +200,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         if dead:
             print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
             mesh.keep_logs()  # stop says where they are
-    print("flowmesh stopped")
-    return 1 if dead else 0
+    return dead
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.count is not None and not args.watch:
+        raise SystemExit("flowmesh status: --count N counts the snapshots of --watch")
     if args.watch:
         return watch_status(args)
     with connect(args) as c:
@@ -296,114 +214,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def status_view(st: dict[str, Any] | None, note: str = "") -> Any:
-    """The live view of `status --watch` (rich): workers, models and jobs."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    if st is None:
-        return Text(note or "waiting for the broker", style="yellow")
-    head = Text(
-        f"broker up {st['uptime_s']:.0f} s  requests {st['requests']}  completed "
-        f"{st['completed']}  errors {st['errors']}  queued {st['queued']}  running batches "
-        f"{st['inflight_batches']}  dropped sends {st.get('dropped_sends', 0)}"
-    )
-    if note:
-        head.append(f"  ({note})", style="yellow")
-    workers = Table(title="workers", title_justify="left")
-    for col in (
-        "worker",
-        "state",
-        "resident / budget",
-        "host",
-        "loads",
-        "load ms",
-        "evictions",
-        "running",
-        "seen s",
-        "resident stages",
-    ):
-        workers.add_column(col, overflow="fold")
-    for w in st["workers"]:
-        full = w["budget_bytes"] and w["resident_bytes"] > 0.9 * w["budget_bytes"]
-        workers.add_row(
-            w["name"],
-            Text("ready", "green") if w["ready"] else Text("joining", "yellow"),
-            Text(
-                f"{fmt_bytes(w['resident_bytes'])} / {fmt_bytes(w['budget_bytes'])}",
-                "red" if full else "",
-            ),
-            fmt_bytes(w["host_bytes"]),
-            str(w["loads"]),
-            f"{w.get('mean_load_ms', 0.0):.1f}",
-            str(w["evictions"]),
-            str(w["inflight"]),
-            Text(f"{w['last_seen_s']:.1f}", "red" if w.get("missed_heartbeats", 0) > 1 else ""),
-            ", ".join(w["resident"]) or "-",
-        )
-    models = Table(title="models", title_justify="left")
-    for col in (
-        "model",
-        "state",
-        "bytes",
-        "replicas",
-        "queue",
-        "requests",
-        "errors",
-        "loads",
-        "mean ms",
-        "p99 ms",
-        "queue ms",
-        "load wait ms",
-        "run ms",
-        "batch",
-    ):
-        models.add_column(col, overflow="fold")
-    for m in st["models"]:
-        models.add_row(
-            m["name"],
-            Text(m["state"], "green" if m["state"] == "ready" else "yellow"),
-            fmt_bytes(m["bytes"]),
-            "; ".join("+".join(r["workers"]) for r in m["replicas"]) or "-",
-            str(m["queue"]),
-            str(m["requests"]),
-            Text(str(m["errors"]), "red" if m["errors"] else ""),
-            str(m["loads"]),
-            f"{m['mean_ms']:.1f}",
-            f"{m['p99_ms']:.1f}",
-            f"{m.get('queue_wait_ms', 0.0):.1f}",
-            f"{m.get('load_wait_ms', 0.0):.1f}",
-            f"{m.get('run_ms', 0.0):.1f}",
-            f"{m.get('mean_batch', 0.0):.1f}",
-        )
-    parts: list[Any] = [head, workers, models]
-    if st.get("jobs"):
-        jobs = Table(title="training jobs", title_justify="left")
-        for col in ("job", "worker", "state", "step", "loss", "steps/s", "pending", "errors"):
-            jobs.add_column(col)
-        for j in st["jobs"]:
-            jobs.add_row(
-                j["name"],
-                j["worker"],
-                j["state"],
-                str(j["step"]),
-                "-" if j["last_loss"] is None else f"{j['last_loss']:.4g}",
-                f"{j['steps_per_s']:.2f}",
-                str(j["pending"]),
-                str(j["errors"]),
-            )
-        parts.append(jobs)
-    return Group(*parts)
-
-
 def watch_status(args: argparse.Namespace, rounds: int | None = None) -> int:
-    """`status --watch N`: the live view, asked for every N seconds until Ctrl-C (or `rounds`
-    refreshes, for tests). A broker that stops answering is shown, and asked again."""
-    from rich.live import Live
-
+    """`status --watch N`: the status asked for every N seconds until Ctrl-C, or `rounds`
+    (`--count`) snapshots. On a terminal a live view redrawn in place; elsewhere (a pipe, a file)
+    each snapshot as plain text, one after the other. A broker that stops answering is shown,
+    and asked again."""
+    rounds = rounds if rounds is not None else args.count
+    live_view = sys.stdout.isatty()
     st: dict[str, Any] | None = None
-    with connect(args) as c, Live(status_view(None), refresh_per_second=4) as live:
+    with contextlib.ExitStack() as stack:
+        c = stack.enter_context(connect(args))
+        if live_view:
+            from rich.live import Live
+
+            live = stack.enter_context(Live(status_view(None), refresh_per_second=4))
         done = 0
         try:
             while rounds is None or done < rounds:
@@ -411,7 +235,11 @@ def watch_status(args: argparse.Namespace, rounds: int | None = None) -> int:
                     st, note = c.status(timeout=min(args.timeout, max(2.0, args.watch))), ""
                 except Timeout:
                     note = f"no answer from {args.broker}; showing the last status"
-                live.update(status_view(st, note))
+                if live_view:
+                    live.update(status_view(st, note))
+                else:
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                    print(f"-- {stamp}\n{watch_text(st, note)}\n", flush=True)
                 done += 1
                 if rounds is None or done < rounds:
                     time.sleep(args.watch)
@@ -430,42 +258,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-class DeployWatch:
-    """How far a deploy's weights are read, from the workers' heartbeats in status (each
-    reports `preparing`: "model/stage" -> [bytes read, bytes to read] while it reads)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.stages: dict[tuple[str, str], list[int]] = {}  # (worker, stage) -> [read, total]
-
-    def update(self, status: dict[str, Any]) -> tuple[int, int]:
-        """(bytes read, bytes to read) so far; a stage no longer reported has been read."""
-        now = set()
-        for w in status.get("workers", []):
-            preparing = (w.get("stats") or {}).get("preparing") or {}
-            for key, value in preparing.items():
-                model, _, stage = key.rpartition("/")
-                if model == self.name and isinstance(value, list) and len(value) == 2:
-                    self.stages[(w["name"], stage)] = [int(value[0]), int(value[1])]
-                    now.add((w["name"], stage))
-        for key, value in self.stages.items():
-            if key not in now:
-                value[0] = value[1]
-        return sum(v[0] for v in self.stages.values()), sum(v[1] for v in self.stages.values())
-
-
 def _deploy_with_progress(c: Client, args: argparse.Namespace, call: Any) -> Any:
     """Run `call` (the deploy) while a bar on stderr shows the weights read so far."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TransferSpeedColumn,
-    )
-
     done: dict[str, Any] = {}
 
     def run() -> None:
@@ -476,14 +270,7 @@ def _deploy_with_progress(c: Client, args: argparse.Namespace, call: Any) -> Any
 
     thread = threading.Thread(target=run, name="deploy", daemon=True)
     watch = DeployWatch(args.name)
-    bar = Progress(
-        TextColumn(f"[bold]deploy {args.name}: reading weights"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),  # outside a terminal: the final state only
-    )
+    bar = deploy_bar(args.name)
     task = bar.add_task("read", total=None)
     t0 = time.perf_counter()
     thread.start()
@@ -512,12 +299,18 @@ def _deploy_with_progress(c: Client, args: argparse.Namespace, call: Any) -> Any
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    if (args.factory is None) == (args.hf is None):
+        raise SystemExit(
+            "flowmesh deploy: give the model as a factory (module:callable) or as --hf DIR, "
+            "one of the two"
+        )
     with connect(args) as c:
 
         def call() -> Any:
             return c.deploy(
                 args.name,
                 args.factory,
+                hf=args.hf,
                 kwargs=_kwargs(args.kwargs),
                 seed=args.seed,
                 weights=args.weights,
@@ -525,18 +318,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                 stages=args.stages,
                 max_batch_size=args.max_batch,
                 replicas=args.replicas,
+                inputs=_json_object("--inputs", args.inputs),
+                slo_ms=args.slo_ms,
                 timeout=args.timeout,
             )
 
         show = args.progress or (args.progress is None and sys.stderr.isatty())
         info = _deploy_with_progress(c, args, call) if show else call()
-    stages = ", ".join(
-        f"stage {s['index']}: blocks {s['blocks'][0]}-{s['blocks'][1] - 1} "
-        f"({fmt_bytes(s['bytes'])})"
-        for s in info["stages"]
-    )
-    reps = "; ".join("+".join(r["workers"]) for r in info["replicas"])
-    print(f"deployed {info['name']}: {fmt_bytes(info['bytes'])}, {stages}; replicas: {reps}")
+    print(format_deployed(info))
     return 0
 
 
@@ -550,7 +339,7 @@ def cmd_undeploy(args: argparse.Namespace) -> int:
 def cmd_infer(args: argparse.Namespace) -> int:
     import torch
 
-    from flowmesh.build import torch_dtype
+    from flowmesh.modelio.dtypes import torch_dtype
 
     with connect(args) as c:
         if args.input:
@@ -576,16 +365,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 )
         out, info = c.infer_with_info(args.name, inputs, timeout=args.timeout)
     outs = out if isinstance(out, dict) else {"output": out}
-    for name, t in outs.items():
-        print(
-            f"{name or 'output'}: {t.dtype} {list(t.shape)} mean {t.float().mean():.6f} "
-            f"std {t.float().std():.6f}"
-        )
-    print(
-        f"latency {info['latency_ms']:.1f} ms (queue {info['queue_ms']:.1f}, compute "
-        f"{info['compute_ms']:.1f}, waiting for weights {info['load_wait_ms']:.1f}), batch "
-        f"{info['batch']}, workers {', '.join(info['workers'])}"
-    )
+    rows = next(iter(inputs.values())).shape[0] if inputs else 0
+    print(format_infer(outs, info, rows))
     if args.output:
         from safetensors.torch import save_file
 
@@ -595,6 +376,11 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     kind = "chunks" if args.target else "stages"
+    optimizer = args.optimizer
+    if args.momentum:
+        if optimizer != "sgd":
+            raise SystemExit("flowmesh plan: --momentum is for --optimizer sgd only")
+        optimizer = "sgd_momentum"  # one more state per parameter (flowmesh/modelio/planners.py)
     with connect(args) as c:
         plan = c.plan(
             args.factory,
@@ -604,61 +390,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             stages=args.stages,
             mem_cap=parse_size(args.mem_cap) if args.mem_cap else None,
             target_bytes=parse_size(args.target) if args.target else None,
-            optimizer=args.optimizer,
+            optimizer=optimizer,
             batch=args.batch,
             measure=args.measure,
             timeout=args.timeout,
         )
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
-
-
-class _Progress:
-    """Steps done, steps/s and the last loss on stderr (stdout keeps the summary): a rich
-    progress bar when rich is installed, else one line rewritten in place."""
-
-    def __init__(self, total: int, name: str) -> None:
-        self.total, self.name = total, name
-        self.t0 = time.perf_counter()
-        self._bar: Any = None
-        try:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-        except ImportError:
-            return
-        self._bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]} steps/s  loss {task.fields[loss]}"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-        )
-        self._task = self._bar.add_task(name, total=total, rate="-", loss="-")
-        self._bar.start()
-
-    def update(self, done: int, loss: float) -> None:
-        rate = f"{done / max(time.perf_counter() - self.t0, 1e-9):.2f}"
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, rate=rate, loss=f"{loss:.4f}")
-        else:
-            line = f"\r{self.name}: step {done}/{self.total}  {rate} steps/s  loss {loss:.4f}"
-            print(line, end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.total < 0:
-            return
-        self.total = -1  # closed: a second close (the error path) prints nothing more
-        if self._bar is not None:
-            self._bar.stop()
-        else:
-            print(file=sys.stderr, flush=True)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -710,7 +448,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
             timeout=args.timeout,
         )
-        progress = _Progress(len(work), name)
+        progress = TrainProgress(len(work), name)
         t0, seconds = time.perf_counter(), 0.0
         try:
             # A few steps in flight: the worker starts the next one while this process waits.
@@ -776,7 +514,8 @@ by objective), batch (rows per step, default 16), loss (cross_entropy | mse), se
 initial weights, default 0), chunk_bytes (e.g. "32KiB"), out (output directory, default
 sweep-<name>).
 Tables: [kwargs] fixed factory keyword arguments; [optimizer] fixed optimizer (name, lr, ...;
-default adamw, lr 1e-3); [data] file / eval_file (.safetensors with 'inputs' and 'targets'), or
+default adamw, lr 1e-3); [data] file / eval_file (a .safetensors file with 'inputs' and
+'targets'; any other file is a text corpus for next-byte prediction, in windows of 32 bytes), or
 the built-in synthetic dataset: samples (default 512), seq (16), seed (0); holdout (fraction of
 the rows held out for evaluation when there is no eval_file, default 0.2); [space.<param>]
 type = "float" | "int" | "categorical" with low, high, log, step or choices. A <param> named
@@ -806,8 +545,6 @@ def load_sweep_config(path: str) -> dict[str, Any]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from client_sdk import train_data
     from flowmesh.spec import ModelSpec
 
@@ -910,17 +647,59 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from client_sdk.demo import main as demo
+    return demo.main(args)
 
-    return demo(args)
+
+class Parser(argparse.ArgumentParser):
+    """argparse, stricter: no abbreviated flags (`--batc` is not `--batch`; a flag added later
+    must not change what an old command line means), and an unknown argument is refused by the
+    (sub)command it was given to, with that command's usage and the closest flag it has."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(self.unknown(extra))
+        return ns, extra
+
+    def unknown(self, extra: list[str]) -> str:
+        msg = f"unrecognized arguments: {' '.join(extra)}"
+        flags = [f for a in self._actions for f in a.option_strings if f.startswith("--")]
+        for arg in extra:
+            if arg.startswith("--"):
+                close = difflib.get_close_matches(arg.partition("=")[0], flags, n=1)
+                if close:
+                    return f"{msg} (did you mean {close[0]}?)"
+        return msg
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("flowmesh")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="flowmesh", description=__doc__)
+    ap = Parser(prog="flowmesh", description=__doc__, allow_abbrev=False)
+    ap.add_argument("--version", action="version", version=f"flowmesh {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
+    def add(subs: Any, name: str, help_: str) -> argparse.ArgumentParser:
+        # add_parser does not pass the parent's allow_abbrev on: say it for each one.
+        p: argparse.ArgumentParser = subs.add_parser(name, help=help_, allow_abbrev=False)
+        return p
+
     def client_cmd(name: str, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
+        p = add(sub, name, help_)
         p.add_argument(
             "--broker", default=DEFAULT_ADDRESS, help="broker client endpoint (env FLOWMESH_BROKER)"
         )
@@ -933,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return p
 
-    p = sub.add_parser("up", help="run broker, partitioner and workers on this machine")
+    p = add(sub, "up", "run broker, partitioner and workers on this machine")
     p.add_argument(
         "--cpu-workers",
         type=int,
@@ -1010,19 +789,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="add a replica of a model its replicas cannot keep up with, and remove it once the "
         "model cools (never below the deployed count; default: off)",
     )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML file with [broker], [partitioner] and [worker] tables, read by each process "
+        "'up' starts as by 'python -m broker --config FILE'; what 'up' sets itself (addresses, "
+        "budgets, heartbeat, names, roots, keys) wins over the file",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="the processes' logs go here, and stay (default: a temporary directory, removed "
+        "when 'up' stops unless something failed)",
+    )
     p.set_defaults(fn=cmd_up)
 
-    p = sub.add_parser("keys", help="CURVE keys: a broker key pair, then one key per peer")
+    p = add(sub, "keys", "CURVE keys: a broker key pair, then one key per peer")
     keys_sub = p.add_subparsers(dest="keys_cmd", required=True)
-    k = keys_sub.add_parser("init", help="create DIR and the broker's key pair in it")
+    k = add(keys_sub, "init", "create DIR and the broker's key pair in it")
     k.add_argument("dir")
     k.set_defaults(fn=cmd_keys_init)
-    k = keys_sub.add_parser("add", help="create (and so allow) the key of a peer or client")
+    k = add(keys_sub, "add", "create (and so allow) the key of a peer or client")
     k.add_argument("name", help="the name it is allowed (a worker's or partitioner's --name)")
     k.add_argument("--role", required=True, choices=ROLES)
     k.add_argument("--dir", default=None, help="the key directory (env FLOWMESH_KEY_DIR)")
     k.set_defaults(fn=cmd_keys_add)
-    k = keys_sub.add_parser("list", help="the keys a key directory allows")
+    k = add(keys_sub, "list", "the keys a key directory allows")
     k.add_argument("dir")
     k.set_defaults(fn=cmd_keys_list)
 
@@ -1039,20 +833,41 @@ def build_parser() -> argparse.ArgumentParser:
         const=2.0,
         default=None,
         metavar="SECONDS",
-        help="a live view, refreshed every SECONDS (default 2) until Ctrl-C",
+        help="a live view, refreshed every SECONDS (default 2) until Ctrl-C; when stdout is not "
+        "a terminal, one plain-text snapshot every SECONDS",
+    )
+    p.add_argument(
+        "--count", type=int, default=None, metavar="N", help="with --watch: stop after N snapshots"
     )
     p.set_defaults(fn=cmd_status)
 
-    p = client_cmd("deploy", "deploy a model")
+    p = client_cmd("deploy", "deploy a model: a factory, or a Hugging Face directory (--hf)")
     p.add_argument("name")
-    p.add_argument("factory", help="module:callable from the broker's allow-list")
+    p.add_argument(
+        "factory", nargs="?", default=None, help="module:callable from the broker's allow-list"
+    )
+    p.add_argument(
+        "--hf",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face model directory (config.json and safetensors) under the "
+        "workers' data roots, instead of a factory",
+    )
     p.add_argument("--kwargs", help="factory keyword arguments as JSON")
     p.add_argument("--seed", type=int, default=None, help="seeded random weights")
     p.add_argument("--weights", default=None, help="safetensors file the workers can read")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: auto)")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--max-batch", type=int, default=8, help="most rows batched into a forward")
+    p.add_argument("--replicas", type=int, default=None, help="copies of the pipeline")
+    p.add_argument(
+        "--inputs",
+        default=None,
+        metavar="JSON",
+        help='the inputs when the model declares none: {"x": {"dtype": "float32", "shape": '
+        "[-1, 784]}} (-1: a free dimension)",
+    )
+    p.add_argument("--slo-ms", type=float, default=None, help="latency objective, milliseconds")
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -1073,6 +888,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the outputs to this safetensors file")
     p.set_defaults(fn=cmd_infer)
 
+    # The optimizers a worker can run (tests/test_cli.py checks them against the worker's own).
+    from flowmesh.modelio.planners import OPTIMIZER_NAMES
+
+    optimizers = sorted(OPTIMIZER_NAMES)
     p = client_cmd("plan", "plan pipeline stages or training chunks for a model")
     p.add_argument("factory")
     p.add_argument("--kwargs")
@@ -1080,7 +899,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--mem-cap", default=None, help="bytes per stage (default: smallest worker)")
     p.add_argument("--target", default=None, help="training chunk target bytes (chunk plan)")
-    p.add_argument("--optimizer", default="adam", help="sgd | momentum | adam | adamw")
+    p.add_argument("--optimizer", default="adam", choices=optimizers)
+    p.add_argument(
+        "--momentum", type=float, default=None, help="sgd only: plan its momentum buffer too"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--measure", action="store_true", help="time each block")
     p.add_argument("--json", action="store_true")
@@ -1096,7 +918,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="checkpoint directory written by --save")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch", type=int, default=8, help="rows per step")
-    p.add_argument("--optimizer", default="adamw", help="sgd | adam | adamw")
+    p.add_argument("--optimizer", default="adamw", choices=optimizers)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--momentum", type=float, default=None, help="sgd only")
@@ -1107,8 +929,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         default=None,
-        help="a .safetensors file with 'inputs' (or 'inputs/<name>') and 'targets' "
-        "(default: the built-in synthetic dataset matched to the model's declared inputs)",
+        help="a .safetensors file with 'inputs' (or 'inputs/<name>') and 'targets', or any other "
+        "file as a text corpus for next-byte prediction in windows of 32 bytes (default: the "
+        "built-in synthetic dataset matched to the model's declared inputs)",
     )
     p.add_argument("--samples", type=int, default=256, help="rows of the synthetic dataset")
     p.add_argument("--seq", type=int, default=16, help="free input dimensions (synthetic)")
@@ -1129,17 +952,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_sweep, timeout=600.0)
 
-    p = sub.add_parser("demo", help="the main job: embedded mesh serving and training")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--memory-budget", default="48MiB")
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p = add(sub, "demo", "the main job: embedded mesh serving and training")
+    demo.add_options(p)
     p.set_defaults(fn=cmd_demo)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return run(argv)
+        finally:
+            sys.stdout.flush()  # a reader gone away shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        # `flowmesh status | head`: the reader has what it wanted. Exit quietly, with stdout on
+        # /dev/null so that Python's own flush at exit does not fail once more (the recipe of
+        # https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from client_sdk.client import AsyncClient
 from client_sdk.errors import Timeout
@@ -48,7 +47,9 @@ from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
 from client_sdk.mesh import LocalMesh
 from client_sdk.sweep import SweepResult
 from client_sdk.train_data import next_byte_rows, stdlib_corpus
-from flowmesh.build import build_seeded
+from client_sdk.views import table
+from flowmesh.modelio.build import build_seeded
+from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import compare, forward_tolerance
 from flowmesh.units import fmt_bytes, parse_size
@@ -216,19 +217,7 @@ def train_batches(
 
 def plain_losses(spec: ModelSpec, optimizer: dict[str, Any], batches: Batches) -> list[float]:
     """What a PyTorch user writes: the same model, seed, optimizer and batches, in this process."""
-    model = build_seeded(spec).train()
-    options = dict(optimizer)
-    opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[options.pop("name")]
-    opt = opt_class(model.parameters(), **options)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train(build_seeded(spec), optimizer, batches)
 
 
 @dataclass
@@ -331,11 +320,20 @@ def checker(
     return check
 
 
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The demo's options, on `flowmesh demo` and on `python -m client_sdk.demo` alike."""
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--memory-budget", default="48MiB")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def main(args: argparse.Namespace | None = None) -> int:
     if args is None:
-        from client_sdk.cli import build_parser
-
-        args = build_parser().parse_args(["demo", *sys.argv[1:]])
+        ap = argparse.ArgumentParser(prog="python -m client_sdk.demo", allow_abbrev=False)
+        add_options(ap)
+        args = ap.parse_args()
     # The reference forwards on one thread: the workers already keep the cores busy.
     torch.set_num_threads(1)
     budget = parse_size(args.memory_budget)
@@ -453,8 +451,6 @@ async def fetch_status(address: str, after_s: float = 0.0) -> dict[str, Any]:
 def report(
     status: dict[str, Any], tallies: dict[str, Tally], checked: dict[str, Checked], wall: float
 ) -> int:
-    from client_sdk.cli import table
-
     rows, done, bad = [], 0, 0
     for m in sorted(status["models"], key=lambda m: -m["requests"]):
         t, c = tallies.get(m["name"], Tally()), checked[m["name"]]
@@ -540,8 +536,6 @@ def report_training(
     expected: dict[str, list[float]],
     ref_s: float,
 ) -> int:
-    from client_sdk.cli import table
-
     rows, verdicts = [], []
     for name, t in trained.items():
         verdict, shown = training_verdict(t, expected[name])

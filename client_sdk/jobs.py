@@ -8,50 +8,50 @@ sent before its call first waits, so the order of the calls is the order of the 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from client_sdk.connection import Connection, sendable
+from client_sdk.loop_thread import LoopThread
 from flowmesh import protocol as p
-
-if TYPE_CHECKING:
-    from client_sdk.client import AsyncClient, Client
+from flowmesh.steps import StepResult
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
+T = TypeVar("T")
 
 
-@dataclass
-class StepResult:
-    """One training step's outcome: its loss (summed over micro-batches), the job's step count
-    with it, and the worker's metrics (tasks, bytes moved, seconds, grad_norm when clipping)."""
+class Connected(Protocol):
+    """What a job's calls go through: an `AsyncClient`'s connection."""
 
-    loss: float
-    step: int
-    metrics: dict[str, float] = field(default_factory=dict)
+    connection: Connection
+
+
+class Runs(Protocol):
+    """What a blocking job runs on: a `Client`'s loop thread."""
+
+    runner: LoopThread
 
 
 def batch_tensors(inputs: Inputs, targets: torch.Tensor) -> dict[str, Any]:
     """A step's tensors as they travel: 'inputs' (or 'inputs/<name>') and 'targets'."""
-    from client_sdk.client import _sendable
-
     if isinstance(inputs, torch.Tensor):
-        tensors = {"inputs": _sendable(inputs)}
+        tensors = {"inputs": sendable(inputs)}
     else:
-        tensors = {f"inputs/{k}": _sendable(v) for k, v in inputs.items()}
-    tensors["targets"] = _sendable(targets)
+        tensors = {f"inputs/{k}": sendable(v) for k, v in inputs.items()}
+    tensors["targets"] = sendable(targets)
     return tensors
 
 
 class AsyncJob:
     """A training job open on the mesh; use it on the event loop of its `AsyncClient`."""
 
-    def __init__(self, client: AsyncClient, name: str, info: dict[str, Any]) -> None:
+    def __init__(self, client: Connected, name: str, info: dict[str, Any]) -> None:
         self.client = client
+        self.connection = client.connection
         self.name = name
         self.info = info  # the broker's status of the job when it opened
         self._seq = itertools.count(1)
@@ -63,13 +63,13 @@ class AsyncJob:
         is the batch). Steps run in the order of the calls, even with several in flight
         (`asyncio.gather(job.step_async(a, y), job.step_async(b, z))`)."""
         msg = p.TrainStep(
-            id=next(self.client._ids),
+            id=self.connection.next_id(),
             job=self.name,
             seq=next(self._seq),
             tensors=batch_tensors(inputs, targets),
-            timeout_ms=self.client._ms(timeout),
+            timeout_ms=self.connection.timeout_ms(timeout),
         )
-        reply = await self.client._call(msg, timeout)
+        reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.TrainStepResult)
         return StepResult(reply.loss, reply.step, dict(reply.metrics))
 
@@ -83,12 +83,12 @@ class AsyncJob:
         the job's random stream untouched. It runs after the steps sent before this call;
         `step` is how many of them were applied."""
         msg = p.TrainEval(
-            id=next(self.client._ids),
+            id=self.connection.next_id(),
             job=self.name,
             tensors=batch_tensors(inputs, targets),
-            timeout_ms=self.client._ms(timeout),
+            timeout_ms=self.connection.timeout_ms(timeout),
         )
-        reply = await self.client._call(msg, timeout)
+        reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.TrainEvalResult)
         return StepResult(reply.loss, reply.step, dict(reply.metrics))
 
@@ -98,64 +98,67 @@ class AsyncJob:
         """Checkpoint the job after the steps sent before this call, into directory `path` on
         its worker (safetensors + job.json); returns {'path', 'step'}."""
         msg = p.TrainSave(
-            id=next(self.client._ids),
+            id=self.connection.next_id(),
             job=self.name,
             path=str(path),
-            timeout_ms=self.client._ms(timeout),
+            timeout_ms=self.connection.timeout_ms(timeout),
         )
-        reply = await self.client._call(msg, timeout)
+        reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.TrainSaved)
         return {"path": reply.path, "step": reply.step}
 
     async def close(self, timeout: float | None = None) -> None:
         """Close the job: steps still queued fail, its memory goes to the other jobs."""
         msg = p.TrainClose(
-            id=next(self.client._ids), job=self.name, timeout_ms=self.client._ms(timeout)
+            id=self.connection.next_id(),
+            job=self.name,
+            timeout_ms=self.connection.timeout_ms(timeout),
         )
-        await self.client._call(msg, timeout)
+        await self.connection.call(msg, timeout)
 
 
 class Job:
     """The blocking twin of `AsyncJob` (from `Client.train_open`)."""
 
-    def __init__(self, client: Client, job: AsyncJob) -> None:
+    def __init__(self, client: Runs, job: AsyncJob) -> None:
         self.client = client
+        self._runner = client.runner
         self._job = job
         self.name = job.name
         self.info = job.info
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """`coro`'s result, waited for at most the call's timeout (the client's when None)."""
+        return self._runner.run(coro, self._job.connection.seconds(timeout))
 
     def step(
         self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
     ) -> StepResult:
         """One training step; blocks until it is done (see `AsyncJob.step_async`)."""
-        return self.client._run(self._job.step_async(inputs, targets, timeout), timeout)
+        return self._run(self._job.step_async(inputs, targets, timeout), timeout)
 
     def step_async(
         self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
     ) -> Future[StepResult]:
         """Send one step now and return a future of its result: steps run in call order."""
-        return asyncio.run_coroutine_threadsafe(
-            self._job.step_async(inputs, targets, timeout), self.client._loop
-        )
+        return self._runner.submit(self._job.step_async(inputs, targets, timeout))
 
     def eval(
         self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
     ) -> StepResult:
         """Evaluate on a batch without updating anything; blocks (see `AsyncJob.eval_async`)."""
-        return self.client._run(self._job.eval_async(inputs, targets, timeout), timeout)
+        return self._run(self._job.eval_async(inputs, targets, timeout), timeout)
 
     def eval_async(
         self, inputs: Inputs, targets: torch.Tensor, timeout: float | None = None
     ) -> Future[StepResult]:
         """Send an evaluation now and return a future of its result (after earlier steps)."""
-        return asyncio.run_coroutine_threadsafe(
-            self._job.eval_async(inputs, targets, timeout), self.client._loop
-        )
+        return self._runner.submit(self._job.eval_async(inputs, targets, timeout))
 
     def save(self, path: str, timeout: float | None = None) -> dict[str, Any]:
         """Checkpoint the job (see `AsyncJob.save`)."""
-        return self.client._run(self._job.save(path, timeout), timeout)
+        return self._run(self._job.save(path, timeout), timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Close the job (see `AsyncJob.close`)."""
-        self.client._run(self._job.close(timeout), timeout)
+        self._run(self._job.close(timeout), timeout)

@@ -18,7 +18,7 @@ import torch
 from broker.policy import percentile
 from client_sdk.client import AsyncClient
 from client_sdk.errors import ClientError
-from flowmesh.build import torch_dtype
+from flowmesh.modelio.dtypes import torch_dtype
 
 
 def arrival_times(n: int, rate: float, cv: float, rng: random.Random) -> list[float]:

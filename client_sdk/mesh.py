@@ -103,6 +103,7 @@ class LocalMesh:
     data_roots: list[str | Path] | None = None
     checkpoint_roots: list[str | Path] | None = None
     worker_args: list[str] = field(default_factory=list)
+    partitioner_args: list[str] = field(default_factory=list)
     # Prometheus /metrics (`--metrics-port`): the broker on this port, the partitioner on the
     # next, worker i on port + 2 + i (`metrics_ports()`); 0: off.
     metrics_port: int = 0
@@ -202,6 +203,7 @@ class LocalMesh:
                     *_repeated("--data-root", self.data_roots),
                     *self._metrics_args("partitioner"),
                     *self._key_args("partitioner-0", "partitioner"),
+                    *self.partitioner_args,
                 ],
             )
         for i, (device, budget) in enumerate(self._devices()):

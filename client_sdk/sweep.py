@@ -27,6 +27,7 @@ losses and evaluations) and `curves.png` (every trial's curves; pruned trials da
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import math
@@ -35,16 +36,23 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 import torch
 
-from client_sdk.train_data import Dataset
+from client_sdk.jobs import AsyncJob
 from flowmesh.errors import FlowmeshError
 
-if TYPE_CHECKING:
-    from client_sdk.client import AsyncClient
+if TYPE_CHECKING:  # the data's type only: reading data files is no part of the SDK's import
+    from client_sdk.train_data import Dataset
+
+
+class Trains(Protocol):
+    """What a sweep drives: an `AsyncClient`, through its `train_open`."""
+
+    train_open: Callable[..., Awaitable[AsyncJob]]
+
 
 OPTIMIZER_KEYS = {"lr", "weight_decay", "momentum"}
 OPTIM_PREFIX = "optim."
@@ -215,9 +223,14 @@ def holdout(data: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
     if not 0 < fraction < 1 or held >= data.rows:
         raise ValueError(f"holdout must leave rows on both sides, got {fraction} of {data.rows}")
     cut = data.rows - held
-    train = Dataset({k: v[:cut] for k, v in data.inputs.items()}, data.targets[:cut], data.source)
-    test = Dataset(
-        {k: v[cut:] for k, v in data.inputs.items()}, data.targets[cut:], f"{data.source} held out"
+    train = dataclasses.replace(
+        data, inputs={k: v[:cut] for k, v in data.inputs.items()}, targets=data.targets[:cut]
+    )
+    test = dataclasses.replace(
+        data,
+        inputs={k: v[cut:] for k, v in data.inputs.items()},
+        targets=data.targets[cut:],
+        source=f"{data.source} held out",
     )
     return train, test
 
@@ -272,7 +285,7 @@ Callback = Callable[[TrialRecord], Awaitable[None] | None]
 
 
 async def sweep_async(
-    client: AsyncClient,
+    client: Trains,
     *,
     name: str,
     factory: str,

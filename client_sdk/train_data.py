@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 
-from flowmesh.build import build_meta, call_model, declared_inputs, example_inputs, torch_dtype
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_meta
+from flowmesh.modelio.dtypes import torch_dtype
+from flowmesh.modelio.inputs import call_model, declared_inputs, example_inputs
 from flowmesh.spec import ModelSpec
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]

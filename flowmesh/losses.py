@@ -5,8 +5,11 @@ A loss factory is called once, on the worker, when the job opens; it returns a c
 `loss(output, target) -> scalar tensor` that every step (and evaluation) applies to the model's
 output (a tensor, or the `logits` of a Hugging Face output) and the step's targets. Any module on
 a worker's allow-list (`--allow`) may provide one; this module is allowed on every worker
-(`gpu_worker.train_job.LOSS_ALLOW`). Write your own the same way: a plain function returning a
+(`gpu_worker.train_config.LOSS_ALLOW`). Write your own the same way: a plain function returning a
 function, deterministic, and differentiable in `output`.
+
+Every callable here can be named as a factory, so this module holds factories and nothing else:
+checking a loss spec and resolving it against the allow-list is `gpu_worker.train_config`.
 """
 
 from __future__ import annotations

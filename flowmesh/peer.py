@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import secrets
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -223,7 +223,7 @@ class MeshPeer:
         self._answered.clear()
         self._name_refusal = None
         reg = self.registration()
-        self.send(dataclasses.replace(reg, info={**reg.info, "session": self.session}))
+        self.send(msgspec.structs.replace(reg, info={**reg.info, "session": self.session}))
         try:
             await asyncio.wait_for(self._answered.wait(), self.register_timeout_s)
         except TimeoutError:

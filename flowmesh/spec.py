@@ -1,6 +1,6 @@
 """What a deployed model is: its spec as plain data, validated, hashable, free of torch.
 
-The broker imports this without torch; `flowmesh.build` turns a spec into modules.
+The broker imports this without torch; `flowmesh.modelio.build` turns a spec into modules.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class ModelSpec:
 
     def _check_hf(self) -> None:
         # Only the form here: the directory is read where the model is built (partitioner,
-        # workers), which is where it has to exist; see flowmesh.hf_dir.
+        # workers), which is where it has to exist; see flowmesh.modelio.hf_dir.
         if not isinstance(self.hf, str) or not self.hf:
             raise _bad("hf must be the path of a local Hugging Face model directory")
         if self.factory is not None:

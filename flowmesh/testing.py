@@ -1,4 +1,4 @@
-"""How flowmesh's tests and demo compare tensors: the exactness rule (DESIGN §9).
+"""How flowmesh's tests and demo compare tensors: the exactness rule (docs/ARCHITECTURE.md).
 
 The rule:
 

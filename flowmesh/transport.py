@@ -1,11 +1,11 @@
 """ZeroMQ plumbing shared by every process: sockets with deliberate options, sends that make
 back-pressure visible, and the one reader loop per socket that validates and answers.
 
-Pitfalls handled here once (see STYLE.md): ROUTER_MANDATORY so mail to a vanished peer raises
-instead of being dropped; routing ids the ROUTER chooses, never the peer (ROUTER_HANDOVER off, so
-no connection can take another's, and seeded, see `_seed_routing_ids`); a short LINGER so closing
-never hangs; every send is non-blocking, so a full high-water mark becomes an
-OVERLOADED error for the sender of the request rather than a stalled event loop.
+Pitfalls handled here once (docs/ARCHITECTURE.md): ROUTER_MANDATORY so mail to a vanished peer
+raises instead of being dropped; routing ids the ROUTER chooses, never the peer
+(ROUTER_HANDOVER off, so no connection can take another's, and seeded, see `_seed_routing_ids`);
+a short LINGER so closing never hangs; every send is non-blocking, so a full high-water mark
+becomes an OVERLOADED error for the sender of the request rather than a stalled event loop.
 
 With CURVE keys (`flowmesh.auth`), the ROUTERs are CURVE servers checked by ZAP, and a reader
 passes each message's ZAP User-Id (its key's certificate name) on to the handler (`with_user`).

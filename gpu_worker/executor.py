@@ -14,8 +14,8 @@ futures return; tests drive it in-process.
   computes that block, so a cold request starts computing while later blocks are still in flight.
   A run for a stage that is not on the device brings it back first (a load like any other).
 - `run_here` computes a run on the calling thread instead (the worker's reader thread), for a
-  resident stage whose run is expected to take under QUICK_RUN_S: a hand-off to a lane would
-  cost more.
+  resident stage whose run is expected to take under `quick_run_s` (QUICK_RUN_S unless told):
+  a hand-off to a lane would cost more.
 - `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
   next owner waits on their markers (stream order), never on a global synchronisation.
 
@@ -53,8 +53,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.eviction import StageKey, eviction_order
+from flowmesh.modelio.inputs import call_model
 from flowmesh.threads import TorchLanes, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
@@ -63,8 +64,6 @@ from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import SERVING_CALLS
 
 log = logging.getLogger("worker")
-
-StageKey = tuple[str, int]
 
 # A run of a resident stage expected to take less than this (`Stage.expected_s`) is computed by
 # the thread that read it (`Executor.run_here`). Handing it to a compute lane costs a thread
@@ -130,7 +129,7 @@ class Stage:
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     last_used: float = 0.0
     keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
-    # Compute seconds of one forward, and per row, each the fastest of the last FORWARD_WINDOW
+    # Compute seconds of one forward, and per row, each the fastest of the last `forward_window`
     # runs (0: none ran yet). See `expected_s`.
     forward_s: float = 0.0
     row_s: float = 0.0
@@ -220,10 +219,21 @@ class Executor:
         memory: DeviceMemory | None = None,
         copy_lanes: int | None = None,
         eviction: str = "value",
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        quick_run_s: float = QUICK_RUN_S,
+        forward_window: int = FORWARD_WINDOW,
     ) -> None:
+        """`clock`: seconds on a monotonic clock, for the runs' and loads' times and the stages'
+        rates (read on the lanes and the reader thread too). `quick_run_s`: the longest run
+        computed on the caller's thread (`run_here`); `forward_window`: the runs a stage's
+        forward time is the fastest of (see FORWARD_WINDOW)."""
         if eviction not in ("value", "lru"):
             raise ValueError(f"eviction {eviction!r}: expected value or lru")
         self.eviction = eviction  # "lru": least recently used alone (a benchmark's ablation)
+        self.clock = clock
+        self.quick_run_s = quick_run_s
+        self.forward_window = forward_window
         self.device = device
         self.copy_chunk_bytes = copy_chunk_bytes or device.copy_chunk_bytes
         self.memory = memory if memory is not None else DeviceMemory(device.budget_bytes, 0, ALIGN)
@@ -273,7 +283,7 @@ class Executor:
     def add_stage(self, key: StageKey, blocks: list[nn.Module], host: HostStage) -> None:
         if key in self.stages:
             self.drop_stage(key)
-        self.stages[key] = Stage(key, blocks, host)
+        self.stages[key] = Stage(key, blocks, host, recent=deque(maxlen=self.forward_window))
 
     def drop_stage(self, key: StageKey) -> None:
         if key in self.stages:
@@ -314,11 +324,11 @@ class Executor:
         st.users = []
         st.state = State.LOADING
         st.generation += 1
-        st.load_t0 = time.perf_counter()
+        st.load_t0 = self.clock()
         st.loading = loop.create_future()
         self.memory.serving_started()
         st.loading.add_done_callback(lambda _: self.memory.serving_ended())
-        st.last_used = time.monotonic()
+        st.last_used = self.clock()
         self._changed()
         if got is None:
             st.waiting = True
@@ -338,7 +348,7 @@ class Executor:
 
     def _victims(self, keep: frozenset[StageKey]) -> list[Stage]:
         """Stages this executor may evict, the one worth least first."""
-        now = time.monotonic()
+        now = self.clock()
         bw = self.bandwidth or 1e9
         with self._lock:  # a run admitted on the reader thread updates rates and counts
             idle = [
@@ -347,11 +357,8 @@ class Executor:
                 if s.state is State.RESIDENT and not s.inflight and s.key not in keep
             ]
             if self.eviction == "lru":
-                return sorted(idle, key=lambda s: (s.last_used, s.key))
-            return sorted(
-                idle,
-                key=lambda s: (stage_value(s.rate.at(now), s.host.nbytes, bw), s.last_used, s.key),
-            )
+                return eviction_order(idle)
+            return eviction_order(idle, lambda s: stage_value(s.rate.at(now), s.host.nbytes, bw))
 
     def _evict_for(self, victim: Stage) -> None:
         self.evict(victim.key)
@@ -554,7 +561,7 @@ class Executor:
             self._abandon(st)
             self.evict(st.key)
             return
-        seconds = time.perf_counter() - t0
+        seconds = self.clock() - t0
         st.state = State.RESIDENT
         self.counters["loads"] += 1
         self.counters["bytes_loaded"] += st.host.nbytes
@@ -657,7 +664,7 @@ class Executor:
     ) -> RunOutput | None:
         """`run`, computed on the calling thread, which is not the event loop's (the worker's
         reader thread): for a resident stage, when the run is expected to take under
-        QUICK_RUN_S. Returns None, having done nothing, for any other run (of a stage loading,
+        `quick_run_s`. Returns None, having done nothing, for any other run (of a stage loading,
         evicted, unknown or never run yet, or too long), which the caller then hands to `run` on
         the loop. Raises what a run's future would."""
         st = self.stages.get(key)
@@ -666,7 +673,7 @@ class Executor:
         with self._lock:
             forwards = len(parts) if separate else 1
             expected = st.expected_s(forwards, _rows(parts))
-            if st.state is not State.RESIDENT or not 0.0 < expected < QUICK_RUN_S:
+            if st.state is not State.RESIDENT or not 0.0 < expected < self.quick_run_s:
                 return None
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
@@ -682,7 +689,7 @@ class Executor:
 
     def _admit(self, st: Stage, requests: int) -> Any:
         """Count a run in (under `_lock`); returns the marker of its end on the device."""
-        now = time.monotonic()
+        now = self.clock()
         st.rate.add(now, requests)
         st.last_used = now
         st.inflight += 1
@@ -729,7 +736,7 @@ class Executor:
         marked = False
         try:
             with torch.inference_mode(), dev.compute(serving=True):
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 wait_s = 0.0
                 outputs: list[tuple[dict[str, torch.Tensor], list[int]]] = []
                 total = 0
@@ -752,14 +759,13 @@ class Executor:
                 for out, rows in outputs:
                     host = out if on_host else {n: t.to("cpu") for n, t in out.items()}
                     parts_out.extend(split_rows(host, rows))
-                compute_s = time.perf_counter() - t0 - wait_s
+                compute_s = self.clock() - t0 - wait_s
                 return RunOutput(parts_out, compute_s, wait_s, total)
         finally:
             if not marked:  # the compute lane itself failed: nothing of the run was queued
                 dev.mark_done(done)
 
-    @staticmethod
-    def _forward(st: Stage, ready: list[Any], x: Any, generation: int) -> tuple[Any, float]:
+    def _forward(self, st: Stage, ready: list[Any], x: Any, generation: int) -> tuple[Any, float]:
         """`x` through the stage's blocks, each once its bytes are in; returns the output and
         the seconds spent waiting for them."""
         blocks = st.blocks
@@ -767,9 +773,9 @@ class Executor:
         i = 0
         while i < len(blocks):
             if not ready[i].done():  # still copying in (a resident stage's never are)
-                tw = time.perf_counter()
+                tw = self.clock()
                 ready[i].order_current()
-                wait_s += time.perf_counter() - tw
+                wait_s += self.clock() - tw
             # This block and the ones after it whose bytes are already in run under one hold
             # of the lock (for a resident stage: all of them, one hold per forward); a block
             # still loading is waited for outside it, so a builder never waits on a copy.

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowmesh import hf_dir
-from flowmesh.build import read_weights_into
+from flowmesh.modelio import hf_dir
+from flowmesh.modelio.plan import Plan
+from flowmesh.modelio.stages import StageModule, materialize_stage, meta_stage
+from flowmesh.modelio.weights import read_weights_into
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import Device
 from gpu_worker.host_tier import HostStage
 from gpu_worker.model_code import building_model
-from partitioner.plan import Plan
-from partitioner.stages import StageModule, materialize_stage, meta_stage
 
 # Told (bytes read so far, bytes to read) while a stage's weights are read in.
 Progress = Callable[[int, int], None]

@@ -30,16 +30,15 @@ import secrets
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from flowmesh.build import SAFETENSORS_DTYPES
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.dtypes import SAFETENSORS_DTYPES
 from flowmesh.roots import io_error, not_safetensors
-
-if TYPE_CHECKING:
-    from gpu_worker.train_job import TrainingJob
+from gpu_worker.train_config import TrainConfig
+from gpu_worker.train_layout import SubModel, TensorInfo
 
 FORMAT = "flowmesh-training-checkpoint"
 VERSION = 1
@@ -48,6 +47,21 @@ META_FILE = "job.json"
 # Files a save writes before putting them in place (left only by a process killed mid-save).
 TMP_PREFIX = ".flowmesh-tmp-"
 DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+
+
+class Checkpointed(Protocol):
+    """What a save reads of a job and a load sets (`gpu_worker.train_job.TrainingJob`): its host
+    tier (`gpu_worker.train_layout`), optimizers, RNG state and step."""
+
+    name: str
+    config: TrainConfig
+    ranges: list[tuple[int, int]]
+    tensors: dict[str, TensorInfo]
+    subs: list[SubModel]
+    rng: tuple[torch.Tensor, torch.Tensor | None]
+    step_count: int
+    grad_valid: dict[str, bool]
+    state_valid: dict[str, bool]
 
 
 def _bad(reason: str) -> FlowmeshError:
@@ -132,7 +146,7 @@ def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], meta: str)
             f.write(memoryview(flat.numpy()))
 
 
-def save_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> Path:
+def save_checkpoint(job: Checkpointed, path: str | os.PathLike[str]) -> Path:
     """Write `job`'s checkpoint to the directory `path`: a new or empty one, or over a flowmesh
     checkpoint, atomically (see the module). The job must be idle: the executor runs this as a
     task of the job's chain."""
@@ -232,7 +246,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _parse_meta(embedded, where) if embedded else meta
 
 
-def load_checkpoint(job: TrainingJob, path: str | os.PathLike[str]) -> int:
+def load_checkpoint(job: Checkpointed, path: str | os.PathLike[str]) -> int:
     """Load a checkpoint into an idle job (same model and optimizer); returns its step."""
     from safetensors import safe_open
 

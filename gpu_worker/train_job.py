@@ -1,15 +1,8 @@
-"""One training job on a worker: its host tier and the sub-model tasks of a step.
+"""One training job on a worker: the sub-model tasks of a step and their compute.
 
-The model is a chain of blocks cut into contiguous sub-models (a chunk plan). The host tier keeps,
-per sub-model, one flat host slab laid out in four sections
-
-    [ P: parameters | B: buffers | G: gradients' home | S: optimizer state ]
-
-holding the tensors that sub-model *owns* (the lowest-indexed sub-model that uses a tensor owns
-it, so a weight tied across sub-models has one home, one gradient and one optimizer state). A task
-takes one arena extent whose prefix mirrors the slab's offsets, so bringing a section in is one
-contiguous copy; tensors a sub-model borrows from an earlier one's slab, the activation
-reservation and nothing else follow the prefix. While a task computes, the module's own Parameter
+The model is a chain of blocks cut into contiguous sub-models (a chunk plan), each with a host
+slab of the tensors it owns (`gpu_worker.train_layout`: the slab's sections, a task's extent in
+the arena, the copies that bring it in). While a task computes, the module's own Parameter
 and buffer objects are rebound (`.data`) to arena views, gradients accumulate into arena views
 and the torch optimizer reads and updates its state there; afterwards everything is rebound to
 its host home. Object identity never changes, so a per-sub-model `torch.optim` optimizer does the
@@ -22,7 +15,7 @@ A step with k sub-models and N micro-batches is, per micro-batch,
 
 and the optimizer update of a sub-model runs at the end of its last micro-batch's backward, or,
 with gradient clipping, in a second pass of update tasks once every gradient (hence the global
-norm) is known. What makes it exact (DESIGN section 6.9):
+norm) is known. What makes it exact:
 
 - randomness: each forward starts from the job's own RNG state (saved before, advanced after),
   and the backward's recompute restores the state that forward started from: dropout draws the
@@ -37,229 +30,53 @@ norm) is known. What makes it exact (DESIGN section 6.9):
 
 from __future__ import annotations
 
-import importlib
-import json
 import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from flowmesh.build import TORCH_DTYPES, call_model
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import (
-    BLOCK_ALIGN,
-    DEFAULT_ALLOW,
-    FACTORY_RE,
-    MAX_KWARGS_BYTES,
-    TENSOR_ALIGN,
-    TensorSpec,
-    factory_allowed,
-)
+from flowmesh.modelio.chain import Block
+from flowmesh.modelio.dtypes import TORCH_DTYPES
+from flowmesh.modelio.inputs import call_model
+from flowmesh.spec import TensorSpec
+from flowmesh.steps import StepResult
 from gpu_worker.device import Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import MODEL_CODE_LOCK
+from gpu_worker.train_checkpoint import save_checkpoint
+from gpu_worker.train_config import TrainConfig, loss_name, optimizer_states, resolve_loss
+from gpu_worker.train_layout import (
+    BACKWARD,
+    EVAL,
+    FORWARD,
+    LAST,
+    SAVE,
+    UPDATE,
+    CopyPlan,
+    Layout,
+    SubModel,
+    TensorInfo,
+    check_ranges,
+    collect,
+    lay_out_slab,
+    layout_for,
+    plan_copies,
+    regions,
+    task_layouts,
+)
 from gpu_worker.train_scheduler import ANY, Task
-from partitioner.chain import Block
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
-# Options that choose an implementation, not the maths; a probe on the meta device cannot take
-# some of them (fused kernels), and drops them.
-_IMPL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
-
-FORWARD, LAST, BACKWARD, UPDATE, SAVE = "forward", "last", "backward", "update", "save"
-EVAL = "eval"
-
-
-def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # Language-model logits (batch, time, vocab) against ids (batch, time): classes are last.
-    if out.dim() > 2 and target.dim() == out.dim() - 1:
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-    return F.cross_entropy(out, target)
-
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-LOSSES: dict[str, LossFn] = {
-    "cross_entropy": _cross_entropy,
-    "mse": F.mse_loss,
-}
-# Loss factories shipped with flowmesh: allowed on every worker, whatever its --allow (they are
-# flowmesh's own code, like the built-in losses above).
-LOSS_ALLOW = ("flowmesh.losses",)
-LossSpec = str | Mapping[str, Any]
-
-
-def loss_name(loss: LossSpec) -> str:
-    """How a loss spec reads in messages: its name or factory, with its kwargs."""
-    if isinstance(loss, str):
-        return loss
-    kwargs = loss.get("kwargs") or {}
-    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return f"{loss.get('factory')}({args})"
-
-
-def check_loss_spec(loss: Any) -> LossSpec:
-    """A loss spec's form (no import): a built-in name, 'package.module:callable', or
-    {"factory": "package.module:callable", "kwargs": {...}}; returns it as plain data."""
-    if isinstance(loss, str):
-        if loss in LOSSES or FACTORY_RE.match(loss):
-            return loss
-        raise _bad(
-            f"loss {loss!r}: expected one of {', '.join(LOSSES)}, or a loss factory "
-            "'package.module:callable' from the worker's allow-list"
-        )
-    if isinstance(loss, Mapping):
-        unknown = sorted(set(loss) - {"factory", "kwargs"})
-        factory, kwargs = loss.get("factory"), loss.get("kwargs") or {}
-        if unknown or not isinstance(factory, str) or not FACTORY_RE.match(factory):
-            raise _bad(
-                f"loss {dict(loss)!r}: a mapping needs 'factory': 'package.module:callable' "
-                "and optionally 'kwargs' (nothing else)"
-            )
-        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-            raise _bad(f"loss {factory}: kwargs must be a mapping with string keys")
-        try:
-            size = len(json.dumps(dict(kwargs)))
-        except (TypeError, ValueError) as exc:
-            raise _bad(f"loss {factory}: kwargs must be plain data: {exc}") from None
-        if size > MAX_KWARGS_BYTES:
-            raise _bad(f"loss {factory}: kwargs are {size} bytes, limit {MAX_KWARGS_BYTES}")
-        return {"factory": factory, "kwargs": dict(kwargs)}
-    raise _bad(f"loss must be a name, a factory string or a mapping, got {type(loss).__name__}")
-
-
-def resolve_loss(loss: LossSpec, allow: Iterable[str] | None = None) -> LossFn:
-    """The callable `loss(output, target) -> scalar tensor` of a loss spec, on this worker.
-
-    A factory runs only if its module is on `allow` (the worker's --allow; DEFAULT_ALLOW when not
-    given) or is one of flowmesh's own loss modules (LOSS_ALLOW); it is called with its kwargs
-    and must return a callable. Refusals are NOT_ALLOWED, other problems BAD_REQUEST; both say
-    that the worker refused, at open, before any step runs.
-    """
-    loss = check_loss_spec(loss)
-    if isinstance(loss, str) and loss in LOSSES:
-        return LOSSES[loss]
-    factory = loss if isinstance(loss, str) else loss["factory"]
-    kwargs = {} if isinstance(loss, str) else dict(loss["kwargs"])
-    allowed = (*(DEFAULT_ALLOW if allow is None else tuple(allow)), *LOSS_ALLOW)
-    if not factory_allowed(factory, allowed):
-        raise FlowmeshError(
-            Code.NOT_ALLOWED,
-            f"the worker refused loss factory {factory!r}: its module is not in the worker's "
-            f"allow-list ({', '.join(allowed)}); a loss factory is code the worker runs, so "
-            "start workers with --allow for its module",
-        )
-    module_name, attr = factory.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise _bad(f"the worker could not import loss factory {factory!r}: {exc}") from None
-    make = getattr(module, attr, None)
-    if not callable(make):
-        raise _bad(f"loss factory {factory!r} is not a callable on the worker")
-    try:
-        fn = make(**kwargs)
-    except Exception as exc:
-        raise _bad(
-            f"loss factory {loss_name(loss)} failed on the worker: {type(exc).__name__}: {exc}"
-        ) from None
-    if not callable(fn):
-        raise _bad(
-            f"loss factory {loss_name(loss)} returned {type(fn).__name__}, not a callable "
-            "loss(output, target) -> scalar tensor"
-        )
-    return fn
-
 
 def _bad(reason: str) -> FlowmeshError:
     return FlowmeshError(Code.BAD_REQUEST, reason)
-
-
-def _aligned(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How a job trains: optimizer, loss and step options (plain data, JSON-able)."""
-
-    optimizer: Mapping[str, Any]
-    # A built-in name, "package.module:callable" or {"factory": ..., "kwargs": {...}}: a factory
-    # from the worker's allow-list returning loss(output, target) -> scalar (resolve_loss).
-    loss: LossSpec = "cross_entropy"
-    clip_grad_norm: float | None = None
-    accumulate: int = 1  # micro-batches per step: the step's batch is split into this many
-    seed: int = 0  # the job's RNG stream (dropout); weights come from the model's own seed
-    stop_on_nonfinite: bool = True  # a nan/inf loss fails the step (no update) instead of applying
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.optimizer, Mapping):
-            raise _bad(f"optimizer must be a mapping with a name, got {self.optimizer!r}")
-        name = self.optimizer.get("name", self.optimizer.get("type"))
-        if not isinstance(name, str) or name.lower() not in OPTIMIZERS:
-            raise _bad(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
-        object.__setattr__(self, "optimizer", dict(self.optimizer))
-        object.__setattr__(self, "loss", check_loss_spec(self.loss))
-        clip = self.clip_grad_norm
-        if clip is not None and (
-            isinstance(clip, bool)
-            or not isinstance(clip, int | float)
-            or not math.isfinite(clip)
-            or clip <= 0
-        ):
-            raise _bad(f"clip_grad_norm must be a positive number or null, got {clip!r}")
-        n = self.accumulate
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise _bad(f"accumulate must be a positive integer, got {n!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise _bad(f"seed must be an integer, got {self.seed!r}")
-
-    @property
-    def optimizer_class(self) -> type[torch.optim.Optimizer]:
-        name = self.optimizer.get("name", self.optimizer.get("type"))
-        assert isinstance(name, str)
-        return OPTIMIZERS[name.lower()]
-
-    @property
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in self.optimizer.items() if k not in ("name", "type")}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": dict(self.optimizer),
-            "loss": self.loss if isinstance(self.loss, str) else dict(self.loss),
-            "clip_grad_norm": self.clip_grad_norm,
-            "accumulate": self.accumulate,
-            "seed": self.seed,
-            "stop_on_nonfinite": self.stop_on_nonfinite,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
-        known = {"optimizer", "loss", "clip_grad_norm", "accumulate", "seed", "stop_on_nonfinite"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise _bad(f"unknown training option(s): {', '.join(unknown)}")
-        return cls(**data)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    step: int  # steps completed by the job, this one included
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -268,64 +85,6 @@ class TaskResult:
     nonfinite: bool = False
     value: Any = None  # what a checkpoint task returns
     bytes_out: int = 0
-
-
-@dataclass
-class CopyPlan:
-    """The host->arena copies of one task, decided when it is admitted (on the driver thread)."""
-
-    copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # arena offset, bytes
-    zero: list[tuple[int, int]] = field(default_factory=list)  # arena offset, size: zero-filled
-
-    @property
-    def bytes_in(self) -> int:
-        return sum(src.numel() for _, src in self.copies)
-
-
-@dataclass
-class TensorInfo:
-    name: str  # the original model's state_dict name (or block-qualified if not in it)
-    tensor: torch.Tensor  # the module's own Parameter or buffer object
-    is_param: bool
-    trainable: bool
-    owner: int  # index of the sub-model whose slab holds it
-    order: int  # first appearance in the chain (gradient-norm order, like model.parameters())
-    slot: Slot = field(init=False)  # within the owner's slab
-    home: torch.Tensor = field(init=False)
-    grad_slot: Slot | None = None
-    grad_home: torch.Tensor | None = None
-    state_slots: dict[str, Slot] = field(default_factory=dict)
-    state_homes: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class Layout:
-    """Where a task's tensors sit in its extent (offsets relative to the extent's start)."""
-
-    prefix: int  # the slab sections mirrored at the start
-    borrowed: dict[str, int]
-    borrowed_grads: dict[str, int]
-    reserve: int  # activation bytes accounted for this task
-    total: int
-
-
-@dataclass
-class SubModel:
-    index: int
-    start: int
-    stop: int
-    modules: list[nn.Module]
-    uses: list[str]  # every tensor its blocks hold, first appearance first
-    owned: list[str]
-    borrowed: list[str]
-    slab: torch.Tensor = field(init=False)
-    sections: dict[str, tuple[int, int]] = field(default_factory=dict)  # "P","B","G","S"
-    optimizer: torch.optim.Optimizer | None = None
-    layouts: dict[str, Layout] = field(default_factory=dict)
-
-
-def _slot(name: str, t: torch.Tensor, offset: int) -> Slot:
-    return Slot(name, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size())
 
 
 def _model_error(job: str, where: str, exc: BaseException) -> FlowmeshError:
@@ -407,10 +166,10 @@ def _as_output(out: Any) -> torch.Tensor:
 class TrainingJob:
     """A model's sub-models, their host tier and optimizers, and the compute of each task.
 
-    `blocks` is the model's chain (`partitioner.chain.chain_of`) and `ranges` the sub-models'
+    `blocks` is the model's chain (`flowmesh.modelio.chain.chain_of`) and `ranges` the sub-models'
     block ranges (a chunk plan's `ranges`). `act_bytes[i]` / `fwd_bytes[i]` are the activation
     bytes a backward / forward task of sub-model i holds besides its tensors (from the model's
-    profile; see `gpu_worker.training.open_job`); they are reserved in the arena so that the
+    profile; see `gpu_worker.train_executor.open_job`); they are reserved in the arena so that the
     budget accounts for them. Calls into a job come from one executor: the driver thread plans
     copies, the compute lane runs tasks, never two tasks of one job at once. `allow` is the
     worker's allow-list for a loss factory (`resolve_loss`).
@@ -436,7 +195,7 @@ class TrainingJob:
         self.device = device
         self.inputs = dict(inputs) if inputs is not None else None
         self.ranges = [(int(a), int(b)) for a, b in ranges]
-        self._check_ranges(len(blocks))
+        check_ranges(self.ranges, len(blocks))
         k = len(self.ranges)
         self.act_bytes = list(act_bytes) if act_bytes is not None else [0] * k
         self.fwd_bytes = list(fwd_bytes) if fwd_bytes is not None else [0] * k
@@ -445,14 +204,16 @@ class TrainingJob:
         self._cuda = device.torch_device.index if device.kind == "cuda" else None
         if self._cuda is None and device.kind == "cuda":
             self._cuda = torch.cuda.current_device()
-        self.tensors: dict[str, TensorInfo] = {}
-        self.subs: list[SubModel] = []
-        self._collect(blocks)
+        self.tensors: dict[str, TensorInfo]
+        self.subs: list[SubModel]
+        self.tensors, self.subs = collect(blocks, self.ranges)
         for m in (mod for sub in self.subs for mod in sub.modules):
             m.train()
-        self._layout_slabs()
+        self._make_slabs()
         self._make_optimizers()
-        self._make_layouts()
+        for sub in self.subs:
+            i = sub.index
+            sub.layouts = task_layouts(sub, self.tensors, self.fwd_bytes[i], self.act_bytes[i])
         for info in self.tensors.values():
             if info.trainable:
                 info.tensor.register_post_accumulate_grad_hook(self._touch(info.name))
@@ -494,123 +255,14 @@ class TrainingJob:
 
     # -- construction ------------------------------------------------------------------------
 
-    def _check_ranges(self, n: int) -> None:
-        expect = 0
-        for a, b in self.ranges:
-            if a != expect or b <= a:
-                raise FlowmeshError(
-                    Code.PLAN_ERROR, f"sub-model ranges {self.ranges} are not contiguous from 0"
-                )
-            expect = b
-        if expect != n or not self.ranges:
-            raise FlowmeshError(
-                Code.PLAN_ERROR, f"sub-model ranges {self.ranges} do not cover the {n} blocks"
-            )
-
-    def _collect(self, blocks: Sequence[Block]) -> None:
-        by_id: dict[int, str] = {}
-        for index, (a, b) in enumerate(self.ranges):
-            uses: list[str] = []
-            for block in blocks[a:b]:
-                named = [
-                    *(
-                        (n, t, True)
-                        for n, t in block.module.named_parameters(remove_duplicate=False)
-                    ),
-                    *((n, t, False) for n, t in block.module.named_buffers(remove_duplicate=False)),
-                ]
-                for local, t, is_param in named:
-                    name = by_id.get(id(t))
-                    if name is None:
-                        name = block.tensor_names.get(local, f"{block.name}:{local}")
-                        by_id[id(t)] = name
-                        self.tensors[name] = TensorInfo(
-                            name,
-                            t,
-                            is_param,
-                            is_param and t.requires_grad,
-                            index,
-                            len(self.tensors),
-                        )
-                    if name not in uses:
-                        uses.append(name)
-            owned = [n for n in uses if self.tensors[n].owner == index]
-            borrowed = [n for n in uses if self.tensors[n].owner != index]
-            for n in borrowed:
-                if not self.tensors[n].is_param:
-                    raise FlowmeshError(
-                        Code.PLAN_ERROR,
-                        f"buffer {n!r} is shared by sub-models {self.tensors[n].owner} and "
-                        f"{index}: keep the blocks that share a buffer in one sub-model",
-                    )
-            mods = [blk.module for blk in blocks[a:b]]
-            self.subs.append(SubModel(index, a, b, mods, uses, owned, borrowed))
-
-    def _probe_states(self, params: list[torch.Tensor]) -> list[dict[str, torch.dtype]]:
-        """The optimizer's per-parameter state tensors (name, dtype), found by one step on meta
-        copies: the entries shaped like the parameter are what moves with it."""
-        if not params:
-            return []
-        probes = []
-        for p in params:
-            q = torch.empty_like(p, device="meta").requires_grad_(True)
-            q.grad = torch.empty_like(q)
-            probes.append(q)
-        kwargs = {k: v for k, v in self.config.optimizer_kwargs.items() if k not in _IMPL_OPTIONS}
-        try:
-            opt = self.config.optimizer_class(probes, **kwargs)
-            opt.step()
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise _bad(f"optimizer {self.config.optimizer}: {exc}") from None
-        out = []
-        for q in probes:
-            state = opt.state.get(q, {})
-            out.append(
-                {
-                    k: v.dtype
-                    for k, v in state.items()
-                    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(q.shape) and v.dim()
-                }
-            )
-        return out
-
-    def _layout_slabs(self) -> None:
+    def _make_slabs(self) -> None:
+        """Each sub-model's slab, laid out (`lay_out_slab`) and filled: the host tier now holds
+        the only copy of every tensor."""
         for sub in self.subs:
             infos = [self.tensors[n] for n in sub.owned]
-            params = [i for i in infos if i.is_param]
-            buffers = [i for i in infos if not i.is_param]
-            trainable = [i for i in params if i.trainable]
-            states = self._probe_states([i.tensor for i in trainable])
-            offset = 0
-
-            def place(name: str, like: torch.Tensor) -> Slot:
-                nonlocal offset
-                slot = _slot(name, like, offset)
-                offset += _aligned(slot.nbytes, TENSOR_ALIGN)
-                return slot
-
-            sections: dict[str, tuple[int, int]] = {}
-            start = offset
-            for info in params:
-                info.slot = place(info.name, info.tensor)
-            offset = _aligned(offset, BLOCK_ALIGN)
-            sections["P"], start = (start, offset), offset
-            for info in buffers:
-                info.slot = place(info.name, info.tensor)
-            offset = _aligned(offset, BLOCK_ALIGN)
-            sections["B"], start = (start, offset), offset
-            for info in trainable:
-                info.grad_slot = place(info.name, info.tensor)
-            offset = _aligned(offset, BLOCK_ALIGN)
-            sections["G"], start = (start, offset), offset
-            for info, dtypes in zip(trainable, states, strict=True):
-                for key, dtype in dtypes.items():
-                    like = torch.empty(info.tensor.shape, dtype=dtype, device="meta")
-                    info.state_slots[key] = place(f"{info.name}.{key}", like)
-            offset = _aligned(offset, BLOCK_ALIGN)
-            sections["S"] = (start, offset)
-            sub.sections = sections
-            sub.slab = self.device.host_buffer(max(offset, 1))
+            trainable = [i.tensor for i in infos if i.is_param and i.trainable]
+            size = lay_out_slab(sub, self.tensors, optimizer_states(self.config, trainable))
+            sub.slab = self.device.host_buffer(max(size, 1))
             with torch.no_grad():
                 for info in infos:
                     info.home = view_of(sub.slab, info.slot.offset, info.slot)
@@ -631,33 +283,6 @@ class TrainingJob:
                 sub.optimizer = self.config.optimizer_class(params, **self.config.optimizer_kwargs)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise _bad(f"optimizer {self.config.optimizer}: {exc}") from None
-
-    def _make_layouts(self) -> None:
-        align = BLOCK_ALIGN
-        for sub in self.subs:
-            ends = {k: v[1] for k, v in sub.sections.items()}
-            kinds = {
-                FORWARD: (ends["B"], False, self.fwd_bytes[sub.index]),
-                "grad": (ends["G"], True, self.act_bytes[sub.index]),
-                "grad+update": (ends["S"], True, self.act_bytes[sub.index]),
-                UPDATE: (ends["S"], None, 0),
-            }
-            for kind, (prefix, grads, reserve) in kinds.items():
-                offset = _aligned(prefix, align)
-                borrowed: dict[str, int] = {}
-                borrowed_grads: dict[str, int] = {}
-                if grads is not None:
-                    for n in sub.borrowed:
-                        borrowed[n] = offset
-                        offset += _aligned(self.tensors[n].slot.nbytes, TENSOR_ALIGN)
-                    if grads:
-                        for n in sub.borrowed:
-                            if self.tensors[n].trainable:
-                                borrowed_grads[n] = offset
-                                offset += _aligned(self.tensors[n].slot.nbytes, TENSOR_ALIGN)
-                    offset = _aligned(offset, align)
-                total = offset + _aligned(reserve, align)
-                sub.layouts[kind] = Layout(prefix, borrowed, borrowed_grads, reserve, total)
 
     def _touch(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -752,41 +377,11 @@ class TrainingJob:
         self._losses[request] = []
         self._nonfinite[request] = False
 
-    def _keys(self, kind: str, i: int, update: bool) -> tuple[frozenset[str], frozenset[str]]:
-        sub = self.subs[i]
-        owners = {self.tensors[n].owner for n in sub.borrowed}
-        if kind == FORWARD:
-            reads = {f"P:{i}", f"B:{i}", *(f"P:{o}" for o in owners)}
-            writes = {f"B:{i}", f"R:{i}"}
-        elif kind == EVAL:  # writes nothing back: its extent is dropped when it ends
-            reads = {f"P:{i}", f"B:{i}", *(f"P:{o}" for o in owners)}
-            writes = set()
-        elif kind == UPDATE:
-            reads = {f"P:{i}", f"G:{i}", f"S:{i}", "N"}
-            writes = {f"P:{i}", f"G:{i}", f"S:{i}"}
-        else:
-            reads = {f"P:{i}", f"G:{i}", *(f"P:{o}" for o in owners), *(f"G:{o}" for o in owners)}
-            reads.add(f"B:{i}" if kind == LAST else f"R:{i}")
-            writes = {f"G:{i}", *(f"G:{o}" for o in owners)}
-            if kind == LAST:
-                writes.add(f"B:{i}")
-            if update:
-                reads.add(f"S:{i}")
-                writes |= {f"P:{i}", f"S:{i}"}
-            if self.config.clip_grad_norm is not None:
-                writes.add("N")
-        return frozenset(reads), frozenset(writes)
-
     def _task(self, request: int, kind: str, i: int, micro: int, update: bool) -> Task:
         sub = self.subs[i]
-        layout = sub.layouts[
-            FORWARD
-            if kind in (FORWARD, EVAL)
-            else UPDATE
-            if kind == UPDATE
-            else ("grad+update" if update else "grad")
-        ]
-        reads, writes = self._keys(kind, i, update)
+        layout = layout_for(sub, kind, update)
+        clip = self.config.clip_grad_norm is not None
+        reads, writes = regions(kind, sub, self.tensors, update, clip)
         task = Task(self.name, request, kind, layout.total, reads, writes, sub=i, micro=micro)
         task.payload = {"update": update}
         return task
@@ -830,86 +425,29 @@ class TrainingJob:
 
     def copy_plan(self, task: Task, base: int) -> CopyPlan:
         """Copies that bring the task's data from the host tier into its extent at `base`."""
-        plan = CopyPlan()
         if task.kind == SAVE:
-            return plan
-        sub = self.subs[task.sub]
-        update = bool(task.payload["update"])
-        layout = self._layout(task)
-        (p0, p1), (b0, b1), (g0, g1), (s0, s1) = (sub.sections[k] for k in "PBGS")
-        if p1 > p0:
-            plan.copies.append((base + p0, sub.slab[p0:p1]))
-        if b1 > b0 and task.kind in (FORWARD, LAST, EVAL):
-            plan.copies.append((base + b0, sub.slab[b0:b1]))
-        if b1 > b0 and task.kind == BACKWARD:
-            snapshot = self._replay[(task.request, task.micro, task.sub)][1]
-            assert snapshot is not None
-            plan.copies.append((base + b0, snapshot))
-        owned_trainable = [self.tensors[n] for n in sub.owned if self.tensors[n].trainable]
-        if task.kind not in (FORWARD, EVAL) and g1 > g0:
-            self._plan_section(
-                plan, sub, base, (g0, g1), owned_trainable, self.grad_valid, grads=True
-            )
-        if update and s1 > s0:
-            self._plan_section(
-                plan, sub, base, (s0, s1), owned_trainable, self.state_valid, grads=False
-            )
-        for n, off in layout.borrowed.items():
-            info = self.tensors[n]
-            owner = self.subs[info.owner].slab
-            plan.copies.append(
-                (base + off, owner[info.slot.offset : info.slot.offset + info.slot.nbytes])
-            )
-        for n, off in layout.borrowed_grads.items():
-            info = self.tensors[n]
-            assert info.grad_slot is not None
-            if self.grad_valid[n]:
-                owner = self.subs[info.owner].slab
-                g = info.grad_slot
-                plan.copies.append((base + off, owner[g.offset : g.offset + g.nbytes]))
-            else:
-                plan.zero.append((base + off, info.grad_slot.nbytes))
-        return plan
-
-    def _plan_section(
-        self,
-        plan: CopyPlan,
-        sub: SubModel,
-        base: int,
-        section: tuple[int, int],
-        infos: list[TensorInfo],
-        valid: dict[str, bool],
-        *,
-        grads: bool,
-    ) -> None:
-        lo, hi = section
-        if infos and all(valid[i.name] for i in infos):
-            plan.copies.append((base + lo, sub.slab[lo:hi]))  # one contiguous copy
-            return
-        for info in infos:
-            slots = [info.grad_slot] if grads else list(info.state_slots.values())
-            for s in slots:
-                assert s is not None
-                if valid[info.name]:
-                    plan.copies.append((base + s.offset, sub.slab[s.offset : s.offset + s.nbytes]))
-                elif grads:  # no gradient yet: accumulate from zero
-                    plan.zero.append((base + s.offset, s.nbytes))
+            return CopyPlan()
+        replay = self._replay.get((task.request, task.micro, task.sub))
+        return plan_copies(
+            self.subs,
+            self.tensors,
+            task.sub,
+            task.kind,
+            bool(task.payload["update"]),
+            base,
+            grad_valid=self.grad_valid,
+            state_valid=self.state_valid,
+            snapshot=replay[1] if task.kind == BACKWARD and replay is not None else None,
+        )
 
     def _layout(self, task: Task) -> Layout:
-        sub = self.subs[task.sub]
-        if task.kind in (FORWARD, EVAL):
-            return sub.layouts[FORWARD]
-        if task.kind == UPDATE:
-            return sub.layouts[UPDATE]
-        return sub.layouts["grad+update" if task.payload["update"] else "grad"]
+        return layout_for(self.subs[task.sub], task.kind, bool(task.payload["update"]))
 
     # -- compute (compute lane) ----------------------------------------------------------------
 
     def run(self, task: Task, base: int, plan: CopyPlan, arena: torch.Tensor) -> TaskResult:
         """Compute one task whose copies are done, with its extent at `base` of `arena`."""
         if task.kind == SAVE:
-            from gpu_worker.train_checkpoint import save_checkpoint
-
             return TaskResult(value=save_checkpoint(self, task.payload["path"]))
         for off, size in plan.zero:
             arena[off : off + size].zero_()

@@ -28,7 +28,7 @@ flow). The rules:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -53,8 +53,8 @@ class Task:
     request: int  # the request (training step, checkpoint) it belongs to
     kind: str
     nbytes: int
-    reads: frozenset[str] = frozenset()
-    writes: frozenset[str] = frozenset()
+    reads: frozenset[Hashable] = frozenset()
+    writes: frozenset[Hashable] = frozenset()
     sub: int = 0  # sub-model index
     micro: int = 0  # micro-batch index within the step
     last: bool = False  # the request's final task: its end completes the request

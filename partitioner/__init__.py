@@ -1,5 +1,6 @@
-"""The partitioner: reads a model as a chain of blocks, profiles it and plans stages or chunks.
+"""The partitioner: the process that profiles a model's chain and plans stages or chunks on request.
 
-Importing the package imports no torch: `costs`, `planners` and `plan` are plain data and pure
-functions the broker can use; `chain`, `profile` and `stages` need torch and are imported by name.
+Model reading, profiling, the plan type and chunk planning live on the bottom floor
+(`flowmesh.modelio`), shared with the workers; the pipeline-stage planners are its own
+(`stage_planners`, `stage_plans`). Importing the package imports no torch.
 """

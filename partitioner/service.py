@@ -13,6 +13,8 @@ from typing import Any
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from flowmesh.modelio.plan import chunk_plan
+from flowmesh.modelio.profile import profile
 from flowmesh.peer import MeshPeer
 from flowmesh.roots import Roots
 from flowmesh.spec import (
@@ -24,8 +26,7 @@ from flowmesh.spec import (
     narrow_allow,
 )
 from flowmesh.threads import torch_pool
-from partitioner.plan import chunk_plan, stage_plan
-from partitioner.profile import profile
+from partitioner.stage_plans import stage_plan
 
 
 def plan_for(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import uvloop
 
-from flowmesh.build import build_meta, build_seeded
+from flowmesh.modelio.build import build_meta, build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.threads import TorchLanes, torch_pool
 from gpu_worker.device import CpuStandIn

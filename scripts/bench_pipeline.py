@@ -34,7 +34,7 @@ import torch
 
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 

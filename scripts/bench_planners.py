@@ -15,8 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
-from partitioner.costs import BlockProfile
-from partitioner.planners import balance, chunks, part_sums
+from flowmesh.modelio.costs import BlockProfile
+from flowmesh.modelio.planners import balance, chunks, part_sums
 
 
 def dp_bottleneck(costs: list[int], parts: int) -> int:

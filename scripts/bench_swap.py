@@ -2,7 +2,7 @@
 cold request (load + run issued together, layer-pipelined) against transfer alone and against
 transfer followed by compute. Then disk to host: a safetensors file of --disk-mib written by the
 script (in a temporary directory) read into a stage's host buffer by the worker's direct reader
-(flowmesh.build.read_weights_into: each tensor's bytes from the file straight into its slot),
+(modelio.weights.read_weights_into: each tensor's bytes from the file straight into its slot),
 against safetensors.torch.load_file, the old path (load_file, then copied into the host buffer)
 and a raw read of the whole file into a bytearray, same run, interleaved.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowmesh.build import READ_CHUNK, read_weights_into
+from flowmesh.modelio.weights import READ_CHUNK, read_weights_into
 from gpu_worker.device import CpuStandIn, CudaDevice, Device
 from gpu_worker.executor import Executor
 from gpu_worker.host_tier import HostStage

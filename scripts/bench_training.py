@@ -69,12 +69,13 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from flowmesh.build import build_seeded
 from flowmesh.errors import FlowmeshError
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import CpuStandIn, Device, open_device
-from gpu_worker.train_job import TrainConfig, TrainingJob
-from gpu_worker.training import TrainingExecutor, open_job
+from gpu_worker.train_config import TrainConfig
+from gpu_worker.train_executor import TrainingExecutor, open_job
+from gpu_worker.train_job import TrainingJob
 
 BIG = 1 << 50  # a chunk target no job reaches: the whole job is one sub-model
 MIB = 1 << 20

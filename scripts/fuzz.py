@@ -339,7 +339,7 @@ async def healthy(frontend: str, stop: asyncio.Event, report: Report, width: int
     import torch
 
     from client_sdk.client import AsyncClient
-    from flowmesh.build import build_seeded
+    from flowmesh.modelio.build import build_seeded
 
     ref = build_seeded(healthy_spec(width))
     async with AsyncClient(frontend, timeout=10) as client:

@@ -1,8 +1,20 @@
-"""The `flowmesh` command's pure parts: what `up` builds, what `status` prints."""
+"""The `flowmesh` command without a mesh: what `up` builds, what `status` and the watch view
+print, its version, and how it refuses what it does not understand (run as a user runs it)."""
 
 from __future__ import annotations
 
+import argparse
+import io
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client_sdk import cli, views
 from client_sdk.cli import build_parser, up_mesh
+from tests.support.cli import ROOT, flowmesh
 
 
 def test_up_passes_state_dir_and_autoscale_to_the_broker() -> None:
@@ -38,3 +50,137 @@ def test_status_says_how_activations_travelled_only_when_some_did() -> None:
     st.update(direct_batches=5, activation_bytes_relayed=3 << 20)
     line = format_status(st).splitlines()[1]
     assert line == "stages over several workers: 5 batches direct, 3.0 MiB of activations relayed"
+
+
+def test_version_is_the_installed_package_s() -> None:
+    run = flowmesh("--version")
+    assert run.returncode == 0, run.stderr
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert run.stdout == f"flowmesh {version('flowmesh')}\n" == f"flowmesh {declared}\n"
+
+
+def test_a_mistyped_flag_shows_the_subcommand_s_usage_and_the_closest_flag() -> None:
+    run = flowmesh("infer", "mlp", "--bacth", "2")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("usage: flowmesh infer "), run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == (
+        "flowmesh infer: error: unrecognized arguments: --bacth 2 (did you mean --batch?)"
+    )
+
+
+def subparsers(ap: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`ap` and every (sub)command parser under it."""
+    out = [ap]
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                out += subparsers(p)
+    return out
+
+
+def test_no_parser_takes_an_abbreviated_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    parsers = subparsers(build_parser())
+    assert len(parsers) > 12 and all(not p.allow_abbrev for p in parsers)
+    # A prefix of a flag is refused, with the flag it is a prefix of as the suggestion.
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["up", "--cpu-worker", "1"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --cpu-worker 1 (did you mean --cpu-workers?)" in err, err
+    assert err.startswith("usage: flowmesh up "), err
+
+
+def test_plan_and_train_offer_the_optimizers_a_worker_runs() -> None:
+    from gpu_worker.train_config import OPTIMIZERS
+
+    def choices(cmd: str) -> list[str]:
+        p = next(p for p in subparsers(build_parser()) if p.prog == f"flowmesh {cmd}")
+        return next(a.choices for a in p._actions if a.dest == "optimizer")
+
+    assert choices("plan") == choices("train") == sorted(OPTIMIZERS)
+
+
+def test_up_hands_its_config_file_to_every_process_and_keeps_its_log_dir(tmp_path: Path) -> None:
+    config = tmp_path / "flowmesh.toml"
+    config.write_text("[broker]\nmax_queue = 7\n\n[worker]\ncompute_lanes = 1\n")
+    argv = ["up", "--cpu-workers", "1", "--config", str(config), "--log-dir", str(tmp_path)]
+    mesh = up_mesh(build_parser().parse_args(argv), gpus=[])
+    given = ["--config", str(config)]
+    assert mesh.broker_args == given and mesh.partitioner_args == mesh.worker_args == given
+    assert mesh.run_dir == tmp_path
+    cli.check_config(str(config))  # every table and key known
+    config.write_text("[worker]\nmemory_budgte = 1\n")
+    with pytest.raises(SystemExit) as refused:
+        cli.check_config(str(config))
+    assert str(refused.value) == (
+        f"flowmesh up: {config}: [worker] memory_budgte: unknown key (did you mean memory_budget?)"
+    )
+    free = up_mesh(build_parser().parse_args(["up", "--listen", "127.0.0.1:0"]), gpus=[])
+    assert (free.frontend_port, free.backend_port) == (0, 0)  # both chosen at bind
+
+
+def test_infer_reports_the_request_s_rows_and_the_requests_batched_with_it() -> None:
+    import torch
+
+    info = {"latency_ms": 3.0, "queue_ms": 1.0, "compute_ms": 2.0, "load_wait_ms": 0.0}
+    text = views.format_infer({"": torch.zeros(2, 3)}, {**info, "batch": 1, "workers": ["w"]}, 2)
+    assert "batch of 2 row(s) in a forward of 1 request(s), workers w" in text, text
+
+
+def test_the_deploy_bar_counts_in_mib() -> None:
+    bar = views.deploy_bar("m")
+    bar.add_task("read", total=3 << 20, completed=1 << 20)
+    (task,) = bar.tasks
+    assert str(bar.columns[2].render(task)) == "1.0 MiB / 3.0 MiB"
+
+
+def status_of(workers: int, models: int, jobs: int) -> dict[str, Any]:
+    """A status as the broker sends it, with long names and figures."""
+    return {
+        "uptime_s": 86399, "requests": 1234567, "completed": 1234000, "errors": 567,
+        "queued": 4096, "inflight_batches": 12, "dropped_sends": 3,
+        "workers": [
+            {
+                "name": f"gpu-worker-{i}", "ready": i % 2 == 0, "resident_bytes": 70 << 30,
+                "budget_bytes": 80 << 30, "resident": [f"chat-large/{k}" for k in range(9)],
+                "loads": 12345, "evictions": 9876, "inflight": 16, "last_seen_s": 123.4,
+            }
+            for i in range(workers)
+        ],
+        "models": [
+            {
+                "name": f"chat-large-{i}", "state": "deploying", "replicas": [{}, {}, {}],
+                "queue": 4096, "requests": 123456, "errors": 1234, "mean_ms": 12345.6,
+                "p99_ms": 99999.9, "load_wait_ms": 1234.5, "mean_batch": 7.5,
+            }
+            for i in range(models)
+        ],
+        "jobs": [
+            {
+                "name": f"train-12345-{i}", "worker": "gpu-worker-1", "state": "running",
+                "step": 123456, "last_loss": 1.2345678, "steps_per_s": 123.45, "pending": 8,
+                "errors": 0,
+            }
+            for i in range(jobs)
+        ],
+    }  # fmt: skip
+
+
+def test_the_watch_view_fits_80_columns_on_a_terminal_and_as_text() -> None:
+    from rich.console import Console
+
+    st = status_of(workers=3, models=4, jobs=2)
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(views.status_view(st, note="no answer from tcp://10.0.0.1:5555"))
+    drawn = console.file.getvalue()  # type: ignore[attr-defined]
+    plain = views.watch_text(st)
+    for text in (drawn, plain):
+        assert max(len(line) for line in text.splitlines()) <= 80, text
+        for title, header, _rows in views._watch_tables(st):
+            # Every header whole on one line: nothing folded or cut short.
+            line = next(ln for ln in text.splitlines() if ln.startswith(f"{header[0]} "))
+            assert line.split() == " ".join(header).split(), line
+            assert title in text
+        assert "chat-large-3" in text and "train-12345-1" in text and "gpu-worker-2" in text
+    assert "\x1b" not in plain

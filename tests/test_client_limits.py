@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-import client_sdk.client as client_mod
+import client_sdk.connection as connection_mod
 from broker.core import BrokerCore
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from flowmesh import protocol as p
 from flowmesh.errors import Code
+from tests.support.waiting import within_turns
 
 MiB = 1 << 20
 WIDTH = 64
@@ -66,14 +67,14 @@ def sock(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingSocket]:
     async def forever(*args: Any, **kwargs: Any) -> None:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(client_mod, "connect_dealer", lambda *a, **k: fake)
-    monkeypatch.setattr(client_mod, "read_frames", forever)
-    monkeypatch.setattr(client_mod, "watch_handshakes", forever)
+    monkeypatch.setattr(connection_mod, "connect_dealer", lambda *a, **k: fake)
+    monkeypatch.setattr(connection_mod, "read_frames", forever)
+    monkeypatch.setattr(connection_mod, "watch_handshakes", forever)
     yield fake
 
 
 def answer(client: AsyncClient, msg: p.Message) -> None:
-    client._on_frames([bytes(memoryview(f)) for f in p.encode(msg)])
+    client.connection._on_frames([bytes(memoryview(f)) for f in p.encode(msg)])
 
 
 def welcome(client: AsyncClient, sock: RecordingSocket, max_message_bytes: int) -> None:
@@ -82,14 +83,6 @@ def welcome(client: AsyncClient, sock: RecordingSocket, max_message_bytes: int) 
     answer(
         client, p.Welcome(id=hello.id, max_message_bytes=max_message_bytes, max_header_bytes=MiB)
     )
-
-
-async def until(probe: Callable[[], bool], what: str) -> None:
-    for _ in range(1000):  # loop turns, not time: everything here runs on this loop
-        if probe():
-            return
-        await asyncio.sleep(0)
-    pytest.fail(f"never happened: {what}")
 
 
 def answer_infers(client: AsyncClient, sent: list[p.Message]) -> None:
@@ -112,7 +105,7 @@ async def test_calls_wait_for_the_brokers_limits_and_one_over_them_is_refused_un
 ) -> None:
     async with AsyncClient("tcp://broker", timeout=30) as client:
         xs, small, big = calls(client)
-        await until(lambda: len(client._pending) == SMALL + 1, "every call made")
+        await within_turns(lambda: len(client.connection._pending) == SMALL + 1, "every call made")
         assert [type(m) for m in sock.sent] == [p.Hello]  # nothing else before the limits
         welcome(client, sock, MiB)
         (exc,) = await asyncio.wait_for(asyncio.gather(big, return_exceptions=True), 5)
@@ -140,15 +133,17 @@ async def test_a_call_over_the_limits_of_the_next_connection_is_never_sent_again
     """The broker came back with a smaller limit than the one the calls were sent under (or
     dropped the connection for the oversized call): that call fails, the others go again."""
     async with AsyncClient("tcp://broker", timeout=30) as client:
-        client._connect()
+        client.connection.connect()
         welcome(client, sock, 1 << 30)
         xs, small, big = calls(client)
-        await until(lambda: len(sock.sent) == SMALL + 1, "every call sent")
+        await within_turns(lambda: len(sock.sent) == SMALL + 1, "every call sent")
         sock.take()
-        client._on_link(client._sock, False)  # type: ignore[arg-type]
+        client.connection._on_link(client.connection._sock, False)  # type: ignore[arg-type]
         late = asyncio.create_task(client.infer("m", torch.ones(1, WIDTH)))  # made meanwhile
-        await until(lambda: len(client._pending) == SMALL + 2, "the late call made")
-        client._on_link(client._sock, True)  # type: ignore[arg-type]
+        await within_turns(
+            lambda: len(client.connection._pending) == SMALL + 2, "the late call made"
+        )
+        client.connection._on_link(client.connection._sock, True)  # type: ignore[arg-type]
         welcome(client, sock, MiB)  # only a Hello went out on the new connection
         (exc,) = await asyncio.wait_for(asyncio.gather(big, return_exceptions=True), 5)
         assert isinstance(exc, errors.TooLarge), exc
@@ -168,7 +163,7 @@ async def test_a_broker_that_knows_no_hello_leaves_the_clients_own_limits(
 ) -> None:
     async with AsyncClient("tcp://broker", timeout=30) as client:
         task = asyncio.create_task(client.infer("m", torch.ones(1, WIDTH)))
-        await until(lambda: len(client._pending) == 1, "the call made")
+        await within_turns(lambda: len(client.connection._pending) == 1, "the call made")
         (hello,) = sock.take()
         answer(client, p.Error(id=hello.id, code="unknown_type", reason="unknown 'hello'"))  # type: ignore[attr-defined]
         assert client.broker_limits is None
@@ -181,8 +176,8 @@ async def test_calls_waiting_for_the_limits_fail_at_once_with_the_connection(
 ) -> None:
     async with AsyncClient("tcp://broker", timeout=30) as client:
         task = asyncio.create_task(client.infer("m", torch.ones(1, WIDTH)))
-        await until(lambda: len(client._pending) == 1, "the call made")
-        client._refused(client._sock, "the broker refused this key")  # type: ignore[arg-type]
+        await within_turns(lambda: len(client.connection._pending) == 1, "the call made")
+        client.connection._refused(client.connection._sock, "the broker refused this key")  # type: ignore[arg-type]
         with pytest.raises(errors.ClientError, match="refused this key") as info:
             await asyncio.wait_for(task, 5)
         assert info.value.code == Code.UNAUTHORIZED

@@ -28,6 +28,7 @@ from flowmesh.exposure import check_keyless_bind, reachable_from_other_hosts
 from flowmesh.peer import MeshPeer
 from flowmesh.transport import bind_router, connect_dealer
 from gpu_worker.__main__ import default_name
+from tests.support.waiting import until
 
 TAKEN = "name 'w0' is held by a live worker of another process (pid 1, heard from 0.1 s ago)"
 
@@ -173,10 +174,8 @@ async def test_a_peer_refused_while_its_predecessor_is_still_known_gets_in_after
     peer = _Peer("w0", ep, register_timeout_s=10)
     connection = asyncio.create_task(peer._connection(ctx))
     try:
-        async with asyncio.timeout(30):
-            while peer.registrations == 0:
-                assert not connection.done(), connection
-                await asyncio.sleep(0.01)
+        await until(lambda: peer.registrations or connection.done(), "a registration", 30)
+        assert not connection.done(), connection
         assert len(seen) == 3 and peer.heartbeat_s == 0.2
         assert len({addr for addr, _ in seen}) == 1  # each answered: no fresh socket needed
     finally:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from flowmesh.build import read_header
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.weights import read_header
 from flowmesh.roots import Roots
 from flowmesh.spec import ModelSpec
 
@@ -173,7 +173,7 @@ def test_a_file_that_is_not_safetensors_is_named_never_quoted(tmp_path: Path) ->
 
 
 def test_a_config_that_does_not_decode_is_not_quoted(tmp_path: Path) -> None:
-    from flowmesh.hf_dir import read_config
+    from flowmesh.modelio.hf_dir import read_config
 
     (tmp_path / "config.json").write_bytes(b'{"architectures": ["\xffSECRET"]}')
     with pytest.raises(FlowmeshError) as info:

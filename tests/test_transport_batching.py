@@ -15,6 +15,7 @@ import zmq.asyncio
 from flowmesh import protocol as p
 from flowmesh import transport
 from flowmesh.errors import Code, FlowmeshError
+from tests.support.waiting import until
 
 LOG = logging.getLogger("test.batching")
 
@@ -36,18 +37,12 @@ async def test_a_burst_is_read_in_order_and_the_reader_wakes_for_more() -> None:
     try:
         for i in range(1, 1001):  # queued before the reader runs: drained in batches
             await dealer.send_multipart(p.encode(p.Status(id=i)))
-        for _ in range(200):
-            if len(seen) == 1000:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen) == 1000, "the burst")
         assert seen == list(range(1, 1001))
-        await asyncio.sleep(0.05)  # the reader is asleep on an empty socket now
+        # The reader found the socket empty and sleeps until its FD fires.
+        await until(lambda: transport._CHANNELS[router].idle, "the reader asleep")
         await dealer.send_multipart(p.encode(p.Status(id=5000)))
-        for _ in range(200):
-            if seen[-1] == 5000:
-                break
-            await asyncio.sleep(0.01)
-        assert seen[-1] == 5000
+        await until(lambda: seen[-1] == 5000, "the message sent to the sleeping reader")
     finally:
         await _stop(task)
         router.close(0)
@@ -125,11 +120,7 @@ async def test_a_flood_lets_other_tasks_run() -> None:
     task = asyncio.create_task(transport.pump(router, handle, routed=True, log=LOG))
     tick = asyncio.create_task(ticker())
     try:
-        for _ in range(1000):
-            if handled == 20_000:
-                break
-            await asyncio.sleep(0.01)
-        assert handled == 20_000
+        await until(lambda: handled == 20_000, "the flood")
         # The ticker ran while the flood was being read, not only before and after it.
         assert len({n for n in ticks_during if 0 < n < 20_000}) > 10
     finally:
@@ -155,7 +146,7 @@ async def test_each_member_of_a_bundle_is_handled_alone_and_in_order() -> None:
         if msg.id == 4:
             raise FlowmeshError(Code.BAD_REQUEST, "not this one")
         events.append(f"start {msg.id}")
-        await asyncio.sleep(0.01)  # the next member waits for this one
+        await asyncio.sleep(0.01)  # slow work, not a wait: the next member waits for this one
         events.append(f"end {msg.id}")
 
     task = asyncio.create_task(transport.pump(router, handle, routed=True, log=LOG))
@@ -180,10 +171,7 @@ async def test_each_member_of_a_bundle_is_handled_alone_and_in_order() -> None:
             (4, str(Code.BAD_REQUEST)),
             (None, str(Code.BAD_MESSAGE)),  # the inner bundle: no id to answer
         ]
-        for _ in range(200):
-            if len(events) == 6:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(events) == 6, "every member handled")
         assert events == ["start 1", "end 1", "start 3", "end 3", "start 6", "end 6"]
     finally:
         await _stop(task)
@@ -230,7 +218,7 @@ async def test_a_coroutine_handler_finishes_one_message_before_the_next_is_read(
     async def handle(_a: bytes | None, msg: p.Message) -> None:
         assert isinstance(msg, p.Status)
         events.append(f"start {msg.id}")
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.005)  # slow work, not a wait: the reader must not read on
         if msg.id == 2:
             raise FlowmeshError(Code.BAD_REQUEST, "not this one")
         events.append(f"end {msg.id}")
@@ -241,10 +229,7 @@ async def test_a_coroutine_handler_finishes_one_message_before_the_next_is_read(
     try:
         reply = p.decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
         assert isinstance(reply, p.Error) and reply.id == 2
-        for _ in range(200):
-            if len(events) == 5:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(events) == 5, "every message handled")
         assert events == ["start 1", "end 1", "start 2", "start 3", "end 3"]
         assert not task.done()  # a failed message never ends the reader
     finally:

@@ -13,7 +13,7 @@ from broker.config import BrokerConfig
 from broker.context import BACKEND, Context
 from broker.policy import ScaleStep, scale_step
 from broker.registry import Registry
-from broker.serving import ServingRouter
+from broker.serving_router import ServingRouter
 from broker.state import Model, ModelState, Peer, Phase, Replica, Residency
 from broker.status import model_status
 from flowmesh import protocol as p

@@ -18,10 +18,15 @@ KIB = 1 << 10
 
 
 def answer(n: int, blocks: int = 16) -> dict[str, Any]:
-    plan = {
+    plan = {  # valid: the broker takes a plan once `Plan.from_dict` does
+        "version": 1,
+        "kind": "stages",
+        "spec_digest": f"d{n}",
+        "objective": "bytes",
         "ranges": [[0, blocks]],
         "range_bytes": [blocks * KIB],
         "block_names": [f"model{n}.layers.{i}" for i in range(blocks)],
+        "block_bytes": [KIB] * blocks,
     }
     return {"plan": plan, "inputs": None}
 

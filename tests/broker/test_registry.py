@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
-from broker.checks import check_plan, check_seconds, check_stats
+from broker.checks import MAX_STATS_ITEMS, check_seconds, check_stats
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing
-from broker.registry import Registry
+from broker.registry import Registry, stage_sizes
 from broker.state import Model, ModelState, Peer, Phase, Replica, Request, Residency
 from broker.status import model_status
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
+from tests.support.broker import plan_of, received
 
 MIB = 1 << 20
 C = b"client"
@@ -33,15 +35,6 @@ def ack(ref: int, *, kept: bool) -> p.RegisterAck:
 
 def spec_of(name: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "factory": "flowmesh.examples:mlp", "seed": 0, **extra}
-
-
-def plan_of(stage_bytes: list[int]) -> dict[str, Any]:
-    n = len(stage_bytes)
-    return {
-        "ranges": [[i, i + 1] for i in range(n)],
-        "range_bytes": stage_bytes,
-        "block_names": [f"b{i}" for i in range(n)],
-    }
 
 
 class Rig:
@@ -61,9 +54,11 @@ class Rig:
         return self.ctx.drain()
 
     def register(self, name: str, pid: int = 1, budget: int = 100 * MIB, **kw: Any) -> Peer:
+        """Register as the broker receives it: through the codec (an `inventory` given as a
+        dict is typed on receipt)."""
         role = "partitioner" if name == "part" else "worker"
         msg = p.Register(id=1, role=role, name=name, pid=pid, budget_bytes=budget, **kw)
-        self.reg.register(name.encode(), msg, 0.0)
+        self.reg.register(name.encode(), received(msg), 0.0)
         return self.ctx.peers[name]
 
     def join(self, name: str, budget: int = 100 * MIB, **kw: Any) -> Peer:
@@ -188,41 +183,46 @@ def test_a_worker_registering_afresh_drops_what_nobody_here_asked_for() -> None:
     assert peer.hosted == {} and peer.resident == {}
 
 
+HELD = {"model": "m", "stage": 0, "nbytes": 1, "resident": False, "digest": ""}
+JOB = {"name": "j", "step": 1, "seq": 1, "footprint": 0, "results": [], "running": []}
+
+
 @pytest.mark.parametrize(
-    ("inventory", "said"),
+    ("inventory", "code", "said"),
     [
-        ({"stages": [{"model": "m"}]}, "stages[0]: expected fields"),
+        ({"stages": [{"model": "m"}]}, Code.BAD_MESSAGE, "at `$.inventory.stages[0]`"),
         (
-            {
-                "stages": [
-                    {"model": "m", "stage": True, "nbytes": 1, "resident": False, "digest": ""}
-                ]
-            },
-            "stages[0].stage",
+            {"stages": [{**HELD, "stage": True}]},
+            Code.BAD_MESSAGE,
+            "Expected `int`, got `bool` - at `$.inventory.stages[0].stage`",
         ),
-        ({"other": []}, "unknown part"),
         (
-            {
-                "jobs": [
-                    {
-                        "name": "j",
-                        "step": 1,
-                        "seq": 1,
-                        "footprint": 0,
-                        "results": [{"seq": 1}],
-                        "running": [],
-                    }
-                ]
-            },
-            "results[0]: not a step answer",
+            {"stages": [{**HELD, "nbytes": -1}]},
+            Code.BAD_MESSAGE,
+            "at `$.inventory.stages[0].nbytes`",
         ),
+        ({"other": []}, Code.BAD_MESSAGE, "unknown field `other` - at `$.inventory`"),
+        (
+            {"jobs": [{**JOB, "results": [{"seq": 1}]}]},
+            Code.BAD_MESSAGE,
+            "at `$.inventory.jobs[0].results[0]`",
+        ),
+        (
+            {"jobs": [{**JOB, "results": [{"t": "ok", "seq": 1, "loss": "low"}]}]},
+            Code.BAD_MESSAGE,
+            "at `$.inventory.jobs[0].results[0].loss`",
+        ),
+        ({"jobs": [{**JOB, "running": [True]}]}, Code.BAD_MESSAGE, "jobs[0].running[0]"),
+        ({"stages": [HELD, HELD]}, Code.BAD_REQUEST, "a stage is listed twice"),
     ],
 )
-def test_a_malformed_inventory_refuses_the_registration(inventory: Any, said: str) -> None:
+def test_a_malformed_inventory_refuses_the_registration(
+    inventory: Any, code: Code, said: str
+) -> None:
     rig = Rig()
     with pytest.raises(FlowmeshError) as info:
         rig.register("w0", inventory=inventory)
-    assert info.value.code == Code.BAD_REQUEST and said in info.value.reason
+    assert info.value.code == code and said in info.value.reason, info.value
     assert rig.ctx.peers == {} and rig.out() == []
 
 
@@ -326,7 +326,7 @@ def test_a_plan_asked_twice_is_answered_from_the_cache() -> None:
     plan = plan_of([MIB, MIB])
     rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan, inputs={"x": 1}), 0.1)
     assert rig.out() == [(CLIENT, C, p.PlanReply(id=7, plan=plan, inputs={"x": 1}))]
-    rig.reg.plan_request(b"other", p.PlanRequest(**{**vars(ask), "id": 8}), 0.2)
+    rig.reg.plan_request(b"other", msgspec.structs.replace(ask, id=8), 0.2)
     assert rig.out() == [(CLIENT, b"other", p.PlanReply(id=8, plan=plan, inputs={"x": 1}))]
 
 
@@ -500,27 +500,43 @@ def test_a_stage_answered_for_a_replica_gone_meanwhile_is_dropped() -> None:
 
 
 def test_checks_refuse_what_would_break_status_or_placement() -> None:
-    assert check_stats({"peak_bytes": 1, "lanes": [1, 2], "x": {"y": None}}) == {
-        "peak_bytes": 1,
-        "lanes": [1, 2],
-        "x": {"y": None},
-    }
+    stats = {"peak_bytes": 1, "lanes": [1, 2], "x": {"y": None}}
+    assert check_stats(received(p.Heartbeat(stats=stats)).stats) == stats
+    # Types, depth and finite numbers: refused on receipt.
+    for bad, where in [
+        ({"a": float("nan")}, "$.stats[...]"),
+        ({"a": {"b": [float("inf")]}}, "$.stats[...][...][0]"),
+        ({"a": {"b": {"c": [1]}}}, "$.stats[...][...][...]"),
+        ({"a": b"bytes"}, "$.stats[...]"),
+    ]:
+        with pytest.raises(FlowmeshError) as info:
+            received(p.Heartbeat(stats=bad))
+        assert info.value.code == Code.BAD_MESSAGE and info.value.reason.endswith(f"`{where}`")
+    # How many values, and the byte counts that status reads: by the broker.
     refused = [
-        ({"a": float("nan")}, "heartbeat stats a: not a finite number"),
-        ({"a": {"b": {"c": [1]}}}, "heartbeat stats a.b.c: list is not allowed here"),
         ({"peak_bytes": -1}, "heartbeat stats peak_bytes: expected a byte count"),
+        ({"host_bytes": "lots"}, "heartbeat stats host_bytes: expected a byte count"),
+        (
+            {f"k{i}": list(range(99)) for i in range(200)},
+            f"heartbeat stats: more than {MAX_STATS_ITEMS} values",
+        ),
     ]
     for stats, reason in refused:
         with pytest.raises(FlowmeshError) as info:
-            check_stats(stats)
+            check_stats(received(p.Heartbeat(stats=stats)).stats)
         assert (info.value.code, info.value.reason) == (Code.BAD_REQUEST, reason)
-    assert check_plan({"range_bytes": [3, 4], "ranges": [[0, 1], [1, 2]]}) == [3, 4]
-    with pytest.raises(FlowmeshError) as info:
-        check_plan({"range_bytes": [3, 4], "ranges": [[0, 2]]})
-    assert (info.value.code, info.value.reason) == (
-        Code.PLAN_ERROR,
-        "plan: ranges must give one [first, end) per stage",
-    )
+    # A plan is taken by its own validation (`Plan.from_dict`), whatever its values are.
+    assert stage_sizes(plan_of([3, 4])) == [3, 4]
+    for bad, said in [
+        ({**plan_of([3, 4]), "range_bytes": [3]}, "range_bytes must be a list of 2 integers"),
+        ({**plan_of([3]), "ranges": [[0, 2]]}, "ranges end at block 2, but the model has 1"),
+        ({**plan_of([3]), "range_bytes": ["lots"]}, "range_bytes must hold non-negative"),
+        ({**plan_of([3]), "block_names": [["b0"]]}, "block_names must be distinct"),
+        ({"range_bytes": [3]}, "plan version None is not supported"),
+    ]:
+        with pytest.raises(FlowmeshError) as info:
+            stage_sizes(bad)
+        assert info.value.code == Code.PLAN_ERROR and said in info.value.reason, info.value
     assert check_seconds({"compute_s": 2}, "compute_s") == 2.0
     assert check_seconds({}, "wait_s") == 0.0
     with pytest.raises(FlowmeshError):

@@ -13,7 +13,7 @@ import pytest
 
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing
-from broker.serving import ServingRouter
+from broker.serving_router import ServingRouter
 from broker.state import Model, ModelState, Peer, Phase, Replica, Residency
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError

@@ -13,7 +13,7 @@ from broker.core import CLIENT
 from broker.store import FILE, JobRecord, ModelRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from tests.broker.test_core import CLIENT_A, MIB, Harness, only, ref
+from tests.support.broker import CLIENT_A, MIB, Harness, only, received, ref
 
 # ====================================================================== the store alone
 
@@ -94,18 +94,21 @@ class Life(Harness):
         Life.lives[state] = self
 
     def register(self, name: str, inventory: dict[str, Any] | None = None, pid: int = 1) -> Any:
+        # Through the codec, as the broker receives it: the inventory is typed on receipt.
         return self.backend(
             name.encode(),
-            p.Register(
-                id=1,
-                role="worker",
-                name=name,
-                pid=pid,
-                device="cpu",
-                kind="cpu",
-                budget_bytes=100 * MIB,
-                info={"train_bytes": 64 * MIB},
-                inventory=inventory or {},
+            received(
+                p.Register(
+                    id=1,
+                    role="worker",
+                    name=name,
+                    pid=pid,
+                    device="cpu",
+                    kind="cpu",
+                    budget_bytes=100 * MIB,
+                    info={"train_bytes": 64 * MIB},
+                    inventory=inventory or {},
+                )
             ),
         )
 
@@ -216,7 +219,7 @@ def test_a_bad_inventory_is_refused_before_anything_changes(tmp_path: Path) -> N
     bad = [{**inv["w0"][0], "nbytes": -1}]
     with pytest.raises(FlowmeshError) as info:
         life.register("w0", {"stages": bad})
-    assert info.value.code == Code.BAD_REQUEST and "nbytes" in info.value.reason
+    assert info.value.code == Code.BAD_MESSAGE and "nbytes" in info.value.reason
     assert "w0" not in life.core.peers
     with pytest.raises(FlowmeshError):
         life.register("w0", {"jobs": [{"name": "j"}]})
@@ -258,7 +261,7 @@ def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path
     assert life.core.training.jobs["j"].state == "restoring"
     # The client sends steps 2 and 3 again, and 4: held until the worker is back.
     assert step(life, 2, 70) == [] and step(life, 3, 71) == [] and step(life, 4, 72) == []
-    result = {"seq": 2, "loss": 0.25, "step": 2, "metrics": {}}
+    result = {"t": "ok", "seq": 2, "loss": 0.25, "step": 2, "metrics": {}}
     job = {"name": "j", "step": 2, "seq": 3, "footprint": MIB, "results": [result]}
     out = life.register("w0", {"jobs": [{**job, "running": [3]}]})
     # Step 2's answer is replayed; step 3 waits for the worker's answer; step 4 is new.
@@ -291,8 +294,10 @@ def test_a_job_nobody_here_opened_is_closed_on_its_worker() -> None:
     item = {"name": "x", "step": 3, "seq": 3, "footprint": MIB, "results": [], "running": []}
     out = life.backend(
         b"w0",
-        p.Register(
-            id=1, role="worker", name="w0", pid=1, budget_bytes=MIB, inventory={"jobs": [item]}
+        received(
+            p.Register(
+                id=1, role="worker", name="w0", pid=1, budget_bytes=MIB, inventory={"jobs": [item]}
+            )
         ),
     )
     assert [(m.TYPE, getattr(m, "job", None)) for _, _, m in out] == [

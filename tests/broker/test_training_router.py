@@ -8,7 +8,7 @@ import pytest
 from broker.core import BACKEND, CLIENT
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from tests.broker.test_core import Harness, ref
+from tests.support.broker import Harness, ref
 
 KIB = 1 << 10
 C = b"client"

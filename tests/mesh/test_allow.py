@@ -17,7 +17,7 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import narrow_allow
 from flowmesh.testing import assert_forward_close
 from partitioner.service import plan_for
-from tests.mesh.conftest import FAST
+from tests.support.mesh import FAST
 
 USER_MODULE = '''
 import torch

@@ -15,7 +15,7 @@ import torch
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, mlp_spec, reference
 
 
 def row(c: Any, name: str) -> dict[str, Any]:

@@ -18,12 +18,12 @@ import torch
 
 from client_sdk import cli, demo, train_data
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
 from flowmesh.errors import FlowmeshError
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from flowmesh.units import parse_size
-from tests.mesh.conftest import FAST
+from tests.support.mesh import FAST
 
 STEPS = 4
 SWEEP_TRIALS, SWEEP_STEPS, SWEEP_EVAL_EVERY = 4, 6, 2

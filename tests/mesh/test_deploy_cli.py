@@ -1,43 +1,70 @@
 """`flowmesh deploy` as a user runs it: a subprocess against a real mesh, with its progress bar
-of the weights read (workers report what they are reading with their heartbeats)."""
+of the weights read (workers report what they are reading with their heartbeats), and a Hugging
+Face directory deployed by `--hf` then asked by `flowmesh infer`."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from client_sdk.cli import DeployWatch
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
-from tests.mesh.conftest import FAST, fresh_stats, mlp_spec, roots_at
+from client_sdk.views import DeployWatch
+from flowmesh.modelio.build import build_seeded
+from tests.support.cli import flowmesh
+from tests.support.mesh import fresh_stats, mesh_options, mlp_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = mesh_options(memory_budget="16MiB")
 
 
-def test_deploy_shows_the_weights_read_and_the_workers_report_reading(tmp_path: Path) -> None:
+def test_deploy_shows_the_weights_read_and_the_workers_report_reading(
+    mesh: LocalMesh, tmp_path: Path
+) -> None:
     spec = mlp_spec("weighty", width=512, depth=6, seed=3)
     path = tmp_path / "weighty.safetensors"
     save_file(build_seeded(spec).state_dict(), str(path))
-    with LocalMesh(
-        cpu_workers=2, memory_budget="16MiB", run_dir=tmp_path, **roots_at(tmp_path), **FAST
-    ) as mesh:
-        cmd = [
-            sys.executable, "-m", "client_sdk.cli", "deploy", "weighty", spec.factory,
-            "--kwargs", '{"width": 512, "depth": 6}', "--weights", str(path), "--stages", "2",
-            "--replicas", "1", "--progress", "--broker", mesh.frontend,
-        ]  # fmt: skip
-        env = {**os.environ, "COLUMNS": "120"}
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith("deployed weighty:"), done.stdout
-        assert "reading weights" in done.stderr and "weights read in" in done.stderr
-        with mesh.client() as c:
-            for w in c.status()["workers"]:
-                assert fresh_stats(c, w["name"])["preparing"] == {}  # nothing left half-read
+    done = flowmesh(
+        "deploy", "weighty", spec.factory, "--kwargs", '{"width": 512, "depth": 6}',
+        "--weights", str(path), "--stages", "2", "--replicas", "1", "--progress",
+        "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("deployed weighty:"), done.stdout
+    assert "reading weights" in done.stderr and "weights read in" in done.stderr
+    assert " MiB / " in done.stderr and " MB" not in done.stderr  # one unit: binary
+    with mesh.client() as c:
+        for w in c.status()["workers"]:
+            assert fresh_stats(c, w["name"])["preparing"] == {}  # nothing left half-read
+
+
+def test_deploy_a_hugging_face_directory_then_infer_a_batch(
+    mesh: LocalMesh, tmp_path: Path
+) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(5)
+    GPT2LMHeadModel(cfg).eval().save_pretrained(tmp_path / "gpt")
+    deployed = flowmesh(
+        "deploy", "gpt", "--hf", str(tmp_path / "gpt"), "--stages", "2", "--replicas", "1",
+        "--slo-ms", "500", "--no-progress", "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert deployed.returncode == 0, deployed.stderr
+    assert deployed.stdout.startswith("deployed gpt: ") and "stage 1: " in deployed.stdout
+    with mesh.client() as c:
+        model = next(m for m in c.status()["models"] if m["name"] == "gpt")
+    assert model["factory"] is None and model["slo_ms"] == 500
+    out = tmp_path / "out.safetensors"
+    run = flowmesh(
+        "infer", "gpt", "--batch", "2", "--seq", "8", "--output", str(out),
+        "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "batch of 2 row(s) in a forward of 1 request(s)" in run.stdout, run.stdout
+    assert {k: list(v.shape) for k, v in load_file(out).items()} == {"output": [2, 8, 64]}
+    both = flowmesh("deploy", "x", "flowmesh.examples:mlp", "--hf", "d", "--broker", "tcp://x:1")
+    assert both.returncode == 1 and "one of the two" in both.stderr, both.stderr
 
 
 def test_deploy_watch_adds_up_the_stages_each_worker_reads() -> None:

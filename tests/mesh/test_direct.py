@@ -20,10 +20,10 @@ from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh, wait_until
 from flowmesh import protocol as p
 from flowmesh.auth import curve_client, load_keys, read_cert
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, fresh_stats, mlp_spec, reference
 
 
 def test_four_stages_over_four_workers_pass_activations_directly(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -112,8 +112,8 @@ def test_a_worker_killed_on_the_path_fails_or_retries_never_hangs(tmp_path) -> N
 def test_a_failure_in_the_middle_stage_fails_that_request_alone_and_nothing_waits(
     tmp_path,
 ) -> None:  # type: ignore[no-untyped-def]
-    spec = ModelSpec(name="late", factory="tests.mesh.train_models:late_boom_mlp", seed=4)
-    model = build_seeded(spec, ("tests.mesh.train_models",)).eval()
+    spec = ModelSpec(name="late", factory="tests.support.train_models:late_boom_mlp", seed=4)
+    model = build_seeded(spec, ("tests.support.train_models",)).eval()
 
     def ref(x: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -124,7 +124,7 @@ def test_a_failure_in_the_middle_stage_fails_that_request_alone_and_nothing_wait
         cpu_workers=3,
         memory_budget="8MiB",
         run_dir=tmp_path,
-        allow=["flowmesh.examples", "tests.mesh.train_models"],
+        allow=["flowmesh.examples", "tests.support.train_models"],
         broker_args=broker,
         **FAST,
     )

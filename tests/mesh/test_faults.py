@@ -17,7 +17,8 @@ from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
 from flowmesh.errors import Code
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, mlp_spec, reference
+from tests.support.waiting import until
 
 
 def test_worker_killed_during_traffic(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -63,13 +64,14 @@ def test_worker_killed_during_traffic(tmp_path) -> None:  # type: ignore[no-unty
                     return any(w["name"] == "worker-1" and w["inflight"] for w in st["workers"])
 
                 for _ in range(1000):
+                    # Running, until the broker has sent it work; then frozen with it, maybe.
+                    await until(busy, "worker-1 to hold requests in flight", 30)
                     proc.send_signal(signal.SIGSTOP)
                     if await busy() and await busy():
                         proc.kill()
                         killed.set()
                         return
                     proc.send_signal(signal.SIGCONT)
-                    await asyncio.sleep(0.01)  # let it work before the next look
             proc.kill()
             killed.set()
             raise AssertionError("worker-1 never held a request in flight when looked at")

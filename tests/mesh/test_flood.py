@@ -26,7 +26,7 @@ import zmq
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
-from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, mlp_spec, reference
 
 # 20,000 keeps the suite short on 2 cores; FLOWMESH_FLOOD=50000 replays the flood.
 FLOOD = int(os.environ.get("FLOWMESH_FLOOD", "20000"))

@@ -19,16 +19,18 @@ import zmq
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
-from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, mlp_spec, reference
+from tests.support.waiting import until
 
 REQUESTS = 40
 IDS = range(1, 3000)  # broker ids are sequential: runs of this test lie well inside
 
 
-def impostor(backend: str, model: str, stop: threading.Event) -> int:
+def impostor(backend: str, model: str, stop: threading.Event, sweeps: list[int]) -> int:
     """Registers as worker 'impostor', then forges answers until `stop`; returns how many
-    forged messages the broker refused (it answers each with an error). Runs on a thread of
-    its own, so the client's event loop in the test is not slowed by it."""
+    forged messages the broker refused (it answers each with an error). `sweeps[0]` counts
+    its passes over the whole range of run ids. Runs on a thread of its own, so the client's
+    event loop in the test is not slowed by it."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, b"impostor")
@@ -60,6 +62,8 @@ def impostor(backend: str, model: str, stop: threading.Event) -> int:
                         refused += isinstance(p.decode(sock.recv_multipart()), p.Error)
                 if stop.is_set():
                     break
+            else:
+                sweeps[0] += 1
         return refused
     finally:
         sock.close()
@@ -73,15 +77,19 @@ def test_an_impostor_cannot_answer_runs_it_was_not_sent_or_break_status(tmp_path
             deploy(c, spec, replicas=1)
 
         async def main() -> tuple[int, dict]:
-            stop = threading.Event()
-            forger = asyncio.create_task(asyncio.to_thread(impostor, mesh.backend, spec.name, stop))
+            stop, sweeps = threading.Event(), [0]
+            forger = asyncio.create_task(
+                asyncio.to_thread(impostor, mesh.backend, spec.name, stop, sweeps)
+            )
             try:
                 async with AsyncClient(mesh.frontend, timeout=30) as client:
                     for _ in range(REQUESTS):
                         x = torch.randn(1, 64)
+                        before = sweeps[0]
                         out = await client.infer(spec.name, x)
                         torch.testing.assert_close(out, ref(x))  # never the forged 1e6 rows
-                        await asyncio.sleep(0.01)
+                        # Its run's id forged once more at least, before the next request.
+                        await until(lambda b=before: sweeps[0] > b, "a sweep of forgeries")
                     status = await client.status()
             finally:
                 stop.set()

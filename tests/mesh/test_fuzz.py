@@ -22,7 +22,7 @@ import zmq
 
 from client_sdk.mesh import LocalMesh, wait_until
 from flowmesh import protocol as p
-from tests.mesh.conftest import FAST
+from tests.support.mesh import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MESSAGE = 64 * 1024  # small, so that oversized messages are cheap to send

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_meta
-from flowmesh.hf_dir import READ_LOG_ENV
+from flowmesh.modelio.build import build_meta
+from flowmesh.modelio.chain import chain_of
+from flowmesh.modelio.hf_dir import READ_LOG_ENV
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from partitioner.chain import chain_of
-from tests.mesh.conftest import FAST, roots_at
+from tests.support.mesh import FAST, roots_at
 
 
 def test_a_llama_directory_is_served_in_two_stages(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
 from flowmesh.errors import FlowmeshError
 from flowmesh.testing import assert_forward_close, compare
-from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, mlp_spec, reference
+from tests.support.waiting import until
 
 WIDTH = 64
 SPEC = mlp_spec("identity-mlp", width=WIDTH, depth=2, seed=7)
@@ -54,10 +55,15 @@ def worker_row(client: Any) -> dict[str, Any] | None:
 
 
 def impostor(
-    backend: str, routing_id: bytes | None, real: dict[str, Any], stop: threading.Event
+    backend: str,
+    routing_id: bytes | None,
+    real: dict[str, Any],
+    stop: threading.Event,
+    sweeps: list[int],
 ) -> Counter[str]:
     """Registers as worker-0, then forges answers until `stop`; what it received, by message
-    type (errors by code). On a thread of its own, so that the client's loop is not slowed."""
+    type (errors by code). `sweeps[0]` counts its passes over the whole range of run ids. On a
+    thread of its own, so that the client's loop is not slowed."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if routing_id is not None:
@@ -93,6 +99,8 @@ def impostor(
                     read()
                 if stop.is_set():
                     break
+            else:
+                sweeps[0] += 1
         read()
         return got
     finally:
@@ -108,22 +116,32 @@ def test_without_keys_no_forged_answer_reaches_a_client(
 
     async def main() -> tuple[int, int, list[Counter[str]], dict[str, Any]]:
         stop = threading.Event()
+        sweeps = {rid: [0] for rid in (b"worker-0", None)}
         thieves = [
-            asyncio.create_task(asyncio.to_thread(impostor, one_worker.backend, rid, real, stop))
-            for rid in (b"worker-0", None)
+            asyncio.create_task(
+                asyncio.to_thread(impostor, one_worker.backend, rid, real, stop, swept)
+            )
+            for rid, swept in sweeps.items()
         ]
         forged = failed = 0
         try:
             async with AsyncClient(one_worker.frontend, timeout=10) as client:
                 for _ in range(REQUESTS):
                     x = torch.randn(1, WIDTH)
+                    before = [swept[0] for swept in sweeps.values()]
                     try:
                         out = await client.infer(SPEC.name, x)
                     except ClientError:
                         failed += 1
                         continue
                     forged += compare(out, ref(x)).verdict == "wrong"
-                    await asyncio.sleep(0.01)
+                    # Its run's id forged by each thief once more at least, before the next.
+                    await until(
+                        lambda b=before: all(
+                            swept[0] > n for swept, n in zip(sweeps.values(), b, strict=True)
+                        ),
+                        "a sweep of forgeries by each thief",
+                    )
                 status = await client.status()
         finally:
             stop.set()

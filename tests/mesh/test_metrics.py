@@ -12,9 +12,7 @@ import io
 import random
 import socket
 import threading
-import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +27,7 @@ from flowmesh import metrics
 from flowmesh import protocol as p
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference
+from tests.support.mesh import deploy, fresh_stats, mesh_options, mlp_spec, reference
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -222,7 +220,7 @@ def test_broker_refusals_and_answers_are_counted_where_status_reads_them() -> No
 
 
 def test_status_has_host_bytes_at_deploy_and_counts_missed_heartbeats() -> None:
-    from tests.broker.test_core import MIB, Harness
+    from tests.support.broker import MIB, Harness
 
     h = Harness()  # heartbeat 1 s, liveness 3
     h.partitioner()
@@ -294,13 +292,8 @@ def test_a_taken_port_is_a_clear_startup_error() -> None:
 # ============================================================== a real mesh
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
-    base = free_port_range(4)
-    with LocalMesh(
-        cpu_workers=2, memory_budget="8MiB", train_bytes="256KiB", metrics_port=base, **FAST
-    ) as m:
-        yield m
+# The metrics ports are taken as the mesh starts (free then), not at import.
+pytestmark = mesh_options(train_bytes="256KiB", metrics_port=lambda: free_port_range(4))
 
 
 def test_metrics_and_status_report_the_same_serving_figures(mesh: LocalMesh) -> None:
@@ -455,7 +448,7 @@ def test_status_watch_draws_workers_models_and_jobs(mesh: LocalMesh) -> None:
     console = Console(file=io.StringIO(), width=200)
     console.print(cli.status_view(st))
     text = console.file.getvalue()  # type: ignore[attr-defined]
-    assert "worker-0" in text and "worker-1" in text and "load wait ms" in text
+    assert "worker-0" in text and "worker-1" in text and "models (times in ms)" in text
     assert "metered" in text
 
 
@@ -465,8 +458,9 @@ def test_the_scrape_reflects_traffic_since_the_last_one(mesh: LocalMesh) -> None
     with mesh.client() as c:
         ensure_deployed(c, mlp_spec("metered", seed=5))
         c.infer("metered", torch.randn(1, 256))
-    deadline = time.monotonic() + 5
-    after = before
-    while after == before and time.monotonic() < deadline:
-        after = total(scrape(port), "flowmesh_broker_requests_total", model="metered", outcome="ok")
-    assert after == before + 1
+
+    def counted() -> float | None:
+        now = total(scrape(port), "flowmesh_broker_requests_total", model="metered", outcome="ok")
+        return now if now != before else None
+
+    assert mesh.wait_until(counted, "the scrape to count the request", timeout=30) == before + 1

@@ -13,7 +13,7 @@ from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import fresh_stats, reference
+from tests.support.mesh import fresh_stats, reference
 
 
 def flowmesh_cli(mesh: LocalMesh, *args: str) -> str:

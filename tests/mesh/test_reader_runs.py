@@ -5,7 +5,6 @@ worker goes on serving."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,19 +12,16 @@ import torch
 
 from client_sdk import errors
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference
-from tests.mesh.train_models import MARK
+from tests.support.mesh import deploy, fresh_stats, mesh_options, mlp_spec, reference
+from tests.support.train_models import MARK
 
-ALLOW = ["flowmesh.examples", "torch.nn", "tests.mesh.train_models"]
+ALLOW = ["flowmesh.examples", "torch.nn", "tests.support.train_models"]
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(cpu_workers=1, memory_budget="8MiB", allow=ALLOW, **FAST) as m:
-        yield m
+pytestmark = mesh_options(cpu_workers=1, allow=ALLOW)
 
 
 def own_reference(spec: ModelSpec) -> Any:
@@ -63,7 +59,7 @@ def test_a_quick_models_runs_are_computed_and_answered_on_the_reader_thread(
 
 
 def test_a_slow_models_runs_go_to_the_compute_lanes(mesh: LocalMesh) -> None:
-    spec = ModelSpec(name="slow", factory="tests.mesh.train_models:slow_mlp", seed=1)
+    spec = ModelSpec(name="slow", factory="tests.support.train_models:slow_mlp", seed=1)
     ref = own_reference(spec)
     with mesh.client() as c:
         deploy(c, spec)
@@ -79,7 +75,7 @@ def test_a_slow_models_runs_go_to_the_compute_lanes(mesh: LocalMesh) -> None:
 def test_a_model_error_on_the_reader_thread_is_answered_and_serving_goes_on(
     mesh: LocalMesh,
 ) -> None:
-    spec = ModelSpec(name="boom", factory="tests.mesh.train_models:boom_mlp", seed=2)
+    spec = ModelSpec(name="boom", factory="tests.support.train_models:boom_mlp", seed=2)
     ref = own_reference(spec)
     with mesh.client() as c:
         deploy(c, spec)

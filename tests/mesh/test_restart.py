@@ -24,11 +24,12 @@ from safetensors.torch import save_file
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference, roots_at
-from tests.mesh.test_training import ADAM, ALLOW, TRAIN_BYTES, close, data, open_kw, plain, spec
+from tests.support.mesh import FAST, deploy, fresh_stats, mlp_spec, reference, roots_at
+from tests.support.training import ADAM, ALLOW, TRAIN_BYTES, close, data, open_kw, plain, spec
+from tests.support.waiting import until
 
 INFER_TIMEOUT = 20.0
 STEP_TIMEOUT = 30.0
@@ -119,11 +120,13 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
 
         async def killer() -> None:
             await asyncio.wait_for(training_started.wait(), 60)
-            while len(outcomes) < 20:
-                await asyncio.sleep(0.02)
+            await until(lambda: len(outcomes) >= 20, "20 calls answered before the kill")
             # Frozen first, so that every client has a call in flight when it dies.
             mesh.child("broker").proc.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(0.5)
+            await until(
+                lambda: all(cl.connection._pending for cl in clients),
+                "a call in flight from every client at the frozen broker",
+            )
             await asyncio.to_thread(mesh.restart_broker, wait=False)
             restarted.set()
 

@@ -10,7 +10,7 @@ import pytest
 
 from client_sdk import errors
 from client_sdk.mesh import LocalMesh
-from tests.mesh.conftest import FAST
+from tests.support.mesh import FAST
 
 KIB = 1 << 10
 MLP = {"width": 32, "depth": 3, "in_features": 8, "out_features": 5}

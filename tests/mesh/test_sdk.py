@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +26,8 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code
 from flowmesh.peer import MeshPeer
 from flowmesh.transport import connect_dealer
-from tests.mesh.conftest import FAST, deploy, mlp_spec, reference
+from tests.support.mesh import FAST, deploy, mlp_spec, reference
+from tests.support.waiting import until
 
 MiB = 1 << 20
 WIDTH = 64
@@ -65,14 +65,6 @@ async def failure_of(task: asyncio.Task[Any], what: str, timeout: float) -> Base
     except Exception as exc:
         return exc
     pytest.fail(f"{what}: succeeded, expected an error")
-
-
-async def polled(probe: Any, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------- oversized requests
@@ -120,7 +112,7 @@ async def test_calls_over_the_brokers_limit_fail_alone_among_a_hundred(
                 assert isinstance(exc, errors.TooLarge), repr(exc)
                 assert "not sent" in exc.reason and f"limit of {MiB} of the broker" in exc.reason
             # No reconnect storm: the connection was never lost, nothing was sent twice.
-            assert (client._link, client.resent) == (0, 0), when
+            assert (client.connection._link, client.resent) == (0, 0), when
         assert client.broker_limits is not None
         assert client.broker_limits.max_message_bytes == MiB
 
@@ -134,7 +126,7 @@ async def test_error_without_an_id_fails_the_call_it_answers(
     limits = p.Limits(max_header_bytes=4 * MiB)
     async with AsyncClient(small_mesh.frontend, timeout=20, limits=limits) as client:
         await client.status()
-        client.broker_limits = None
+        client.connection.broker_limits = None
         x = torch.randn(2, WIDTH)
         huge = asyncio.create_task(
             client.deploy(
@@ -165,8 +157,8 @@ async def test_reader_death_fails_calls_in_flight_at_once_and_the_next_call_reco
         worker.send_signal(signal.SIGSTOP)
         try:
             stuck = asyncio.create_task(client.infer(SPEC.name, torch.randn(2, WIDTH)))
-            await polled(lambda: client._pending, "the infer to be in flight", 10)
-            sock = client._sock
+            await until(lambda: client.connection._pending, "the infer to be in flight", 10)
+            sock = client.connection._sock
             assert sock is not None
             sock.close(linger=0)  # under the reader: its recv ends
             exc = await failure_of(stuck, "a call in flight when the reader died", 10)
@@ -177,7 +169,7 @@ async def test_reader_death_fails_calls_in_flight_at_once_and_the_next_call_reco
         # The next call goes out on a fresh socket.
         x = torch.randn(2, WIDTH)
         torch.testing.assert_close(await client.infer(SPEC.name, x, timeout=10), ref(x))
-        assert client._sock is not None and client._sock is not sock
+        assert client.connection._sock is not None and client.connection._sock is not sock
 
 
 # ---------------------------------------------------------------------------- mesh peers

@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_reference, build_seeded
+from flowmesh.modelio.build import build_reference, build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close, assert_same_bits
-from tests.mesh.conftest import (
+from tests.support.mesh import (
     ResidencySampler,
     deploy,
     fresh_stats,

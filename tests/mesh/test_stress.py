@@ -22,7 +22,7 @@ from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
 from client_sdk.mesh import LocalMesh
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import compare
-from tests.mesh.conftest import FAST, ResidencySampler, fresh_stats, reference
+from tests.support.mesh import FAST, ResidencySampler, fresh_stats, reference
 
 CATALOGUE = [
     (

@@ -8,11 +8,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
-import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -20,7 +18,7 @@ from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
 from client_sdk.sweep import TrialRecord, split_params
 from client_sdk.train_data import Dataset
-from tests.mesh.conftest import FAST
+from tests.support.mesh import mesh_options
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = {"width": 16, "depth": 2, "in_features": 8, "out_features": 4}
@@ -30,10 +28,7 @@ LR = {"type": "float", "low": 1e-5, "high": 1.0, "log": True}
 STEPS, EVERY = 12, 3
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(cpu_workers=1, memory_budget="8MiB", train_bytes="256KiB", **FAST) as m:
-        yield m
+pytestmark = mesh_options(cpu_workers=1, train_bytes="256KiB")
 
 
 def teacher(rows: int = 320, seed: int = 1) -> Dataset:

@@ -1,7 +1,7 @@
 """Training jobs through a real mesh (broker, partitioner, one CPU worker on loopback).
 
-Every training result is compared with a plain PyTorch loop on the same seed and data, with
-`torch.testing.assert_close` at rtol 1e-5 / atol 1e-6 (DESIGN section 9), never bit for bit.
+Every training result is compared with the reference loop (`flowmesh.reference`) on the same
+seed and data, with `torch.testing.assert_close` at rtol 1e-5 / atol 1e-6, never bit for bit.
 """
 
 from __future__ import annotations
@@ -9,113 +9,46 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.nn import functional as F
 
 from client_sdk import cli, errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
+from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST, deploy, fresh_stats, mlp_spec, reference, roots_at
+from tests.support.mesh import (
+    FAST,
+    deploy,
+    fresh_stats,
+    mesh_options,
+    mlp_spec,
+    reference,
+    roots_at,
+)
+from tests.support.training import (
+    ADAM,
+    ADAMW,
+    ALLOW,
+    ALLOW_MODULES,
+    STEPS,
+    TRAIN_BYTES,
+    close,
+    data,
+    open_kw,
+    plain,
+    saved_state,
+    spec,
+)
 
-KIB = 1 << 10
-RTOL, ATOL = 1e-5, 1e-6
-TRAIN_BYTES = 96 * KIB  # two jobs' footprints (about 62 KiB each) do not fit together
-CHUNK = 32 * KIB  # three sub-models per job
-BATCH = 8
-STEPS = 10
-Data = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def close(actual: Any, expected: Any, msg: str) -> None:
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=msg)
-
-
-def spec(seed: int) -> ModelSpec:
-    return ModelSpec(
-        name=f"mlp-{seed}",
-        factory="flowmesh.examples:mlp",
-        kwargs={"width": 32, "depth": 4, "in_features": 8, "out_features": 5},
-        seed=seed,
-    )
-
-
-def data(seed: int, steps: int = STEPS) -> Data:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(BATCH, 8, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
-        for _ in range(steps)
-    ]
-
-
-def plain(s: ModelSpec, optimizer: dict[str, Any], batches: Data) -> tuple[list[float], dict]:
-    """What a PyTorch user writes: the same model, optimizer and data in one process."""
-    model = build_seeded(s).train()
-    options = dict(optimizer)
-    opt = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[
-        options.pop("name")
-    ](model.parameters(), **options)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.05}
-ADAM = {"name": "adam", "lr": 0.02}
-
-
-def open_kw(s: ModelSpec, optimizer: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "kwargs": s.kwargs,
-        "seed": s.seed,
-        "optimizer": optimizer,
-        "loss": "cross_entropy",
-        "batch_size": BATCH,
-        "chunk_bytes": CHUNK,
-        "timeout": 60,
-    }
-
-
-def saved_state(path: str) -> dict[str, torch.Tensor]:
-    tensors = load_file(str(Path(path) / "state.safetensors"))
-    return {k: v for k, v in tensors.items() if "/" not in k}  # the model's, not optimizer/rng
-
-
-# The default allow-list and the test factories (dropout and BatchNorm, for `job.eval`).
-ALLOW = [
-    "--allow",
-    "flowmesh.examples",
-    "--allow",
-    "torch.nn",
-    "--allow",
-    "tests.mesh.train_models",
-]
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    with LocalMesh(
-        cpu_workers=1,
-        memory_budget="8MiB",
-        train_bytes=TRAIN_BYTES,
-        broker_args=ALLOW,
-        worker_args=ALLOW,
-        **roots_at(tmp_path_factory.getbasetemp()),
-        **FAST,
-    ) as m:
-        yield m
+pytestmark = mesh_options(
+    cpu_workers=1, train_bytes=TRAIN_BYTES, broker_args=ALLOW, worker_args=ALLOW
+)
 
 
 def test_job_through_the_mesh_equals_plain_pytorch(
@@ -263,21 +196,12 @@ def test_a_killed_worker_fails_pending_steps_and_the_job_resumes_elsewhere(
 def test_eval_between_steps_equals_plain_pytorch_and_changes_no_later_step(mesh: LocalMesh) -> None:
     """Dropout and BatchNorm: the eval must run in eval mode, update no running statistic and
     draw nothing from the job's random stream, or the steps after it would differ."""
-    s = ModelSpec(name="bn", factory="tests.mesh.train_models:dropout_bn_mlp", seed=8)
+    s = ModelSpec(name="bn", factory="tests.support.train_models:dropout_bn_mlp", seed=8)
     batches, (hx, hy) = data(8, 6), data(80, 1)[0]
     kw = {**open_kw(s, ADAM), "rng_seed": 5}
 
-    model = build_seeded(s, ("tests.mesh.train_models",)).train()
-    opt = torch.optim.Adam(model.parameters(), lr=0.02)
-    plain_losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(5)
-        for x, y in batches[:3]:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            plain_losses.append(loss.item())
+    model = build_seeded(s, ALLOW_MODULES)
+    plain_losses = train(model, ADAM, batches[:3], rng_seed=5)
     model.eval()
     with torch.no_grad():
         logits = model(hx)
@@ -314,15 +238,9 @@ def test_a_loss_factory_through_the_mesh_resumes_with_its_checkpoint(
     module off the worker's allow-list fails the open with NOT_ALLOWED, saying the worker
     refused it; a malformed one with BAD_REQUEST."""
     s, batches = spec(9), data(9, 6)
-    model = build_seeded(s).train()
-    opt = torch.optim.Adam(model.parameters(), lr=0.02)
-    expected = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y, label_smoothing=0.2)
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected, _ = plain(
+        s, ADAM, batches, loss=lambda out, y: F.cross_entropy(out, y, label_smoothing=0.2)
+    )
     ckpt = str(tmp_path / "smoothed")
     with mesh.client(timeout=60) as c:
         job = c.train_open("smoothed", s.factory, **{**open_kw(s, ADAM), "loss": SMOOTHED})

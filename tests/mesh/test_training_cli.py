@@ -8,36 +8,25 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from safetensors.torch import save_file
-from torch.nn import functional as F
 
 from client_sdk import train_data
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
+from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST, roots_at
+from tests.support.mesh import mesh_options
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = {"width": 32, "depth": 3, "in_features": 8, "out_features": 5}
 STEPS, BATCH = 12, 8
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    with LocalMesh(
-        cpu_workers=1,
-        memory_budget="8MiB",
-        train_bytes="96KiB",
-        **roots_at(tmp_path_factory.getbasetemp()),
-        **FAST,
-    ) as m:
-        yield m
+pytestmark = mesh_options(cpu_workers=1, train_bytes="96KiB")
 
 
 def flowmesh(mesh: LocalMesh, *args: str) -> subprocess.CompletedProcess[str]:
@@ -47,16 +36,7 @@ def flowmesh(mesh: LocalMesh, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def plain(spec: ModelSpec, batches: list[tuple[Any, torch.Tensor]]) -> list[float]:
-    model = build_seeded(spec).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train(build_seeded(spec), {"name": "adamw", "lr": 0.01}, batches)
 
 
 def test_train_on_the_synthetic_dataset_with_progress_and_save(

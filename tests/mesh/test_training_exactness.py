@@ -33,15 +33,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from torch.nn import functional as F
 
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
+from flowmesh.modelio.plan import chunk_plan
+from flowmesh.modelio.profile import profile
+from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
-from partitioner.plan import chunk_plan
-from partitioner.profile import profile
-from tests.mesh.conftest import FAST, roots_at
+from tests.support.mesh import FAST, roots_at
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -52,7 +52,7 @@ VOCAB = 40
 CLIP = 0.5
 RNG_SEED = 21  # every job's own random stream (dropout), as `rng_seed=` of train_open
 TRAIN_BYTES = 512 * KIB  # far below the 96 jobs' footprints together: memory flows between them
-ALLOW = ("flowmesh.examples", "torch.nn", "tests.mesh.train_models")
+ALLOW = ("flowmesh.examples", "torch.nn", "tests.support.train_models")
 ALLOW_ARGS = [a for m in ALLOW for a in ("--allow", m)]
 
 MODELS: dict[str, ModelSpec] = {
@@ -64,7 +64,7 @@ MODELS: dict[str, ModelSpec] = {
     ),
     "gpt-dropout": ModelSpec(
         name="gpt-dropout",
-        factory="tests.mesh.train_models:dropout_gpt",
+        factory="tests.support.train_models:dropout_gpt",
         kwargs={"vocab": VOCAB, "d_model": 16, "n_layers": 2, "n_heads": 2},
         seed=4,
     ),
@@ -85,11 +85,6 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd+momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
     "adam": {"name": "adam", "lr": 0.01},
     "adamw": {"name": "adamw", "lr": 0.01, "weight_decay": 0.05},
-}
-TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
 }
 PARTS = (1, 2, 3, 4)
 CLIPS: tuple[float | None, ...] = (None, CLIP)
@@ -122,22 +117,8 @@ class Plain:
 
 def plain_run(model_name: str, optimizer: dict[str, Any], clip: float | None, data: Data) -> Plain:
     """What a PyTorch user writes: zero_grad, loss, backward, clip by global norm, step."""
-    model: nn.Module = build_seeded(MODELS[model_name], ALLOW).train()
-    options = dict(optimizer)
-    opt = TORCH_OPTIMIZERS[options.pop("name")](model.parameters(), **options)
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(RNG_SEED)
-        for x, y in data:
-            opt.zero_grad()
-            out = model(x)
-            logits = out if isinstance(out, torch.Tensor) else out.logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            losses.append(loss.item())
+    model: nn.Module = build_seeded(MODELS[model_name], ALLOW)
+    losses = train(model, optimizer, data, clip=clip, rng_seed=RNG_SEED)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return Plain(losses, state, {n for n, _ in model.named_parameters()})
 

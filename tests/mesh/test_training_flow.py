@@ -22,21 +22,20 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch.nn import functional as F
 
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
+from flowmesh.modelio.build import build_seeded
+from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST, fresh_stats, roots_at
+from tests.support.mesh import FAST, fresh_stats, mesh_options
+from tests.support.training import saved_state
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
 BATCH = 8
 Data = list[tuple[torch.Tensor, torch.Tensor]]
-ALLOW = ["--allow", "flowmesh.examples", "--allow", "tests.mesh.train_models"]
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+ALLOW = ["--allow", "flowmesh.examples", "--allow", "tests.support.train_models"]
 
 
 @pytest.fixture(autouse=True)
@@ -65,36 +64,11 @@ def plain(
     clip: float | None = None,
     accumulate: int = 1,
 ) -> tuple[list[float], torch.nn.Module]:
-    """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step."""
-    model = build_seeded(s, ("flowmesh.examples", "tests.mesh.train_models")).train()
-    options = dict(optimizer)
-    opt = OPTIMIZERS[options.pop("name")](model.parameters(), **options)
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(rng_seed)
-        for x, y in batches:
-            opt.zero_grad()
-            total = 0.0
-            for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
-                out = model(xm)
-                out = getattr(out, "logits", out)
-                if out.dim() == 3:
-                    loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), ym.reshape(-1))
-                else:
-                    loss = F.cross_entropy(out, ym)
-                loss = loss / accumulate
-                loss.backward()
-                total += loss.item()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            losses.append(total)
+    """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step
+    (`flowmesh.reference.train`)."""
+    model = build_seeded(s, ("flowmesh.examples", "tests.support.train_models"))
+    losses = train(model, optimizer, batches, clip=clip, accumulate=accumulate, rng_seed=rng_seed)
     return losses, model
-
-
-def saved_state(path: str) -> dict[str, torch.Tensor]:
-    tensors = load_file(str(Path(path) / "state.safetensors"))
-    return {k: v for k, v in tensors.items() if "/" not in k}  # the model's, not optimizer/rng
 
 
 def features(seed: int, steps: int, shape: tuple[int, ...], classes: int) -> Data:
@@ -160,7 +134,7 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
                     st = c.status()
                     (w,) = [w for w in st["workers"] if w["name"] == "worker-0"]
                     samples.append({"stats": dict(w["stats"]), "jobs": st["jobs"]})
-                    time.sleep(0.05)
+                    time.sleep(0.05)  # the sampler's period, not a wait for anything
 
         async def run() -> tuple[dict[str, Any], dict[str, list[Any]]]:
             async with AsyncClient(mesh.frontend, timeout=60) as ac:
@@ -253,7 +227,7 @@ CASES: dict[str, dict[str, Any]] = {
     "gpt-dropout-adamw": {
         "spec": ModelSpec(
             name="gpt",
-            factory="tests.mesh.train_models:dropout_gpt",
+            factory="tests.support.train_models:dropout_gpt",
             kwargs={"vocab": 40, "d_model": 16, "n_layers": 2, "n_heads": 2},
             seed=31,
         ),
@@ -292,18 +266,9 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    with LocalMesh(
-        cpu_workers=1,
-        memory_budget="8MiB",
-        train_bytes=2 << 20,
-        broker_args=ALLOW,
-        worker_args=ALLOW,
-        **roots_at(tmp_path_factory.getbasetemp()),
-        **FAST,
-    ) as m:
-        yield m
+pytestmark = mesh_options(
+    cpu_workers=1, train_bytes=2 << 20, broker_args=ALLOW, worker_args=ALLOW
+)
 
 
 @pytest.mark.parametrize("case", list(CASES))

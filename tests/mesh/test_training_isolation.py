@@ -13,16 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.build import build_seeded
 from flowmesh.spec import ModelSpec
-from tests.mesh.conftest import FAST, fresh_stats
-from tests.mesh.test_training import ALLOW, BATCH, CHUNK, TRAIN_BYTES, data
-from tests.mesh.train_models import MARK
+from tests.support.mesh import FAST, fresh_stats
+from tests.support.train_models import MARK
+from tests.support.training import ALLOW, BATCH, CHUNK, TRAIN_BYTES, data, plain
 
 STEPS, BAD = 6, 2  # the failing step of every job (0-based)
 ADAM = {"name": "adam", "lr": 0.01}
@@ -30,16 +28,7 @@ MLP = {"width": 32, "depth": 4, "in_features": 8, "out_features": 5}
 
 
 def solo(s: ModelSpec, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    model = build_seeded(s, ("flowmesh.examples", "tests.mesh.train_models")).train()
-    opt = torch.optim.Adam(model.parameters(), lr=ADAM["lr"])
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return plain(s, ADAM, batches)[0]
 
 
 def poisoned(seed: int, how: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,7 +48,7 @@ def poisoned(seed: int, how: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
     jobs = {
-        "raise": ModelSpec(name="raise", factory="tests.mesh.train_models:boom_mlp", seed=1),
+        "raise": ModelSpec(name="raise", factory="tests.support.train_models:boom_mlp", seed=1),
         "shape": ModelSpec(name="shape", factory="flowmesh.examples:mlp", kwargs=MLP, seed=2),
         "nan": ModelSpec(name="nan", factory="flowmesh.examples:mlp", kwargs=MLP, seed=3),
     }

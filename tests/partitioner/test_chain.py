@@ -6,18 +6,18 @@ import pytest
 import torch
 from torch import fx, nn
 
-from flowmesh.build import build_meta, build_seeded
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio import chain as chain_module
+from flowmesh.modelio.build import build_meta, build_seeded
+from flowmesh.modelio.chain import Block, chain_of, first_names, register_adapter, run_chain
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
-from partitioner import chain as chain_module
-from partitioner.chain import Block, chain_of, first_names, register_adapter, run_chain
-from tests.partitioner.archs import ARCHS, inputs_of, model_output, spec_of
-from tests.partitioner.toy_models import TOY_ALLOW
+from tests.support.archs import ARCHS, inputs_of, model_output, spec_of
+from tests.support.toy_models import TOY_ALLOW
 
 
 def toy(name: str) -> ModelSpec:
-    return ModelSpec(name=name, factory=f"tests.partitioner.toy_models:{name}", seed=1)
+    return ModelSpec(name=name, factory=f"tests.support.toy_models:{name}", seed=1)
 
 
 def names(blocks: list[Block]) -> list[str]:

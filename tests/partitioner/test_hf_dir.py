@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from flowmesh.build import build_meta, build_reference
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.hf_dir import observe_reads, supported_architectures, weight_files
+from flowmesh.modelio.build import build_meta, build_reference
+from flowmesh.modelio.chain import chain_of, first_names, run_chain
+from flowmesh.modelio.hf_dir import observe_reads, supported_architectures, weight_files
+from flowmesh.modelio.profile import profile
+from flowmesh.modelio.stages import materialize_stage
 from flowmesh.spec import ModelSpec, check_factory
 from flowmesh.testing import assert_forward_close, assert_same_bits
-from partitioner.chain import chain_of, first_names, run_chain
-from partitioner.plan import make_stage_plan
-from partitioner.profile import profile
-from partitioner.stages import materialize_stage
+from partitioner.stage_plans import make_stage_plan
 
 VOCAB = 256
 LLAMA_LIKE = {
@@ -294,7 +294,7 @@ def test_a_worker_reads_each_stage_straight_from_the_directory_bit_for_bit(
     # The worker's direct read (gpu_worker.stage_loader: each tensor's bytes from its shard
     # into its slot of the host buffer, one copy) against materialising the stage on the CPU
     # and copying it in: the same layout and the same bits, reading only the stage's tensors.
-    import flowmesh.hf_dir
+    import flowmesh.modelio.hf_dir
     from gpu_worker.device import CpuStandIn
     from gpu_worker.host_tier import HostStage
     from gpu_worker.stage_loader import prepare_stage
@@ -303,16 +303,16 @@ def test_a_worker_reads_each_stage_straight_from_the_directory_bit_for_bit(
     spec = ModelSpec(name=case, hf=str(path))
     plan = make_stage_plan(spec, stages=2)
     dev = CpuStandIn(1 << 20)
-    materialising_reader = flowmesh.hf_dir.read_weights
+    materialising_reader = flowmesh.modelio.hf_dir.read_weights
     for i in range(plan.parts):
 
         def no_materialising(*_a, **_k):  # the old path: tensors, then a copy into the tier
             raise AssertionError("the worker materialised the stage instead of reading it in")
 
-        monkeypatch.setattr(flowmesh.hf_dir, "read_weights", no_materialising)
+        monkeypatch.setattr(flowmesh.modelio.hf_dir, "read_weights", no_materialising)
         with observe_reads() as seen:
             _blocks, host = prepare_stage(spec, plan.to_dict(), i, dev, ())
-        monkeypatch.setattr(flowmesh.hf_dir, "read_weights", materialising_reader)
+        monkeypatch.setattr(flowmesh.modelio.hf_dir, "read_weights", materialising_reader)
         stage = materialize_stage(spec, plan, i)
         old = HostStage.build([dict(b.state_dict(keep_vars=True)) for b in stage.blocks])
         assert sorted(k for _, k in seen) == sorted(set(stage.tensor_names.values()))

@@ -6,10 +6,11 @@ import msgpack
 import pytest
 
 from flowmesh.errors import Code, FlowmeshError
-from partitioner.plan import PLAN_VERSION, Plan, chunk_plan, make_chunk_plan, make_stage_plan
-from partitioner.planners import chunk_footprints
-from partitioner.profile import profile
-from tests.partitioner.archs import spec_of
+from flowmesh.modelio.plan import PLAN_VERSION, Plan, chunk_plan
+from flowmesh.modelio.planners import chunk_footprints
+from flowmesh.modelio.profile import make_chunk_plan, profile
+from partitioner.stage_plans import make_stage_plan
+from tests.support.archs import spec_of
 
 
 def stage_plan_example() -> Plan:

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowmesh.errors import Code, FlowmeshError
-from partitioner.costs import BlockProfile
-from partitioner.planners import auto_stages, balance, chunk_footprints, chunks, part_sums
+from flowmesh.modelio.costs import BlockProfile
+from flowmesh.modelio.planners import balance, chunk_footprints, chunks, part_sums
+from partitioner.stage_planners import auto_stages
 
 SETTINGS = settings(max_examples=300, deadline=None)
 

@@ -8,9 +8,8 @@ import random
 import pytest
 
 from flowmesh.errors import Code, FlowmeshError
-from partitioner.costs import BlockProfile, ModelProfile
-from partitioner.planners import (
-    auto_stages,
+from flowmesh.modelio.costs import BlockProfile, ModelProfile
+from flowmesh.modelio.planners import (
     balance,
     chunk_footprints,
     chunks,
@@ -19,8 +18,8 @@ from partitioner.planners import (
     part_sums,
     seconds_to_ns,
     split,
-    stages,
 )
+from partitioner.stage_planners import auto_stages, stages
 
 
 def test_torchgpipe_example():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from flowmesh.build import build_seeded
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_seeded
+from flowmesh.modelio.costs import ModelProfile, human_bytes
+from flowmesh.modelio.profile import profile
 from flowmesh.spec import ModelSpec
-from partitioner.costs import ModelProfile, human_bytes
-from partitioner.profile import profile
-from tests.partitioner.archs import ARCHS, spec_of
-from tests.partitioner.toy_models import TOY_ALLOW
+from tests.support.archs import ARCHS, spec_of
+from tests.support.toy_models import TOY_ALLOW
 
 
 def unique_state_bytes(spec: ModelSpec) -> int:
@@ -81,7 +81,7 @@ def test_batchnorm_buffers_and_saved_statistics():
 
 
 def test_undeclared_inputs_give_bytes_only():
-    spec = ModelSpec(name="u", factory="tests.partitioner.toy_models:undeclared")
+    spec = ModelSpec(name="u", factory="tests.support.toy_models:undeclared")
     prof = profile(spec, allow=TOY_ALLOW, measure_device="cpu")
     assert prof.inputs is None and prof.device is None
     assert [b.param_bytes for b in prof.blocks] == [(8 * 16 + 16) * 4, 0, (16 * 4 + 4) * 4, 32]

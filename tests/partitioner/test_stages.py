@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flowmesh.build import build_seeded
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_seeded
+from flowmesh.modelio.chain import chain_of, run_chain
+from flowmesh.modelio.profile import profile
+from flowmesh.modelio.stages import StageModule, build_stage, materialize_stage
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close, assert_same_bits
-from partitioner.chain import chain_of, run_chain
-from partitioner.plan import make_stage_plan
-from partitioner.profile import profile
-from partitioner.stages import StageModule, build_stage, materialize_stage
-from tests.partitioner.archs import ARCHS, inputs_of, model_output, spec_of
-from tests.partitioner.toy_models import TOY_ALLOW
+from partitioner.stage_plans import make_stage_plan
+from tests.support.archs import ARCHS, inputs_of, model_output, spec_of
+from tests.support.toy_models import TOY_ALLOW
 
 
 def save_whole_model(model: torch.nn.Module, path: Path) -> Path:
@@ -170,7 +170,7 @@ def test_plan_of_another_model_or_index_is_refused():
 
 
 def test_two_input_model_first_stage_takes_keywords():
-    spec = ModelSpec(name="t", factory="tests.partitioner.toy_models:two_inputs", seed=3)
+    spec = ModelSpec(name="t", factory="tests.support.toy_models:two_inputs", seed=3)
     model = build_seeded(spec, TOY_ALLOW)
     prof = profile(spec, allow=TOY_ALLOW)
     plan = make_stage_plan(spec, 2, profile=prof)
@@ -181,7 +181,7 @@ def test_two_input_model_first_stage_takes_keywords():
 
 
 def test_an_uncuttable_model_serves_as_one_stage_and_refuses_more():
-    spec = ModelSpec(name="dd", factory="tests.partitioner.toy_models:data_dependent", seed=3)
+    spec = ModelSpec(name="dd", factory="tests.support.toy_models:data_dependent", seed=3)
     plan = make_stage_plan(spec, 1, allow=TOY_ALLOW)
     assert plan.block_names == ("model",) and plan.ranges == ((0, 1),)
     stage = materialize_stage(spec, plan, 0, allow=TOY_ALLOW)

@@ -21,12 +21,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.chain import chain_of
 from gpu_worker import train_checkpoint
 from gpu_worker.device import CpuStandIn
 from gpu_worker.train_checkpoint import META_FILE, STATE_FILE, load_checkpoint, read_meta
-from gpu_worker.train_job import TrainConfig, TrainingJob
-from gpu_worker.training import TrainingExecutor
-from partitioner.chain import chain_of
+from gpu_worker.train_config import TrainConfig
+from gpu_worker.train_executor import TrainingExecutor
+from gpu_worker.train_job import TrainingJob
 
 MIB = 1 << 20
 CFG = TrainConfig({"name": "adam", "lr": 0.01}, seed=1)

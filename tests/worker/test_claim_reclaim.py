@@ -26,17 +26,18 @@ import pytest
 import torch
 from torch import nn
 
-from flowmesh.build import build_meta, build_seeded
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_meta, build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from gpu_worker.device import CpuStandIn
 from gpu_worker.executor import Executor
 from gpu_worker.host_tier import ALIGN, HostStage
 from gpu_worker.memory import DeviceMemory, OutOfSpace
-from gpu_worker.train_job import TrainConfig
+from gpu_worker.train_config import TrainConfig
+from gpu_worker.train_executor import TrainingExecutor, open_job
 from gpu_worker.train_scheduler import FlowScheduler, Task
-from gpu_worker.training import TrainingExecutor, open_job
+from tests.support.waiting import until
 
 KIB = 1 << 10
 
@@ -47,14 +48,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-async def until(probe: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 # -- the scheduler alone -----------------------------------------------------------------------
@@ -340,7 +333,7 @@ async def mix_round(
                     load.add_done_callback(lambda f: f.exception())  # evicted meanwhile: fine
             except FlowmeshError as exc:  # every other stage busy: the broker sends it later
                 assert exc.code in (Code.NO_SPACE, Code.NOT_RESIDENT), exc
-            await asyncio.sleep(rng.random() * 0.002)
+            await asyncio.sleep(rng.random() * 0.002)  # random pacing (a new interleaving)
         outcomes = await asyncio.wait_for(
             asyncio.gather(*(f for _, _, f in runs), return_exceptions=True), 60
         )

@@ -16,7 +16,8 @@ from flowmesh.testing import assert_forward_close
 from gpu_worker.device import CudaDevice
 from gpu_worker.executor import Executor
 from gpu_worker.host_tier import HostStage
-from tests.worker.test_executor import MIB, mlp, stage_of, until
+from tests.support.stages import MIB, mlp, stage_of
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -17,19 +17,20 @@ import safetensors
 import safetensors.torch
 import torch
 
-import flowmesh.build
+import flowmesh.modelio.weights
 import gpu_worker.stage_loader as stage_loader
-from flowmesh.build import build_reference, build_seeded
 from flowmesh.errors import FlowmeshError
+from flowmesh.modelio.build import build_reference, build_seeded
+from flowmesh.modelio.plan import Plan
+from flowmesh.modelio.stages import materialize_stage
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 from flowmesh.testing import assert_forward_close, assert_same_bits
 from gpu_worker.device import CpuStandIn
 from gpu_worker.executor import Executor
 from gpu_worker.host_tier import HostStage
 from gpu_worker.stage_loader import prepare_stage
-from partitioner.plan import Plan, make_stage_plan
-from partitioner.stages import materialize_stage
-from tests.partitioner.archs import inputs_of, spec_of
+from partitioner.stage_plans import make_stage_plan
+from tests.support.archs import inputs_of, spec_of
 
 MIB = 1 << 20
 
@@ -140,8 +141,8 @@ def test_one_copy_from_the_file_into_the_host_buffer(monkeypatch, tmp_path) -> N
     for target, attr in [
         (safetensors, "safe_open"),
         (safetensors.torch, "load_file"),
-        (flowmesh.build, "read_weights"),
-        (flowmesh.build, "conform"),  # only the cast path converts a temporary
+        (flowmesh.modelio.weights, "read_weights"),
+        (flowmesh.modelio.weights, "conform"),  # only the cast path converts a temporary
         (stage_loader, "materialize_stage"),
     ]:
         monkeypatch.setattr(target, attr, refuse)

@@ -11,7 +11,6 @@ import asyncio
 import ctypes
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,46 +18,19 @@ import pytest
 import torch
 from torch import nn
 
-from flowmesh.build import build_meta, build_seeded
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close, assert_same_bits
-from gpu_worker import executor as executor_module
 from gpu_worker.device import CpuMarker, CpuStandIn
 from gpu_worker.executor import Executor, State
 from gpu_worker.host_tier import ALIGN, HostStage
-
-MIB = 1 << 20
-
-
-def stage_of(spec: ModelSpec) -> tuple[list[nn.Module], HostStage, nn.Module]:
-    """Whole-model stage of a Sequential example: meta blocks, host tier, CPU reference."""
-    ref = build_seeded(spec)
-    host = HostStage.build([dict(b.state_dict()) for b in ref.children()])
-    return list(build_meta(spec).children()), host, ref
-
-
-def mlp(name: str, width: int = 256, depth: int = 4, seed: int = 0) -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        factory="flowmesh.examples:mlp",
-        kwargs={"width": width, "depth": depth},
-        seed=seed,
-    )
+from tests.support.stages import MIB, mlp, stage_of
+from tests.support.waiting import until
 
 
 def forward(ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return ref(x)
-
-
-async def until(probe: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll `probe` (without blocking the event loop) until it holds; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class Log:
@@ -333,22 +305,26 @@ async def test_a_fragmented_arena_is_mended_by_evicting_the_idle_stage_worth_lea
 
 
 class Gate(nn.Module):
-    """Identity that blocks until released: holds a run in flight on purpose."""
+    """Identity that blocks until released: holds a run in flight on purpose. Then `then`
+    (a block taking time on a test's clock, say), if given."""
 
-    def __init__(self) -> None:
+    def __init__(self, then: nn.Module | None = None) -> None:
         super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
+        self.then = then
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.entered.set()
         assert self.release.wait(10), "test never released the gate"
-        return x
+        return x if self.then is None else self.then(x)
 
 
-def one_range_for_two(gate: Gate) -> tuple[RecordingCpu, Executor, nn.Module, nn.Module]:
+def one_range_for_two(
+    gate: Gate, **executor: Any
+) -> tuple[RecordingCpu, Executor, nn.Module, nn.Module]:
     """Stages a and b of one size on a device that holds one of them (b can only go where a
     was); `gate` is a's block 1, so a's weights after it are still read once it opens. Returns
-    the device, the executor, and a's and b's references."""
+    the device, the executor (made with `executor`'s options), and a's and b's references."""
     blocks_a, _, ref_a = stage_of(mlp("a"))
     blocks_b, host_b, ref_b = stage_of(mlp("b", seed=1))
     blocks_a = [blocks_a[0], gate, *blocks_a[1:]]
@@ -356,7 +332,7 @@ def one_range_for_two(gate: Gate) -> tuple[RecordingCpu, Executor, nn.Module, nn
     host_a = HostStage.build([dict(b.state_dict()) for b in [children[0], gate, *children[1:]]])
     assert host_a.nbytes == host_b.nbytes
     dev = RecordingCpu(host_a.nbytes)
-    ex = Executor(dev, compute_lanes=2)
+    ex = Executor(dev, compute_lanes=2, **executor)
     ex.add_stage(("a", 0), blocks_a, host_a)
     ex.add_stage(("b", 0), blocks_b, host_b)
     return dev, ex, ref_a, ref_b
@@ -568,11 +544,11 @@ async def test_a_model_traced_while_another_serves_does_not_disturb_its_runs() -
     # torch.fx patches nn.Module.__call__ for the whole process while it traces: a serving run
     # calling its blocks meanwhile would go through the tracer and fail. Stage loads that trace
     # (a model that is not a plain chain) must exclude serving calls for that long.
+    from flowmesh.modelio.profile import profile
     from flowmesh.spec import DEFAULT_ALLOW
     from gpu_worker.stage_loader import prepare_stage
-    from partitioner.plan import make_stage_plan
-    from partitioner.profile import profile
-    from tests.partitioner.toy_models import TOY_ALLOW
+    from partitioner.stage_plans import make_stage_plan
+    from tests.support.toy_models import TOY_ALLOW
 
     dev = CpuStandIn(8 * MIB)
     ex = Executor(dev, compute_lanes=2)
@@ -580,7 +556,7 @@ async def test_a_model_traced_while_another_serves_does_not_disturb_its_runs() -
     ex.add_stage(("a", 0), blocks, host)
     await ex.load(("a", 0))
     allow = (*DEFAULT_ALLOW, *TOY_ALLOW)
-    traced_spec = ModelSpec(name="r", factory="tests.partitioner.toy_models:residual", seed=0)
+    traced_spec = ModelSpec(name="r", factory="tests.support.toy_models:residual", seed=0)
     plan = make_stage_plan(traced_spec, 1, profile=profile(traced_spec, allow=allow)).to_dict()
     stop, traced = threading.Event(), [0]
 
@@ -653,31 +629,56 @@ async def test_compute_lanes_run_torch_with_the_process_thread_count() -> None:
 # ------------------------------------------------------------------ runs on the reader thread
 
 
-class Sleep(nn.Module):
-    """Identity that takes `seconds`: a stage whose runs are never quick."""
+class Clock:
+    """A clock that moves only when a block says it took time (`Takes`): what a run measures
+    is exactly what its blocks took, whatever this machine's speed or load."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class Takes(nn.Module):
+    """Identity that takes `fixed` seconds of `clock`, plus `per_row` seconds per row."""
+
+    def __init__(self, clock: Clock, fixed: float, per_row: float = 0.0) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.clock, self.fixed, self.per_row = clock, fixed, per_row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
+        self.clock.advance(self.fixed + self.per_row * x.shape[0])
         return x
 
 
-async def test_a_quick_stage_runs_on_the_calling_thread_once_it_has_run_on_a_lane(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Quickness is what a run measured; this machine's speed is not what is tested here.
-    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
-    ex = Executor(CpuStandIn(8 * MIB))
-    blocks, host, ref = stage_of(mlp("a", width=64, depth=2))
+def timed(
+    clock: Clock, takes: float, quick_run_s: float, width: int = 64, **kw: Any
+) -> tuple[Executor, list[nn.Module], nn.Module]:
+    """An executor on `clock` whose stage a (an MLP, then a block taking `takes` seconds) is
+    quick under `quick_run_s`; its blocks and the MLP's reference."""
+    ex = Executor(CpuStandIn(8 * MIB), clock=clock, quick_run_s=quick_run_s, **kw)
+    blocks, _, ref = stage_of(mlp("a", width=width, depth=2))
+    blocks = [*blocks, Takes(clock, takes)]
+    host = HostStage.build([*(dict(c.state_dict()) for c in ref.children()), {}])
     ex.add_stage(("a", 0), blocks, host)
+    return ex, blocks, ref
+
+
+async def test_a_quick_stage_runs_on_the_calling_thread_once_it_has_run_on_a_lane() -> None:
+    ex, blocks, ref = timed(Clock(), takes=1.0, quick_run_s=2.0)
     x = torch.randn(3, 64)
     assert ex.run_here(("b", 0), [{"x": x}]) is None  # not on this worker: the loop says so
     await ex.load(("a", 0))
     assert ex.run_here(("a", 0), [{"x": x}]) is None  # never ran: how long it takes is unknown
     await ex.run(("a", 0), [{"x": x}])
+    st = ex.stages[("a", 0)]
+    assert (st.forward_s, st.row_s) == (1.0, 1.0 / 3)  # what its blocks took, exactly
     seen: list[int] = []
     blocks[0].register_forward_hook(lambda *_: seen.append(threading.get_ident()))
     out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}, {"x": x[:1]}])
@@ -685,7 +686,6 @@ async def test_a_quick_stage_runs_on_the_calling_thread_once_it_has_run_on_a_lan
     assert_forward_close(out.parts[0][""], forward(ref, x))
     assert_forward_close(out.parts[1][""], forward(ref, x[:1]))
     assert seen and threading.get_ident() not in seen  # computed on the calling thread
-    st = ex.stages[("a", 0)]
     assert st.users == [] and st.inflight == 0
     assert ex.counters["runs"] == 2 and ex.counters["rows"] == 7
     ex.evict(("a", 0))
@@ -694,87 +694,66 @@ async def test_a_quick_stage_runs_on_the_calling_thread_once_it_has_run_on_a_lan
 
 
 async def test_a_slow_stage_is_left_to_the_compute_lanes() -> None:
-    ex = Executor(CpuStandIn(8 * MIB))
-    blocks, _, ref = stage_of(mlp("a", width=64, depth=2))
-    children = list(ref.children())
-    slow = Sleep(2 * executor_module.QUICK_RUN_S)
-    host = HostStage.build([*(dict(c.state_dict()) for c in children), {}])
-    ex.add_stage(("a", 0), [*blocks, slow], host)
+    ex, _, _ = timed(Clock(), takes=4.0, quick_run_s=2.0)
     await ex.load(("a", 0))
     x = torch.randn(1, 64)
     await ex.run(("a", 0), [{"x": x}])
-    assert ex.stages[("a", 0)].forward_s >= executor_module.QUICK_RUN_S
+    assert ex.stages[("a", 0)].forward_s == 4.0
     assert ex.run_here(("a", 0), [{"x": x}]) is None
     assert ex.counters["runs"] == 1
     ex.close()
 
 
-async def test_a_forward_slowed_once_by_a_wait_leaves_its_stage_quick(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_forward_slowed_once_by_a_wait_leaves_its_stage_quick() -> None:
     # A wait for the GIL or for a core adds to a forward's time now and then: a stage is slow
     # only when every forward of the window was.
-    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 0.02)
-    monkeypatch.setattr(executor_module, "FORWARD_WINDOW", 4)
-    ex = Executor(CpuStandIn(1 * MIB))
-    nap = Sleep(0.0)
+    clock = Clock()
+    ex = Executor(CpuStandIn(1 * MIB), clock=clock, quick_run_s=2.0, forward_window=4)
+    nap = Takes(clock, 1.0)
     ex.add_stage(("a", 0), [nap], HostStage.build([{}]))
     await ex.load(("a", 0))
     x = torch.randn(1, 4)
 
     async def run_taking(seconds: float) -> None:
-        nap.seconds = seconds
+        nap.fixed = seconds
         await ex.run(("a", 0), [{"x": x}])
-        nap.seconds = 0.0
+        nap.fixed = 1.0
 
     def quick() -> bool:
-        return ex.run_here(("a", 0), [{"x": x}]) is not None  # runs (quickly) when it is
+        return ex.run_here(("a", 0), [{"x": x}]) is not None  # runs (taking 1 s) when it is
 
-    await run_taking(0.0)
+    await run_taking(1.0)
     assert quick()
-    await run_taking(0.15)  # one forward waited long
+    await run_taking(8.0)  # one forward waited long
     assert quick()
     for _ in range(4):  # every forward of the window slow: the stage has become slow
-        await run_taking(0.15)
+        await run_taking(8.0)
     assert not quick()
-    await run_taking(0.0)  # fast again
+    await run_taking(1.0)  # fast again
     assert quick()
     ex.close()
-
-
-class SleepPerRow(nn.Module):
-    """Identity that takes `fixed` seconds plus `per_row` seconds per row of its input."""
-
-    def __init__(self, fixed: float, per_row: float) -> None:
-        super().__init__()
-        self.fixed, self.per_row = fixed, per_row
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.fixed + self.per_row * x.shape[0])
-        return x
 
 
 @pytest.mark.parametrize(
     ("fixed", "per_row", "measured_rows", "quick_rows", "slow_rows"),
     [
         # Time grows with rows: a batch larger than those measured is not quick for it.
-        (0.0, 0.01, 1, 2, 16),
+        (0.0, 1.0, 1, 2, 16),
         # Time is the forward's whatever the rows (a large model on a GPU): one row is as slow
         # as the batch measured.
-        (0.15, 0.0, 16, None, 1),
+        (15.0, 0.0, 16, None, 1),
     ],
 )
 async def test_a_run_is_expected_to_take_its_forwards_and_its_rows_at_least(
-    monkeypatch: pytest.MonkeyPatch,
     fixed: float,
     per_row: float,
     measured_rows: int,
     quick_rows: int | None,
     slow_rows: int,
 ) -> None:
-    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 0.1)
-    ex = Executor(CpuStandIn(1 * MIB))
-    ex.add_stage(("a", 0), [SleepPerRow(fixed, per_row)], HostStage.build([{}]))
+    clock = Clock()
+    ex = Executor(CpuStandIn(1 * MIB), clock=clock, quick_run_s=10.0)
+    ex.add_stage(("a", 0), [Takes(clock, fixed, per_row)], HostStage.build([{}]))
     await ex.load(("a", 0))
     await ex.run(("a", 0), [{"x": torch.randn(measured_rows, 4)}])
     if quick_rows is not None:
@@ -783,13 +762,8 @@ async def test_a_run_is_expected_to_take_its_forwards_and_its_rows_at_least(
     ex.close()
 
 
-async def test_a_model_error_on_the_calling_thread_fails_that_run_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
-    ex = Executor(CpuStandIn(8 * MIB))
-    blocks, host, ref = stage_of(mlp("a"))
-    ex.add_stage(("a", 0), blocks, host)
+async def test_a_model_error_on_the_calling_thread_fails_that_run_only() -> None:
+    ex, _, ref = timed(Clock(), takes=1.0, quick_run_s=4.0, width=256)
     await ex.load(("a", 0))
     x = torch.randn(1, 256)
     await ex.run(("a", 0), [{"x": x}])
@@ -805,14 +779,12 @@ async def test_a_model_error_on_the_calling_thread_fails_that_run_only(
     ex.close()
 
 
-async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_after_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_after_it() -> None:
     """The loop evicts a stage while another thread computes a run of it, and loads another
     stage into the same bytes: that copy must wait for the run's marker, as for a lane's run."""
-    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 10.0)
-    gate = Gate()
-    dev, ex, ref_a, ref_b = one_range_for_two(gate)
+    clock = Clock()
+    gate = Gate(Takes(clock, 1.0))
+    dev, ex, ref_a, ref_b = one_range_for_two(gate, clock=clock, quick_run_s=2.0)
     await ex.load(("a", 0))
     x = torch.randn(2, 256)
     gate.release.set()
@@ -829,22 +801,15 @@ async def test_bytes_evicted_under_a_run_on_the_calling_thread_are_reused_only_a
     ex.close()
 
 
-async def test_a_run_of_many_forwards_is_quick_only_if_they_add_up_to_a_quick_run(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_run_of_many_forwards_is_quick_only_if_they_add_up_to_a_quick_run() -> None:
     """The broker groups queued requests of a model that takes one per forward into one run:
     such a run costs one forward per request."""
-    monkeypatch.setattr(executor_module, "QUICK_RUN_S", 0.02)
-    ex = Executor(CpuStandIn(8 * MIB))
-    blocks, _, ref = stage_of(mlp("a", width=64, depth=2))
-    children = list(ref.children())
-    host = HostStage.build([*(dict(c.state_dict()) for c in children), {}])
-    ex.add_stage(("a", 0), [*blocks, Sleep(0.004)], host)
+    ex, _, ref = timed(Clock(), takes=1.0, quick_run_s=4.0)
     await ex.load(("a", 0))
     x = torch.randn(1, 64)
-    await ex.run(("a", 0), [{"x": x}, {"x": x}], separate=True)  # 4 ms and more per forward
-    assert ex.run_here(("a", 0), [{"x": x}] * 8, separate=True) is None  # 32 ms and more
-    out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}, {"x": x}], True)
+    await ex.run(("a", 0), [{"x": x}, {"x": x}], separate=True)  # 1 s per forward
+    assert ex.run_here(("a", 0), [{"x": x}] * 8, separate=True) is None  # 8 s
+    out = await asyncio.to_thread(ex.run_here, ("a", 0), [{"x": x}, {"x": x}], True)  # 2 s
     assert out is not None and len(out.parts) == 2
     assert_forward_close(out.parts[1][""], forward(ref, x))
     ex.close()

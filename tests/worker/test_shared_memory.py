@@ -14,15 +14,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from flowmesh.build import build_meta, build_seeded
+from flowmesh.modelio.build import build_meta, build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from gpu_worker.device import CpuStandIn
 from gpu_worker.executor import Executor, State
 from gpu_worker.host_tier import ALIGN, HostStage
 from gpu_worker.memory import DeviceMemory
-from gpu_worker.train_job import StepResult, TrainConfig
-from gpu_worker.training import TrainingExecutor, open_job
+from gpu_worker.train_config import TrainConfig
+from gpu_worker.train_executor import TrainingExecutor, open_job
+from gpu_worker.train_job import StepResult
 from tests.support.waiting import until
 
 KIB = 1 << 10

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 from gpu_worker.device import CpuMarker
 from gpu_worker.model_code import SharedLock
-
-
-def until(ready: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert time.monotonic() < deadline, "timed out waiting for the threads to block"
-        time.sleep(0.001)
+from tests.support.waiting import until_blocking
 
 
 def test_a_marker_wakes_a_thread_that_waited_before_it_was_set() -> None:
@@ -29,7 +21,7 @@ def test_a_marker_wakes_a_thread_that_waited_before_it_was_set() -> None:
     threads = [threading.Thread(target=waiter, daemon=True) for _ in range(3)]
     for t in threads:
         t.start()
-    until(lambda: marker._event is not None)  # a waiter is in its wait
+    until_blocking(lambda: marker._event is not None, "a waiter in its wait")
     assert not woke.is_set()
     marker.set()
     for t in threads:
@@ -51,7 +43,7 @@ def test_an_exclusive_holder_gets_in_when_the_last_shared_one_leaves() -> None:
 
     t = threading.Thread(target=exclusive, daemon=True)
     t.start()
-    until(lambda: lock._waiting == 1)  # the exclusive holder waits for the shared ones
+    until_blocking(lambda: lock._waiting == 1, "the exclusive holder to wait for the shared")
     # A new shared holder queues behind the waiting exclusive one (it must not starve).
     late = threading.Thread(
         target=lambda: (lock.acquire_shared(), order.append("late")), daemon=True
@@ -59,8 +51,9 @@ def test_an_exclusive_holder_gets_in_when_the_last_shared_one_leaves() -> None:
     late.start()
     assert order == []
     lock.release_shared()
-    time.sleep(0.05)  # a chance to go wrong, not a synchronisation
-    assert order == []  # one shared holder is still in
+    # One shared holder is still in: the exclusive one still waits, and nothing woke it.
+    assert lock._shared == 1 and lock._waiting == 1 and lock._owner is None
+    assert order == []
     lock.release_shared()
     t.join(timeout=5)
     late.join(timeout=5)

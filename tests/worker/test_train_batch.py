@@ -19,8 +19,8 @@ import torch
 from torch.nn import functional as F
 
 from flowmesh import protocol as p
-from flowmesh.build import build_seeded
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import CpuStandIn
 from gpu_worker.service import WorkerService

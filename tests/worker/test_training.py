@@ -8,6 +8,7 @@ bit for bit, at rtol 1e-5 / atol 1e-6.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from flowmesh.build import build_seeded, declared_inputs
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_seeded
+from flowmesh.modelio.chain import Block, chain_of
+from flowmesh.modelio.inputs import declared_inputs, make_inputs
+from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
 from gpu_worker.device import CpuStandIn
 from gpu_worker.train_checkpoint import read_meta
-from gpu_worker.train_job import StepResult, TrainConfig, TrainingJob
+from gpu_worker.train_config import TrainConfig
+from gpu_worker.train_executor import TrainingExecutor, open_job
+from gpu_worker.train_job import StepResult, TrainingJob
 from gpu_worker.train_scheduler import ANY, FlowScheduler, Task
-from gpu_worker.training import TrainingExecutor, open_job
-from partitioner.chain import Block, chain_of
-from partitioner.profile import make_inputs
 
 KIB, MIB = 1 << 10, 1 << 20
 RTOL, ATOL = 1e-5, 1e-6
@@ -194,35 +197,17 @@ def data_for(kind: str, steps: int = STEPS, batch: int = 8, seed: int = 0) -> Da
 
 # -- the two runs compared -------------------------------------------------------------------
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-def plain_step_loop(kind: str, model: nn.Module, cfg: TrainConfig, data: Data) -> list[float]:
-    """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step."""
-    options = dict(cfg.optimizer)
-    opt = OPTIMIZERS[options.pop("name")](model.parameters(), **options)
-    n = cfg.accumulate
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model.train()
-        for x, y in data:
-            opt.zero_grad()
-            total = 0.0
-            for xm, ym in zip(x.chunk(n), y.chunk(n), strict=True):
-                if kind == "gpt2":
-                    logits = model(xm).logits
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ym.reshape(-1))
-                else:
-                    loss = F.cross_entropy(model(xm), ym)
-                loss = loss / n
-                loss.backward()
-                total += loss.item()
-            if cfg.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-            opt.step()
-            losses.append(total)
-    return losses
+def plain_step_loop(model: nn.Module, cfg: TrainConfig, data: Data) -> list[float]:
+    """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step
+    (`flowmesh.reference.train`)."""
+    return train(
+        model,
+        cfg.optimizer,
+        data,
+        clip=cfg.clip_grad_norm,
+        accumulate=cfg.accumulate,
+        rng_seed=cfg.seed,
+    )
 
 
 def flow_run(job: TrainingJob, data: Data, ex: TrainingExecutor | None = None) -> list[StepResult]:
@@ -286,7 +271,7 @@ def test_steps_match_plain_pytorch(
     results = flow_run(job, data)
 
     reference = build(kind)
-    expected = plain_step_loop(kind, reference, cfg, data)
+    expected = plain_step_loop(reference, cfg, data)
     close([r.loss for r in results], expected, "per-step losses")
     assert [r.step for r in results] == list(range(1, STEPS + 1))
     assert_same_model(job, reference)
@@ -708,7 +693,7 @@ def test_eval_matches_plain_pytorch_and_leaves_later_steps_unchanged(
     plain = [r.loss for r in flow_run(without, data)]
 
     reference = build(kind)
-    plain_step_loop(kind, reference, cfg, data[:3])
+    plain_step_loop(reference, cfg, data[:3])
     reference.eval()
     with torch.no_grad():
         out = reference(held_out[0])
@@ -740,16 +725,14 @@ def test_a_loss_factory_trains_like_plain_pytorch(loss: Any) -> None:
     job = TrainingJob("smooth", blocks, even_ranges(len(blocks), 3), cfg, CpuStandIn(MIB))
     results = flow_run(job, data)
 
-    reference = build("mlp").train()
-    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected = []
-    for x, y in data:
-        opt.zero_grad()
-        value = F.cross_entropy(reference(x), y, label_smoothing=eps)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-        opt.step()
-        expected.append(value.item())
+    reference = build("mlp")
+    expected = train(
+        reference,
+        cfg.optimizer,
+        data,
+        loss=lambda out, y: F.cross_entropy(out, y, label_smoothing=eps),
+        clip=0.5,
+    )
     close([r.loss for r in results], expected, "per-step losses with label smoothing")
     assert_same_model(job, reference)
 
@@ -766,16 +749,9 @@ def test_mse_and_huber_losses_on_regression_targets() -> None:
         blocks = blocks_of("mlp", model)
         job = TrainingJob("reg", blocks, even_ranges(len(blocks), 2), cfg, CpuStandIn(MIB))
         results = flow_run(job, data)
-        reference = build("mlp").train()
-        opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-        expected = []
-        for x, y in data:
-            opt.zero_grad()
-            out = reference(x)
-            value = fn(out, y) if fn is not None else F.huber_loss(out, y, delta=0.5)
-            value.backward()
-            opt.step()
-            expected.append(value.item())
+        reference = build("mlp")
+        loss_fn = fn if fn is not None else partial(F.huber_loss, delta=0.5)
+        expected = train(reference, cfg.optimizer, data, loss=loss_fn)
         close([r.loss for r in results], expected, f"per-step losses with {loss}")
 
 
@@ -828,7 +804,7 @@ def per_row_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
 def test_a_checkpoint_keeps_the_loss_and_resumes_with_it(tmp_path: Path) -> None:
     from gpu_worker.train_checkpoint import load_checkpoint
-    from gpu_worker.training import config_from
+    from gpu_worker.train_executor import config_from
 
     cfg = TrainConfig({"name": "adam", "lr": 0.01}, loss=SMOOTHED, seed=2)
     data = data_for("mlp", 8, seed=6)

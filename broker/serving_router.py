@@ -52,7 +52,7 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
 from flowmesh.value import stage_value
 
-log = logging.getLogger("broker.serving")
+log = logging.getLogger("broker.serving_router")
 
 # Prefetch is a guess from arrival rates, which change slowly: looking every 50 ms is as good
 # as looking on every request, and with a large catalogue far cheaper (it scans every model).

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowmesh.build import build_meta, build_seeded, conform, declared_inputs, read_weights
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio import hf_dir
+from flowmesh.modelio.build import build_meta, build_seeded
+from flowmesh.modelio.chain import Block, chain_of
+from flowmesh.modelio.inputs import declared_inputs, make_inputs
+from flowmesh.modelio.plan import Plan
+from flowmesh.modelio.weights import conform, read_weights
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
-from partitioner.chain import Block, chain_of
-from partitioner.plan import Plan
-from partitioner.profile import make_inputs
 
 
 class StageModule(nn.Module):
@@ -147,8 +149,6 @@ def materialize_stage(
         wanted.setdefault(original, expected[local])
     if source is None and spec.hf is not None:
         # A Hugging Face directory: only this stage's tensors, from the file(s) holding them.
-        from flowmesh import hf_dir
-
         values = hf_dir.read_weights(
             spec.hf, {n: n for n in wanted}, expected=wanted, base_prefix=stage.base_prefix
         )

@@ -1,4 +1,4 @@
-"""Specs and inputs of the supported architectures, shared by the partitioner's tests."""
+"""Specs and inputs of the supported architectures, for the partitioner's and worker's tests."""
 
 from __future__ import annotations
 

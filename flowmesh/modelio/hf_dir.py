@@ -3,12 +3,12 @@
 A directory holds `config.json` and the weights as `model.safetensors`, or sharded as
 `model-0000X-of-0000N.safetensors` with `model.safetensors.index.json` naming the file of each
 tensor. The model is built from the config on the meta device (no memory) and read through the
-architecture adapters registered in `partitioner.chain`; only those architectures are accepted,
+architecture adapters registered in `flowmesh.modelio.chain`; only those architectures are accepted,
 so a directory deploy runs library code flowmesh knows how to cut, never code from the directory
 (`trust_remote_code` stays off). Each stage then reads only its own tensors from the files.
 
 Non-persistent buffers (rotary `inv_freq`) are not in the files; the adapters rebuild them from
-the config (`partitioner.hf_adapters`).
+the config (`flowmesh.modelio.hf_adapters`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio import weights
+from flowmesh.modelio.chain import adapter_classes
 from flowmesh.roots import io_error, not_safetensors
 
 CONFIG = "config.json"
@@ -46,8 +49,6 @@ def _bad(reason: str) -> FlowmeshError:
 
 def supported_architectures() -> list[str]:
     """Class names of the transformers models flowmesh has an adapter for."""
-    from partitioner.chain import adapter_classes
-
     return sorted(
         key.rsplit(".", 1)[1] for key in adapter_classes() if key.startswith("transformers.")
     )
@@ -141,8 +142,6 @@ def weight_files(path: str) -> dict[str, str]:
     single = root / SINGLE
     if not single.is_file():
         raise _bad(f"hf directory {path!r} has neither {SINGLE} nor {INDEX}")
-    from safetensors import safe_open
-
     try:
         with safe_open(str(single), framework="pt", device="cpu") as f:
             return dict.fromkeys(f.keys(), str(single))
@@ -209,11 +208,10 @@ def read_weights_into(
 ) -> None:
     """Read each tensor named in `dests` (model state_dict name -> a contiguous CPU tensor of its
     shape and dtype, e.g. a view of a stage's host buffer) from the directory's safetensors
-    file(s) straight into its destination (`flowmesh.build.read_weights_into`: one copy)."""
-    from flowmesh.build import read_weights_into as read_file_into
-
+    file(s) straight into its destination (`weights.read_weights_into`: one copy)."""
     for file, wanted in locate(path, {n: n for n in dests}, base_prefix).items():
-        read_file_into(file, {stored: dests[local] for local, stored in wanted}, progress)
+        into = {stored: dests[local] for local, stored in wanted}
+        weights.read_weights_into(file, into, progress)
         _report(file, [stored for _, stored in wanted])
 
 
@@ -226,10 +224,6 @@ def read_weights(
     """Read only the tensors named in `names` (local name -> model state_dict name) from the
     directory's safetensors file(s), each conformed to `expected` (meta tensors of the model's
     shapes and dtypes); only the files holding one of them are opened (see `locate`)."""
-    from safetensors import safe_open
-
-    from flowmesh.build import conform
-
     out: dict[str, torch.Tensor] = {}
     for file, wanted in locate(path, names, base_prefix).items():
         where = f"hf directory {path!r}: {os.path.basename(file)}"
@@ -247,7 +241,7 @@ def read_weights(
                         f"hf directory {path!r}: tensor {stored!r} is not in "
                         f"{os.path.basename(file)}, where {INDEX} puts it"
                     )
-                out[local] = conform(
+                out[local] = weights.conform(
                     f.get_tensor(stored),
                     expected[local],
                     f"hf directory {path!r}: tensor {stored!r}",

@@ -1,7 +1,8 @@
-"""Model factories the tests add to the mesh's allow-list (`--allow tests.mesh...`): one with
-dropout and BatchNorm (an eval must switch both off), one whose own code raises on a marked input
-value (isolation of a failing job), one that raises deep inside on a NaN (a failure in the middle
-of a pipeline), one whose forward takes milliseconds whatever the machine (a slow model)."""
+"""Model factories the tests add to the mesh's allow-list (`--allow tests.support.train_models`):
+one with dropout and BatchNorm (an eval must switch both off), one whose own code raises on a
+marked input value (isolation of a failing job), one that raises deep inside on a NaN (a failure
+in the middle of a pipeline), one whose forward takes milliseconds whatever the machine (a slow
+model)."""
 
 from __future__ import annotations
 

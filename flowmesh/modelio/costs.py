@@ -1,6 +1,6 @@
 """What profiling learns about a model, as plain data: no torch, so the broker can read it.
 
-`partitioner.profile` fills these; `partitioner.planners` and `partitioner.plan` read them.
+`flowmesh.modelio.profile` fills these; planners and plans read them.
 """
 
 from __future__ import annotations

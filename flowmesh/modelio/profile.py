@@ -5,6 +5,8 @@ through the chain from the declared inputs, and the tensors autograd saves for b
 caught with `saved_tensors_hooks` while each block runs in training mode. Times, when asked for,
 are measured on a real device with random weights, one block at a time, so profiling needs no
 more memory than the largest block.
+
+`make_chunk_plan` profiles a spec and plans its training chunks (`flowmesh.modelio.plan`).
 """
 
 from __future__ import annotations
@@ -12,43 +14,22 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from flowmesh.build import build_meta, call_model, declared_inputs, torch_dtype
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec
-from partitioner.chain import Block, chain_of, first_names
-from partitioner.costs import BlockProfile, ModelProfile
+from flowmesh.modelio.build import build_meta
+from flowmesh.modelio.chain import Block, chain_of, first_names
+from flowmesh.modelio.costs import BlockProfile, ModelProfile
+from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
+from flowmesh.modelio.plan import Plan, chunk_plan
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 
 Inputs = dict[str, torch.Tensor]
-
-
-def make_inputs(
-    inputs: dict[str, TensorSpec],
-    batch: int,
-    seq_len: int,
-    device: str | torch.device,
-    random: bool = False,
-) -> Inputs:
-    """Tensors of the declared shapes: dim 0 = batch, free dims = seq_len.
-
-    Integer inputs are zeros (valid token ids for any vocabulary); floating ones are zeros or,
-    with `random`, standard normal (what real data looks like to the kernels being timed).
-    """
-    out = {}
-    for name, ts in inputs.items():
-        shape = [batch] + [seq_len if d == -1 else d for d in ts.shape[1:]]
-        dtype = torch_dtype(ts.dtype)
-        if random and dtype.is_floating_point:
-            out[name] = torch.randn(shape, device=device).to(dtype)
-        else:
-            out[name] = torch.zeros(shape, dtype=dtype, device=device)
-    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -351,3 +332,44 @@ def profile(
         device=None if device is None else str(device),
         uncut=blocks[0].uncut,
     )
+
+
+# -- profile, then plan ----------------------------------------------------------------------------
+
+
+def profile_for(
+    spec: ModelSpec,
+    given: ModelProfile | None,
+    *,
+    batch: int,
+    seq_len: int,
+    measure_device: Any,
+    allow: Iterable[str],
+) -> ModelProfile:
+    """`given`, checked to be a profile of `spec`; without one, a fresh profile of `spec`."""
+    if given is not None:
+        if given.spec_digest != spec.digest():
+            raise FlowmeshError(
+                Code.PLAN_ERROR,
+                f"the profile is of model digest {given.spec_digest}, not {spec.digest()}",
+            )
+        return given
+    return profile(spec, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow)
+
+
+def make_chunk_plan(
+    spec: ModelSpec,
+    target_bytes: int,
+    optimizer: str | Mapping[str, Any],
+    batch: int,
+    *,
+    seq_len: int = 1,
+    measure_device: Any = None,
+    allow: Iterable[str] = DEFAULT_ALLOW,
+    profile: ModelProfile | None = None,
+) -> Plan:
+    """Profile `spec` at the job's batch size (unless `profile` is given) and plan its chunks."""
+    prof = profile_for(
+        spec, profile, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow
+    )
+    return chunk_plan(prof, target_bytes, optimizer, batch)

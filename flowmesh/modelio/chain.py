@@ -1,14 +1,14 @@
 """Reading a model as an ordered chain of blocks, without touching memory (works on meta modules).
 
 Block 0 takes the model's inputs (one tensor positionally, several as keyword arguments, as
-`flowmesh.build.call_model` passes them); every later block takes the previous block's single
-tensor. Running the blocks in order computes what the model computes (for architectures read
-through an adapter, the model's main output: logits for causal language models).
+`inputs.call_model` passes them); every later block takes the previous block's single tensor.
+Running the blocks in order computes what the model computes (for architectures read through an
+adapter, the model's main output: logits for causal language models).
 
 The chain is found by the first of these that applies:
   (a) an `nn.Sequential` (with the stock forward): its children, nested plain Sequentials opened;
   (b) a registered architecture adapter, looked up along the model class's MRO;
-  (c) a torch.fx trace of the forward with the direct children as leaves (`partitioner.fx_chain`);
+  (c) a torch.fx trace of the forward with the direct children as leaves (`modelio.fx_chain`);
   (d) otherwise the whole model as one block, which still serves as a single stage; the block's
       `uncut` says why it could not be cut, and planners asked for more than one part raise a
       NOT_A_CHAIN error with that reason and what to do (`whole=False` raises it at once).
@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowmesh.build import call_model
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.fx_chain import fx_chain
+from flowmesh.modelio.inputs import call_model
+from flowmesh.modelio.sequential import is_plain_sequential, sequential_leaves
 
 
 @dataclass
@@ -50,12 +52,16 @@ Adapter = Callable[[nn.Module], list[tuple[str, nn.Module]]]
 # Keyed by "module.QualName" of the class so that registering costs no import of the library;
 # values are adapters or "module:function" strings imported on first use.
 _ADAPTERS: dict[str, Adapter | str] = {
-    "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "partitioner.hf_adapters:gpt2",
-    "transformers.models.opt.modeling_opt.OPTForCausalLM": "partitioner.hf_adapters:opt",
-    "transformers.models.llama.modeling_llama.LlamaForCausalLM": "partitioner.hf_adapters:llama",
-    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "partitioner.hf_adapters:qwen2",
+    "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "flowmesh.modelio.hf_adapters:gpt2",
+    "transformers.models.opt.modeling_opt.OPTForCausalLM": "flowmesh.modelio.hf_adapters:opt",
+    "transformers.models.llama.modeling_llama.LlamaForCausalLM": (
+        "flowmesh.modelio.hf_adapters:llama"
+    ),
+    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": (
+        "flowmesh.modelio.hf_adapters:qwen2"
+    ),
     "transformers.models.mistral.modeling_mistral.MistralForCausalLM": (
-        "partitioner.hf_adapters:mistral"
+        "flowmesh.modelio.hf_adapters:mistral"
     ),
 }
 
@@ -83,23 +89,6 @@ def _find_adapter(model: nn.Module) -> Adapter | None:
             _ADAPTERS[key] = found
         return found
     return None
-
-
-def is_plain_sequential(module: nn.Module) -> bool:
-    """An nn.Sequential whose forward is the stock one: calling it is calling its children."""
-    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-
-
-def sequential_leaves(module: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Children of a plain Sequential in call order, nested plain Sequentials opened."""
-    out: list[tuple[str, nn.Module]] = []
-    for name, child in module.named_children():
-        qual = f"{prefix}{name}"
-        if is_plain_sequential(child) and len(child) > 0:
-            out += sequential_leaves(child, qual + ".")  # type: ignore[arg-type]
-        else:
-            out.append((qual, child))
-    return out
 
 
 def first_names(model: nn.Module) -> dict[int, str]:
@@ -151,8 +140,6 @@ def chain_of(
     adapter = _find_adapter(model)
     if adapter is not None:
         return _blocks(model, adapter(model))
-    from partitioner.fx_chain import fx_chain  # torch.fx is only needed for this path
-
     try:
         return _blocks(model, fx_chain(model, example))
     except FlowmeshError as exc:

@@ -31,7 +31,7 @@ own.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,10 +42,12 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
 from flowmesh.spec import ModelSpec, check_factory
+from flowmesh.steps import StepLedger
 
-log = logging.getLogger("broker.training")
+log = logging.getLogger("broker.training_router")
 
-# Answers kept per job for steps that may be retried (by seq); older ones are forgotten.
+# Answers kept per job for steps that may be retried (by seq; `flowmesh.steps`); older ones
+# are forgotten.
 KEEP_RESULTS = 256
 RATE_WINDOW = 32  # step completions the steps/s figure is measured over
 MAX_HELD = 1024  # commands held per job while it waits for its worker after a restart
@@ -91,19 +93,37 @@ class Job:
     state: str = "opening"  # "opening" | "ready" | "closing" | "restoring"
     step: int = 0
     last_loss: float | None = None
-    last_seq: int = 0  # the highest seq taken
     saved_step: int | None = None
     saved_path: str | None = None
     info: dict[str, Any] = field(default_factory=dict)  # what the worker reported on open
     steps: int = 0
     errors: int = 0
-    # seq -> the answer sent for it: a TrainStepResult or an Error
-    answers: OrderedDict[int, p.Message] = field(default_factory=OrderedDict)
+    # Its steps by seq: the highest taken, and the answers sent (a TrainStepResult or an
+    # Error). Its `running`: after a restart, the seqs the worker was still running then
+    # (their answers come with the ids of the broker before); the steps this broker sent are
+    # found by their calls.
+    ledger: StepLedger[p.Message] = field(default_factory=lambda: StepLedger(KEEP_RESULTS))
     done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
-    # After a restart: commands held until the worker brings the job back, and the seqs the
-    # worker was still running then (their answers come with the ids of the broker before).
+    # After a restart: commands held until the worker brings the job back.
     held: list[tuple[bytes, p.Message]] = field(default_factory=list)
-    awaited: set[int] = field(default_factory=set)
+
+    @property
+    def last_seq(self) -> int:
+        """The highest seq taken."""
+        return self.ledger.last
+
+    @last_seq.setter
+    def last_seq(self, seq: int) -> None:
+        self.ledger.last = seq
+
+    @property
+    def awaited(self) -> set[int]:
+        """The seqs its worker was running when it came back after a restart."""
+        return self.ledger.running
+
+    @awaited.setter
+    def awaited(self, seqs: set[int]) -> None:
+        self.ledger.running = seqs
 
     @property
     def footprint(self) -> int:
@@ -281,11 +301,11 @@ class TrainingRouter:
         job = self._ready_job(msg.job)
         if msg.seq < 1:
             raise _fail(Code.BAD_REQUEST, f"step seq must be positive, got {msg.seq}")
-        if msg.seq <= job.last_seq:
+        if job.ledger.taken(msg.seq):
             self._retried(job, addr, msg, now)
             return
         _check_batch(msg.tensors, "a training step")
-        job.last_seq = msg.seq
+        job.ledger.take(msg.seq)
         cid = self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
         self._to_worker(
             job.worker, p.TrainStep(id=cid, job=job.name, seq=msg.seq, tensors=msg.tensors)
@@ -293,7 +313,7 @@ class TrainingRouter:
 
     def _retried(self, job: Job, addr: bytes, msg: p.TrainStep, now: float) -> None:
         """A step whose seq was taken: replay its answer, or answer it when it comes."""
-        answer = job.answers.get(msg.seq)
+        answer = job.ledger.answer(msg.seq)
         if isinstance(answer, p.TrainStepResult):
             self._to_client(
                 addr,
@@ -447,9 +467,7 @@ class TrainingRouter:
             )
 
     def _keep(self, job: Job, seq: int, answer: p.Message) -> None:
-        job.answers[seq] = answer
-        while len(job.answers) > KEEP_RESULTS:
-            job.answers.popitem(last=False)
+        job.ledger.settle(seq, answer)
 
     def on_error(self, worker: str, msg: p.Error, now: float) -> bool:
         """A worker's error answer; False when it answers no training call."""
@@ -537,11 +555,11 @@ class TrainingRouter:
             self.jobs[job.name] = job
             log.info("restored training job=%s (waiting for worker=%s)", job.name, job.worker)
 
-    def worker_joined(self, worker: str, held: list[dict[str, Any]], now: float) -> None:
-        """A worker registered afresh with the jobs it holds (checked by the registry): a
-        restored job it holds is taken up where it is; one it should hold and does not is lost
-        (the worker restarted); one nobody knows is closed there."""
-        have = {item["name"]: item for item in held}
+    def worker_joined(self, worker: str, held: list[p.HeldJob], now: float) -> None:
+        """A worker registered afresh with the jobs it holds (its inventory's): a restored job
+        it holds is taken up where it is; one it should hold and does not is lost (the worker
+        restarted); one nobody knows is closed there."""
+        have = {item.name: item for item in held}
         for name, item in have.items():
             job = self.jobs.get(name)
             if job is None or job.worker != worker or job.state != "restoring":
@@ -549,25 +567,20 @@ class TrainingRouter:
                 self._to_worker(worker, p.TrainClose(id=next(self._ids), job=name))
                 continue
             job.state = "ready"
-            job.step, job.last_seq = item["step"], item["seq"]
-            job.info = {"footprint": item["footprint"]}
-            job.awaited = set(item["running"])
-            for r in item["results"]:
-                if r["seq"] > job.last_seq:
+            job.step, job.last_seq = item.step, item.seq
+            job.info = {"footprint": item.footprint}
+            job.awaited = set(item.running)
+            for r in item.results:
+                if r.seq > job.last_seq:
                     continue
-                if "code" in r:
-                    answer: p.Message = p.Error(id=0, code=r["code"], reason=r["reason"])
+                if isinstance(r, p.StepFailed):
+                    answer: p.Message = p.Error(id=0, code=r.code, reason=r.reason)
                 else:
                     answer = p.TrainStepResult(
-                        id=0,
-                        job=name,
-                        seq=r["seq"],
-                        loss=float(r["loss"]),
-                        step=r["step"],
-                        metrics=r["metrics"],
+                        id=0, job=name, seq=r.seq, loss=r.loss, step=r.step, metrics=r.metrics
                     )
-                    job.last_loss = float(r["loss"])
-                self._keep(job, r["seq"], answer)
+                    job.last_loss = r.loss
+                self._keep(job, r.seq, answer)
             log.info(
                 "training job=%s taken up on worker=%s at step %d (seq %d, %d running)",
                 name,

@@ -1,6 +1,8 @@
 """Exact contiguous partitioning of a chain of blocks: pure functions over integer cost lists.
 
-No torch here: the broker and the tests call these directly.
+No torch here: the broker and the tests call these directly. Training chunks are planned here
+(a worker cuts its own jobs with them); the partitioner plans pipeline stages on the same
+`balance` (`partitioner.stage_planners`).
 
 Every planner returns *bounds*: a fencepost list `[0, b1, ..., n]` with one more entry than there
 are parts, so part `i` is `blocks[bounds[i]:bounds[i + 1]]` (`split` does exactly that).
@@ -21,7 +23,7 @@ from itertools import accumulate, pairwise
 from typing import Any, TypeVar
 
 from flowmesh.errors import Code, FlowmeshError
-from partitioner.costs import BlockProfile, ModelProfile, human_bytes
+from flowmesh.modelio.costs import BlockProfile, ModelProfile, human_bytes
 
 T = TypeVar("T")
 
@@ -181,74 +183,16 @@ def balance(
     return bounds
 
 
-# -- pipeline stages -------------------------------------------------------------------------
-
-
-def _profile_blocks(source: ModelProfile | Sequence[BlockProfile]) -> Sequence[BlockProfile]:
+def profile_blocks(source: ModelProfile | Sequence[BlockProfile]) -> Sequence[BlockProfile]:
+    """The blocks of a profile, or the given blocks."""
     return source.blocks if isinstance(source, ModelProfile) else source
-
-
-def stage_costs(
-    source: ModelProfile | Sequence[BlockProfile] | Sequence[int],
-    *,
-    mem: Sequence[int] | None = None,
-    names: Sequence[str] | None = None,
-) -> tuple[list[int], list[int], list[str] | None, str]:
-    """(costs, mem, names, objective) for stage planning.
-
-    From a profile: cost is the measured forward time in ns when every block was timed, else the
-    block's bytes; memory is each block's resident bytes (shared tensors included: a conservative
-    bound that is exact unless tied blocks land in the same stage). From a plain list of costs:
-    memory is `mem` if given, else the costs themselves (they are bytes).
-    """
-    if isinstance(source, ModelProfile) or (
-        len(source) > 0 and isinstance(source[0], BlockProfile)
-    ):
-        blocks = list(_profile_blocks(source))  # type: ignore[arg-type]
-        block_mem = [b.resident_bytes for b in blocks]
-        block_names = [b.name for b in blocks]
-        if blocks and all(b.forward_s is not None for b in blocks):
-            return (
-                [seconds_to_ns(b.forward_s or 0.0) for b in blocks],
-                block_mem,
-                block_names,
-                "time",
-            )
-        return block_mem, block_mem, block_names, "bytes"
-    costs = list(source)  # type: ignore[arg-type]
-    return costs, list(mem) if mem is not None else costs, list(names) if names else None, "bytes"
-
-
-def stages(
-    source: ModelProfile | Sequence[BlockProfile] | Sequence[int],
-    parts: int,
-    mem_cap: int | None = None,
-    *,
-    mem: Sequence[int] | None = None,
-    names: Sequence[str] | None = None,
-) -> list[int]:
-    """`parts` pipeline stages minimising the slowest (or, untimed, the largest), each within
-    `mem_cap` bytes of parameters and buffers."""
-    costs, block_mem, block_names, _ = stage_costs(source, mem=mem, names=names)
-    return balance(costs, parts, mem=block_mem, mem_cap=mem_cap, names=block_names)
-
-
-def auto_stages(
-    source: ModelProfile | Sequence[BlockProfile] | Sequence[int],
-    mem_cap: int,
-    *,
-    mem: Sequence[int] | None = None,
-    names: Sequence[str] | None = None,
-) -> list[int]:
-    """The fewest stages that each fit `mem_cap`, then balanced like `stages`."""
-    costs, block_mem, block_names, _ = stage_costs(source, mem=mem, names=names)
-    parts = min_parts(block_mem, mem_cap, names=block_names)
-    return balance(costs, parts, mem=block_mem, mem_cap=mem_cap, names=block_names)
 
 
 # -- training chunks -------------------------------------------------------------------------
 
 _OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
+# The optimizers a training job may name (the worker builds them: `gpu_worker.train_config`).
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 
 
 def optimizer_states(optimizer: str | Mapping[str, Any]) -> int:
@@ -293,7 +237,7 @@ def chunk_footprints(
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise _err(f"batch must be a positive integer, got {batch!r}")
-    blocks = _profile_blocks(blocks)
+    blocks = profile_blocks(blocks)
     if not blocks:
         raise _err("nothing to partition: the chain has no blocks")
     k = optimizer_states(optimizer)
@@ -318,7 +262,7 @@ def chunks(
     if isinstance(target_bytes, bool) or not isinstance(target_bytes, int) or target_bytes < 1:
         raise _err(f"target_bytes must be a positive integer, got {target_bytes!r}")
     footprints, margin = chunk_footprints(blocks, optimizer, batch)
-    names = [b.name for b in _profile_blocks(blocks)]
+    names = [b.name for b in profile_blocks(blocks)]
     cap = target_bytes - margin
     for i, fp in enumerate(footprints):
         if fp > cap:

@@ -45,28 +45,23 @@ from typing import Any, TypeVar
 
 import torch
 
-from flowmesh.build import build_seeded, declared_inputs
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.build import build_reference, build_seeded
+from flowmesh.modelio.chain import chain_of
+from flowmesh.modelio.costs import ModelProfile, human_bytes
+from flowmesh.modelio.inputs import declared_inputs, make_inputs
+from flowmesh.modelio.plan import Plan, chunk_plan
+from flowmesh.modelio.profile import profile
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from flowmesh.threads import torch_pool
 from gpu_worker.device import TRAIN_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.model_code import building_model
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
-from gpu_worker.train_job import (
-    LOSSES,
-    OPTIMIZERS,
-    CopyPlan,
-    Inputs,
-    StepResult,
-    TaskResult,
-    TrainConfig,
-    TrainingJob,
-)
+from gpu_worker.train_config import LOSSES, OPTIMIZERS, TrainConfig
+from gpu_worker.train_job import Inputs, StepResult, TaskResult, TrainingJob
+from gpu_worker.train_layout import CopyPlan
 from gpu_worker.train_scheduler import FlowScheduler, Phase, Task
-from partitioner.chain import chain_of
-from partitioner.costs import ModelProfile, human_bytes
-from partitioner.plan import Plan, chunk_plan
 
 __all__ = [
     "LOSSES",
@@ -82,6 +77,7 @@ __all__ = [
     "read_meta",
     "reservations",
     "save_checkpoint",
+    "start_job",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,7 +104,7 @@ class _Request:
     id: int
     kind: str  # "step" | "eval" | "save"
     future: Future[Any]
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float  # when it was queued, on the executor's clock
     tasks: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -125,8 +121,11 @@ class TrainingExecutor:
         max_skips: int = 8,
         queue_computes: int = 2,
         memory: DeviceMemory | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """`clock`: seconds on a monotonic clock, for the requests' and computes' times."""
         self.device = device
+        self.clock = clock
         # Computes handed to the (FIFO) compute lane ahead of time, so it never idles while the
         # driver settles the previous one; only chain heads run, so they are of other jobs.
         self.queue_computes = max(1, queue_computes)
@@ -234,7 +233,7 @@ class TrainingExecutor:
         except FlowmeshError as exc:
             fut.set_exception(exc)
             return fut
-        self._post(lambda: self._push(_Request(name, rid, kind, fut), tasks))
+        self._post(lambda: self._push(_Request(name, rid, kind, fut, self.clock()), tasks))
         return fut
 
     def close_job(self, name: str) -> None:
@@ -447,7 +446,7 @@ class TrainingExecutor:
 
     def _do_compute(self, task: Task, adm: _Admission, done: Any) -> TaskResult:
         job: TrainingJob = task.payload["job"]
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             if adm.cancelled:  # its job was closed while it waited in the lane
                 return TaskResult()
@@ -467,7 +466,7 @@ class TrainingExecutor:
                     adm.counted = False
                     self.resident -= adm.nbytes
             self.device.mark_done(done)
-            self.counters["compute_s"] += time.perf_counter() - t0
+            self.counters["compute_s"] += self.clock() - t0
 
     def _on_computed(self, task: Task, fut: Future[TaskResult]) -> None:
         self._computing -= 1
@@ -498,7 +497,7 @@ class TrainingExecutor:
             return
         if request.kind == "eval":
             evaluated = job.finish_eval(request.id)
-            evaluated.metrics["seconds"] = time.perf_counter() - request.t0
+            evaluated.metrics["seconds"] = self.clock() - request.t0
             self.counters["evals"] += 1
             request.future.set_result(evaluated)
             return
@@ -507,7 +506,7 @@ class TrainingExecutor:
             tasks=float(request.tasks),
             bytes_in=float(request.bytes_in),
             bytes_out=float(request.bytes_out),
-            seconds=time.perf_counter() - request.t0,
+            seconds=self.clock() - request.t0,
         )
         self.counters["steps"] += 1
         request.future.set_result(step)
@@ -576,7 +575,7 @@ def reservations(
 
     Backward: what autograd saves for the sub-model's blocks at the micro-batch size, plus the
     gradients entering and leaving it; forward (no grad): its input and output. The boundary term
-    is the planner's margin (`partitioner.planners.chunk_footprints`), so an extent reserves what
+    is the planner's margin (`modelio.planners.chunk_footprints`), so an extent reserves what
     the chunk plan counted.
     """
     margin = 2 * max(b.out_bytes_per_sample for b in profile.blocks) * micro_batch
@@ -603,8 +602,6 @@ def open_job(
 ) -> TrainingJob:
     """A job for `spec` with seeded weights: profiled at its micro-batch, cut into sub-models
     under `target_bytes` (or by a given chunk `plan`), optionally resumed from a checkpoint."""
-    from partitioner.profile import make_inputs, profile
-
     if batch % config.accumulate:
         raise FlowmeshError(
             Code.BAD_REQUEST, f"batch {batch} does not split into {config.accumulate} micro-batches"
@@ -643,6 +640,50 @@ def open_job(
     if resume is not None:
         load_checkpoint(job, resume)
     return job
+
+
+def start_job(
+    trainer: TrainingExecutor,
+    name: str,
+    spec: ModelSpec,
+    config: TrainConfig,
+    device: Device,
+    *,
+    batch: int,
+    target_bytes: int,
+    allow: tuple[str, ...],
+    resume: str | os.PathLike[str] | None,
+    worker: str,
+) -> dict[str, Any]:
+    """Open job `name` (`open_job`) with the weights of `spec`'s file unless it resumes, and
+    take it into `trainer`; returns what the worker answers a TrainOpen with."""
+    job = open_job(
+        name,
+        spec,
+        config,
+        device,
+        batch=batch,
+        target_bytes=target_bytes,
+        allow=allow,
+        resume=resume,
+    )
+    job.batch = batch  # what its memory was planned for: no step may bring more rows
+    if spec.weights is not None and resume is None:
+        with torch.no_grad():
+            state = build_reference(spec, allow).state_dict()
+            for n, info in job.tensors.items():
+                info.home.copy_(state[n])
+    trainer.open(job)
+    return {
+        "name": job.name,
+        "worker": worker,
+        "step": job.step_count,
+        "sub_models": job.sub_model_info(),
+        "footprint": job.footprint(),
+        "host_bytes": job.host_bytes(),
+        "largest_task": job.largest_task(),
+        "config": config.to_dict(),
+    }
 
 
 def config_from(meta: Mapping[str, Any]) -> TrainConfig:

@@ -1,6 +1,6 @@
 """Small models the partitioner must handle (or refuse clearly), as spec factories.
 
-Specs name them as "tests.partitioner.toy_models:<factory>" with `allow=TOY_ALLOW`.
+Specs name them as "tests.support.toy_models:<factory>" with `allow=TOY_ALLOW`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-TOY_ALLOW = ("tests.partitioner.toy_models",)
+TOY_ALLOW = ("tests.support.toy_models",)
 
 
 class DataDependent(nn.Module):

@@ -19,12 +19,14 @@ import torch
 from torch import fx, nn
 
 from flowmesh.errors import Code, FlowmeshError
-from partitioner.chain import is_plain_sequential
+from flowmesh.modelio.inputs import declared_inputs, example_inputs
+from flowmesh.modelio.sequential import is_plain_sequential
+from flowmesh.spec import ModelSpec
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 _HOW_TO = (
     "expose the model as an nn.Sequential of blocks that each take and return one tensor, or "
-    "register an adapter with partitioner.chain.register_adapter"
+    "register an adapter with flowmesh.modelio.chain.register_adapter"
 )
 
 
@@ -62,9 +64,6 @@ class _LeafTracer(fx.Tracer):
 
 def _example(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """Batch-1 inputs from the model's `flowmesh_inputs`, on the model's device."""
-    from flowmesh.build import declared_inputs, example_inputs
-    from flowmesh.spec import ModelSpec
-
     declared = declared_inputs(ModelSpec(name="x", factory="a:b"), model)
     if declared is None:
         return None

@@ -1,8 +1,10 @@
 """Plans: how a model's chain of blocks is cut into stages (serving) or chunks (training).
 
 A plan is plain, versioned data: the broker caches it under the spec's digest and sends it to
-workers, which build their stage from it (`partitioner.stages`). `stage_plan` and `chunk_plan` plan
-from a profile without torch; `make_stage_plan` and `make_chunk_plan` profile the spec first.
+workers, which build their stage from it (`flowmesh.modelio.stages`). `chunk_plan` plans training
+chunks from a profile without torch, for the partitioner and for a worker opening a job alike;
+the partitioner's `stage_plan` (`partitioner.stage_plans`) builds on the helpers here.
+`make_chunk_plan` (`flowmesh.modelio.profile`) profiles the spec first.
 """
 
 from __future__ import annotations
@@ -10,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
-from partitioner import planners
-from partitioner.costs import ModelProfile, human_bytes
+from flowmesh.modelio import planners
+from flowmesh.modelio.costs import ModelProfile, human_bytes
 
 PLAN_VERSION = 1
 KINDS = ("stages", "chunks")
@@ -47,7 +48,7 @@ class Plan:
     `range_bytes` are exact (each tensor of the range once, tied tensors included), `range_time_s`
     sums the blocks' measured forward times (stages) or forward+backward times (chunks) when
     they were measured, `range_footprint` is the training footprint of a chunk (see
-    `partitioner.planners.chunk_footprints`). `objective` says which of them was balanced.
+    `planners.chunk_footprints`). `objective` says which of them was balanced.
     `request` records what the plan was asked for (stages, mem_cap, target_bytes, batch, ...).
     """
 
@@ -84,7 +85,7 @@ class Plan:
         n = len(names)
         object.__setattr__(self, "block_names", tuple(names))
         object.__setattr__(self, "block_bytes", _ints(self.block_bytes, "block_bytes", n))
-        object.__setattr__(self, "ranges", self._checked_ranges(self.ranges, n))
+        object.__setattr__(self, "ranges", self._checkedranges_of(self.ranges, n))
         parts = len(self.ranges)
         object.__setattr__(self, "range_bytes", _ints(self.range_bytes, "range_bytes", parts))
         if self.range_footprint is not None:
@@ -112,7 +113,7 @@ class Plan:
             raise _bad("request must be a mapping with string keys")
 
     @staticmethod
-    def _checked_ranges(ranges: Any, n: int) -> tuple[tuple[int, int], ...]:
+    def _checkedranges_of(ranges: Any, n: int) -> tuple[tuple[int, int], ...]:
         if not isinstance(ranges, list | tuple) or not ranges:
             raise _bad("ranges must be a non-empty list of [start, stop] pairs")
         out = []
@@ -241,13 +242,16 @@ def _human_seconds(s: float) -> str:
 # -- planning from a profile (no torch) ---------------------------------------------------------
 
 
-def _ranges(bounds: Sequence[int]) -> tuple[tuple[int, int], ...]:
+def ranges_of(bounds: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Fencepost bounds as (start, stop) ranges."""
     return tuple(itertools.pairwise(bounds))
 
 
-def _range_times(
+def range_times(
     profile: ModelProfile, ranges: Sequence[tuple[int, int]], attr: str
 ) -> tuple[float, ...] | None:
+    """Each range's summed block times (`attr` of each block), None unless every block was
+    timed."""
     times = [getattr(b, attr) for b in profile.blocks]
     if any(t is None for t in times):
         return None
@@ -255,7 +259,7 @@ def _range_times(
 
 
 @contextlib.contextmanager
-def _explain_uncut(profile: ModelProfile) -> Iterator[None]:
+def explain_uncut(profile: ModelProfile) -> Iterator[None]:
     """A model that could not be cut is one block: when that block cannot be planned (split into
     several parts, or over a cap), say why it is one block."""
     try:
@@ -268,47 +272,17 @@ def _explain_uncut(profile: ModelProfile) -> Iterator[None]:
         ) from None
 
 
-def stage_plan(
-    profile: ModelProfile, stages: int | None = None, mem_cap: int | None = None
-) -> Plan:
-    """Pipeline stages from a profile: `stages` of them (each within `mem_cap` when given), or
-    with `stages=None` the fewest that each fit `mem_cap`."""
-    if stages is None:
-        if mem_cap is None:
-            raise FlowmeshError(
-                Code.PLAN_ERROR, "give a number of stages, a memory cap per stage, or both"
-            )
-        with _explain_uncut(profile):
-            bounds = planners.auto_stages(profile, mem_cap)
-    else:
-        with _explain_uncut(profile):
-            bounds = planners.stages(profile, stages, mem_cap)
-    ranges = _ranges(bounds)
-    objective = planners.stage_costs(profile)[3]
-    return Plan(
-        kind="stages",
-        spec_digest=profile.spec_digest,
-        block_names=tuple(profile.names),
-        block_bytes=tuple(b.own_bytes for b in profile.blocks),
-        ranges=ranges,
-        range_bytes=tuple(profile.range_bytes(a, b) for a, b in ranges),
-        objective=objective,
-        range_time_s=_range_times(profile, ranges, "forward_s"),
-        request={"stages": stages, "mem_cap": mem_cap},
-    )
-
-
 def chunk_plan(
     profile: ModelProfile,
     target_bytes: int,
     optimizer: str | Mapping[str, Any],
     batch: int,
 ) -> Plan:
-    """Training chunks from a profile (see `partitioner.planners.chunks`)."""
-    with _explain_uncut(profile):
+    """Training chunks from a profile (see `planners.chunks`)."""
+    with explain_uncut(profile):
         bounds = planners.chunks(target_bytes, profile, optimizer, batch)
     footprints, margin = planners.chunk_footprints(profile, optimizer, batch)
-    ranges = _ranges(bounds)
+    ranges = ranges_of(bounds)
     return Plan(
         kind="chunks",
         spec_digest=profile.spec_digest,
@@ -317,7 +291,7 @@ def chunk_plan(
         ranges=ranges,
         range_bytes=tuple(profile.range_bytes(a, b) for a, b in ranges),
         objective="footprint",
-        range_time_s=_range_times(profile, ranges, "forward_backward_s"),
+        range_time_s=range_times(profile, ranges, "forward_backward_s"),
         range_footprint=tuple(sum(footprints[a:b]) + margin for a, b in ranges),
         request={
             "target_bytes": target_bytes,
@@ -326,66 +300,3 @@ def chunk_plan(
             "batch": batch,
         },
     )
-
-
-# -- profile, then plan ----------------------------------------------------------------------------
-
-
-def _profile_for(
-    spec: ModelSpec,
-    given: ModelProfile | None,
-    *,
-    batch: int,
-    seq_len: int,
-    measure_device: Any,
-    allow: Iterable[str],
-) -> ModelProfile:
-    if given is not None:
-        if given.spec_digest != spec.digest():
-            raise FlowmeshError(
-                Code.PLAN_ERROR,
-                f"the profile is of model digest {given.spec_digest}, not {spec.digest()}",
-            )
-        return given
-    from partitioner.profile import profile  # torch is needed only to profile
-
-    return profile(spec, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow)
-
-
-def make_stage_plan(
-    spec: ModelSpec,
-    stages: int | None = None,
-    mem_cap: int | None = None,
-    *,
-    batch: int = 1,
-    seq_len: int = 1,
-    measure_device: Any = None,
-    allow: Iterable[str] = DEFAULT_ALLOW,
-    profile: ModelProfile | None = None,
-) -> Plan:
-    """Profile `spec` (unless `profile` is given) and plan its stages.
-
-    `stages=None` takes `spec.stages`; if that is None too, the fewest stages fitting `mem_cap`.
-    """
-    prof = _profile_for(
-        spec, profile, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow
-    )
-    return stage_plan(prof, spec.stages if stages is None else stages, mem_cap)
-
-
-def make_chunk_plan(
-    spec: ModelSpec,
-    target_bytes: int,
-    optimizer: str | Mapping[str, Any],
-    batch: int,
-    *,
-    seq_len: int = 1,
-    measure_device: Any = None,
-    allow: Iterable[str] = DEFAULT_ALLOW,
-    profile: ModelProfile | None = None,
-) -> Plan:
-    """Profile `spec` at the job's batch size (unless `profile` is given) and plan its chunks."""
-    prof = _profile_for(
-        spec, profile, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow
-    )
-    return chunk_plan(prof, target_bytes, optimizer, batch)

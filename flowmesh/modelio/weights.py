@@ -1,124 +1,20 @@
-"""Turning a ModelSpec into torch modules: on the meta device, seeded on the CPU, or from weights.
-
-Every process that needs a module (partitioner, worker, tests, the demo's reference forward) builds
-it here, so "the same model" means the same code path everywhere.
-"""
+"""Reading tensors from a safetensors weights file: only the ones asked for, each checked against
+the model's shape and cast to its dtype, or read straight into its place in a host buffer."""
 
 from __future__ import annotations
 
-import importlib
+import json
 import os
-from collections.abc import Callable, Iterable
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from safetensors import safe_open
 
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.dtypes import SAFETENSORS_DTYPES
 from flowmesh.roots import io_error, not_safetensors
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec, check_factory, parse_inputs
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
-
-FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return TORCH_DTYPES[name]
-    except KeyError:
-        raise FlowmeshError(Code.BAD_REQUEST, f"unknown dtype {name!r}") from None
-
-
-def resolve_factory(factory: str, allow: Iterable[str] = DEFAULT_ALLOW) -> Callable[..., Any]:
-    check_factory(factory, tuple(allow))
-    module_name, attr = factory.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"factory module {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise FlowmeshError(Code.BAD_REQUEST, f"factory {factory!r} is not a callable")
-    return fn
-
-
-def _call_factory(spec: ModelSpec, allow: Iterable[str]) -> nn.Module:
-    fn = resolve_factory(spec.factory, allow)
-    try:
-        model = fn(**spec.kwargs)
-    except FlowmeshError:
-        raise
-    except Exception as exc:
-        raise FlowmeshError(
-            Code.BAD_REQUEST, f"factory {spec.factory} failed: {type(exc).__name__}: {exc}"
-        ) from None
-    if not isinstance(model, nn.Module):
-        raise FlowmeshError(
-            Code.BAD_REQUEST,
-            f"factory {spec.factory} returned {type(model).__name__}, not a Module",
-        )
-    return model
-
-
-def _cast(model: nn.Module, dtype: str) -> nn.Module:
-    # Only floating tensors take the model dtype; integer buffers (positions, masks) keep theirs.
-    return model.to(torch_dtype(dtype)).eval()
-
-
-def build_meta(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
-    """The model's structure with no memory behind it."""
-    if spec.hf is not None:
-        from flowmesh import hf_dir
-
-        return _cast(hf_dir.build_meta(spec.hf), spec.dtype)
-    with torch.device("meta"):
-        model = _call_factory(spec, allow)
-    return _cast(model, spec.dtype)
-
-
-def build_seeded(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
-    """The whole model on the CPU with the factory's own initialisation under `spec.init_seed`.
-
-    This is the reference for seeded deployments: a worker holding any stage of the model has
-    exactly the tensors this returns, so tests compare served outputs with its forward.
-    A Hugging Face directory (`spec.hf`) has no seed: its model comes with its weights.
-    """
-    if spec.hf is not None:
-        return build_reference(spec, allow)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.init_seed)
-        with torch.device("cpu"):
-            model = _call_factory(spec, allow)
-    return _cast(model, spec.dtype)
-
-
-def build_reference(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn.Module:
-    """The whole model on the CPU as deployed: seeded, or with its weights file (or Hugging
-    Face directory) loaded."""
-    if spec.hf is not None:
-        from flowmesh import hf_dir
-
-        return hf_dir.load_whole(build_meta(spec, allow), spec.hf)
-    if spec.weights is None:
-        return build_seeded(spec, allow)
-    model = build_meta(spec, allow)
-    names = {n: n for n in model.state_dict(keep_vars=True)}
-    tensors = read_weights(spec.weights, names, expected=model.state_dict(keep_vars=True))
-    model.load_state_dict(tensors, assign=True, strict=True)
-    return model.eval()
 
 
 def conform(tensor: torch.Tensor, want: torch.Tensor, where: str) -> torch.Tensor:
@@ -140,8 +36,6 @@ def read_weights(
 
     A missing tensor or a shape that does not match is a clear deploy error.
     """
-    from safetensors import safe_open
-
     out: dict[str, torch.Tensor] = {}
     try:
         handle = safe_open(path, framework="pt", device="cpu")
@@ -162,29 +56,12 @@ def read_weights(
     return out
 
 
-# safetensors' dtype names (little-endian in the file, as on every host flowmesh runs on).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 READ_CHUNK = 64 * 2**20  # largest single read; preadv may also return less
 
 
 def read_header(path: str) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data
     starts; a missing or corrupt file is a clear deploy error."""
-    import json
-    import struct
-
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -293,40 +170,3 @@ def read_weights_into(
                     progress(dst.nbytes)
     finally:
         os.close(fd)
-
-
-def declared_inputs(spec: ModelSpec, model: nn.Module) -> dict[str, TensorSpec] | None:
-    """The spec's inputs, else what the module declares in `flowmesh_inputs`.
-
-    A module declares its floating inputs for float32; deployed in another dtype, it takes
-    them in that dtype (integer inputs such as token ids keep theirs).
-    """
-    if spec.inputs is not None:
-        return spec.inputs
-    raw = getattr(model, "flowmesh_inputs", None)
-    if raw is None:
-        return None
-    return {
-        name: TensorSpec(spec.dtype, t.shape) if t.dtype in FLOAT_DTYPES else t
-        for name, t in parse_inputs(raw).items()
-    }
-
-
-def example_inputs(
-    inputs: dict[str, TensorSpec], batch: int, device: str | torch.device = "meta"
-) -> dict[str, torch.Tensor]:
-    """Tensors of the declared shapes (free dims = 1, dim 0 = batch) for shape propagation."""
-    out = {}
-    for name, ts in inputs.items():
-        shape = [batch] + [1 if d == -1 else d for d in ts.shape[1:]]
-        out[name] = torch.zeros(shape, dtype=torch_dtype(ts.dtype), device=device)
-    return out
-
-
-def call_model(model: nn.Module, inputs: dict[str, torch.Tensor] | torch.Tensor) -> Any:
-    """One tensor is passed positionally, whatever its name; several as keyword arguments."""
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if len(inputs) == 1:
-        return model(next(iter(inputs.values())))
-    return model(**inputs)

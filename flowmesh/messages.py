@@ -1,0 +1,562 @@
+"""Every message flowmesh sends, declared once: a `msgspec.Struct` per message type.
+
+A message's header is a msgpack map: its type `t` (the struct's tag), its fields, and the
+protocol version `v`. The declarations below are the schema both ways: `flowmesh.codec` encodes a
+message from its struct and decodes a header straight into the union of all of them, and msgspec
+checks every field's type and constraint on receipt (`Id`, `Count`: integers >= 0, never a
+bool). Tensors are not header values: `tensors` maps a name to a tensor in a process, and travels
+as one raw frame per tensor after the header, listed in it as `[name, dtype, shape]`
+(`flowmesh.codec`).
+
+Values still typed `Any` (model specs, training configs, plans, status, run info) are plain data:
+maps keyed by strings, lists, scalars; the codec refuses anything else in them.
+
+This module does not import torch, so the broker can stay free of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+import msgpack
+import msgspec
+from msgspec import Meta, field
+
+PROTOCOL_VERSION = 1
+
+# Bytes per element of every dtype that may travel.
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+Id = Annotated[int, Meta(ge=0)]  # a call's, run's or ticket's id
+Count = Annotated[int, Meta(ge=0)]  # bytes, stages, steps, seqs, frames
+Seconds = Annotated[float, Meta(ge=0)]  # a duration (NaN is not one)
+_BIG = sys.float_info.max
+Finite = Annotated[float, Meta(ge=-_BIG, le=_BIG)]  # no NaN, no infinity
+
+# A tensor as the header lists it: [name, dtype, shape]. How many dims a process takes is its
+# `Limits.max_dims`, checked by the codec with the frames' sizes.
+Dtype = Literal[tuple(ITEMSIZE)]  # type: ignore[valid-type]
+TensorMeta = tuple[str, Dtype, list[Count]]
+# In a process: name -> torch tensor or `codec.TensorRef`. On the wire: the header's list of
+# `TensorMeta`, one per frame after the header (the codec turns one into the other).
+Tensors = Union[dict[str, Any], list[TensorMeta]]  # noqa: UP007 (msgspec reads it at run time)
+
+
+class Message(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True):
+    """Base of all message types. `TYPE` is the wire name (the tag); `HAS_TENSORS`: whether
+    the type carries tensor frames. `v` is set for every message sent, checked on receipt."""
+
+    TYPE: ClassVar[str] = ""
+    HAS_TENSORS: ClassVar[bool] = False
+
+    v: Annotated[int, Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)] = PROTOCOL_VERSION
+
+
+# -- client <-> broker
+
+
+class Deploy(Message, tag="deploy"):
+    id: Id
+    spec: dict[str, Any]
+    timeout_ms: int | None = None
+
+
+class Deployed(Message, tag="deployed"):
+    id: Id
+    model: dict[str, Any]
+
+
+class Undeploy(Message, tag="undeploy"):
+    id: Id
+    model: str
+
+
+class Undeployed(Message, tag="undeployed"):
+    id: Id
+    model: str
+
+
+class Infer(Message, tag="infer"):
+    id: Id
+    model: str
+    tensors: Tensors = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+
+class Result(Message, tag="result"):
+    id: Id
+    tensors: Tensors = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Status(Message, tag="status"):
+    id: Id
+
+
+class StatusReply(Message, tag="status_reply"):
+    id: Id
+    status: dict[str, Any]
+
+
+class PlanRequest(Message, tag="plan"):
+    """Ask for a plan. kind 'stages' (serving) or 'chunks' (training sub-models)."""
+
+    id: Id
+    spec: dict[str, Any]
+    kind: str = "stages"
+    stages: int | None = None
+    mem_cap: Count | None = None
+    target_bytes: Count | None = None
+    optimizer: str = "adam"
+    batch: Count = 1
+    measure: bool = False
+    timeout_ms: int | None = None
+
+
+class PlanReply(Message, tag="plan_reply"):
+    """A plan, and the model's declared inputs (dtype, shape) when it has any."""
+
+    id: Id
+    plan: dict[str, Any]
+    inputs: dict[str, Any] | None = None
+
+
+class Error(Message, tag="error"):
+    id: Id | None
+    code: str
+    reason: str
+
+
+class Hello(Message, tag="hello"):
+    """A client's first message on each connection: it asks for the broker's limits, and sends
+    nothing else until they are known (`Welcome`)."""
+
+    id: Id
+
+
+class Welcome(Message, tag="welcome"):
+    """The broker's `Limits` on what a client may send it. Beyond `max_message_bytes` a request
+    is refused, and beyond twice that the broker's socket drops the connection that carried it
+    (taking the answers of every call in flight on it): a client refuses such calls unsent."""
+
+    id: Id
+    max_message_bytes: Count
+    max_header_bytes: Count
+
+
+# -- training jobs, client <-> broker; the broker sends the same types on to the job's worker
+# under its own call id (a job command), and the worker answers with the matching reply.
+
+
+class TrainOpen(Message, tag="train_open"):
+    """Open training job `job` of `spec` (weights: its `weights` file, or its seed). `config` is
+    the training configuration (optimizer, loss, clip_grad_norm, accumulate, seed); `resume` a
+    checkpoint directory to continue from; `chunk_bytes` the sub-models' target footprint."""
+
+    id: Id
+    job: str
+    spec: dict[str, Any]
+    config: dict[str, Any]
+    batch: Count
+    resume: str | None = None
+    chunk_bytes: Count | None = None
+    timeout_ms: int | None = None
+
+
+class TrainOpened(Message, tag="train_opened"):
+    id: Id
+    job: dict[str, Any]
+
+
+class TrainStep(Message, tag="train_step"):
+    """One step of `job`. `seq` numbers a job's steps: they run in that order, and a step whose
+    `seq` was already taken is never applied again. Tensors: 'inputs' (or 'inputs/<name>' per
+    named input) and 'targets'."""
+
+    id: Id
+    job: str
+    seq: Count
+    tensors: Tensors = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+
+class TrainStepResult(Message, tag="train_step_result"):
+    id: Id
+    job: str
+    seq: Count
+    loss: float
+    step: Count
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainEval(Message, tag="train_eval"):
+    """Evaluate `job` on a batch after the steps sent before it: loss and metrics, nothing
+    updated (eval mode, no gradients, the job's RNG stream untouched). Tensors as in
+    `train_step`. No `seq`: an evaluation changes nothing, so running it twice is harmless."""
+
+    id: Id
+    job: str
+    tensors: Tensors = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+
+class TrainEvalResult(Message, tag="train_eval_result"):
+    """`step`: the steps applied before the evaluation; `metrics`: 'accuracy' for class
+    targets, 'nonfinite', 'seconds'."""
+
+    id: Id
+    job: str
+    loss: float
+    step: Count
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainSave(Message, tag="train_save"):
+    """Checkpoint `job` after the steps sent before it, into directory `path` on its worker."""
+
+    id: Id
+    job: str
+    path: str
+    timeout_ms: int | None = None
+
+
+class TrainSaved(Message, tag="train_saved"):
+    id: Id
+    job: str
+    path: str
+    step: Count
+
+
+class TrainClose(Message, tag="train_close"):
+    id: Id
+    job: str
+    timeout_ms: int | None = None
+
+
+class TrainClosed(Message, tag="train_closed"):
+    id: Id
+    job: str
+
+
+class Jobs(Message, tag="jobs"):
+    id: Id
+
+
+class JobsReply(Message, tag="jobs_reply"):
+    id: Id
+    jobs: list[dict[str, Any]]
+
+
+# -- what a worker holds as it registers
+
+
+class _Part(msgspec.Struct, forbid_unknown_fields=True):
+    """A nested payload: every field required, nothing unknown."""
+
+
+class HeldStage(_Part):
+    """A stage a worker holds; `digest` is `stage_digest` of what it was built from."""
+
+    model: str
+    stage: Count
+    nbytes: Count
+    resident: bool
+    digest: str
+
+
+class StepOk(_Part, tag_field="t", tag="ok"):
+    """The answer a training step got: its loss, the job's step count after it, metrics."""
+
+    seq: Count
+    loss: float
+    step: Count
+    metrics: dict[str, float]
+
+
+class StepFailed(_Part, tag_field="t", tag="error"):
+    """A training step that failed, with the code and reason it was answered with."""
+
+    seq: Count
+    code: str
+    reason: str
+
+
+StepAnswer = Union[StepOk, StepFailed]  # noqa: UP007 (msgspec reads it at run time)
+
+
+class HeldJob(_Part):
+    """A training job a worker holds: its step count, the highest step seq it took, its
+    footprint, its latest step answers and the seqs still running."""
+
+    name: str
+    step: Count
+    seq: Count
+    footprint: Count
+    results: list[StepAnswer]
+    running: list[Count]
+
+
+class Inventory(_Part):
+    stages: list[HeldStage] = field(default_factory=list)
+    jobs: list[HeldJob] = field(default_factory=list)
+
+
+# -- what a peer reports with its heartbeats: plain scalars, and lists and maps of them, three
+# levels deep at most (a top-level value, its items, theirs); numbers finite. They are stored
+# and shown by status() to every client; `broker.checks.check_stats` bounds how many there are.
+
+StatScalar = Union[None, bool, int, Finite, str]  # noqa: UP007
+StatItem = Union[StatScalar, list[StatScalar], dict[str, StatScalar]]  # noqa: UP007
+StatValue = Union[StatScalar, list[StatItem], dict[str, StatItem]]  # noqa: UP007
+Stats = dict[str, StatValue]
+
+
+# -- workers / services <-> broker
+
+
+class Register(Message, tag="register"):
+    id: Id
+    role: str  # "worker" | "partitioner"
+    name: str
+    pid: Count
+    device: str = ""
+    kind: str = ""  # "cuda" | "cpu"
+    budget_bytes: Count = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    # What the process holds as it registers, so that a broker that restarted takes it up
+    # instead of having it read again. Empty for a fresh process.
+    inventory: Inventory = field(default_factory=Inventory)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [[k, _canonical(value[k])] for k in sorted(value, key=repr)]
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def stage_digest(spec: dict[str, Any], plan: dict[str, Any], stage: int) -> str:
+    """What a worker's copy of a stage was built from (the model's spec, its plan, the stage's
+    index), as a short hash: a restarted broker adopts a stage a worker reports only when its
+    digest is the one the broker's own record gives."""
+    packed = msgpack.packb(_canonical([spec, plan, stage]), use_bin_type=True)
+    return hashlib.sha256(packed).hexdigest()[:24]
+
+
+class RegisterAck(Message, tag="register_ack"):
+    id: Id
+    heartbeat_s: Annotated[float, Meta(gt=0)]
+    liveness: Annotated[int, Meta(ge=1)]
+    # True when the broker already knew this very process and kept what it holds (it only
+    # re-registered); False when the broker starts afresh with it, so it must drop its stages.
+    kept: bool = False
+    # The mesh's allow-list of factory modules: set once on the broker, applied by every
+    # partitioner and worker (which may narrow it with their own --allow, never widen it).
+    allow: list[str] | None = None
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    stats: Stats = field(default_factory=dict)
+
+
+class Disconnect(Message, tag="disconnect"):
+    reason: str
+
+
+class DeployStage(Message, tag="deploy_stage"):
+    id: Id
+    model: str
+    stage: Count
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+
+
+class StageReady(Message, tag="stage_ready"):
+    id: Id
+    model: str
+    stage: Count
+    nbytes: Count
+    seconds: Seconds
+
+
+class DropStage(Message, tag="drop_stage"):
+    id: Id
+    model: str
+    stage: Count
+
+
+class Load(Message, tag="load"):
+    """Bring a stage onto the device. The worker makes room itself, evicting its idle stages
+    worth least, never one in `keep` ([[model, stage], ...]: stages the broker has work queued
+    or in flight for), and reports what it holds afterwards with `Resident`."""
+
+    id: Id
+    model: str
+    stage: Count
+    keep: list[tuple[str, Count]] = field(default_factory=list)
+
+
+class Loaded(Message, tag="loaded"):
+    id: Id
+    model: str
+    stage: Count
+    nbytes: Count
+    seconds: Seconds
+
+
+class Resident(Message, tag="resident"):
+    """A worker's device contents after it changed them by its own choice (room made for a
+    load, a stage brought back for a run): [[model, stage, nbytes], ...], loading ones
+    included. `after_load` is the id of the last Load it had handled (0: none), so the broker
+    knows which of its expectations the report already answers."""
+
+    stages: list[tuple[str, Count, Count]]
+    after_load: Id = 0
+
+
+class Evict(Message, tag="evict"):
+    id: Id
+    model: str
+    stage: Count
+
+
+class Run(Message, tag="run"):
+    """Run one batch through a stage. `parts` is [[request tag, rows], ...] in batch order;
+    part k's tensors are named 'k/<input name>'."""
+
+    id: Id
+    model: str
+    stage: Count
+    parts: list[tuple[Id, Count]]
+    tensors: Tensors = field(default_factory=dict)
+    # A direct run (`ticket` non-zero): every stage's worker gets its Run at once; stage 0's
+    # inputs travel with it, each later stage's arrive from the stage before as `Hop`s (the
+    # batch cut into `chunks` micro-batches that flow through the stages one after another).
+    # `next_peer`: the peer endpoint of the next stage's worker, "" for the last stage, which
+    # answers the broker with the whole batch's RunResult. Under CURVE keys, `next_key` is
+    # that worker's public key (its peer socket's server key) and `from_key` the previous
+    # stage's worker's, the only key whose activations this run takes (z85 text; "" without
+    # keys).
+    ticket: Id = 0
+    from_peer: bool = False
+    next_peer: str = ""
+    chunks: Count = 1
+    next_key: str = ""
+    from_key: str = ""
+    # Each part is a forward of its own (requests of a model taking one per forward, sent
+    # together to save messages and hand-offs), not rows of one batch.
+    separate: bool = False
+
+
+class Hop(Message, tag="hop"):
+    """One micro-batch of a direct run's activations, from a stage's worker to the next one's
+    (never through the broker). Accepted only with the ticket of a Run the broker announced."""
+
+    id: Id
+    ticket: Id
+    model: str
+    stage: Count
+    chunk: Count
+    tensors: Tensors = field(default_factory=dict)
+
+
+class CancelRun(Message, tag="cancel_run"):
+    """The broker gave up a direct run: forget its state here (its Hops may still come)."""
+
+    id: Id
+
+
+class RunResult(Message, tag="run_result"):
+    id: Id
+    model: str
+    stage: Count
+    tensors: Tensors = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class PlanJob(Message, tag="plan_job"):
+    """The broker asks a partitioner to plan; same fields as PlanRequest."""
+
+    id: Id
+    request: dict[str, Any]
+
+
+# -- any socket
+
+
+class Bundle(Message, tag="bundle"):
+    """Several messages sent as one: under load, one send, one wake-up and one read stand for
+    many (a client's calls of one event-loop turn, the answers of one grouped run).
+
+    In a process `members` holds each member's frames; on the wire the header carries `counts`,
+    the number of frames of each member, and the members' frames follow it, one member after
+    the other. `decode` only splits them: each member is decoded and handled on its own, in
+    order, as if it had come alone, so that a bad member is answered by its own error and the
+    others go on. A bundle never holds a bundle.
+
+    Only a peer known to take bundles is sent one: the broker bundles what it sends a client
+    once that client has sent it a bundle, so that a client of its own that does not know them
+    (one speaking the protocol over a plain socket) never gets one."""
+
+    members: list[Annotated[int, Meta(ge=1)]] = field(name="counts")
+
+
+def _declared() -> dict[str, type[Message]]:
+    out: dict[str, type[Message]] = {}
+    todo = list(Message.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        todo += cls.__subclasses__()
+        tag = cls.__struct_config__.tag
+        if not isinstance(tag, str) or tag in out:
+            raise TypeError(f"message type {cls.__name__}: missing or repeated wire name {tag!r}")
+        cls.TYPE = tag
+        cls.HAS_TENSORS = "tensors" in cls.__struct_fields__
+        out[tag] = cls
+    return out
+
+
+_TYPES = _declared()
+
+
+def message_types() -> dict[str, type[Message]]:
+    """Every message type by its wire name."""
+    return dict(_TYPES)
+
+
+# What `flowmesh.protocol` re-exports: every message type, and the types of their parts.
+__all__ = [
+    *(cls.__name__ for cls in _TYPES.values()),
+    "ITEMSIZE",
+    "PROTOCOL_VERSION",
+    "Count",
+    "Finite",
+    "HeldJob",
+    "HeldStage",
+    "Id",
+    "Inventory",
+    "Message",
+    "Seconds",
+    "Stats",
+    "StepAnswer",
+    "StepFailed",
+    "StepOk",
+    "TensorMeta",
+    "Tensors",
+    "message_types",
+    "stage_digest",
+]

@@ -1,0 +1,92 @@
+"""The `flowmesh` command's edges, run as a user runs it against a real broker (alone: none of
+these needs a worker): output into a pipe its reader closed, `status --watch` into a file, and a
+second `flowmesh up` on a port the broker holds; then a whole `flowmesh up` with a config file
+and a log directory of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client_sdk.mesh import LocalMesh
+from tests.support.cli import COMMAND, ROOT, flowmesh
+from tests.support.mesh import FAST
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[LocalMesh]:
+    with LocalMesh(cpu_workers=0, partitioner=False, **FAST) as m:
+        yield m
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])  # output written at each print, or at exit
+def test_status_into_a_pipe_closed_early_exits_without_a_traceback(
+    broker: LocalMesh, unbuffered: str
+) -> None:
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte (`flowmesh status | head -0`)
+    try:
+        env = {"PYTHONUNBUFFERED": unbuffered}
+        run = flowmesh("status", "--broker", broker.frontend, stdout=write, env=env)
+    finally:
+        os.close(write)
+    assert run.stderr == "" and run.returncode == 1, run.stderr
+
+
+def test_watch_into_a_file_prints_one_plain_snapshot_per_interval(broker: LocalMesh) -> None:
+    run = flowmesh("status", "--broker", broker.frontend, "--watch", "0.05", "--count", "2")
+    assert run.returncode == 0, run.stderr
+    assert "\x1b" not in run.stdout  # no cursor movement, no colour
+    snapshots = re.split(r"^-- \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", run.stdout, flags=re.M)[1:]
+    assert len(snapshots) == 2, run.stdout
+    for snap in snapshots:
+        assert "broker up" in snap and "\nworkers\nworker " in snap and "\nmodel " in snap, snap
+
+
+def test_a_second_up_on_a_busy_port_says_so_in_one_line(broker: LocalMesh) -> None:
+    host, port = broker.frontend.removeprefix("tcp://").rsplit(":", 1)
+    run = flowmesh("up", "--cpu-workers", "1", "--listen", f"{host}:{port}")
+    assert run.returncode == 1 and run.stdout == "", run.stdout
+    assert run.stderr == (
+        f"flowmesh up: {host}:{port} is already in use: another 'flowmesh up' or broker is "
+        f"listening there; stop it, or choose another port with --listen {host}:PORT\n"
+    )
+
+
+def test_up_hands_its_config_to_the_processes_and_keeps_the_logs_in_log_dir(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "flowmesh.toml"
+    config.write_text('[worker]\nlog_level = "error"\n')  # a key `up` itself never sets
+    logs = tmp_path / "logs"
+    argv = ["up", "--cpu-workers", "1", "--memory-budget", "8MiB", "--listen", "127.0.0.1:0"]
+    argv += ["--heartbeat", "0.2", "--config", str(config), "--log-dir", str(logs)]
+    up = subprocess.Popen(
+        [*COMMAND, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert up.stdout is not None
+        said = up.stdout.readline()  # once the mesh is ready (or "" if `up` gave up)
+        assert said.startswith("flowmesh up: broker tcp://127.0.0.1:"), said
+        assert f"logs in {logs}." in said, said
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:  # a failed assertion: stop it as Ctrl-C would, so that it cleans up
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+    assert up.returncode == 0 and out == "flowmesh stopped\n", (out, err)
+    assert {p.name for p in logs.glob("*.log")} == {"broker.log", "partitioner.log", "worker-0.log"}
+    assert " INFO " in (logs / "broker.log").read_text()  # the broker's table is empty
+    worker = (logs / "worker-0.log").read_text()
+    assert " INFO " not in worker and " WARNING " not in worker, worker

@@ -1,0 +1,82 @@
+"""Training through a real mesh, held to plain PyTorch: the shared job, data and comparison.
+
+Every training result is compared with the reference loop (`flowmesh.reference`) on the same
+seed and data, with `torch.testing.assert_close` at rtol 1e-5 / atol 1e-6, never bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from flowmesh.modelio.build import build_seeded
+from flowmesh.reference import train
+from flowmesh.spec import ModelSpec
+
+KIB = 1 << 10
+RTOL, ATOL = 1e-5, 1e-6
+TRAIN_BYTES = 96 * KIB  # two jobs' footprints (about 62 KiB each) do not fit together
+CHUNK = 32 * KIB  # three sub-models per job
+BATCH = 8
+STEPS = 10
+Data = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def close(actual: Any, expected: Any, msg: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=msg)
+
+
+def spec(seed: int) -> ModelSpec:
+    return ModelSpec(
+        name=f"mlp-{seed}",
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": 32, "depth": 4, "in_features": 8, "out_features": 5},
+        seed=seed,
+    )
+
+
+def data(seed: int, steps: int = STEPS) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(BATCH, 8, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.05}
+ADAM = {"name": "adam", "lr": 0.02}
+
+
+def open_kw(s: ModelSpec, optimizer: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "kwargs": s.kwargs,
+        "seed": s.seed,
+        "optimizer": optimizer,
+        "loss": "cross_entropy",
+        "batch_size": BATCH,
+        "chunk_bytes": CHUNK,
+        "timeout": 60,
+    }
+
+
+def saved_state(path: str) -> dict[str, torch.Tensor]:
+    tensors = load_file(str(Path(path) / "state.safetensors"))
+    return {k: v for k, v in tensors.items() if "/" not in k}  # the model's, not optimizer/rng
+
+
+# The default allow-list and the test factories (dropout and BatchNorm, for `job.eval`).
+ALLOW_MODULES = ("flowmesh.examples", "torch.nn", "tests.support.train_models")
+ALLOW = [a for module in ALLOW_MODULES for a in ("--allow", module)]  # broker and worker args
+
+
+def plain(
+    s: ModelSpec, optimizer: dict[str, Any], batches: Data, **loop: Any
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """What a PyTorch user writes, in one process: `s`'s seeded model trained by the reference
+    loop (`flowmesh.reference.train`, taking `loop`'s options); its losses and final state."""
+    model = build_seeded(s, ALLOW_MODULES)
+    losses = train(model, optimizer, batches, **loop)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
