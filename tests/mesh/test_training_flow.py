@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +28,18 @@ from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
 from tests.support.mesh import FAST, fresh_stats, mesh_options
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse)
 from tests.support.training import saved_state
+
+# one_thread: the workers run one intra-op thread (FAST); the plain loops here must reduce in the
+# same order, or a gradient that is rounding noise (an attention key's bias: softmax ignores it)
+# differs, and Adam scales such noise up to a full step.
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
 BATCH = 8
 Data = list[tuple[torch.Tensor, torch.Tensor]]
 ALLOW = ["--allow", "flowmesh.examples", "--allow", "tests.support.train_models"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # The workers run one intra-op thread (FAST); the plain loops here must reduce in the same
-    # order, or a gradient that is rounding noise (an attention key's bias: softmax ignores it)
-    # differs, and Adam scales such noise up to a full step.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def close(actual: Any, expected: Any, msg: str) -> None:

@@ -28,17 +28,11 @@ from gpu_worker.train_checkpoint import META_FILE, STATE_FILE, load_checkpoint, 
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor
 from gpu_worker.train_job import TrainingJob
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse)
 
 MIB = 1 << 20
 CFG = TrainConfig({"name": "adam", "lr": 0.01}, seed=1)
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_job(name: str = "run") -> TrainingJob:

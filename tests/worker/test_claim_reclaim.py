@@ -19,10 +19,9 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -37,17 +36,11 @@ from gpu_worker.memory import DeviceMemory, OutOfSpace
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job
 from gpu_worker.train_scheduler import FlowScheduler, Task
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse)
 from tests.support.waiting import until
 
 KIB = 1 << 10
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- the scheduler alone -----------------------------------------------------------------------

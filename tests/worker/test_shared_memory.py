@@ -9,9 +9,7 @@ results they give alone. Ordering is shown by counters and states, never by wall
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
-import pytest
 import torch
 
 from flowmesh.modelio.build import build_meta, build_seeded
@@ -24,17 +22,11 @@ from gpu_worker.memory import DeviceMemory
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job
 from gpu_worker.train_job import StepResult
+from tests.support.torch_threads import one_thread  # noqa: F401  (autouse)
 from tests.support.waiting import until
 
 KIB = 1 << 10
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- DeviceMemory ------------------------------------------------------------------------------
