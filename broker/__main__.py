@@ -64,6 +64,12 @@ OPTIONS = Options(
         ),
         Option("--scale-cooldown", FLOAT, 30.0, "seconds between two changes of one model"),
         Option(
+            "--rate-window",
+            FLOAT,
+            30.0,
+            "seconds a model's arrival rate is averaged over (autoscaling, prefetch, eviction)",
+        ),
+        Option(
             "--eviction",
             TEXT,
             "value",
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         scale_up_after_s=args.scale_up_after,
         scale_down_after_s=args.scale_down_after,
         scale_cooldown_s=args.scale_cooldown,
+        rate_window_s=args.rate_window,
         eviction=args.eviction,
         prefetch=bool(args.prefetch),
         direct=bool(args.direct),

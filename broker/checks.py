@@ -1,13 +1,11 @@
 """Checks on what peers report that their message types cannot say, before the broker stores it:
-how many heartbeat stats there are, the byte counts status reads, a run's durations.
+how many heartbeat stats there are and the byte counts status reads.
 
 A peer is trusted to be a flowmesh process, not to be bug-free: a bad value is refused on receipt
 (BAD_REQUEST naming it) rather than breaking a later status call or placement.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from broker.context import fail
 from flowmesh import protocol as p
@@ -39,10 +37,3 @@ def check_stats(stats: p.Stats) -> p.Stats:
             raise fail(Code.BAD_REQUEST, f"heartbeat stats {key}: expected a byte count")
     return stats
 
-
-def check_seconds(info: dict[str, Any], key: str) -> float:
-    """A duration a worker reports in a run_result's info: finite, not negative."""
-    v = info.get(key, 0.0)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
-        raise fail(Code.BAD_REQUEST, f"run_result info {key}: expected seconds, got {v!r}")
-    return float(v)

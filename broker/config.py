@@ -73,3 +73,6 @@ class BrokerConfig:
     scale_up_after_s: float = 5.0
     scale_down_after_s: float = 60.0
     scale_cooldown_s: float = 30.0
+    # The seconds a model's arrival rate is averaged over (`flowmesh.value.ArrivalRate`'s tau),
+    # which autoscaling, prefetching and the eviction value read: how long a burst stays in it.
+    rate_window_s: float = 30.0

@@ -6,8 +6,10 @@ drive it in-process with exact expectations, no sockets.
 
 The work itself is done in rooms, each a plain class with exact-output tests of its own:
 
-- `broker.registry.Registry`: peers (registration, heartbeats, loss), the model catalogue
-  (deploy, undeploy, plans), stage placement and replica repair;
+- `broker.registry.Registry`, over its parts: peers (registration, heartbeats, loss:
+  `broker.peers`), the model catalogue (deploy, undeploy, plans: `broker.catalogue`), stage
+  placement and replica repair (`broker.placement`), autoscaling (`broker.autoscale`) and
+  restarts (`broker.restore`);
 - `broker.serving_router.ServingRouter`: request queues, batching, residency (loads, evictions),
   runs and their failover;
 - `broker.training_router.TrainingRouter`: training jobs, their placement, steps and calls.
@@ -38,6 +40,7 @@ from flowmesh import protocol as p
 from flowmesh.auth import Identity, authorize_client
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from flowmesh.reports import BrokerStatus, Totals
 
 log = logging.getLogger("broker.core")
 
@@ -262,6 +265,19 @@ class BrokerCore:
         else:
             self.registry.call_failed(peer, call, msg.code, msg.reason, now)
 
+    def answer_refused(self, addr: bytes, ref: int, code: str, reason: str, now: float) -> None:
+        """The codec refused a message from `addr` (`reason` says why) whose header named `ref`:
+        when `ref` is a call made to that very peer, fail it as that peer's Error would have,
+        now rather than at its deadline. Any other id changes nothing (a forged one)."""
+        name = self.by_addr.get(addr)
+        if name is None:
+            return
+        peer = self.peers[name]
+        why = f"{peer.role} {name}'s answer was refused: {reason}"
+        err = p.Error(id=ref, code=code, reason=why)
+        if not self.training.on_error(name, err, now):
+            self._backend_error(peer, err, now)
+
     # ================================================================== liveness
 
     def tick(self, now: float) -> None:
@@ -311,7 +327,7 @@ class BrokerCore:
 
     # ================================================================== status
 
-    def status(self, now: float) -> dict[str, Any]:
+    def status(self, now: float) -> BrokerStatus:
         """What `flowmesh status` shows and the broker's /metrics reads (`flowmesh.metrics`)."""
         timings = self.serving.timings
         workers, partitioners = peer_rows(
@@ -321,26 +337,25 @@ class BrokerCore:
         refused: dict[str, dict[str, int]] = {}
         for (model, code), n in self.serving.refused.items():
             refused.setdefault(model, {})[code] = n
-        return {
-            "uptime_s": round(now - self.started, 3),
-            "protocol": p.PROTOCOL_VERSION,
-            "heartbeat_s": self.cfg.heartbeat_s,
-            "workers": workers,
-            "partitioners": partitioners,
-            "models": [
+        return BrokerStatus(
+            uptime_s=round(now - self.started, 3),
+            protocol=p.PROTOCOL_VERSION,
+            heartbeat_s=self.cfg.heartbeat_s,
+            workers=workers,
+            partitioners=partitioners,
+            models=[
                 model_status(m, self.peers, means.get(m.name), refused.get(m.name))
                 for m in sorted(self.models.values(), key=lambda m: m.name)
             ],
-            # Requests naming no deployed model, by code.
-            "refused_unknown_model": refused.get("", {}),
-            "queued": sum(len(m.queue) for m in self.models.values()),
-            "inflight_batches": len(self.batches),
-            "jobs": self.training.status(now),
-            # After a restart, until the workers named in the state store came back.
-            "restoring": self.registry.restore_until is not None,
-            **self.totals,
-            **self.training.totals,
-        }
+            refused_unknown_model=refused.get("", {}),
+            queued=sum(len(m.queue) for m in self.models.values()),
+            inflight_batches=len(self.batches),
+            jobs=self.training.status(now),
+            finished_jobs=self.training.finished_status(now),
+            restoring=self.registry.restore_until is not None,
+            # Every counter is a declared field: one that is not raises here, in the tests.
+            totals=Totals(**self.totals, **self.training.totals),
+        )
 
     def _status(self, addr: bytes, msg: p.Status, now: float) -> None:
         self.ctx.to_client(addr, p.StatusReply(id=msg.id, status=self.status(now)))

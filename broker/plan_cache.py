@@ -11,11 +11,14 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
 PLAN_CACHE_BYTES = 8 << 20
 
 
 def deep_size(obj: Any) -> int:
-    """The bytes `obj` takes as Python objects, with what its dicts and lists hold (shared
+    """The bytes `obj` takes as Python objects, with what its dicts, lists and structs (a plan,
+    a spec) hold (shared
     objects counted each time they are held: an upper bound). No recursion: a plan echoes the
     client's spec, nested as deep as the client likes."""
     size, todo = 0, [obj]
@@ -27,6 +30,8 @@ def deep_size(obj: Any) -> int:
             todo += item.values()
         elif isinstance(item, list | tuple):
             todo += item
+        elif isinstance(item, msgspec.Struct):
+            todo += (getattr(item, f) for f in item.__struct_fields__)
     return size
 
 

@@ -1,7 +1,7 @@
 """The broker's choices as pure functions over plain state: liveness, eviction, placement.
 
-Kept apart from the rooms that use them (`broker.registry`, `broker.serving_router`) so each rule is
-tested with exact expectations.
+Kept apart from the rooms that use them (`broker.peers`, `broker.placement`, `broker.autoscale`,
+`broker.serving_router`) so each rule is tested with exact expectations.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ def place_replicas(
 
     Stages are placed largest first on the worker with the least hosted bytes (ties by name), so
     host memory and device traffic spread evenly. Returns fewer placements when workers run out.
+
+    A model that has no placement on distinct workers at all (more stages than workers that can
+    hold them, and no other replica: `taken` empty) gets one placement whose workers each hold
+    a run of consecutive stages (`shared_placement`): a streamed replica, whose stages take turns
+    on the device (`broker.serving_router`). Each stage still fits its worker's budget.
     """
     taken = set(taken or ())
     pool = sorted(workers, key=lambda w: w.name)
@@ -84,12 +89,46 @@ def place_replicas(
                 and (i, w.name) not in taken
             ]
             if not fits:
+                if not out and not taken:
+                    shared = shared_placement(pool, stage_bytes, hosted)
+                    return [shared] if shared is not None else []
                 return out
             best = min(fits, key=lambda w: (hosted[w.name], w.name))
             chosen[i] = best.name
             hosted[best.name] += stage_bytes[i]
         out.append([chosen[i] for i in range(len(stage_bytes))])
         taken.update(chosen.items())
+    return out
+
+
+def shared_placement(
+    pool: list[Peer], stage_bytes: list[int], hosted: dict[str, int]
+) -> list[str] | None:
+    """One placement of more stages than workers: consecutive stages on one worker (so each
+    hop but a few is to itself, and the stage needed next is on the device that computes now),
+    the runs balanced by bytes over the workers with the least hosted, and each stage on a
+    worker whose budget holds it. None: some stage fits no worker."""
+    order = sorted(pool, key=lambda w: (hosted[w.name], w.name))
+    if not order or not stage_bytes:
+        return None
+    share = sum(stage_bytes) / min(len(order), len(stage_bytes))
+    out: list[str] = []
+    at, filled = 0, 0
+    for i, b in enumerate(stage_bytes):
+        # On to the next worker once this one has its share (half of this stage past it
+        # counts), while there is one, and never leaving a worker with nothing.
+        after = len(order) - at - 1  # workers after this one
+        if filled and after and (filled + b / 2 > share or len(stage_bytes) - i <= after):
+            at, filled = at + 1, 0
+        w = order[at]
+        if w.budget < b:  # heterogeneous budgets: any worker that holds it, least hosted first
+            fit = [v for v in order if v.budget >= b]
+            if not fit:
+                return None
+            w = min(fit, key=lambda v: (hosted[v.name], v.name))
+        else:
+            filled += b
+        out.append(w.name)
     return out
 
 

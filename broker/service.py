@@ -146,6 +146,17 @@ class BrokerService:
         finally:
             self._flush()
 
+    def _refused_backend(
+        self, addr: bytes | None, ref: int, kind: str, exc: p.DecodeError
+    ) -> None:
+        # A peer's answer the codec refused (its reason names the type, `kind`, when a field
+        # was wrong) fails the call it answers now, not at that call's deadline.
+        assert addr is not None
+        try:
+            self.core.answer_refused(addr, ref, str(exc.code), exc.reason, time.monotonic())
+        finally:
+            self._flush()
+
     async def _ticks(self) -> None:
         """Heartbeats out, dead peers and expired deadlines out, every `heartbeat_s`.
 
@@ -217,6 +228,7 @@ class BrokerService:
                     log=log,
                     limits=self.limits,
                     with_user=keyed,
+                    on_refused=self._refused_backend,
                 )
             ),
             asyncio.create_task(self._ticks()),

@@ -20,6 +20,9 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads
   takes from (both from the broker's key directory). Otherwise it travels stage by stage (`Run` to
   each worker in turn, the activations forwarded as frames, counted in `activation_bytes_relayed`).
   The last stage's answer is split back into one `Result` per request.
+- **Streamed replicas** (more stages than workers, `policy.shared_placement`): no Load and no
+  residency to wait for; one batch at a time, stage by stage, each run bringing its stage in
+  while the worker prefetches the next (`gpu_worker.executor`).
 - **Failover**: a run on a lost worker is queued again once (`max_retries`) when another replica
   lives, else WORKER_LOST; a run unanswered by its deadline has hung: its requests get TIMEOUT
   and its replica is given up to the registry, which re-creates it elsewhere.
@@ -31,7 +34,6 @@ import logging
 import secrets
 from typing import Any, Protocol
 
-from broker.checks import check_seconds
 from broker.context import Context, fail
 from broker.policy import pick_victims
 from broker.state import (
@@ -247,7 +249,8 @@ class ServingRouter:
         ]
         hot.sort(key=lambda m: -m.rate.at(now))
         for model in hot:
-            live = [r for r in model.replicas if r.live]
+            # A streamed replica's stages come in with its runs (`_dispatch`), not ahead of them.
+            live = [r for r in model.replicas if r.live and not r.streamed]
             if not live or any(self._placed(model, r) for r in live):
                 continue
             for rep in live:
@@ -261,6 +264,16 @@ class ServingRouter:
 
     def _dispatch(self, model: Model, now: float) -> bool:
         live = [r for r in model.replicas if r.live]
+        for rep in live:
+            # A streamed replica (several stages on one worker, more than its budget holds) has
+            # no residency to wait for: each stage-by-stage run brings its stage in, evicting
+            # the ones that already ran, and the worker prefetches the next one while it
+            # computes. One batch at a time: a second would only compete for the same bytes,
+            # and the requests that wait meanwhile join the next batch, which copies once.
+            if rep.streamed and rep.inflight == 0 and not self._blocked(model, rep):
+                self._start_batch(model, rep, now)
+                return True
+        live = [r for r in live if not r.streamed]
         if not live:
             return False
         # A pipeline of P stages keeps P batches busy, +1 on its way. Holding the rest here lets
@@ -367,7 +380,15 @@ class ServingRouter:
         self.timings.batch_started(model.name, 1 if separate else len(requests))
         parts = [[r.tag, r.rows] for r in requests]
         ends = [self.peers[w].info.get("peer_endpoint") for w in rep.workers]
-        if self.cfg.direct and len(rep.workers) > 1 and all(isinstance(e, str) and e for e in ends):
+        # Never direct for a streamed replica: a direct batch announces every stage at once, and
+        # a worker admits each run as it arrives, so all of its stages would be in flight at
+        # once (none evictable for the next): the model would have to fit after all.
+        if (
+            self.cfg.direct
+            and len(rep.workers) > 1
+            and not rep.streamed
+            and all(isinstance(e, str) and e for e in ends)
+        ):
             keys = [self.peers[w].key for w in rep.workers]
             self._start_direct(model, batch, parts, tensors, ends, keys, rows, now)
             return
@@ -668,8 +689,10 @@ class ServingRouter:
                 f"run {msg.id} ({msg.model}/{msg.stage}) was not sent to {peer.name}",
             )
         last = batch.stage == len(batch.replica.workers) - 1
+        # Its info was checked as it was decoded (one refused there fails its batch at once,
+        # through `BrokerCore.answer_refused`).
+        seconds = {"compute_s": msg.info.compute_s, "wait_s": msg.info.wait_s}
         try:  # checked before anything changes, so a bad answer fails its batch cleanly
-            seconds = {k: check_seconds(msg.info, k) for k in ("compute_s", "wait_s")}
             parts = self._result_parts(batch, msg.tensors, last)
         except FlowmeshError as exc:
             del self.batches[msg.id]
@@ -713,7 +736,8 @@ class ServingRouter:
                 "workers": list(batch.replica.workers),
             }
             self.timings.answered(batch.model, info)
-            self.ctx.to_client(req.client, p.Result(id=req.client_id, tensors=tensors, info=info))
+            result = p.Result(id=req.client_id, tensors=tensors, info=p.ResultInfo(**info))
+            self.ctx.to_client(req.client, result)
             self.ctx.client_done(req.client)
             req.client = None  # type: ignore[assignment]
             if model is not None:
@@ -803,8 +827,10 @@ class ServingRouter:
                 del peer.resident[res.key]
             model.queue.extendleft(reversed(live))
             self.queued[model.name] = None
-        elif model is not None and code == Code.MODEL_ERROR and len(live) > 1:
-            for r in live:  # find the request that breaks the model; the others succeed
+        elif model is not None and code in (Code.MODEL_ERROR, Code.BAD_REQUEST) and len(live) > 1:
+            # A request the model raised on, or one its worker refused (a token id outside the
+            # vocabulary): find it; the others of the batch succeed.
+            for r in live:
                 r.solo = True
             model.queue.extendleft(reversed(live))
             self.queued[model.name] = None

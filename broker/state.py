@@ -1,7 +1,7 @@
 """The broker's state as plain data: peers, models, replicas, residency, requests and batches.
 
-Nothing here talks to sockets or reads clocks; the broker's rooms (`broker.registry`,
-`broker.serving_router`) change it in response to events.
+Nothing here talks to sockets or reads clocks; the broker's rooms (the parts of
+`broker.registry`, `broker.serving_router`) change it in response to events.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from flowmesh.eviction import StageKey
+from flowmesh.modelio.plan import Plan
 from flowmesh.protocol import TensorRef
 from flowmesh.spec import ModelSpec, TensorSpec
 from flowmesh.value import ArrivalRate
@@ -75,7 +76,8 @@ class Peer:
 
 @dataclass
 class Replica:
-    """One copy of a model: stage i lives on worker `workers[i]` (distinct workers)."""
+    """One copy of a model: stage i lives on worker `workers[i]`; distinct workers, but for a
+    streamed replica (`policy.shared_placement`: more stages than workers)."""
 
     workers: list[str]
     ready: list[bool]
@@ -86,6 +88,12 @@ class Replica:
     @property
     def live(self) -> bool:
         return all(self.ready) and not self.draining
+
+    @property
+    def streamed(self) -> bool:
+        """Some worker holds several of its stages: they take turns on its device, each brought
+        in by its run (the worker prefetches the next while one computes), one batch at a time."""
+        return len(set(self.workers)) < len(self.workers)
 
 
 @dataclass
@@ -145,7 +153,7 @@ class Model:
     spec: ModelSpec
     state: ModelState
     inputs: dict[str, TensorSpec] | None = None
-    plan: dict[str, Any] | None = None
+    plan: Plan | None = None
     stage_bytes: list[int] = field(default_factory=list)  # device bytes per stage
     replicas: list[Replica] = field(default_factory=list)
     desired_replicas: int = 1

@@ -14,6 +14,13 @@ from prometheus_client.metrics_core import Metric
 
 from broker.policy import percentile
 from broker.state import Model, Peer
+from flowmesh.reports import (
+    ModelRow,
+    PartitionerRow,
+    ReplicaRow,
+    StageRow,
+    WorkerRow,
+)
 
 # Seconds, from a warm sub-millisecond run to a cold load of a large model.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -159,69 +166,66 @@ def model_status(
     peers: Mapping[str, Peer],
     timing: Mapping[str, float] | None = None,
     refused: Mapping[str, int] | None = None,
-) -> dict[str, Any]:
+) -> ModelRow:
     """A model's row; `timing` is its entry of `Timings.model_means()`, `refused` its requests
     refused at the door by code (`ServingRouter.refused`)."""
-    ranges = (model.plan or {}).get("ranges", [])
-    names = (model.plan or {}).get("block_names", [])
+    ranges = model.plan.ranges if model.plan is not None else ()
+    names = model.plan.block_names if model.plan is not None else ()
     stages = []
     for i, nbytes in enumerate(model.stage_bytes):
         a, b = ranges[i] if i < len(ranges) else (0, 0)
         stages.append(
-            {
-                "index": i,
-                "bytes": nbytes,
-                "blocks": [a, b],
-                "first": names[a] if a < len(names) else "",
-                "last": names[b - 1] if 0 < b <= len(names) else "",
-            }
+            StageRow(
+                index=i,
+                bytes=nbytes,
+                blocks=[a, b],
+                first=names[a] if a < len(names) else "",
+                last=names[b - 1] if 0 < b <= len(names) else "",
+            )
         )
     resident_on = sorted({w.name for w in peers.values() for k in w.resident if k[0] == model.name})
     lat = list(model.latency_ms)
-    return {
-        "name": model.name,
-        "state": model.state.value,
-        "factory": model.spec.factory,
-        "dtype": model.spec.dtype,
-        "inputs": {
-            n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in (model.inputs or {}).items()
-        },
-        "bytes": sum(model.stage_bytes),
-        "stages": stages,
-        "replicas": [
-            {"workers": r.workers, "live": r.live, "inflight": r.inflight} for r in model.replicas
+    timing = timing or {}
+    return ModelRow(
+        name=model.name,
+        state=model.state.value,
+        factory=model.spec.factory,
+        dtype=model.spec.dtype,
+        inputs=dict(model.inputs or {}),
+        bytes=sum(model.stage_bytes),
+        stages=stages,
+        replicas=[
+            ReplicaRow(workers=list(r.workers), live=r.live, inflight=r.inflight)
+            for r in model.replicas
         ],
-        # Replicas able to run / wanted now (the deployed count plus what autoscaling added).
-        "replicas_live": sum(r.live for r in model.replicas),
-        "replicas_desired": model.desired_replicas,
-        "replicas_floor": model.floor_replicas or model.desired_replicas,
-        "scale_ups": model.scale_ups,
-        "scale_downs": model.scale_downs,
-        "resident_on": resident_on,
-        "queue": len(model.queue),
-        "requests": model.requests,
-        "completed": model.completed,
-        "errors": model.errors,
-        "errors_by_code": dict(sorted(model.errors_by_code.items())),
-        "refused": dict(sorted((refused or {}).items())),
-        "loads": model.loads,
-        "evictions": model.evictions,
-        "batches": model.batches,
-        "mean_ms": sum(lat) / len(lat) if lat else 0.0,
-        "p99_ms": percentile(lat, 99),
-        # Means over every answered request (the same histograms as /metrics).
-        "queue_wait_ms": (timing or {}).get("queue_wait_ms", 0.0),
-        "load_wait_ms": (timing or {}).get("load_wait_ms", 0.0),
-        "run_ms": (timing or {}).get("run_ms", 0.0),
-        "mean_batch": (timing or {}).get("mean_batch", 0.0),
-        "slo_ms": model.spec.slo_ms,
-        # Of the answered requests, the fraction within the model's latency objective.
-        "within_slo": (model.within_slo / model.completed if model.completed else None)
+        replicas_live=sum(r.live for r in model.replicas),
+        replicas_desired=model.desired_replicas,
+        replicas_floor=model.floor_replicas or model.desired_replicas,
+        scale_ups=model.scale_ups,
+        scale_downs=model.scale_downs,
+        resident_on=resident_on,
+        queue=len(model.queue),
+        requests=model.requests,
+        completed=model.completed,
+        errors=model.errors,
+        errors_by_code=dict(sorted(model.errors_by_code.items())),
+        refused=dict(sorted((refused or {}).items())),
+        loads=model.loads,
+        evictions=model.evictions,
+        batches=model.batches,
+        mean_ms=sum(lat) / len(lat) if lat else 0.0,
+        p99_ms=percentile(lat, 99),
+        queue_wait_ms=timing.get("queue_wait_ms", 0.0),
+        load_wait_ms=timing.get("load_wait_ms", 0.0),
+        run_ms=timing.get("run_ms", 0.0),
+        mean_batch=timing.get("mean_batch", 0.0),
+        slo_ms=model.spec.slo_ms,
+        within_slo=(model.within_slo / model.completed if model.completed else None)
         if model.spec.slo_ms is not None
         else None,
-        "rate_per_s": model.rate.value,  # decayed arrival rate as of the model's last request
-        "prefetches": model.prefetches,
-    }
+        rate_per_s=model.rate.value,
+        prefetches=model.prefetches,
+    )
 
 
 def peer_rows(
@@ -229,44 +233,42 @@ def peer_rows(
     now: float,
     loads: Mapping[str, Mapping[str, float]] | None = None,
     heartbeat_s: float = 1.0,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[WorkerRow], list[PartitionerRow]]:
     """(workers, partitioners), each sorted by name; `loads` is `Timings.worker_loads()`."""
     workers, partitioners = [], []
     for peer in sorted(peers.values(), key=lambda w: w.name):
-        row = {
+        row: dict[str, Any] = {
             "name": peer.name,
             "ready": peer.ready,
             "pid": peer.pid,
             "registrations": peer.registrations,
             "last_seen_s": round(now - peer.last_seen, 3),
-            # Heartbeat intervals since the peer was last heard (liveness of them loses it).
             "missed_heartbeats": int(max(0.0, now - peer.last_seen) // heartbeat_s),
         }
         if peer.role == "partitioner":
-            partitioners.append({**row, "inflight": peer.inflight_plans, "stats": peer.stats})
+            partitioners.append(
+                PartitionerRow(**row, inflight=peer.inflight_plans, stats=peer.stats)
+            )
             continue
         timed = (loads or {}).get(peer.name, {})
         workers.append(
-            {
+            WorkerRow(
                 **row,
-                "device": peer.device,
-                "kind": peer.kind,
-                "budget_bytes": peer.budget,
-                "resident_bytes": peer.used,
-                "peak_bytes": int(peer.stats.get("peak_bytes", 0)),
-                # The broker's own view, current as soon as a StageReady arrives (the worker's
-                # heartbeat figure lags a beat); stages being deployed count at planned size.
-                "host_bytes": sum(peer.hosted.values()),
-                "resident": sorted(f"{k[0]}/{k[1]}" for k in peer.resident),
-                "loads": peer.loads,
-                "load_bytes": int(timed.get("load_bytes", 0)),
-                "mean_load_ms": timed.get("mean_load_ms", 0.0),
-                "evictions": peer.evictions,
-                "inflight": peer.inflight_runs,
-                "reserved_for": peer.reserved_for,
-                # Where the previous stage of a direct run sends it activations ("": relayed).
-                "peer_endpoint": peer.info.get("peer_endpoint", ""),
-                "stats": peer.stats,
-            }
+                device=peer.device,
+                kind=peer.kind,
+                budget_bytes=peer.budget,
+                resident_bytes=peer.used,
+                peak_bytes=int(peer.stats.get("peak_bytes", 0)),
+                host_bytes=sum(peer.hosted.values()),
+                resident=sorted(f"{k[0]}/{k[1]}" for k in peer.resident),
+                loads=peer.loads,
+                load_bytes=int(timed.get("load_bytes", 0)),
+                mean_load_ms=timed.get("mean_load_ms", 0.0),
+                evictions=peer.evictions,
+                inflight=peer.inflight_runs,
+                reserved_for=peer.reserved_for,
+                peer_endpoint=peer.info.get("peer_endpoint", ""),
+                stats=peer.stats,
+            )
         )
     return workers, partitioners

@@ -36,11 +36,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.context import fail
 from broker.state import Peer
 from broker.store import JobRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from flowmesh.reports import JobRow, SubModelRow
 from flowmesh.spec import ModelSpec, check_factory
 from flowmesh.steps import StepLedger
 
@@ -51,16 +53,15 @@ log = logging.getLogger("broker.training_router")
 KEEP_RESULTS = 256
 RATE_WINDOW = 32  # step completions the steps/s figure is measured over
 MAX_HELD = 1024  # commands held per job while it waits for its worker after a restart
-
-
-def _fail(code: Code, reason: str) -> FlowmeshError:
-    return FlowmeshError(code, reason)
+# Jobs that ended (closed, or lost with their worker) whose final figures status still shows,
+# the latest by name: their metrics outlive them (`flowmesh.metrics`, `train_final_*`).
+FINISHED_KEPT = 64
 
 
 def _check_batch(tensors: Mapping[str, Any], what: str) -> None:
     inputs = [n for n in tensors if n == "inputs" or n.startswith("inputs/")]
     if "targets" not in tensors or not inputs:
-        raise _fail(Code.BAD_REQUEST, f"{what} needs 'inputs' and 'targets' tensors")
+        raise fail(Code.BAD_REQUEST, f"{what} needs 'inputs' and 'targets' tensors")
 
 
 def train_bytes_of(peer: Peer) -> int:
@@ -90,12 +91,15 @@ class Job:
     config: dict[str, Any]
     batch: int
     opened: float
-    state: str = "opening"  # "opening" | "ready" | "closing" | "restoring"
+    # "opening" | "ready" | "closing" | "restoring"; once it ended: "closed" | "lost"
+    state: str = "opening"
     step: int = 0
     last_loss: float | None = None
     saved_step: int | None = None
     saved_path: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # what the worker reported on open
+    # What the worker reported on open: its sub-models, the device bytes it would hold at once.
+    sub_models: list[SubModelRow] = field(default_factory=list)
+    footprint: int = 0
     steps: int = 0
     errors: int = 0
     # Its steps by seq: the highest taken, and the answers sent (a TrainStepResult or an
@@ -124,11 +128,6 @@ class Job:
     @awaited.setter
     def awaited(self, seqs: set[int]) -> None:
         self.ledger.running = seqs
-
-    @property
-    def footprint(self) -> int:
-        v = self.info.get("footprint", 0)
-        return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
     def steps_per_s(self) -> float:
         if len(self.done_at) < 2 or self.done_at[-1] <= self.done_at[0]:
@@ -164,6 +163,7 @@ class TrainingRouter:
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.jobs: dict[str, Job] = {}
+        self.finished: dict[str, Job] = {}  # by name, oldest first; state "closed" or "lost"
         self.calls: dict[int, JobCall] = {}
         self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
         # Where jobs are kept across restarts (`--state-dir`); None: nowhere.
@@ -173,7 +173,7 @@ class TrainingRouter:
 
     CLIENT_TYPES = (p.TrainOpen, p.TrainStep, p.TrainEval, p.TrainSave, p.TrainClose, p.Jobs)
     WORKER_TYPES = (
-        p.TrainOpened,
+        p.JobOpened,
         p.TrainStepResult,
         p.TrainEvalResult,
         p.TrainSaved,
@@ -188,7 +188,7 @@ class TrainingRouter:
         restoring = waiting is not None and waiting.state == "restoring"
         if waiting is not None and restoring and not isinstance(msg, p.TrainOpen):
             if len(waiting.held) >= MAX_HELD:
-                raise _fail(
+                raise fail(
                     Code.OVERLOADED,
                     f"training job {job_name!r} waits for its worker after a broker restart "
                     f"and already holds {MAX_HELD} commands; retry later",
@@ -209,7 +209,7 @@ class TrainingRouter:
         elif isinstance(msg, p.TrainSave):
             job = self._ready_job(msg.job)
             if not msg.path:
-                raise _fail(Code.BAD_REQUEST, "train_save needs a checkpoint directory")
+                raise fail(Code.BAD_REQUEST, "train_save needs a checkpoint directory")
             cid = self._call("save", job, addr, msg.id, now, msg.timeout_ms)
             self._to_worker(job.worker, p.TrainSave(id=cid, job=job.name, path=msg.path))
         elif isinstance(msg, p.TrainClose):
@@ -220,19 +220,19 @@ class TrainingRouter:
         elif isinstance(msg, p.Jobs):
             self._to_client(addr, p.JobsReply(id=msg.id, jobs=self.status(now)))
         else:
-            raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training message")
+            raise fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training message")
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
         if job is None:
             known = ", ".join(sorted(self.jobs)) or "none"
-            raise _fail(Code.MODEL_NOT_FOUND, f"no training job {name!r} (open: {known})")
+            raise fail(Code.MODEL_NOT_FOUND, f"no training job {name!r} (open: {known})")
         return job
 
     def _ready_job(self, name: str) -> Job:
         job = self._job(name)
         if job.state != "ready":
-            raise _fail(Code.UNAVAILABLE, f"training job {name!r} is {job.state}")
+            raise fail(Code.UNAVAILABLE, f"training job {name!r} is {job.state}")
         return job
 
     def _call(
@@ -262,25 +262,26 @@ class TrainingRouter:
             if w.role == "worker" and w.ready and train_bytes_of(w) > 0
         ]
         if not options:
-            raise _fail(
+            raise fail(
                 Code.UNAVAILABLE,
                 "no ready worker takes training jobs (start workers with --train-bytes)",
             )
         return min(options, key=lambda o: (-o[0], o[1]))[1]
 
     def _open(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
-        spec = ModelSpec.from_dict(msg.spec)
+        spec = msg.spec
         check_factory(spec.factory, self.allow)
         if msg.job in self.jobs:
-            raise _fail(Code.MODEL_EXISTS, f"training job {msg.job!r} is already open")
+            raise fail(Code.MODEL_EXISTS, f"training job {msg.job!r} is already open")
         if msg.batch < 1:
-            raise _fail(Code.BAD_REQUEST, f"batch must be positive, got {msg.batch}")
+            raise fail(Code.BAD_REQUEST, f"batch must be positive, got {msg.batch}")
         if msg.chunk_bytes is not None and msg.chunk_bytes < 1:
-            raise _fail(Code.BAD_REQUEST, f"chunk_bytes must be positive, got {msg.chunk_bytes}")
-        if not msg.config and msg.resume is None:
-            raise _fail(Code.BAD_REQUEST, "give a training configuration, or resume= a checkpoint")
+            raise fail(Code.BAD_REQUEST, f"chunk_bytes must be positive, got {msg.chunk_bytes}")
+        if msg.config is None and msg.resume is None:
+            raise fail(Code.BAD_REQUEST, "give a training configuration, or resume= a checkpoint")
         worker = self.place()
-        job = Job(msg.job, worker, spec, dict(msg.config), msg.batch, now)
+        config = msg.config.to_dict() if msg.config is not None else {}  # as kept and shown
+        job = Job(msg.job, worker, spec, config, msg.batch, now)
         self.jobs[job.name] = job
         cid = self._call("open", job, addr, msg.id, now, msg.timeout_ms)
         self._to_worker(
@@ -288,8 +289,8 @@ class TrainingRouter:
             p.TrainOpen(
                 id=cid,
                 job=job.name,
-                spec=spec.to_dict(),
-                config=job.config,
+                spec=spec,
+                config=msg.config,
                 batch=msg.batch,
                 resume=msg.resume,
                 chunk_bytes=msg.chunk_bytes,
@@ -300,7 +301,7 @@ class TrainingRouter:
     def _step(self, addr: bytes, msg: p.TrainStep, now: float) -> None:
         job = self._ready_job(msg.job)
         if msg.seq < 1:
-            raise _fail(Code.BAD_REQUEST, f"step seq must be positive, got {msg.seq}")
+            raise fail(Code.BAD_REQUEST, f"step seq must be positive, got {msg.seq}")
         if job.ledger.taken(msg.seq):
             self._retried(job, addr, msg, now)
             return
@@ -338,7 +339,7 @@ class TrainingRouter:
             # Running on the worker since before a restart: answered when its result comes.
             self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
             return
-        raise _fail(
+        raise fail(
             Code.BAD_REQUEST,
             f"step seq {msg.seq} of job {job.name!r} was already taken (last seq "
             f"{job.last_seq}) and its answer is no longer known; it is not run twice",
@@ -352,7 +353,7 @@ class TrainingRouter:
         if call is None:
             return None  # expired, or its job was closed or lost: nobody waits
         if (call.kind, call.worker, call.job) != (kind, worker, job):
-            raise _fail(Code.BAD_REQUEST, f"no pending {kind} call {ref} of {job!r} for {worker}")
+            raise fail(Code.BAD_REQUEST, f"no pending {kind} call {ref} of {job!r} for {worker}")
         del self.calls[ref]
         return call
 
@@ -362,8 +363,8 @@ class TrainingRouter:
             call.client = None
 
     def on_worker(self, worker: str, msg: p.Message, now: float) -> None:
-        if isinstance(msg, p.TrainOpened):
-            name = str(msg.job.get("name", ""))
+        if isinstance(msg, p.JobOpened):
+            name = msg.job.name
             call = self._pop(worker, msg.id, "open", name)
             job = self.jobs.get(name)
             if job is None or job.worker != worker:
@@ -373,12 +374,10 @@ class TrainingRouter:
                 return
             if call is None:
                 return
-            job.info = dict(msg.job)
-            step = msg.job.get("step", 0)
-            job.step = step if isinstance(step, int) and not isinstance(step, bool) else 0
-            config = msg.job.get("config")
-            if isinstance(config, dict) and config:
-                job.config = dict(config)  # what the worker runs (from a checkpoint, say)
+            job.sub_models, job.footprint = msg.job.sub_models, msg.job.footprint
+            job.step = msg.job.step
+            if msg.job.config:
+                job.config = dict(msg.job.config)  # what the worker runs (from a checkpoint, say)
             if not self._keep_job(job):
                 del self.jobs[job.name]
                 self._to_worker(worker, p.TrainClose(id=next(self._ids), job=job.name))
@@ -429,13 +428,13 @@ class TrainingRouter:
             self._forget(msg.job, Code.BAD_REQUEST, f"training job {msg.job!r} was closed")
             self._answer(call, p.TrainClosed(id=call.client_id, job=msg.job))
         else:
-            raise _fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training answer")
+            raise fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training answer")
 
     def _step_result(self, worker: str, msg: p.TrainStepResult, now: float) -> None:
         call = self.calls.get(msg.id)
         if call is not None:
             if (call.kind, call.worker, call.job, call.seq) != ("step", worker, msg.job, msg.seq):
-                raise _fail(Code.BAD_REQUEST, f"no pending step {msg.id} of {msg.job!r}/{msg.seq}")
+                raise fail(Code.BAD_REQUEST, f"no pending step {msg.id} of {msg.job!r}/{msg.seq}")
             del self.calls[msg.id]
         job = self.jobs.get(msg.job)
         if job is None or job.worker != worker or msg.seq > job.last_seq:
@@ -499,8 +498,15 @@ class TrainingRouter:
         return True
 
     def _forget(self, name: str, code: Code, reason: str) -> None:
-        """Drop job `name` and fail every call still waiting on it."""
+        """Drop job `name` and fail every call still waiting on it; its final figures are
+        kept among the finished jobs (a close answers BAD_REQUEST to what still waited)."""
         job = self.jobs.pop(name, None)
+        if job is not None:
+            job.state = "closed" if code == Code.BAD_REQUEST else "lost"
+            self.finished.pop(name, None)
+            self.finished[name] = job
+            while len(self.finished) > FINISHED_KEPT:
+                del self.finished[next(iter(self.finished))]
         if job is not None and self.store is not None:
             try:
                 self.store.drop_job(name)
@@ -568,7 +574,7 @@ class TrainingRouter:
                 continue
             job.state = "ready"
             job.step, job.last_seq = item.step, item.seq
-            job.info = {"footprint": item.footprint}
+            job.footprint = item.footprint
             job.awaited = set(item.running)
             for r in item.results:
                 if r.seq > job.last_seq:
@@ -649,25 +655,29 @@ class TrainingRouter:
 
     # ================================================================== status
 
-    def _job_status(self, job: Job, now: float) -> dict[str, Any]:
-        return {
-            "name": job.name,
-            "worker": job.worker,
-            "state": job.state,
-            "factory": job.spec.factory,
-            "config": job.config,
-            "batch": job.batch,
-            "step": job.step,
-            "last_loss": job.last_loss,
-            "steps_per_s": round(job.steps_per_s(), 3),
-            "pending": sum(1 for c in self.calls.values() if c.job == job.name),
-            "sub_models": job.info.get("sub_models", []),
-            "footprint": job.footprint,
-            "saved_step": job.saved_step,
-            "saved_path": job.saved_path,
-            "errors": job.errors,
-            "age_s": round(now - job.opened, 3),
-        }
+    def _job_status(self, job: Job, now: float) -> JobRow:
+        return JobRow(
+            name=job.name,
+            worker=job.worker,
+            state=job.state,
+            factory=job.spec.factory,
+            config=job.config,
+            batch=job.batch,
+            step=job.step,
+            last_loss=job.last_loss,
+            steps_per_s=round(job.steps_per_s(), 3),
+            pending=sum(1 for c in self.calls.values() if c.job == job.name),
+            sub_models=job.sub_models,
+            footprint=job.footprint,
+            saved_step=job.saved_step,
+            saved_path=job.saved_path,
+            errors=job.errors,
+            age_s=round(now - job.opened, 3),
+        )
 
-    def status(self, now: float) -> list[dict[str, Any]]:
+    def status(self, now: float) -> list[JobRow]:
         return [self._job_status(self.jobs[n], now) for n in sorted(self.jobs)]
+
+    def finished_status(self, now: float) -> list[JobRow]:
+        """The jobs that ended, as they were at the end, the latest last."""
+        return [self._job_status(job, now) for job in self.finished.values()]

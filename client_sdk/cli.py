@@ -16,6 +16,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from client_sdk import demo
 from client_sdk.client import DEFAULT_ADDRESS, Client
 from client_sdk.errors import ClientError, Timeout, Unavailable
@@ -34,6 +36,7 @@ from client_sdk.views import (
 )
 from flowmesh.auth import ROLES, KeyRing, add_key, init_keys
 from flowmesh.errors import FlowmeshError
+from flowmesh.reports import BrokerStatus
 from flowmesh.units import parse_size
 
 
@@ -210,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return watch_status(args)
     with connect(args) as c:
         st = c.status(timeout=args.timeout)
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    print(json.dumps(msgspec.to_builtins(st), indent=2) if args.json else format_status(st))
     return 0
 
 
@@ -221,7 +224,7 @@ def watch_status(args: argparse.Namespace, rounds: int | None = None) -> int:
     and asked again."""
     rounds = rounds if rounds is not None else args.count
     live_view = sys.stdout.isatty()
-    st: dict[str, Any] | None = None
+    st: BrokerStatus | None = None
     with contextlib.ExitStack() as stack:
         c = stack.enter_context(connect(args))
         if live_view:
@@ -252,7 +255,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     with connect(args) as c:
         jobs = c.jobs(timeout=args.timeout)
     if args.json:
-        print(json.dumps(jobs, indent=2))
+        print(json.dumps(msgspec.to_builtins(jobs), indent=2))
     else:
         print(format_jobs(jobs) if jobs else "no training jobs")
     return 0
@@ -286,7 +289,7 @@ def _deploy_with_progress(c: Client, args: argparse.Namespace, call: Any) -> Any
             if total:
                 bar.update(task, completed=read, total=total)
         if "info" in done:
-            total = done["info"]["bytes"] * max(1, len(done["info"]["replicas"]))
+            total = done["info"].bytes * max(1, len(done["info"].replicas))
             bar.update(task, completed=total, total=total)
     if "error" in done:
         raise done["error"]
@@ -326,6 +329,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         show = args.progress or (args.progress is None and sys.stderr.isatty())
         info = _deploy_with_progress(c, args, call) if show else call()
     print(format_deployed(info))
+    if args.hf is None and args.weights is None:
+        # Said, not left implicit: a model deployed without weights is random, from this seed.
+        seed = 0 if args.seed is None else args.seed
+        print(f"{args.name}: no weights given: initialised from seed {seed}")
     return 0
 
 
@@ -348,16 +355,16 @@ def cmd_infer(args: argparse.Namespace) -> int:
             inputs: Any = load_file(args.input)
         else:
             st = c.status(timeout=args.timeout)
-            model = next((m for m in st["models"] if m["name"] == args.name), None)
+            model = next((m for m in st.models if m.name == args.name), None)
             if model is None:
                 raise SystemExit(f"no model {args.name!r}")
-            declared = model.get("inputs")
+            declared = model.inputs
             if not declared:
                 raise SystemExit(f"{args.name!r} declares no inputs: give --input file")
             inputs = {}
             for name, spec in declared.items():
-                shape = [args.batch] + [args.seq if d == -1 else d for d in spec["shape"][1:]]
-                dtype = torch_dtype(spec["dtype"])
+                shape = [args.batch] + [args.seq if d == -1 else d for d in spec.shape[1:]]
+                dtype = torch_dtype(spec.dtype)
                 inputs[name] = (
                     torch.randn(shape).to(dtype)
                     if dtype.is_floating_point
@@ -474,7 +481,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "job": name,
-                    "worker": job.info.get("worker"),
+                    "worker": job.info.worker,
                     "data": data.source,
                     "steps": len(losses),
                     "losses": losses,
@@ -486,7 +493,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"trained {name} on {job.info.get('worker')}: {len(losses)} steps of {args.batch} rows "
+            f"trained {name} on {job.info.worker}: {len(losses)} steps of {args.batch} rows "
             f"from {data.source} in {seconds:.1f} s ({rate:.2f} steps/s); loss "
             f"{losses[0]:.4f} -> {losses[-1]:.4f}"
         )
@@ -572,6 +579,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             allow=(factory.partition(":")[0],),
         )
     out = Path(args.out) if args.out else base / str(cfg.get("out", f"sweep-{name}"))
+    if args.quiet or args.json:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its line per trial, on stderr
     chunk = cfg.get("chunk_bytes")
     with connect(args) as c:
         try:
@@ -612,6 +623,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if best is not None:
         params = ", ".join(f"{k}={v!r}" for k, v in best.params.items())
         print(f"best: trial {best.number}, {result.objective} {best.value:.4f} ({params})")
+    else:  # say why, also under --quiet (which hides the trials' table)
+        failed = [t for t in result.trials if t.state == "FAIL" and t.reason]
+        for reason in dict.fromkeys(t.reason for t in failed):
+            print(f"flowmesh sweep: a trial failed: {reason}", file=sys.stderr)
     print(f"saved {result.json_path} and {result.png_path}")
     return 0 if best is not None else 1
 
@@ -854,7 +869,12 @@ def build_parser() -> argparse.ArgumentParser:
         "workers' data roots, instead of a factory",
     )
     p.add_argument("--kwargs", help="factory keyword arguments as JSON")
-    p.add_argument("--seed", type=int, default=None, help="seeded random weights")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="without --weights (or --hf), the model is initialised from this seed (default 0)",
+    )
     p.add_argument("--weights", default=None, help="safetensors file the workers can read")
     p.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: auto)")

@@ -18,6 +18,7 @@ import types
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
+import msgspec
 import torch
 
 from client_sdk.connection import CONNECT_TIMEOUT_S, Connection, client_keys, sendable
@@ -43,7 +44,8 @@ class AsyncClient:
     own timeout); `limits`: the client's own message size limits. `keys`: CURVE keys for a
     broker started with `--keys` (see `client_keys`); the key's role decides what the broker
     lets this client do (infer, status, plan: any; deploy, undeploy, training: operator keys
-    only)."""
+    only). `connection`: one made already (the in-process test mesh's), used instead of a
+    socket to `address`; the other arguments are then its own."""
 
     def __init__(
         self,
@@ -53,8 +55,9 @@ class AsyncClient:
         connect_timeout: float | None = CONNECT_TIMEOUT_S,
         limits: p.Limits = p.DEFAULT_LIMITS,
         keys: Any = None,
+        connection: Connection | None = None,
     ) -> None:
-        self.connection = Connection(
+        self.connection = connection or Connection(
             address,
             timeout=timeout,
             connect_timeout=connect_timeout,
@@ -127,19 +130,20 @@ class AsyncClient:
         inputs: Mapping[str, Any] | None = None,
         slo_ms: float | None = None,
         timeout: float = 600.0,
-    ) -> dict[str, Any]:
-        """Deploy model `name`; returns its status (stages, sizes, replicas) once every stage
-        is held by its workers.
+    ) -> p.ModelRow:
+        """Deploy model `name`; returns its row of the status (`flowmesh.reports.ModelRow`:
+        `.stages`, `.bytes`, `.replicas`, ...) once every stage is held by its workers.
 
         The model: `factory` ('module:callable' from the broker's allow-list) called with
         `kwargs`, or `hf`, a local Hugging Face model directory (one of the two is needed).
-        Its weights: the factory's initialisation under `seed`, or a safetensors file
-        (`weights`). `dtype`: the parameters' dtype; `stages`: how many pipeline stages
-        (default: the broker's choice); `max_batch_size`: the most rows batched into one
-        forward; `replicas`: copies of the pipeline (default: the broker's choice); `inputs`:
-        the inputs' {name: {"dtype", "shape"}} when the model does not declare them; `slo_ms`:
-        the model's latency objective in milliseconds. `timeout`: seconds for the whole
-        deployment."""
+        Its weights: a safetensors file (`weights`), or else the factory's initialisation
+        under `seed`: a model deployed without weights is initialised from `seed`, 0 when not
+        given (an `hf` directory brings its own weights). `dtype`: the parameters' dtype;
+        `stages`: how many pipeline stages (default: the broker's choice); `max_batch_size`:
+        the most rows batched into one forward; `replicas`: copies of the pipeline (default:
+        the broker's choice); `inputs`: the inputs' {name: {"dtype", "shape"}} when the model
+        does not declare them; `slo_ms`: the model's latency objective in milliseconds.
+        `timeout`: seconds for the whole deployment."""
         spec = {
             "name": name,
             **_model_source("deploy", factory, hf),
@@ -199,13 +203,16 @@ class AsyncClient:
         reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.Result)
         out = {k: ref.tensor() for k, ref in reply.tensors.items()}
+        info = msgspec.structs.asdict(reply.info)  # a plain dict, as callers have always had
         if list(out) == [""]:
-            return out[""], reply.info
-        return out, reply.info
+            return out[""], info
+        return out, info
 
-    async def status(self, timeout: float | None = None) -> dict[str, Any]:
-        """The broker's view of the mesh: its models, workers, partitioners and counters.
-        `timeout`: the client's when None."""
+    async def status(self, timeout: float | None = None) -> p.BrokerStatus:
+        """The broker's view of the mesh, a typed value (`flowmesh.reports.BrokerStatus`) read
+        by attribute: `.models`, `.workers`, `.partitioners`, `.jobs` (rows), `.totals`
+        (counters); `msgspec.to_builtins` makes it plain data. `timeout`: the client's when
+        None."""
         reply = await self.connection.call(p.Status(id=self.connection.next_id()), timeout)
         assert isinstance(reply, p.StatusReply)
         return reply.status
@@ -254,7 +261,7 @@ class AsyncClient:
         )
         reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.PlanReply)
-        return reply.plan
+        return reply.plan.to_dict()
 
     async def train_open(
         self,
@@ -297,7 +304,7 @@ class AsyncClient:
             "seed": seed,
             "dtype": dtype,
         }
-        config: dict[str, Any] = {}
+        config: dict[str, Any] | None = None  # None: the checkpoint's (resume)
         if optimizer is not None:
             config = {
                 "optimizer": dict(optimizer),
@@ -321,8 +328,9 @@ class AsyncClient:
         assert isinstance(reply, p.TrainOpened)
         return AsyncJob(self, name, reply.job)
 
-    async def jobs(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Every open training job: worker, state, step, last loss, steps/s, sub-models.
+    async def jobs(self, timeout: float | None = None) -> list[p.JobRow]:
+        """Every open training job, a `flowmesh.reports.JobRow` each (read by attribute):
+        `.worker`, `.state`, `.step`, `.last_loss`, `.steps_per_s`, `.sub_models`, ...
         `timeout`: the client's when None."""
         reply = await self.connection.call(p.Jobs(id=self.connection.next_id()), timeout)
         assert isinstance(reply, p.JobsReply)
@@ -433,7 +441,8 @@ class Client:
 
     Each method is built from the coroutine of the same name (`_blocking`): one declaration of
     the parameters and their documentation serves both clients.
-    Safe to share between threads; each call blocks its caller only.
+    Safe to share between threads; each call blocks its caller only. The arguments are
+    `AsyncClient`'s.
     """
 
     def __init__(
@@ -444,6 +453,7 @@ class Client:
         connect_timeout: float | None = CONNECT_TIMEOUT_S,
         limits: p.Limits = p.DEFAULT_LIMITS,
         keys: Any = None,
+        connection: Connection | None = None,
     ) -> None:
         curve = client_keys(keys)  # a bad key fails here, before a thread starts
         # The loop every call of this client, and of its training jobs, runs on.
@@ -454,6 +464,7 @@ class Client:
             connect_timeout=connect_timeout,
             limits=limits,
             keys=curve or False,
+            connection=connection,
         )
         self.address = address
 

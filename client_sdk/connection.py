@@ -91,7 +91,7 @@ RETRYABLE = (p.Infer, p.Status, p.Jobs, p.PlanRequest, p.TrainStep, p.TrainEval)
 
 
 @dataclass
-class _Pending:
+class PendingCall:
     fut: asyncio.Future[p.Message]
     nbytes: int  # the request's encoded size: what an answer without an id is matched by
     kind: str  # the request's TYPE
@@ -147,7 +147,7 @@ class Connection:
         self._watcher: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -526,7 +526,7 @@ class Connection:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[p.Message] = loop.create_future()
         limit = self.seconds(timeout)
-        pending = _Pending(fut, nbytes, msg.TYPE, link=self._link)
+        pending = PendingCall(fut, nbytes, msg.TYPE, link=self._link)
         if isinstance(msg, RETRYABLE):
             pending.msg, pending.deadline = msg, loop.time() + limit
         self._pending[ref] = pending
@@ -551,7 +551,7 @@ class Connection:
             self._outbox, self._outbox_sock = [], sock
             loop.call_soon(self._send_outbox)
         # A timer on the call's own future, not wait_for (a task and two futures per call).
-        timer = loop.call_later(limit + GRACE_S, _expire, fut)
+        timer = loop.call_later(limit + GRACE_S, expire_call, fut)
         try:
             return await fut
         except TimeoutError:
@@ -646,7 +646,7 @@ class Connection:
             self._ctx = None
 
 
-def _expire(fut: asyncio.Future[p.Message]) -> None:
+def expire_call(fut: asyncio.Future[p.Message]) -> None:
     """A call's timer: no answer in time (`call` turns it into Timeout)."""
     if not fut.done():
         fut.set_exception(TimeoutError())

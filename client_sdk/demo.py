@@ -4,16 +4,19 @@ several models at the same time.
 Starts broker, partitioner and CPU stand-in workers (or GPUs when present), deploys example
 models whose total size is several times the combined budget — one of them larger than any single
 device, so it runs as pipeline stages on two workers — then sends skewed (Zipf), bursty traffic
-from concurrent clients, checks every output against a direct torch forward of the same model, and
-prints what happened per model.
+from concurrent clients twice: alone, then beside training (below), and prints per model both
+runs' latencies side by side, so that what training costs serving (inference comes first) shows.
+Every output of both runs is checked against a direct torch forward of the same model once the
+traffic is over, so that no reference computation takes a core from the mesh while it serves.
 
-While that traffic runs, it opens three training jobs (two MLPs, AdamW and SGD with momentum, and
-a small GPT, AdamW) whose footprints add up to more than a worker's training bytes, so a worker
-runs them by memory flow, sub-model by sub-model. All three learn next-byte prediction on the
-source code of a few standard-library modules (`inspect.getsource`): real text, on every machine
-with Python, no download, and the same bytes on each run of one Python. Every job's steps are sent
-at once from one async client; afterwards the demo trains the same models in a plain PyTorch loop
-on the same seeds and batches, and compares the per-step losses (`flowmesh.testing.compare`).
+With the second run's traffic it opens three training jobs (two MLPs, AdamW and SGD with
+momentum, and a small GPT, AdamW) whose footprints add up to more than a worker's training
+bytes, so a worker runs them by memory flow, sub-model by sub-model. All three learn next-byte
+prediction on the source code of a few standard-library modules (`inspect.getsource`): real
+text, on every machine with Python, no download, and the same bytes on each run of one Python.
+Every job's steps are sent at once from one async client; afterwards (with the serving checks)
+the demo trains the same models in a plain PyTorch loop on the same seeds and batches, and
+compares the per-step losses (`flowmesh.testing.compare`).
 
 Alongside both, a small hyper-parameter sweep (`AsyncClient.sweep`: Optuna ask-and-tell with its
 successive-halving pruner) tunes an MLP's learning rate and width on the same kind of real text
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,7 @@ from client_sdk.train_data import next_byte_rows, stdlib_corpus
 from client_sdk.views import table
 from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
+from flowmesh.reports import BrokerStatus, ModelRow
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import compare, forward_tolerance
 from flowmesh.units import fmt_bytes, parse_size
@@ -269,9 +275,9 @@ async def train_all(
             errors = [f"{type(r).__name__}: {r}" for r in done if isinstance(r, BaseException)]
             timed_out = sum(isinstance(r, (Timeout, TimeoutError)) for r in done)
             return Trained(
-                worker=job.info["worker"],
-                sub_models=len(job.info["sub_models"]),
-                footprint=job.info["footprint"],
+                worker=job.info.worker,
+                sub_models=len(job.info.sub_models),
+                footprint=job.info.footprint,
                 losses=[r.loss for r in results],
                 steps=[r.step for r in results],
                 seconds=seconds,
@@ -318,6 +324,77 @@ def checker(
         c.max_diff = max(c.max_diff, got.max_abs_diff)
 
     return check
+
+
+Answer = tuple[str, torch.Tensor, torch.Tensor]  # model, input, output
+
+
+@dataclass
+class Served:
+    """One replay of the trace: a tally per model, the wall time, and every answer with its
+    input, kept to be checked once the traffic is over (no reference forward takes a core
+    from the mesh while it serves)."""
+
+    tallies: dict[str, Tally]
+    wall: float
+    answers: list[Answer]
+
+    def overall(self) -> dict[str, Any]:
+        """Answers, mean and p99 latency over every model."""
+        return Tally([ms for t in self.tallies.values() for ms in t.latencies_ms]).row()
+
+
+async def serve(
+    address: str,
+    trace: list[tuple[float, str]],
+    specs: dict[str, ModelSpec],
+    seed: int,
+    clients: int,
+) -> Served:
+    """Replay `trace` (open loop, from `clients` connections), keeping every answer."""
+    rng = random.Random(seed)
+    answers: list[Answer] = []
+    tallies, wall = await run_trace(
+        address,
+        trace,
+        lambda m: make_input(specs[m], rng),
+        clients=clients,
+        timeout=120.0,
+        check=lambda m, x, y: answers.append((m, x, y)),
+    )
+    return Served(tallies, wall, answers)
+
+
+def references(
+    specs: dict[str, ModelSpec],
+    answers: list[Answer],
+    train_specs: dict[str, ModelSpec],
+    optimizers: dict[str, Any],
+    data: dict[str, Batches],
+) -> tuple[dict[str, Checked], dict[str, list[float]]]:
+    """After the traffic: every answer against a direct forward of its model, and each job's
+    losses in a plain PyTorch loop (`plain_losses`). One task per model and per job, on a
+    thread per core: each torch op still runs on one thread (`torch.set_num_threads(1)`, as on
+    the workers), so the figures are those of computing them one after the other. The models
+    are built first, here: a seeded build sets torch's global generator."""
+    checked = {n: Checked() for n in specs}
+    by_model: dict[str, list[Answer]] = {n: [] for n in specs}
+    for answer in answers:
+        by_model[answer[0]].append(answer)
+    check = checker({n: build_seeded(specs[n]) for n in specs if by_model[n]}, checked)
+    models = {n: build_seeded(s) for n, s in train_specs.items()}
+
+    def check_model(name: str) -> None:  # the only task touching checked[name]
+        for model, x, y in by_model[name]:
+            check(model, x, y)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        losses = {n: pool.submit(train, m, optimizers[n], data[n]) for n, m in models.items()}
+        checks = [pool.submit(check_model, n) for n in specs if by_model[n]]
+        for done in checks:
+            done.result()
+        expected = {n: f.result() for n, f in losses.items()}
+    return checked, expected
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -369,58 +446,51 @@ def main(args: argparse.Namespace | None = None) -> int:
         print(
             f"mesh up in {time.perf_counter() - t_start:.1f} s: broker {mesh.frontend}", flush=True
         )
-        refs = {n: build_seeded(s) for n, s in specs.items()}
         deployed = asyncio.run(deploy_all(mesh.frontend, specs))
-        total = sum(m["bytes"] for m in deployed.values())
+        total = sum(m.bytes for m in deployed.values())
         print(
             f"deployed {len(deployed)} models, {fmt_bytes(total)} in all = "
             f"{total / (budget * args.workers):.1f}x the combined device budget",
             flush=True,
         )
         for name, m in deployed.items():
-            if len(m["stages"]) > 1:
+            if len(m.stages) > 1:
                 print(
-                    f"  {name} ({fmt_bytes(m['bytes'])}) is larger than one device: "
-                    f"{len(m['stages'])} pipeline stages on "
-                    f"{' + '.join(m['replicas'][0]['workers'])}"
+                    f"  {name} ({fmt_bytes(m.bytes)}) is larger than one device: "
+                    f"{len(m.stages)} pipeline stages on {' + '.join(m.replicas[0].workers)}"
                 )
-        print(
-            f"training on {len(text):,} bytes of Python source ({', '.join(CORPUS_MODULES)}): "
-            "next-byte prediction, while the requests run",
-            flush=True,
-        )
         rng = random.Random(args.seed)
         # Bursty (Gamma arrivals, CV 2) and skewed (Zipf 1.1): a few hot models, a long tail.
         times = arrival_times(args.requests, rate=80.0, cv=2.0, rng=rng)
         trace = list(zip(times, zipf_choices(list(specs), args.requests, 1.1, rng), strict=True))
-        checked = {n: Checked() for n in specs}
-
+        # The same trace twice, to see what training costs serving: alone, then beside the
+        # training jobs and the sweep. Its checks wait until the traffic is over.
+        print(f"serving {len(trace)} requests alone...", flush=True)
+        alone = asyncio.run(serve(mesh.frontend, trace, specs, args.seed, args.clients))
+        print(
+            f"serving them again beside training on {len(text):,} bytes of Python source "
+            f"({', '.join(CORPUS_MODULES)}): next-byte prediction...",
+            flush=True,
+        )
         sweep_dir = Path.cwd() / SWEEP_NAME
 
-        async def serve_and_train() -> tuple[
-            tuple[dict[str, Tally], float], dict[str, Trained], SweepResult
-        ]:
-            serving = run_trace(
-                mesh.frontend,
-                trace,
-                lambda m: make_input(specs[m], rng),
-                clients=args.clients,
-                timeout=120.0,
-                check=checker(refs, checked),
-            )
+        async def serve_and_train() -> tuple[Served, dict[str, Trained], SweepResult]:
+            serving = serve(mesh.frontend, trace, specs, args.seed, args.clients)
             opened = asyncio.Event()
             training = train_all(mesh.frontend, train_specs, optimizers, data, opened)
             sweep = run_sweep(mesh.frontend, text, sweep_dir, seed=args.seed)
             sweeping = sweep_after(opened, sweep)
             return await asyncio.gather(serving, training, sweeping)
 
-        (tallies, wall), trained, swept = asyncio.run(serve_and_train())
+        beside, trained, swept = asyncio.run(serve_and_train())
         status = asyncio.run(fetch_status(mesh.frontend, after_s=3 * 0.5))
-        # Judged before the mesh stops: what failed keeps the workers' logs to say why.
-        code = report(status, tallies, checked, wall)
         t_ref = time.perf_counter()
-        expected = {n: plain_losses(s, optimizers[n], data[n]) for n, s in train_specs.items()}
+        checked, expected = references(
+            specs, alone.answers + beside.answers, train_specs, optimizers, data
+        )
         ref_s = time.perf_counter() - t_ref
+        # Judged before the mesh stops: what failed keeps the workers' logs to say why.
+        code = report(status, alone, beside, checked, ref_s)
         code = max(code, report_training(status, train_specs, optimizers, trained, expected, ref_s))
         code = max(code, report_sweep(swept))
         if code:
@@ -429,7 +499,7 @@ def main(args: argparse.Namespace | None = None) -> int:
     return code
 
 
-async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, dict[str, Any]]:
+async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, ModelRow]:
     async with AsyncClient(address, timeout=300.0) as client:
         infos = await asyncio.gather(
             *(
@@ -439,38 +509,50 @@ async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, dic
                 for s in specs.values()
             )
         )
-    return {i["name"]: i for i in infos}
+    return {i.name: i for i in infos}
 
 
-async def fetch_status(address: str, after_s: float = 0.0) -> dict[str, Any]:
+async def fetch_status(address: str, after_s: float = 0.0) -> BrokerStatus:
     await asyncio.sleep(after_s)  # workers' figures come with their heartbeats
     async with AsyncClient(address) as client:
         return await client.status()
 
 
+def latency_cell(t: Tally) -> str:
+    r = t.row()
+    return f"{r['mean_ms']:.1f} / {r['p99_ms']:.1f}"
+
+
 def report(
-    status: dict[str, Any], tallies: dict[str, Tally], checked: dict[str, Checked], wall: float
+    status: BrokerStatus,
+    alone: Served,
+    beside: Served,
+    checked: dict[str, Checked],
+    ref_s: float,
 ) -> int:
-    rows, done, bad = [], 0, 0
-    for m in sorted(status["models"], key=lambda m: -m["requests"]):
-        t, c = tallies.get(m["name"], Tally()), checked[m["name"]]
-        r = t.row()
-        n_err = sum(t.errors.values())
-        done += r["ok"]
-        bad += n_err + c.wrong
+    """Serving: per model both runs' latencies side by side, then both runs overall."""
+    rows, bad = [], 0
+    for m in sorted(status.models, key=lambda m: -m.requests):
+        ta, tb = alone.tallies.get(m.name, Tally()), beside.tallies.get(m.name, Tally())
+        c = checked[m.name]
+        errors: dict[str, int] = {}
+        for t in (ta, tb):
+            for k, v in t.errors.items():
+                errors[k] = errors.get(k, 0) + v
+        bad += sum(errors.values()) + c.wrong
         rows.append(
             [
-                m["name"],
-                fmt_bytes(m["bytes"]),
-                len(m["stages"]),
-                r["ok"] + n_err,
-                f"{r['mean_ms']:.1f}",
-                f"{r['p99_ms']:.1f}",
-                m["loads"],
-                m["evictions"],
-                m["batches"],
+                m.name,
+                fmt_bytes(m.bytes),
+                len(m.stages),
+                len(ta.latencies_ms) + sum(ta.errors.values()),
+                latency_cell(ta),
+                latency_cell(tb),
+                m.loads,
+                m.evictions,
+                m.batches,
                 f"{c.exact}/{c.close}/{c.wrong}",
-                ", ".join(f"{k}:{v}" for k, v in t.errors.items()) or "-",
+                ", ".join(f"{k}:{v}" for k, v in errors.items()) or "-",
             ]
         )
     print()
@@ -482,8 +564,8 @@ def report(
                 "bytes",
                 "stages",
                 "requests",
-                "mean ms",
-                "p99 ms",
+                "alone: mean / p99 ms",
+                "beside training",
                 "loads",
                 "evictions",
                 "batches",
@@ -493,28 +575,43 @@ def report(
         )
     )
     print()
-    for w in status["workers"]:
+    a, b = alone.overall(), beside.overall()
+    for what, run, r in (("alone", alone, a), ("beside training", beside, b)):
         print(
-            f"{w['name']}: peak {fmt_bytes(w['peak_bytes'])} of {fmt_bytes(w['budget_bytes'])} "
-            f"budget, {w['loads']} loads, {w['evictions']} evictions, host tier "
-            f"{fmt_bytes(w['host_bytes'])}"
+            f"serving {what + ':':<16} {r['ok']} answers in {run.wall:.1f} s, "
+            f"mean {r['mean_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
         )
     print(
-        f"models over several workers: {status.get('direct_batches', 0)} batches passed their "
+        f"the same trace twice on the same workers, alone and then beside {len(TRAIN_JOBS)} "
+        f"training jobs and a sweep (mean x{b['mean_ms'] / max(a['mean_ms'], 1e-9):.1f}, "
+        f"p99 x{b['p99_ms'] / max(a['p99_ms'], 1e-9):.1f}): inference comes first, a worker "
+        "starts no training compute while serving has a load or a run in flight and takes "
+        "back at once the memory training borrowed"
+    )
+    print()
+    for w in status.workers:
+        print(
+            f"{w.name}: peak {fmt_bytes(w.peak_bytes)} of {fmt_bytes(w.budget_bytes)} "
+            f"budget, {w.loads} loads, {w.evictions} evictions, host tier "
+            f"{fmt_bytes(w.host_bytes)}"
+        )
+    print(
+        f"models over several workers: {status.totals.direct_batches} batches passed their "
         "activations worker to worker, "
-        f"{fmt_bytes(status.get('activation_bytes_relayed', 0))} went through the broker"
+        f"{fmt_bytes(status.totals.activation_bytes_relayed)} went through the broker"
     )
     # The arena is the budget, so its peak cannot exceed it; the worker's high-water mark of the
     # stages it held (taken at every load) could, if its bookkeeping were wrong.
     over = [
-        w for w in status["workers"] if w["stats"].get("stage_bytes_peak", 0) > w["budget_bytes"]
+        w for w in status.workers if int(w.stats.get("stage_bytes_peak") or 0) > w.budget_bytes
     ]
     rtol, atol = forward_tolerance(torch.float32)
     print(
-        f"\n{done} requests answered in {wall:.1f} s ({done / wall:.0f}/s); outputs checked "
-        "against a direct torch forward: 'exact' bit for bit; 'close' the same forward computed "
-        "in another order (batched with other requests), within torch.testing.assert_close's "
-        f"float32 tolerance (|diff| <= {atol:g} + {rtol:g} x |expected|); 'wrong' otherwise"
+        f"\nevery output of both runs checked after the traffic ({ref_s:.1f} s, with the "
+        "training references) against a direct torch forward: 'exact' bit for bit; 'close' "
+        "the same forward computed in another order (batched with other requests), within "
+        f"torch.testing.assert_close's float32 tolerance (|diff| <= {atol:g} + {rtol:g} x "
+        "|expected|); 'wrong' otherwise; loads, evictions and batches count both runs"
     )
     if bad or over:
         print(f"FAILED: {bad} wrong or failed requests, {len(over)} workers over budget")
@@ -529,7 +626,7 @@ def describe_optimizer(opt: dict[str, Any]) -> str:
 
 
 def report_training(
-    status: dict[str, Any],
+    status: BrokerStatus,
     specs: dict[str, ModelSpec],
     optimizers: dict[str, Any],
     trained: dict[str, Trained],
@@ -578,19 +675,19 @@ def report_training(
     )
     print()
     over = []
-    for w in status["workers"]:
-        st = w["stats"]
-        held = [n for n, t in trained.items() if t.worker == w["name"]]
+    for w in status.workers:
+        st: Any = w.stats  # its heartbeat figures, by name
+        held = [n for n, t in trained.items() if t.worker == w.name]
         footprint = sum(trained[n].footprint for n in held)
         budget = st.get("train_budget_bytes", 0)
         # Training is guaranteed its bytes and may borrow what serving leaves free of the one
         # arena the worker owns (when the worker reports one): the arena is the hard limit.
         limit = st.get("arena_bytes", budget)
         if st.get("train_resident_peak", 0) > limit:
-            over.append(w["name"])
+            over.append(w.name)
         borrowed = st.get("train_borrowed_peak", 0)
         print(
-            f"{w['name']}: jobs {', '.join(held) or '-'} ({fmt_bytes(footprint)} of footprints) "
+            f"{w.name}: jobs {', '.join(held) or '-'} ({fmt_bytes(footprint)} of footprints) "
             f"in {fmt_bytes(budget)} of training bytes: peak resident "
             f"{fmt_bytes(st.get('train_resident_peak', 0))}"
             + (f" (borrowed up to {fmt_bytes(borrowed)} from serving)" if borrowed else "")
@@ -599,8 +696,9 @@ def report_training(
         )
     rtol, atol = forward_tolerance(torch.float32)
     print(
-        f"\nper-step losses compared with a plain PyTorch loop in this process (same seeds, "
-        f"batches and optimizers; {ref_s:.1f} s): 'exact' every loss bit for bit; 'close' within "
+        f"\nper-step losses compared with a plain PyTorch loop in this process, run after the "
+        f"traffic (same seeds, batches and optimizers; {ref_s:.1f} s with the serving checks): "
+        "'exact' every loss bit for bit; 'close' within "
         f"float32 tolerance (|diff| <= {atol:g} + {rtol:g} x |expected|, max |diff| shown); "
         "'wrong' otherwise; steps/s while serving and the other jobs share the 2 workers"
     )

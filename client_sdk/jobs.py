@@ -49,11 +49,11 @@ def batch_tensors(inputs: Inputs, targets: torch.Tensor) -> dict[str, Any]:
 class AsyncJob:
     """A training job open on the mesh; use it on the event loop of its `AsyncClient`."""
 
-    def __init__(self, client: Connected, name: str, info: dict[str, Any]) -> None:
+    def __init__(self, client: Connected, name: str, info: p.JobRow) -> None:
         self.client = client
         self.connection = client.connection
         self.name = name
-        self.info = info  # the broker's status of the job when it opened
+        self.info = info  # the broker's row of the job when it opened (`flowmesh jobs`)
         self._seq = itertools.count(1)
 
     async def step_async(

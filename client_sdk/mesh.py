@@ -31,6 +31,7 @@ from client_sdk.client import Client
 from flowmesh.auth import ensure_key, init_keys
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lifecycle import PARENT_ENV
+from flowmesh.reports import BrokerStatus
 
 # The key the mesh's own clients (readiness, `client()`) use when keys are on.
 LOCAL_OPERATOR = "local-operator"
@@ -272,17 +273,17 @@ class LocalMesh:
     def n_workers(self) -> int:
         return len(self._devices())
 
-    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> BrokerStatus:
         """Until the broker reports every worker (and the partitioner) ready."""
         with Client(self.frontend, timeout=5.0, keys=self.client_keys or False) as client:
 
-            def probe() -> dict[str, Any] | None:
+            def probe() -> BrokerStatus | None:
                 try:
                     st = client.status(timeout=2.0)
                 except FlowmeshError:
                     return None
-                workers = [w for w in st["workers"] if w["ready"]]
-                parts = [w for w in st["partitioners"] if w["ready"]]
+                workers = [w for w in st.workers if w.ready]
+                parts = [w for w in st.partitioners if w.ready]
                 if len(workers) >= self.n_workers and (parts or not self.partitioner):
                     return st
                 return None

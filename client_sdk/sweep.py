@@ -19,9 +19,13 @@ The search space is plain data (a TOML table, a JSON object): each name maps to 
 
 A sampled value overrides the fixed `kwargs` / `optimizer` given to the sweep.
 
-A trial whose training loss turns non-finite (a diverged learning rate) is pruned at once.
+A trial whose training loss turns non-finite (a diverged learning rate) is pruned at once. A
+mesh that takes no training jobs (no worker started with `--train-bytes`) refuses the sweep at
+once: the broker's answer to the first job opening is raised, before any trial trains, and
+nothing is saved.
 Results go to `out_dir`: `trials.json` (every trial's parameters, state, value, per-step training
-losses and evaluations) and `curves.png` (every trial's curves; pruned trials dashed).
+losses and evaluations) and `curves.png` (every trial's curves; pruned trials dashed and marked
+where they stopped, a trial far above the others clipped off the axis: `client_sdk.sweep_plot`).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import optuna
 import torch
 
+from client_sdk import sweep_plot
 from client_sdk.jobs import AsyncJob
-from flowmesh.errors import FlowmeshError
+from flowmesh.errors import Code, FlowmeshError
 
 if TYPE_CHECKING:  # the data's type only: reading data files is no part of the SDK's import
     from client_sdk.train_data import Dataset
@@ -350,9 +355,16 @@ async def sweep_async(
     gate = asyncio.Semaphore(concurrency)
     eval_idx = torch.arange(eval_data.rows)
     eval_x, eval_y = _one_input(eval_data, eval_idx), eval_data.targets
+    # The broker's UNAVAILABLE answer to a job opening before any job opened: the mesh takes no
+    # training jobs, so no trial can run and the sweep is refused with that answer.
+    refused: list[FlowmeshError] = []
+    opened = False
 
     async def run_trial() -> None:
+        nonlocal opened
         async with gate:
+            if refused and not opened:
+                return
             # Asked only once a slot is free, so the sampler sees every trial told before.
             trial = study.ask(dists)
             rec = TrialRecord(trial.number, dict(trial.params), f"{name}-t{trial.number}")
@@ -378,8 +390,11 @@ async def sweep_async(
                     stop_on_nonfinite=False,
                     timeout=timeout,
                 )
+                opened = True
                 state, value = await _train(job, rec, trial)
             except (FlowmeshError, ValueError) as exc:
+                if isinstance(exc, FlowmeshError) and exc.code == Code.UNAVAILABLE and job is None:
+                    refused.append(exc)
                 rec.reason = str(exc)
             finally:
                 if job is not None:
@@ -433,6 +448,8 @@ async def sweep_async(
         await asyncio.gather(*(run_trial() for _ in range(trials)))
     finally:
         display.close()
+    if refused and not opened:
+        raise refused[0]
     result = SweepResult(name, objective, direction, records, study)
     if out_dir is not None:
         save(result, Path(out_dir))
@@ -450,28 +467,6 @@ def save(result: SweepResult, out_dir: Path) -> None:
 
 
 def plot(result: SweepResult, path: Path) -> None:
-    """Every trial's training loss per step and its evaluations, pruned trials dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a server, and no GUI toolkit needed
-    from matplotlib import pyplot as plt
-
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for t in result.trials:
-        style = "-" if t.state == "COMPLETE" else "--"
-        label = f"#{t.number} {t.state.lower()}"
-        if t.curve:
-            (line,) = ax_train.plot(range(1, len(t.curve) + 1), t.curve, style, label=label)
-            if t.evals:
-                xs, ys = zip(*t.evals, strict=True)
-                ax_eval.plot(xs, ys, style, marker="o", color=line.get_color(), label=label)
-    ax_train.set(title="training loss", xlabel="step", ylabel="loss")
-    ax_eval.set(title=f"held-out {result.objective}", xlabel="step", ylabel=result.objective)
-    finite = [v for t in result.trials for v in t.curve if math.isfinite(v)]
-    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
-        ax_train.set_yscale("log")  # a diverged trial would flatten every other curve
-    ax_eval.legend(fontsize="small", ncol=2)
-    fig.suptitle(f"sweep {result.name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """Every trial's training loss per step and its evaluations under one legend: pruned trials
+    dashed and marked where stopped, an outlier trial clipped off the axis (`sweep_plot`)."""
+    sweep_plot.plot(result.name, result.objective, result.trials, path)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from flowmesh.errors import Code, FlowmeshError
+from flowmesh.errors import bad_request
 from flowmesh.modelio.build import build_meta
 from flowmesh.modelio.dtypes import torch_dtype
 from flowmesh.modelio.inputs import call_model, declared_inputs, example_inputs
@@ -53,10 +53,6 @@ class Dataset:
         return int(self.targets.shape[0])
 
 
-def _bad(reason: str) -> FlowmeshError:
-    return FlowmeshError(Code.BAD_REQUEST, reason)
-
-
 def _logits(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -65,7 +61,9 @@ def _logits(out: Any) -> torch.Tensor:
         return logits
     if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise _bad(f"the model returns {type(out).__name__}; training needs a tensor (or logits)")
+    raise bad_request(
+        f"the model returns {type(out).__name__}; training needs a tensor (or logits)"
+    )
 
 
 def synthetic(
@@ -75,7 +73,7 @@ def synthetic(
     model = build_meta(spec, allow)
     declared = declared_inputs(spec, model)
     if not declared:
-        raise _bad(
+        raise bad_request(
             f"{spec.factory} declares no inputs (flowmesh_inputs), so no synthetic data can be "
             "made for it: give --data FILE.safetensors with 'inputs' and 'targets'"
         )
@@ -103,7 +101,7 @@ def synthetic(
     elif loss == "mse":
         targets = torch.randn((samples, *out.shape[1:]), generator=g).to(out.dtype)
     else:
-        raise _bad(f"no synthetic targets for loss {loss!r}: give --data FILE.safetensors")
+        raise bad_request(f"no synthetic targets for loss {loss!r}: give --data FILE.safetensors")
     return Dataset(inputs, targets, f"synthetic ({samples} rows, seed {seed})")
 
 
@@ -122,7 +120,7 @@ def text_windows(text: torch.Tensor, seq: int, source: str) -> Dataset:
     `seq` + 1 bytes, in order; inputs the first `seq` byte ids, targets the last `seq` (each
     byte's successor)."""
     if seq < 1 or text.numel() < seq + 1:
-        raise _bad(f"{source}: {text.numel()} bytes make no window of {seq} + 1 bytes")
+        raise bad_request(f"{source}: {text.numel()} bytes make no window of {seq} + 1 bytes")
     rows = (text.numel() - 1) // seq
     ids = text[: rows * seq + 1]
     inputs = ids[:-1].reshape(rows, seq).contiguous()
@@ -154,13 +152,15 @@ def from_file(path: str, seq: int = 32) -> Dataset:
         try:
             raw = Path(path).read_bytes()
         except OSError as exc:
-            raise _bad(f"{path}: {exc}") from None
+            raise bad_request(f"{path}: {exc}") from None
         return text_windows(torch.tensor(list(raw), dtype=torch.int64), seq, path)
 
     tensors = load_file(path)
     targets = tensors.pop("targets", None)
     if targets is None:
-        raise _bad(f"{path}: no 'targets' tensor (found {', '.join(sorted(tensors)) or 'none'})")
+        raise bad_request(
+            f"{path}: no 'targets' tensor (found {', '.join(sorted(tensors)) or 'none'})"
+        )
     if "inputs" in tensors:
         inputs = {"": tensors.pop("inputs")}
     else:
@@ -168,17 +168,17 @@ def from_file(path: str, seq: int = 32) -> Dataset:
             k.removeprefix("inputs/"): v for k, v in tensors.items() if k.startswith("inputs/")
         }
     if not inputs:
-        raise _bad(f"{path}: no 'inputs' (or 'inputs/<name>') tensor")
+        raise bad_request(f"{path}: no 'inputs' (or 'inputs/<name>') tensor")
     rows = {int(t.shape[0]) for t in [*inputs.values(), targets] if t.dim() > 0}
     if len(rows) != 1 or any(t.dim() == 0 for t in [*inputs.values(), targets]):
-        raise _bad(f"{path}: inputs and targets need the same number of rows on dim 0")
+        raise bad_request(f"{path}: inputs and targets need the same number of rows on dim 0")
     return Dataset(inputs, targets, path)
 
 
 def batches(data: Dataset, batch: int, steps: int) -> list[tuple[Inputs, torch.Tensor]]:
     """`steps` batches of `batch` rows, in order, wrapping around (see the module docstring)."""
     if batch < 1 or steps < 0:
-        raise _bad("batch must be positive and steps non-negative")
+        raise bad_request("batch must be positive and steps non-negative")
     out: list[tuple[Inputs, torch.Tensor]] = []
     for i in range(steps):
         idx = torch.arange(i * batch, (i + 1) * batch) % data.rows

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from flowmesh.reports import BrokerStatus, JobRow, ModelRow
 from flowmesh.units import fmt_bytes
 
 
@@ -22,36 +23,37 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def format_status(st: dict[str, Any]) -> str:
+def format_status(st: BrokerStatus) -> str:
+    totals = st.totals
     out = [
-        f"broker up {st['uptime_s']:.0f} s  protocol v{st['protocol']}  "
-        f"requests {st['requests']}  completed {st['completed']}  errors {st['errors']}  "
-        f"queued {st['queued']}  running batches {st['inflight_batches']}",
+        f"broker up {st.uptime_s:.0f} s  protocol v{st.protocol}  "
+        f"requests {totals.requests}  completed {totals.completed}  errors {totals.errors}  "
+        f"queued {st.queued}  running batches {st.inflight_batches}",
         "",
     ]
-    if st.get("direct_batches") or st.get("activation_bytes_relayed"):
+    if totals.direct_batches or totals.activation_bytes_relayed:
         out.insert(
             1,
-            f"stages over several workers: {st.get('direct_batches', 0)} batches direct, "
-            f"{fmt_bytes(st.get('activation_bytes_relayed', 0))} of activations relayed",
+            f"stages over several workers: {totals.direct_batches} batches direct, "
+            f"{fmt_bytes(totals.activation_bytes_relayed)} of activations relayed",
         )
     rows = [
         [
-            w["name"],
-            w["device"],
-            "ready" if w["ready"] else "joining",
-            fmt_bytes(w["budget_bytes"]),
-            fmt_bytes(w["resident_bytes"]),
-            fmt_bytes(w["peak_bytes"]),
-            fmt_bytes(w["host_bytes"]),
-            w["loads"],
-            fmt_bytes(w.get("load_bytes", 0)),
-            f"{w.get('mean_load_ms', 0.0):.1f}",
-            w["evictions"],
-            w["inflight"],
-            ", ".join(w["resident"]) or "-",
+            w.name,
+            w.device,
+            "ready" if w.ready else "joining",
+            fmt_bytes(w.budget_bytes),
+            fmt_bytes(w.resident_bytes),
+            fmt_bytes(w.peak_bytes),
+            fmt_bytes(w.host_bytes),
+            w.loads,
+            fmt_bytes(w.load_bytes),
+            f"{w.mean_load_ms:.1f}",
+            w.evictions,
+            w.inflight,
+            ", ".join(w.resident) or "-",
         ]
-        for w in st["workers"]
+        for w in st.workers
     ]
     out.append(
         table(
@@ -74,47 +76,45 @@ def format_status(st: dict[str, Any]) -> str:
         )
     )
     parts = (
-        ", ".join(
-            f"{p['name']} ({'ready' if p['ready'] else 'joining'})" for p in st["partitioners"]
-        )
+        ", ".join(f"{p.name} ({'ready' if p.ready else 'joining'})" for p in st.partitioners)
         or "none"
     )
-    for w in st["workers"]:
-        t = w.get("stats", {})
+    for w in st.workers:
+        t: Any = w.stats  # a worker's heartbeat figures, by name
         if t.get("train_budget_bytes"):
             out.append(
-                f"{w['name']} training: resident {fmt_bytes(t.get('train_resident_bytes', 0))} "
+                f"{w.name} training: resident {fmt_bytes(t.get('train_resident_bytes', 0))} "
                 f"(peak {fmt_bytes(t.get('train_resident_peak', 0))}) of "
                 f"{fmt_bytes(t['train_budget_bytes'])}, tasks {t.get('train_tasks', 0)}, "
                 f"job switches {t.get('train_job_switches', 0)}"
             )
     out += ["", f"partitioners: {parts}", ""]
     rows = []
-    for m in st["models"]:
+    for m in st.models:
         stages = " | ".join(
-            f"{s['blocks'][0]}-{s['blocks'][1] - 1}:{fmt_bytes(s['bytes'])}" for s in m["stages"]
+            f"{s.blocks[0]}-{s.blocks[1] - 1}:{fmt_bytes(s.bytes)}" for s in m.stages
         )
         reps = "; ".join(
-            "+".join(r["workers"]) + ("" if r["live"] else " (deploying)") for r in m["replicas"]
+            "+".join(r.workers) + ("" if r.live else " (deploying)") for r in m.replicas
         )
         rows.append(
             [
-                m["name"],
-                m["state"],
-                fmt_bytes(m["bytes"]),
+                m.name,
+                m.state,
+                fmt_bytes(m.bytes),
                 stages,
                 reps,
-                m["queue"],
-                m["requests"],
-                m["errors"],
-                m["loads"],
-                m["evictions"],
-                f"{m['mean_ms']:.1f}",
-                f"{m['p99_ms']:.1f}",
-                f"{m.get('queue_wait_ms', 0.0):.1f}",
-                f"{m.get('load_wait_ms', 0.0):.1f}",
-                f"{m.get('run_ms', 0.0):.1f}",
-                f"{m.get('mean_batch', 0.0):.1f}",
+                m.queue,
+                m.requests,
+                m.errors,
+                m.loads,
+                m.evictions,
+                f"{m.mean_ms:.1f}",
+                f"{m.p99_ms:.1f}",
+                f"{m.queue_wait_ms:.1f}",
+                f"{m.load_wait_ms:.1f}",
+                f"{m.run_ms:.1f}",
+                f"{m.mean_batch:.1f}",
             ]
         )
     out.append(
@@ -140,31 +140,31 @@ def format_status(st: dict[str, Any]) -> str:
             ],
         )
     )
-    if st.get("jobs"):
-        out += ["", format_jobs(st["jobs"])]
+    if st.jobs:
+        out += ["", format_jobs(st.jobs)]
     return "\n".join(out)
 
 
-def format_jobs(jobs: list[dict[str, Any]]) -> str:
+def format_jobs(jobs: list[JobRow]) -> str:
     """Training jobs as a table: worker, state, step, last loss, steps/s, sub-models."""
     rows = [
         [
-            j["name"],
-            j["worker"],
-            j["state"],
-            j["step"],
-            "-" if j["last_loss"] is None else f"{j['last_loss']:.4g}",
-            f"{j['steps_per_s']:.2f}",
+            j.name,
+            j.worker,
+            j.state,
+            j.step,
+            "-" if j.last_loss is None else f"{j.last_loss:.4g}",
+            f"{j.steps_per_s:.2f}",
             " | ".join(
-                f"{m['blocks'][0]}-{m['blocks'][1] - 1}:{fmt_bytes(m.get('host_bytes', 0))}"
-                f"/{fmt_bytes(m.get('task_bytes', 0))}"
-                for m in j["sub_models"]
+                f"{m.blocks[0]}-{m.blocks[1] - 1}:{fmt_bytes(m.host_bytes)}"
+                f"/{fmt_bytes(m.task_bytes)}"
+                for m in j.sub_models
             )
             or "-",
-            fmt_bytes(j["footprint"]),
-            "-" if j["saved_step"] is None else j["saved_step"],
-            j["pending"],
-            j["errors"],
+            fmt_bytes(j.footprint),
+            "-" if j.saved_step is None else j.saved_step,
+            j.pending,
+            j.errors,
         ]
         for j in jobs
     ]
@@ -190,15 +190,14 @@ def format_plan(plan: dict[str, Any]) -> str:
     return Plan.from_dict(plan).table()
 
 
-def format_deployed(info: dict[str, Any]) -> str:
+def format_deployed(info: ModelRow) -> str:
     """The one line `flowmesh deploy` prints once the model is deployed."""
     stages = ", ".join(
-        f"stage {s['index']}: blocks {s['blocks'][0]}-{s['blocks'][1] - 1} "
-        f"({fmt_bytes(s['bytes'])})"
-        for s in info["stages"]
+        f"stage {s.index}: blocks {s.blocks[0]}-{s.blocks[1] - 1} ({fmt_bytes(s.bytes)})"
+        for s in info.stages
     )
-    reps = "; ".join("+".join(r["workers"]) for r in info["replicas"])
-    return f"deployed {info['name']}: {fmt_bytes(info['bytes'])}, {stages}; replicas: {reps}"
+    reps = "; ".join("+".join(r.workers) for r in info.replicas)
+    return f"deployed {info.name}: {fmt_bytes(info.bytes)}, {stages}; replicas: {reps}"
 
 
 def format_infer(outs: dict[str, Any], info: dict[str, Any], rows: int) -> str:
@@ -228,45 +227,46 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
 
 
-def _watch_head(st: dict[str, Any]) -> list[str]:
+def _watch_head(st: BrokerStatus) -> list[str]:
+    totals = st.totals
     return [
-        f"broker up {st['uptime_s']:.0f} s  requests {st['requests']}  completed "
-        f"{st['completed']}  errors {st['errors']}",
-        f"queued {st['queued']}  running batches {st['inflight_batches']}  dropped sends "
-        f"{st.get('dropped_sends', 0)}",
+        f"broker up {st.uptime_s:.0f} s  requests {totals.requests}  completed "
+        f"{totals.completed}  errors {totals.errors}",
+        f"queued {st.queued}  running batches {st.inflight_batches}  dropped sends "
+        f"{totals.dropped_sends}",
     ]
 
 
-def _watch_tables(st: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+def _watch_tables(st: BrokerStatus) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of each table of the watch view."""
     workers = [
         [
-            w["name"],
-            "ready" if w["ready"] else "joining",
-            fmt_bytes(w["resident_bytes"]),
-            fmt_bytes(w["budget_bytes"]),
-            str(len(w["resident"])),
-            str(w["loads"]),
-            str(w["evictions"]),
-            str(w["inflight"]),
-            f"{w['last_seen_s']:.1f}",
+            w.name,
+            "ready" if w.ready else "joining",
+            fmt_bytes(w.resident_bytes),
+            fmt_bytes(w.budget_bytes),
+            str(len(w.resident)),
+            str(w.loads),
+            str(w.evictions),
+            str(w.inflight),
+            f"{w.last_seen_s:.1f}",
         ]
-        for w in st["workers"]
+        for w in st.workers
     ]
     models = [
         [
-            m["name"],
-            m["state"],
-            str(len(m["replicas"])),
-            str(m["queue"]),
-            str(m["requests"]),
-            str(m["errors"]),
-            _ms(m["mean_ms"]),
-            _ms(m["p99_ms"]),
-            _ms(m.get("load_wait_ms", 0.0)),
-            f"{m.get('mean_batch', 0.0):.1f}",
+            m.name,
+            m.state,
+            str(len(m.replicas)),
+            str(m.queue),
+            str(m.requests),
+            str(m.errors),
+            _ms(m.mean_ms),
+            _ms(m.p99_ms),
+            _ms(m.load_wait_ms),
+            f"{m.mean_batch:.1f}",
         ]
-        for m in st["models"]
+        for m in st.models
     ]
     out = [
         (
@@ -280,26 +280,26 @@ def _watch_tables(st: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
             models,
         ),
     ]
-    if st.get("jobs"):
+    if st.jobs:
         jobs = [
             [
-                j["name"],
-                j["worker"],
-                j["state"],
-                str(j["step"]),
-                "-" if j["last_loss"] is None else f"{j['last_loss']:.4g}",
-                f"{j['steps_per_s']:.2f}",
-                str(j["pending"]),
-                str(j["errors"]),
+                j.name,
+                j.worker,
+                j.state,
+                str(j.step),
+                "-" if j.last_loss is None else f"{j.last_loss:.4g}",
+                f"{j.steps_per_s:.2f}",
+                str(j.pending),
+                str(j.errors),
             ]
-            for j in st["jobs"]
+            for j in st.jobs
         ]
         header = ["job", "worker", "state", "step", "loss", "steps/s", "pending", "errors"]
         out.append(("training jobs", header, jobs))
     return out
 
 
-def watch_text(st: dict[str, Any] | None, note: str = "") -> str:
+def watch_text(st: BrokerStatus | None, note: str = "") -> str:
     """One snapshot of `status --watch` as plain text (its output when not on a terminal)."""
     if st is None:
         return note or "waiting for the broker"
@@ -312,7 +312,7 @@ def watch_text(st: dict[str, Any] | None, note: str = "") -> str:
     return "\n\n".join(parts)
 
 
-def status_view(st: dict[str, Any] | None, note: str = "") -> Any:
+def status_view(st: BrokerStatus | None, note: str = "") -> Any:
     """The live view of `status --watch` on a terminal (rich): the same tables as `watch_text`,
     coloured."""
     from rich.console import Group
@@ -353,16 +353,18 @@ class DeployWatch:
         self.name = name
         self.stages: dict[tuple[str, str], list[int]] = {}  # (worker, stage) -> [read, total]
 
-    def update(self, status: dict[str, Any]) -> tuple[int, int]:
+    def update(self, status: BrokerStatus) -> tuple[int, int]:
         """(bytes read, bytes to read) so far; a stage no longer reported has been read."""
         now = set()
-        for w in status.get("workers", []):
-            preparing = (w.get("stats") or {}).get("preparing") or {}
+        for w in status.workers:
+            preparing = w.stats.get("preparing") or {}
+            if not isinstance(preparing, dict):
+                continue
             for key, value in preparing.items():
                 model, _, stage = key.rpartition("/")
                 if model == self.name and isinstance(value, list) and len(value) == 2:
-                    self.stages[(w["name"], stage)] = [int(value[0]), int(value[1])]
-                    now.add((w["name"], stage))
+                    self.stages[(w.name, stage)] = [int(value[0]), int(value[1])]
+                    now.add((w.name, stage))
         for key, value in self.stages.items():
             if key not in now:
                 value[0] = value[1]

@@ -9,9 +9,11 @@ Processes that only forward tensors (the broker) never build tensors at all: the
 received frames on as `TensorRef`s.
 
 Decoding is one typed pass: msgspec reads the header straight into the union of all message
-types, checking every field's type and constraint; then the sizes and frames are checked. Any
-failure raises `DecodeError` with a code and a reason naming the field; the receiver answers
-with `Error` and keeps running. No pickle anywhere.
+types, checking every field's type and constraint, and each declared payload (a model spec, a
+plan, a training configuration) checks the rest of itself as it is built; then the sizes and
+frames are checked. Any failure raises `DecodeError` with a code and a reason naming the field;
+the receiver answers with `Error` and keeps running. A refusal inside a payload is BAD_REQUEST,
+as the same payload refused by its receiver was before it was declared. No pickle anywhere.
 
 This module does not import torch at import time, so the broker can stay free of it.
 """
@@ -22,6 +24,7 @@ import functools
 import reprlib
 import typing
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Union
@@ -33,6 +36,7 @@ import numpy
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.messages import (
     ITEMSIZE,
+    PAYLOADS,
     PROTOCOL_VERSION,
     Bundle,
     Error,
@@ -66,11 +70,16 @@ DEFAULT_LIMITS = Limits()
 
 
 class DecodeError(FlowmeshError):
-    """A received message that cannot be accepted; `ref` is its id when one could be read."""
+    """A received message that cannot be accepted; `ref` is its id and `type` its message type
+    when the header carried them (read from the header alone: nothing else of it is trusted),
+    so that the receiver can fail the call a refused answer was meant to answer."""
 
-    def __init__(self, code: Code, reason: str, ref: int | None = None) -> None:
+    def __init__(
+        self, code: Code, reason: str, ref: int | None = None, type: str | None = None
+    ) -> None:
         super().__init__(code, reason)
         self.ref = ref
+        self.type = type
 
 
 # --------------------------------------------------------------------------- tensors
@@ -247,10 +256,16 @@ def _ref_of(env: _Envelope | None) -> int | None:
     return ref if ref is not None and ref >= 0 else None
 
 
-def _refused(buf: Any, why: str) -> DecodeError:
-    """The error for a header msgspec refused (`why`): VERSION and UNKNOWN_TYPE come first,
-    as the version and the type decide how the rest reads; then BAD_TENSOR for a wrong tensor
-    listing, BAD_FRAMES for tensors on a type without any, BAD_MESSAGE for any other field."""
+def _type_of(env: _Envelope | None) -> str | None:
+    name = _read(env.t, str) if env is not None else None
+    return name if name in _TYPES else None
+
+
+def _refused(buf: Any, why: str, cause: BaseException | None = None) -> DecodeError:
+    """The error for a header msgspec refused (`why`; `cause`: what a payload's own check
+    raised): VERSION and UNKNOWN_TYPE come first, as the version and the type decide how the
+    rest reads; then BAD_TENSOR for a wrong tensor listing, BAD_FRAMES for tensors on a type
+    without any, BAD_REQUEST inside a payload, BAD_MESSAGE for any other field."""
     env = _envelope(buf)
     if env is None:
         return DecodeError(Code.BAD_MESSAGE, f"header is not a valid map: {_cut_text(why)}")
@@ -261,16 +276,23 @@ def _refused(buf: Any, why: str) -> DecodeError:
         return DecodeError(
             Code.VERSION, f"protocol version {shown}, this process speaks {PROTOCOL_VERSION}", ref
         )
-    name = _read(env.t, str)
-    if name not in _TYPES:
+    name = _type_of(env)
+    if name is None:
         shown = _short(_read(env.t, Any)) if env.t else "missing"
         return DecodeError(Code.UNKNOWN_TYPE, f"unknown message type {shown}", ref)
     code = Code.BAD_MESSAGE
+    _, at, path = why.rpartition(" - at `$.")
     if "- at `$.tensors[" in why:
         code = Code.BAD_TENSOR
     elif why.startswith("Object contains unknown field `tensors`"):
         code = Code.BAD_FRAMES
-    return DecodeError(code, f"{name}: {_cut_text(why)}", ref)
+    elif at and path.split(".", 1)[0].split("[", 1)[0].rstrip("`") in _payload_fields(
+        _TYPES[name]
+    ):
+        code = Code.BAD_REQUEST
+        if isinstance(cause, FlowmeshError):  # its reason, without the code msgspec quoted
+            why = f"{cause.reason} - at `$.{path}"
+    return DecodeError(code, f"{name}: {_cut_text(why)}", ref, name)
 
 
 def _check_bounds(buf: Any, limits: Limits) -> None:
@@ -340,14 +362,64 @@ def _holds_any(tp: Any) -> bool:
     return tp is Any or any(_holds_any(a) for a in typing.get_args(tp))
 
 
-@functools.cache
-def _any_fields(cls: type[Message]) -> tuple[str, ...]:
-    """The fields of `cls` whose values are `Any` somewhere (their contents are checked by
-    `_plain`); `tensors` is read by the codec itself."""
-    hints = typing.get_type_hints(cls, include_extras=True)
-    return tuple(
-        name for name in cls.__struct_fields__ if name != "tensors" and _holds_any(hints[name])
+def _mentions(tp: Any, kinds: tuple[type, ...]) -> bool:
+    return (isinstance(tp, type) and issubclass(tp, kinds)) or any(
+        _mentions(a, kinds) for a in typing.get_args(tp)
     )
+
+
+@functools.cache
+def _payload_fields(cls: type[Message]) -> frozenset[str]:
+    """The fields of `cls` that hold a declared payload (`messages.PAYLOADS`)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return frozenset(n for n in cls.__struct_fields__ if _mentions(hints[n], PAYLOADS))
+
+
+def _any_paths(tp: Any, at: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The paths to the values of type `tp` (at `at`) that are `Any` somewhere, through the
+    structs, lists ("[]") and maps ("{}") that hold them: their contents are checked by
+    `_plain`."""
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if not _mentions(tp, (msgspec.Struct,)):
+        return [at] if _holds_any(tp) else []
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        hints = typing.get_type_hints(tp, include_extras=True)
+        out = []
+        for name in tp.__struct_fields__:
+            if not (name == "tensors" and issubclass(tp, Message)):  # read by the codec itself
+                out += _any_paths(hints[name], (*at, name))
+        return out
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple):
+        return [p for a in args if a is not Ellipsis for p in _any_paths(a, (*at, "[]"))]
+    if origin is dict:
+        return _any_paths(args[1], (*at, "{}"))
+    return list(dict.fromkeys(p for a in args for p in _any_paths(a, at)))  # a union
+
+
+@functools.cache
+def _any_fields(cls: type[Message]) -> tuple[tuple[str, ...], ...]:
+    return tuple(_any_paths(cls, ()))
+
+
+def _values_at(value: Any, path: tuple[str, ...]) -> Iterator[Any]:
+    """The values at `path` (see `_any_paths`) in `value`; a None or a value of another
+    member of a union on the way ends that branch."""
+    if not path:
+        yield value
+        return
+    step, rest = path[0], path[1:]
+    if step == "[]":
+        if type(value) is list or type(value) is tuple:
+            for v in value:
+                yield from _values_at(v, rest)
+    elif step == "{}":
+        if type(value) is dict:
+            for v in value.values():
+                yield from _values_at(v, rest)
+    elif isinstance(value, msgspec.Struct) and step in value.__struct_fields__:
+        yield from _values_at(getattr(value, step), rest)
 
 
 def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -368,30 +440,46 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise DecodeError(
             Code.TOO_LARGE,
             f"message is {total} bytes, limit {limits.max_message_bytes}",
-            _ref_of(_envelope(buf)),
+            _ref_of(env := _envelope(buf)),
+            _type_of(env),
         )
     if head > limits.max_str_len or head > limits.max_container_len:
         _check_bounds(buf, limits)
     try:
         msg = _DECODER.decode(buf)
     except msgspec.ValidationError as exc:
-        raise _refused(buf, str(exc)) from None
+        raise _refused(buf, str(exc), exc.__cause__) from None
     except Exception as exc:  # msgspec.DecodeError, an extension type, RecursionError
         raise DecodeError(
             Code.BAD_MESSAGE, f"header is not a valid msgpack map: {_cut_text(str(exc))}"
         ) from None
+    try:
+        return _checked(msg, buf, frames, sizes, limits)
+    except DecodeError as exc:  # the header decoded: its type is known
+        exc.type = msg.TYPE
+        raise
+
+
+def _checked(
+    msg: Message, buf: Any, frames: list[Any], sizes: list[int], limits: Limits
+) -> Message:
+    """`decode`'s checks of a header msgspec took: the version, the values, the frames."""
     cls = type(msg)
     ref = getattr(msg, "id", None)
     if not _has_version(buf):
         raise DecodeError(
             Code.VERSION, f"protocol version missing, this process speaks {PROTOCOL_VERSION}", ref
         )
-    for name in _any_fields(cls):
-        if not _plain(getattr(msg, name)):
+    for path in _any_fields(cls):
+        if len(path) == 1:  # a field of the message itself (run info, say): on the hot path
+            ok = _plain(getattr(msg, path[0]))
+        else:
+            ok = all(_plain(v) for v in _values_at(msg, path))
+        if not ok:
             raise DecodeError(
                 Code.BAD_MESSAGE,
                 f"{cls.TYPE}: a value that cannot travel (only maps keyed by strings, lists and "
-                f"plain scalars) - at `$.{name}`",
+                f"plain scalars) - at `$.{'.'.join(path)}`",
                 ref,
             )
     if cls.HAS_TENSORS:

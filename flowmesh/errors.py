@@ -43,3 +43,14 @@ class FlowmeshError(Exception):
         super().__init__(f"[{code}] {reason}")
         self.code = Code(code) if code in Code._value2member_map_ else code
         self.reason = reason
+
+
+def bad_request(reason: str) -> FlowmeshError:
+    """A request refused for what it asks (BAD_REQUEST): `raise bad_request("...")`."""
+    return FlowmeshError(Code.BAD_REQUEST, reason)
+
+
+class Invalid(FlowmeshError, ValueError):
+    """A FlowmeshError raised by a declared payload checking itself (its `__post_init__`): a
+    ValueError as well, so that msgspec, decoding a message, reports it with the field's path,
+    and `flowmesh.codec` answers it with this code and reason."""

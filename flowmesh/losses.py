@@ -9,7 +9,8 @@ a worker's allow-list (`--allow`) may provide one; this module is allowed on eve
 function, deterministic, and differentiable in `output`.
 
 Every callable here can be named as a factory, so this module holds factories and nothing else:
-checking a loss spec and resolving it against the allow-list is `gpu_worker.train_config`.
+checking a loss spec's form is `flowmesh.train_spec`, resolving it against the allow-list
+`gpu_worker.train_config`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,13 @@ bool). Tensors are not header values: `tensors` maps a name to a tensor in a pro
 as one raw frame per tensor after the header, listed in it as `[name, dtype, shape]`
 (`flowmesh.codec`).
 
-Values still typed `Any` (model specs, training configs, plans, status, run info) are plain data:
-maps keyed by strings, lists, scalars; the codec refuses anything else in them.
+The payloads a message carries are declared once where they belong, and checked on receipt like
+every field: the model spec (`flowmesh.spec.ModelSpec`), the plan (`flowmesh.modelio.plan.Plan`),
+the training configuration (`flowmesh.train_spec.TrainConfig`); a refusal inside one is answered
+BAD_REQUEST, naming the field. Values still typed `Any` (run info, a spec's kwargs, a plan's
+request) are plain data: maps keyed by strings, lists, scalars; the codec refuses anything else
+in them. What the broker
+reports of itself (status, model and job rows) is declared in `flowmesh.reports`.
 
 This module does not import torch, so the broker can stay free of it.
 """
@@ -17,12 +22,25 @@ This module does not import torch, so the broker can stay free of it.
 from __future__ import annotations
 
 import hashlib
-import sys
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgpack
 import msgspec
 from msgspec import Meta, field
+
+from flowmesh.modelio.plan import Plan
+from flowmesh.reports import (
+    BrokerStatus,
+    Count,
+    Finite,
+    JobRow,
+    ModelRow,
+    OpenedJob,
+    Stats,
+    SubModelRow,
+)
+from flowmesh.spec import ModelSpec, TensorSpec
+from flowmesh.train_spec import TrainConfig
 
 PROTOCOL_VERSION = 1
 
@@ -41,10 +59,7 @@ ITEMSIZE: dict[str, int] = {
 }
 
 Id = Annotated[int, Meta(ge=0)]  # a call's, run's or ticket's id
-Count = Annotated[int, Meta(ge=0)]  # bytes, stages, steps, seqs, frames
 Seconds = Annotated[float, Meta(ge=0)]  # a duration (NaN is not one)
-_BIG = sys.float_info.max
-Finite = Annotated[float, Meta(ge=-_BIG, le=_BIG)]  # no NaN, no infinity
 
 # A tensor as the header lists it: [name, dtype, shape]. How many dims a process takes is its
 # `Limits.max_dims`, checked by the codec with the frames' sizes.
@@ -70,13 +85,13 @@ class Message(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only
 
 class Deploy(Message, tag="deploy"):
     id: Id
-    spec: dict[str, Any]
+    spec: ModelSpec
     timeout_ms: int | None = None
 
 
 class Deployed(Message, tag="deployed"):
     id: Id
-    model: dict[str, Any]
+    model: ModelRow
 
 
 class Undeploy(Message, tag="undeploy"):
@@ -96,10 +111,23 @@ class Infer(Message, tag="infer"):
     timeout_ms: int | None = None
 
 
+class ResultInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The broker's account of one answered request (milliseconds; `batch`: the requests that
+    shared its forward; `workers`: its replica's, stage by stage)."""
+
+    latency_ms: float = 0.0
+    queue_ms: float = 0.0
+    run_ms: float = 0.0
+    compute_ms: float = 0.0
+    load_wait_ms: float = 0.0
+    batch: Count = 1
+    workers: list[str] = field(default_factory=list)
+
+
 class Result(Message, tag="result"):
     id: Id
     tensors: Tensors = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
+    info: ResultInfo = field(default_factory=ResultInfo)
 
 
 class Status(Message, tag="status"):
@@ -108,14 +136,14 @@ class Status(Message, tag="status"):
 
 class StatusReply(Message, tag="status_reply"):
     id: Id
-    status: dict[str, Any]
+    status: BrokerStatus
 
 
 class PlanRequest(Message, tag="plan"):
     """Ask for a plan. kind 'stages' (serving) or 'chunks' (training sub-models)."""
 
     id: Id
-    spec: dict[str, Any]
+    spec: ModelSpec
     kind: str = "stages"
     stages: int | None = None
     mem_cap: Count | None = None
@@ -126,12 +154,26 @@ class PlanRequest(Message, tag="plan"):
     timeout_ms: int | None = None
 
 
+class PlanAsk(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the broker asks a partitioner to plan (`PlanJob.request`): a PlanRequest's fields,
+    with `mem_cap` filled in from the workers' budgets when the client gave none."""
+
+    spec: ModelSpec
+    kind: str = "stages"
+    stages: int | None = None
+    mem_cap: Count | None = None
+    target_bytes: Count | None = None
+    optimizer: str = "adam"
+    batch: Count = 1
+    measure: bool = False
+
+
 class PlanReply(Message, tag="plan_reply"):
     """A plan, and the model's declared inputs (dtype, shape) when it has any."""
 
     id: Id
-    plan: dict[str, Any]
-    inputs: dict[str, Any] | None = None
+    plan: Plan
+    inputs: dict[str, TensorSpec] | None = None
 
 
 class Error(Message, tag="error"):
@@ -168,8 +210,8 @@ class TrainOpen(Message, tag="train_open"):
 
     id: Id
     job: str
-    spec: dict[str, Any]
-    config: dict[str, Any]
+    spec: ModelSpec
+    config: TrainConfig | None  # None: the checkpoint's (`resume`)
     batch: Count
     resume: str | None = None
     chunk_bytes: Count | None = None
@@ -177,8 +219,17 @@ class TrainOpen(Message, tag="train_open"):
 
 
 class TrainOpened(Message, tag="train_opened"):
+    """The broker's answer to a client's TrainOpen: the job's row, as `jobs` reports it."""
+
     id: Id
-    job: dict[str, Any]
+    job: JobRow
+
+
+class JobOpened(Message, tag="job_opened"):
+    """A worker's answer to the broker's TrainOpen: what it opened."""
+
+    id: Id
+    job: OpenedJob
 
 
 class TrainStep(Message, tag="train_step"):
@@ -257,7 +308,7 @@ class Jobs(Message, tag="jobs"):
 
 class JobsReply(Message, tag="jobs_reply"):
     id: Id
-    jobs: list[dict[str, Any]]
+    jobs: list[JobRow]
 
 
 # -- what a worker holds as it registers
@@ -314,14 +365,9 @@ class Inventory(_Part):
     jobs: list[HeldJob] = field(default_factory=list)
 
 
-# -- what a peer reports with its heartbeats: plain scalars, and lists and maps of them, three
-# levels deep at most (a top-level value, its items, theirs); numbers finite. They are stored
-# and shown by status() to every client; `broker.checks.check_stats` bounds how many there are.
-
-StatScalar = Union[None, bool, int, Finite, str]  # noqa: UP007
-StatItem = Union[StatScalar, list[StatScalar], dict[str, StatScalar]]  # noqa: UP007
-StatValue = Union[StatScalar, list[StatItem], dict[str, StatItem]]  # noqa: UP007
-Stats = dict[str, StatValue]
+# -- what a peer reports with its heartbeats (`Stats`, declared in `flowmesh.reports` with the
+# rows of status that show them): plain scalars, and lists and maps of them, three levels deep
+# at most; numbers finite. `broker.checks.check_stats` bounds how many there are.
 
 
 # -- workers / services <-> broker
@@ -349,10 +395,17 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def stage_digest(spec: dict[str, Any], plan: dict[str, Any], stage: int) -> str:
+def stage_digest(
+    spec: ModelSpec | dict[str, Any], plan: Plan | dict[str, Any], stage: int
+) -> str:
     """What a worker's copy of a stage was built from (the model's spec, its plan, the stage's
     index), as a short hash: a restarted broker adopts a stage a worker reports only when its
-    digest is the one the broker's own record gives."""
+    digest is the one the broker's own record gives. Hashed in the stored form (`to_dict`),
+    so a spec or plan digests the same typed or as the data a state directory keeps."""
+    if isinstance(spec, ModelSpec):
+        spec = spec.to_dict()
+    if isinstance(plan, Plan):
+        plan = plan.to_dict()
     packed = msgpack.packb(_canonical([spec, plan, stage]), use_bin_type=True)
     return hashlib.sha256(packed).hexdigest()[:24]
 
@@ -381,8 +434,8 @@ class DeployStage(Message, tag="deploy_stage"):
     id: Id
     model: str
     stage: Count
-    spec: dict[str, Any]
-    plan: dict[str, Any]
+    spec: ModelSpec
+    plan: Plan
 
 
 class StageReady(Message, tag="stage_ready"):
@@ -480,19 +533,30 @@ class CancelRun(Message, tag="cancel_run"):
     id: Id
 
 
+# A worker's seconds for a run: finite (no bound below a year is one a run reaches).
+RunSeconds = Annotated[float, Meta(ge=0, le=365 * 86400)]
+
+
+class RunInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A worker's account of one run: computing, and waiting for its stage's weights."""
+
+    compute_s: RunSeconds = 0.0
+    wait_s: RunSeconds = 0.0
+
+
 class RunResult(Message, tag="run_result"):
     id: Id
     model: str
     stage: Count
     tensors: Tensors = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
+    info: RunInfo = field(default_factory=RunInfo)
 
 
 class PlanJob(Message, tag="plan_job"):
     """The broker asks a partitioner to plan; same fields as PlanRequest."""
 
     id: Id
-    request: dict[str, Any]
+    request: PlanAsk
 
 
 # -- any socket
@@ -513,6 +577,10 @@ class Bundle(Message, tag="bundle"):
     (one speaking the protocol over a plain socket) never gets one."""
 
     members: list[Annotated[int, Meta(ge=1)]] = field(name="counts")
+
+
+# The payloads declared elsewhere that messages carry: a refusal inside one is BAD_REQUEST.
+PAYLOADS: tuple[type, ...] = (ModelSpec, Plan, TrainConfig, TensorSpec, PlanAsk)
 
 
 def _declared() -> dict[str, type[Message]]:
@@ -543,13 +611,22 @@ __all__ = [
     *(cls.__name__ for cls in _TYPES.values()),
     "ITEMSIZE",
     "PROTOCOL_VERSION",
+    "BrokerStatus",
     "Count",
     "Finite",
     "HeldJob",
     "HeldStage",
     "Id",
     "Inventory",
+    "JobRow",
     "Message",
+    "ModelRow",
+    "OpenedJob",
+    "SubModelRow",
+    "PAYLOADS",
+    "PlanAsk",
+    "ResultInfo",
+    "RunInfo",
     "Seconds",
     "Stats",
     "StepAnswer",

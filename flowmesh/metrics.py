@@ -2,12 +2,13 @@
 
 One source of truth: nothing here counts. At each scrape a collector reads the figures the
 process already keeps for its status and heartbeats — the broker's `BrokerCore.status()` (the
-very dict `flowmesh status` prints), a worker's `WorkerService.stats()` (what its heartbeats
-carry), a partitioner's `stats()` — and maps them to metric families with pure functions
-(`broker_families`, `worker_families`, `partitioner_families`) that tests check in-process. The
-broker's distributions (latency, queue wait, load wait, run time, batch size, load time) are
-prometheus_client histograms observed where the broker answers (`broker.status.Timings`); status
-reads their sums and counts, the collector yields them whole.
+very `flowmesh.reports.BrokerStatus` that `flowmesh status` prints), a worker's
+`WorkerService.stats()` (what its heartbeats carry), a partitioner's `stats()` — and maps them
+to metric families with pure functions (`broker_families`, `worker_families`,
+`partitioner_families`) that tests check in-process. The broker's distributions (latency, queue
+wait, load wait, run time, batch size, load time) are prometheus_client histograms observed
+where the broker answers (`broker.status.Timings`); status reads their sums and counts, the
+collector yields them whole.
 
 The state belongs to the event loop, so a scrape (on prometheus_client's HTTP thread) reads it
 on the loop (`on_loop`) and waits at most `SCRAPE_TIMEOUT_S`: a loop that is stuck fails the
@@ -28,6 +29,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
+
+from flowmesh.reports import BrokerStatus, PeerRow
 
 log = logging.getLogger("flowmesh.metrics")
 
@@ -85,15 +88,15 @@ def _number(value: Any) -> float | None:
 # ============================================================== broker
 
 
-def broker_families(st: Mapping[str, Any]) -> list[Metric]:
+def broker_families(st: BrokerStatus) -> list[Metric]:
     """The broker's status (`BrokerCore.status`) as metric families (histograms aside)."""
     f = Families("flowmesh_broker")
     f.declare("counter", "requests", "Requests accepted, by model and outcome", "model", "outcome")
     f.declare("counter", "requests_refused", "Requests refused on arrival", "model", "code")
     f.declare("gauge", "queue_depth", "Requests queued, by model", "model")
-    f.gauge("uptime_seconds", "Seconds since the broker started", st.get("uptime_s"))
-    f.gauge("queued_requests", "Requests queued, all models", st.get("queued"))
-    f.gauge("inflight_batches", "Batches running on workers", st.get("inflight_batches"))
+    f.gauge("uptime_seconds", "Seconds since the broker started", st.uptime_s)
+    f.gauge("queued_requests", "Requests queued, all models", st.queued)
+    f.gauge("inflight_batches", "Batches running on workers", st.inflight_batches)
     # Broker-wide totals without a per-model family (those sum over the model label).
     for key, metric, doc in (
         ("retried", "retried_requests", "Requests run again after their worker was lost"),
@@ -110,99 +113,89 @@ def broker_families(st: Mapping[str, Any]) -> list[Metric]:
             "Activation bytes the broker forwarded between stages",
         ),
     ):
-        f.counter(metric, doc, st.get(key))
-    for code, n in (st.get("refused_unknown_model") or {}).items():
+        f.counter(metric, doc, getattr(st.totals, key))
+    for code, n in st.refused_unknown_model.items():
         f.counter("requests_refused", "", n, model="", code=code)
-    for m in st.get("models", []):
-        name = m["name"]
-        f.counter("requests", "", m.get("completed"), model=name, outcome="ok")
-        for code, n in (m.get("errors_by_code") or {}).items():
+    for m in st.models:
+        name = m.name
+        f.counter("requests", "", m.completed, model=name, outcome="ok")
+        for code, n in m.errors_by_code.items():
             f.counter("requests", "", n, model=name, outcome=code)
-        for code, n in (m.get("refused") or {}).items():
+        for code, n in m.refused.items():
             f.counter("requests_refused", "", n, model=name, code=code)
-        f.gauge("queue_depth", "", m.get("queue"), model=name)
-        f.counter("model_loads", "Replica stage loads, by model", m.get("loads"), model=name)
-        f.counter("model_evictions", "Stage evictions, by model", m.get("evictions"), model=name)
-        f.counter("model_batches", "Batches started, by model", m.get("batches"), model=name)
-        f.gauge(
-            "model_bytes", "Device bytes of all of a model's stages", m.get("bytes"), model=name
-        )
-        f.gauge(
-            "model_ready", "1 when the model serves, else 0", m.get("state") == "ready", model=name
-        )
+        f.gauge("queue_depth", "", m.queue, model=name)
+        f.counter("model_loads", "Replica stage loads, by model", m.loads, model=name)
+        f.counter("model_evictions", "Stage evictions, by model", m.evictions, model=name)
+        f.counter("model_batches", "Batches started, by model", m.batches, model=name)
+        f.gauge("model_bytes", "Device bytes of all of a model's stages", m.bytes, model=name)
+        f.gauge("model_ready", "1 when the model serves, else 0", m.state == "ready", model=name)
         f.gauge(
             "model_live_replicas",
             "Replicas with every stage deployed",
-            sum(1 for r in m.get("replicas", []) if r.get("live")),
+            sum(1 for r in m.replicas if r.live),
             model=name,
         )
-    for w in st.get("workers", []):
-        name = w["name"]
-        f.gauge("worker_ready", "1 once the worker heartbeats", w.get("ready"), worker=name)
-        f.gauge(
-            "worker_budget_bytes", "A worker's serving budget", w.get("budget_bytes"), worker=name
-        )
+    for w in st.workers:
+        name = w.name
+        f.gauge("worker_ready", "1 once the worker heartbeats", w.ready, worker=name)
+        f.gauge("worker_budget_bytes", "A worker's serving budget", w.budget_bytes, worker=name)
         f.gauge(
             "worker_resident_bytes",
             "Bytes of stages resident (or loading) on a worker's device",
-            w.get("resident_bytes"),
+            w.resident_bytes,
             worker=name,
         )
         f.gauge(
             "worker_host_bytes",
             "Bytes of stages a worker holds in host memory",
-            w.get("host_bytes"),
+            w.host_bytes,
             worker=name,
         )
-        f.counter("worker_loads", "Stage loads, by worker", w.get("loads"), worker=name)
-        f.counter("worker_evictions", "Stage evictions, by worker", w.get("evictions"), worker=name)
-        f.gauge("worker_inflight_runs", "Runs sent, not answered", w.get("inflight"), worker=name)
-    peers = [("worker", w) for w in st.get("workers", [])]
-    peers += [("partitioner", p) for p in st.get("partitioners", [])]
+        f.counter("worker_loads", "Stage loads, by worker", w.loads, worker=name)
+        f.counter("worker_evictions", "Stage evictions, by worker", w.evictions, worker=name)
+        f.gauge("worker_inflight_runs", "Runs sent, not answered", w.inflight, worker=name)
+    peers: list[tuple[str, PeerRow]] = [("worker", w) for w in st.workers]
+    peers += [("partitioner", p) for p in st.partitioners]
     for role, peer in peers:
         f.gauge(
             "peer_last_seen_seconds",
             "Seconds since the broker last heard from a peer",
-            peer.get("last_seen_s"),
-            peer=peer["name"],
+            peer.last_seen_s,
+            peer=peer.name,
             role=role,
         )
         f.gauge(
             "peer_missed_heartbeats",
             "Heartbeat intervals since the broker last heard from a peer",
-            peer.get("missed_heartbeats"),
-            peer=peer["name"],
+            peer.missed_heartbeats,
+            peer=peer.name,
             role=role,
         )
         f.counter(
             "peer_registrations",
             "Registrations of the same peer process",
-            peer.get("registrations"),
-            peer=peer["name"],
+            peer.registrations,
+            peer=peer.name,
             role=role,
         )
-    for j in st.get("jobs", []):
-        job = j["name"]
-        f.counter("train_steps", "Steps a training job has taken", j.get("step"), train_job=job)
-        f.gauge("train_last_loss", "Loss of a job's last step", j.get("last_loss"), train_job=job)
-        f.gauge(
-            "train_steps_per_second",
-            "A job's recent step rate",
-            j.get("steps_per_s"),
-            train_job=job,
-        )
+    for j in st.jobs:
+        job = j.name
+        f.counter("train_steps", "Steps a training job has taken", j.step, train_job=job)
+        f.gauge("train_last_loss", "Loss of a job's last step", j.last_loss, train_job=job)
+        f.gauge("train_steps_per_second", "A job's recent step rate", j.steps_per_s, train_job=job)
         f.counter(
-            "train_job_errors",
-            "A job's steps answered with an error",
-            j.get("errors"),
-            train_job=job,
+            "train_job_errors", "A job's steps answered with an error", j.errors, train_job=job
         )
-        f.gauge(
-            "train_pending_calls",
-            "A job's calls awaiting a worker",
-            j.get("pending"),
-            train_job=job,
-        )
+        f.gauge("train_pending_calls", "A job's calls awaiting a worker", j.pending, train_job=job)
+    # A job's figures as it ended, kept after it closed (the latest jobs of each name).
+    f.declare("gauge", "train_final_steps", "Steps of a job that ended", "train_job", "state")
+    for j in st.finished_jobs:
+        labels = {"train_job": j.name, "state": j.state}
+        f.gauge("train_final_steps", "", j.step, **labels)
+        doc = "Loss of the last step of a job that ended"
+        f.gauge("train_final_loss", doc, j.last_loss, **labels)
+        doc = "Steps answered with an error, of a job that ended"
+        f.gauge("train_final_errors", doc, j.errors, **labels)
     return f.all()
 
 
@@ -230,7 +223,7 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("inflight", "inflight_runs", "gauge", "Runs in progress"),
     ("arena_bytes", "arena_bytes", "gauge", "Device arena (serving and training)"),
     ("arena_in_use", "arena_in_use_bytes", "gauge", "Device arena bytes in use"),
-    ("host_tier_bytes", "host_tier_budget_bytes", "gauge", "Pinned host tier (CUDA)"),
+    ("host_tier_bytes", "host_tier_budget_bytes", "gauge", "Pinned host tier (CUDA; 0 on CPU)"),
     ("host_tier_used_bytes", "host_tier_used_bytes", "gauge", "Pinned host tier bytes in use"),
     ("train_budget_bytes", "train_budget_bytes", "gauge", "Device bytes guaranteed to training"),
     ("train_reserved_bytes", "train_reserved_bytes", "gauge", "Device bytes training holds"),

@@ -1,5 +1,8 @@
-"""What a deployed model is: its spec as plain data, validated, hashable, free of torch.
+"""What a deployed model is: its spec, declared once, validated, hashable, free of torch.
 
+`ModelSpec` is a `msgspec.Struct`: messages carry it as a field, so msgspec checks its types on
+receipt and its `__post_init__` checks the rest, as it does for a spec built in Python (a refusal
+there is an `Invalid`, which the codec answers with its reason and the field's path).
 The broker imports this without torch; `flowmesh.modelio.build` turns a spec into modules.
 """
 
@@ -7,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 
-from flowmesh.errors import Code, FlowmeshError
+from flowmesh.errors import Code, FlowmeshError, Invalid, bad_request
 
 DTYPES = ("float32", "float16", "bfloat16")
 TENSOR_DTYPES = (
@@ -38,37 +41,47 @@ BLOCK_ALIGN = 256
 MAX_KWARGS_BYTES = 64 * 1024
 
 
-def _bad(reason: str) -> FlowmeshError:
-    return FlowmeshError(Code.BAD_REQUEST, reason)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One input: dtype and shape; -1 is a free dimension (dim 0 is the batch)."""
+class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One input: dtype and shape; -1 is a free dimension (dim 0 is the batch). On the wire, a
+    map {"dtype": ..., "shape": [...]}."""
 
     dtype: str
     shape: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        if self.dtype not in TENSOR_DTYPES:
+            raise Invalid(
+                Code.BAD_REQUEST, f"dtype {self.dtype!r} not one of {', '.join(TENSOR_DTYPES)}"
+            )
+        shape = self.shape
+        if (
+            not isinstance(shape, list | tuple)
+            or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= -1 for d in shape)
+        ):
+            raise Invalid(Code.BAD_REQUEST, "shape must be a list of sizes, -1 for any")
+        if type(shape) is not tuple:
+            msgspec.structs.force_setattr(self, "shape", tuple(shape))
+
     def check(self, name: str, dtype: str, shape: tuple[int, ...] | list[int]) -> None:
         if dtype != self.dtype:
-            raise _bad(f"input {name!r}: dtype {dtype}, model expects {self.dtype}")
+            raise bad_request(f"input {name!r}: dtype {dtype}, model expects {self.dtype}")
         if len(shape) != len(self.shape) or any(
             want not in (-1, got) for want, got in zip(self.shape, shape, strict=True)
         ):
             want = "x".join("N" if d == -1 else str(d) for d in self.shape)
             got_s = "x".join(str(d) for d in shape)
-            raise _bad(f"input {name!r}: shape {got_s}, model expects {want}")
+            raise bad_request(f"input {name!r}: shape {got_s}, model expects {want}")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A deployable model: a factory ("module:callable" + kwargs, weights from a safetensors file
     or a seed) or `hf`, a local Hugging Face model directory (config.json + safetensors files),
     whose architecture must be one flowmesh reads through a registered adapter."""
 
     name: str
     factory: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = {}
     weights: str | None = None
     seed: int | None = None
     dtype: str = "float32"
@@ -76,64 +89,79 @@ class ModelSpec:
     max_batch_size: int = 8
     replicas: int | None = None
     inputs: dict[str, TensorSpec] | None = None
-    slo_ms: float | None = None
+    # int or float, as given: the spec's digests hash it as it came (1 and 1.0 pack apart).
+    slo_ms: int | float | None = None
     hf: str | None = None
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except FlowmeshError as exc:  # msgspec reports a ValueError with the field's path
+            raise Invalid(exc.code, exc.reason) from None
+
+    def _check(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
-            raise _bad(f"model name {self.name!r}: use 1-128 letters, digits, '.', '_' or '-'")
+            raise bad_request(
+                f"model name {self.name!r}: use 1-128 letters, digits, '.', '_' or '-'"
+            )
         if self.hf is not None:
             self._check_hf()
         elif not isinstance(self.factory, str) or not FACTORY_RE.match(self.factory):
-            raise _bad(f"factory {self.factory!r}: expected 'package.module:callable'")
+            raise bad_request(f"factory {self.factory!r}: expected 'package.module:callable'")
         if not isinstance(self.kwargs, dict) or not all(isinstance(k, str) for k in self.kwargs):
-            raise _bad("kwargs must be a mapping with string keys")
+            raise bad_request("kwargs must be a mapping with string keys")
         try:
             packed = msgpack.packb(self.kwargs)
         except (TypeError, ValueError) as exc:
-            raise _bad(
+            raise bad_request(
                 f"kwargs must be plain data (numbers, strings, lists, maps): {exc}"
             ) from None
         if len(packed) > MAX_KWARGS_BYTES:
-            raise _bad(f"kwargs are {len(packed)} bytes, limit {MAX_KWARGS_BYTES}")
+            raise bad_request(f"kwargs are {len(packed)} bytes, limit {MAX_KWARGS_BYTES}")
         if self.weights is not None and self.seed is not None:
-            raise _bad("give either weights or seed, not both")
+            raise bad_request("give either weights or seed, not both")
         if self.weights is not None and (not isinstance(self.weights, str) or not self.weights):
-            raise _bad("weights must be a path to a .safetensors file")
+            raise bad_request("weights must be a path to a .safetensors file")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise _bad(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise bad_request(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.dtype not in DTYPES:
-            raise _bad(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+            raise bad_request(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.stages is not None and not (
             isinstance(self.stages, int) and 1 <= self.stages <= MAX_STAGES
         ):
-            raise _bad(f"stages must be an integer in 1..{MAX_STAGES} or omitted (automatic)")
+            raise bad_request(
+                f"stages must be an integer in 1..{MAX_STAGES} or omitted (automatic)"
+            )
         if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 4096:
-            raise _bad("max_batch_size must be an integer in 1..4096")
+            raise bad_request("max_batch_size must be an integer in 1..4096")
         if self.replicas is not None and not (
             isinstance(self.replicas, int) and 1 <= self.replicas <= 1024
         ):
-            raise _bad("replicas must be a positive integer or omitted")
+            raise bad_request("replicas must be a positive integer or omitted")
         if self.slo_ms is not None and not (
             isinstance(self.slo_ms, int | float) and self.slo_ms > 0
         ):
-            raise _bad("slo_ms must be a positive number of milliseconds")
+            raise bad_request("slo_ms must be a positive number of milliseconds")
         if self.inputs is not None:
-            object.__setattr__(self, "inputs", parse_inputs(self.inputs))
+            msgspec.structs.force_setattr(self, "inputs", parse_inputs(self.inputs))
 
     def _check_hf(self) -> None:
         # Only the form here: the directory is read where the model is built (partitioner,
         # workers), which is where it has to exist; see flowmesh.modelio.hf_dir.
         if not isinstance(self.hf, str) or not self.hf:
-            raise _bad("hf must be the path of a local Hugging Face model directory")
+            raise bad_request("hf must be the path of a local Hugging Face model directory")
         if self.factory is not None:
-            raise _bad("give either factory or hf (a Hugging Face model directory), not both")
+            raise bad_request(
+                "give either factory or hf (a Hugging Face model directory), not both"
+            )
         if self.kwargs:
-            raise _bad("hf models take no kwargs: the directory's config.json describes them")
+            raise bad_request(
+                "hf models take no kwargs: the directory's config.json describes them"
+            )
         if self.weights is not None:
-            raise _bad("hf models read their weights from the directory; omit weights")
+            raise bad_request("hf models read their weights from the directory; omit weights")
         if self.seed is not None:
-            raise _bad("hf models read their weights from the directory; omit seed")
+            raise bad_request("hf models read their weights from the directory; omit seed")
 
     @property
     def init_seed(self) -> int:
@@ -141,7 +169,8 @@ class ModelSpec:
         return 0 if self.seed is None else self.seed
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = msgspec.structs.asdict(self)
+        out["kwargs"] = dict(self.kwargs)
         if self.hf is None:
             del out["hf"]  # factory specs keep the form they had before hf existed
         if self.inputs is not None:
@@ -153,13 +182,15 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: Any) -> ModelSpec:
         if not isinstance(data, dict):
-            raise _bad("model spec must be a mapping")
-        known = set(cls.__dataclass_fields__)
+            raise bad_request("model spec must be a mapping")
+        known = set(cls.__struct_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise _bad(f"unknown model spec field(s): {', '.join(map(str, unknown))}")
+            raise bad_request(f"unknown model spec field(s): {', '.join(map(str, unknown))}")
         if "name" not in data or ("factory" not in data and data.get("hf") is None):
-            raise _bad("model spec needs at least 'name' and 'factory' (or 'hf', a directory)")
+            raise bad_request(
+                "model spec needs at least 'name' and 'factory' (or 'hf', a directory)"
+            )
         return cls(**data)
 
     def digest(self) -> str:
@@ -177,24 +208,18 @@ class ModelSpec:
 
 def parse_inputs(raw: Any) -> dict[str, TensorSpec]:
     if not isinstance(raw, dict) or not raw:
-        raise _bad("inputs must be a non-empty mapping of name -> {dtype, shape}")
+        raise bad_request("inputs must be a non-empty mapping of name -> {dtype, shape}")
     out: dict[str, TensorSpec] = {}
     for name, item in raw.items():
-        if isinstance(item, TensorSpec):
+        if isinstance(item, TensorSpec):  # decoded: checked on receipt
             out[name] = item
             continue
         if not isinstance(name, str) or not isinstance(item, dict):
-            raise _bad("inputs must map names to {'dtype': ..., 'shape': [...]}")
-        dtype, shape = item.get("dtype"), item.get("shape")
-        if dtype not in TENSOR_DTYPES:
-            raise _bad(f"input {name!r}: dtype {dtype!r} not one of {', '.join(TENSOR_DTYPES)}")
-        if (
-            not isinstance(shape, list | tuple)
-            or not shape
-            or not all(isinstance(d, int) and d >= -1 for d in shape)
-        ):
-            raise _bad(f"input {name!r}: shape must be a list of sizes, -1 for any")
-        out[name] = TensorSpec(dtype, tuple(shape))
+            raise bad_request("inputs must map names to {'dtype': ..., 'shape': [...]}")
+        try:
+            out[name] = TensorSpec(item.get("dtype"), item.get("shape"))  # type: ignore[arg-type]
+        except FlowmeshError as exc:
+            raise bad_request(f"input {name!r}: {exc.reason}") from None
     return out
 
 

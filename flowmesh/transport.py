@@ -316,6 +316,8 @@ def send_frames(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
 
 # (sender's address, message), and with `with_user` the connection's ZAP User-Id third.
 Handler = Callable[..., Awaitable[None] | None]
+# Told of a message the codec refused that named its type and id: (sender, id, type, error).
+Refused = Callable[[bytes | None, int, str, DecodeError], None]
 
 # A recv on a socket with queued messages completes without yielding to the event loop, so a
 # reader fed faster than it handles would starve every other task (timers, heartbeats, the
@@ -337,6 +339,7 @@ async def pump(
     here: Callable[[list[Any]], bool] | None = None,
     init: Callable[[], None] | None = None,
     on_bundle: Callable[[bytes | None], None] | None = None,
+    on_refused: Refused | None = None,
 ) -> None:
     """The socket's only reader: decode, validate, dispatch; answer every failure, never die.
 
@@ -349,7 +352,8 @@ async def pump(
     what `here` leaves to it.
 
     `on_bundle(sender)` is called for each bundle received, before its members are handled:
-    a sender that sends bundles can take them (see `protocol.Bundle`).
+    a sender that sends bundles can take them (see `protocol.Bundle`). `on_refused`: as in
+    `handle_one`.
     """
     throttle = LogThrottle(log)
 
@@ -364,6 +368,7 @@ async def pump(
             throttle=throttle,
             with_user=with_user,
             on_bundle=on_bundle,
+            on_refused=on_refused,
         )
 
     if here is None:
@@ -613,6 +618,7 @@ def handle_one(
     with_user: bool = False,
     member: bool = False,
     on_bundle: Callable[[bytes | None], None] | None = None,
+    on_refused: Refused | None = None,
 ) -> Awaitable[None] | None:
     """Decode and dispatch one received message; answer any failure with an Error. Never
     raises (except cancellation): one message must not end its socket's reader.
@@ -624,7 +630,11 @@ def handle_one(
     this is one of them, and may not be a bundle itself), after `on_bundle(sender)`.
 
     `with_user`: the handler takes the ZAP User-Id of the connection as a third argument
-    (None when the connection has none)."""
+    (None when the connection has none).
+
+    `on_refused(sender, id, type, error)`: a message the codec refused whose header carried
+    its type and id, besides the Error answered to its sender (a refused answer must fail the
+    call it answers now, not at that call's deadline). A failure in it is logged, not raised."""
     throttle = throttle or LogThrottle(log)
     if routed:
         if not frames:
@@ -639,6 +649,11 @@ def handle_one(
         if throttle.allow():
             log.warning("rejected message from %r: %s", peer, exc)
         _answer(sock, envelope, error_for(exc), throttle)
+        if on_refused is not None and exc.ref is not None and exc.type is not None:
+            try:
+                on_refused(peer, exc.ref, exc.type, exc)
+            except Exception:
+                log.exception("handling a refused %s from %r", exc.type, peer)
         return None
     except Exception as exc:  # a decoder bug: the message is still the sender's fault
         if throttle.allow():
@@ -660,6 +675,7 @@ def handle_one(
             limits=limits,
             throttle=throttle,
             with_user=with_user,
+            on_refused=on_refused,
         )
 
     def refused(exc: Exception) -> None:

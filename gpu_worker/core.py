@@ -141,7 +141,7 @@ class AddStage:
 
 @dataclass
 class OpenJob:
-    """Open a training job (on the thread that opens jobs); its TrainOpened info comes back."""
+    """Open a training job (on the thread that opens jobs); its `p.OpenedJob` comes back."""
 
     msg: p.TrainOpen
     epoch: int
@@ -315,7 +315,7 @@ class WorkerCore:
             self.roots.readable(spec.hf, "hf directory")
 
     def _deploy_stage(self, msg: p.DeployStage, now: float) -> None:
-        spec = ModelSpec.from_dict(msg.spec)
+        spec = msg.spec  # checked on receipt, as the plan is
         check_factory(spec.factory, self.allow, f"worker {self.name}")
         self._check_files(spec)
         self.out.append(PrepareStage(msg, spec, self.epoch, now))
@@ -400,7 +400,7 @@ class WorkerCore:
                 model=msg.model,
                 stage=msg.stage,
                 tensors={f"{k}/{n}": t for k, part in enumerate(parts) for n, t in part.items()},
-                info={"compute_s": run.compute_s, "wait_s": run.wait_s},
+                info=p.RunInfo(compute_s=run.compute_s, wait_s=run.wait_s),
             )
         )
 
@@ -429,12 +429,12 @@ class WorkerCore:
         """What `msg` asks to open, checked (on the shell's thread that opens jobs: reading a
         checkpoint's configuration takes a file)."""
         self._trains()
-        spec = ModelSpec.from_dict(msg.spec)
+        spec = msg.spec
         check_factory(spec.factory, self.allow, f"worker {self.name}")
         self._check_files(spec)
         resume = None if msg.resume is None else self.roots.readable(msg.resume, "checkpoint")
-        if msg.config:
-            config = TrainConfig.from_dict(msg.config)
+        if msg.config is not None:
+            config = msg.config
         elif resume is not None:
             config = config_from(read_meta(resume))
         else:
@@ -541,8 +541,8 @@ class WorkerCore:
             self.out.append(CloseJob(p.TrainClose(id=0, job=msg.job), answer=False))
             return
         self.jobs[msg.job] = StepLedger(self.keep_results)
-        self.log.info("training job open job=%s sub_models=%d", msg.job, len(result["sub_models"]))
-        self._send(p.TrainOpened(id=msg.id, job=result))
+        self.log.info("training job open job=%s sub_models=%d", msg.job, len(result.sub_models))
+        self._send(p.JobOpened(id=msg.id, job=result))
 
     def _job_closed(self, work: CloseJob, result: Any) -> None:
         msg = work.msg
@@ -598,7 +598,7 @@ def run_result(msg: p.Run, out: RunOutput) -> p.RunResult:
         model=msg.model,
         stage=msg.stage,
         tensors=tensors,
-        info={"compute_s": out.compute_s, "wait_s": out.wait_s},
+        info=p.RunInfo(compute_s=out.compute_s, wait_s=out.wait_s),
     )
 
 

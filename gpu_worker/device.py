@@ -242,6 +242,12 @@ class CpuStandIn(Device):
     def mark_done(self, marker: CpuMarker) -> None:
         marker.set()  # CPU work is complete when the thread gets here
 
+    def info(self) -> dict[str, Any]:
+        # No pinned host tier here: host copies are plain memory (the worker's `host_bytes`).
+        # Its figures are still reported, as zero, so that every worker kind exports the same
+        # series (scripts/grafana_dashboard.json plots them for every worker).
+        return {**super().info(), "host_tier_bytes": 0, "host_tier_used_bytes": 0}
+
 
 class CudaDevice(Device):
     kind = "cuda"

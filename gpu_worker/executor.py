@@ -13,6 +13,10 @@ futures return; tests drive it in-process.
 - `run` queues a batch on a compute lane. The lane waits for each block's copy just before it
   computes that block, so a cold request starts computing while later blocks are still in flight.
   A run for a stage that is not on the device brings it back first (a load like any other).
+  A run whose model's next stage is here but not on the device (a streamed model: several of its
+  stages on this worker, more than its budget holds) also starts that stage's copy (`prefetch`),
+  so that it overlaps this run's compute; the room is made from the stages that already ran in
+  this pass first (`_victims`), never from the run's own stage.
 - `run_here` computes a run on the calling thread instead (the worker's reader thread), for a
   resident stage whose run is expected to take under `quick_run_s` (QUICK_RUN_S unless told):
   a hand-off to a lane would cost more.
@@ -56,6 +60,7 @@ from torch import nn
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.eviction import StageKey, eviction_order
 from flowmesh.modelio.inputs import call_model
+from flowmesh.modelio.token_limits import TokenLimits, limits_of
 from flowmesh.threads import TorchLanes, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
@@ -129,6 +134,9 @@ class Stage:
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     last_used: float = 0.0
     keep: frozenset[StageKey] = frozenset()  # stages its waiting load may not evict
+    # Prefetched by the run of the stage before it (`Executor.run`), its own run not come yet:
+    # evicted last, and never for another prefetch.
+    next_up: bool = False
     # Compute seconds of one forward, and per row, each the fastest of the last `forward_window`
     # runs (0: none ran yet). See `expected_s`.
     forward_s: float = 0.0
@@ -142,9 +150,13 @@ class Stage:
     bound_all: int = -1  # the generation every block is bound to (-1: none, or some not yet)
     # Held by the copy lane that binds the blocks: one load at a time, never a given-up one.
     binding: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # What the stage's inputs can take, when its first block embeds a language model's token
+    # ids (`flowmesh.modelio.token_limits`): every run is checked against it before computing.
+    limits: TokenLimits | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.bound = [-1 if r.slots else None for r in self.host.regions]
+        self.limits = limits_of(self.blocks[0]) if self.blocks else None
 
     def expected_s(self, forwards: int, rows: int) -> float:
         """What a run of `forwards` forwards over `rows` rows in all takes at least: each of its
@@ -276,6 +288,7 @@ class Executor:
             "load_waits": 0,  # loads that waited for training to give memory back
             "evictions_chosen": 0,  # idle stages evicted to make room for a load
             "implicit_loads": 0,  # stages brought back because a run asked for them
+            "prefetches": 0,  # next stages loaded while the stage before them computed
         }
 
     # ------------------------------------------------------------------ stages
@@ -300,10 +313,13 @@ class Executor:
 
     # ------------------------------------------------------------------ load / evict
 
-    def load(self, key: StageKey, keep: Collection[StageKey] = ()) -> asyncio.Future[LoadInfo]:
+    def load(
+        self, key: StageKey, keep: Collection[StageKey] = (), *, prefetch: bool = False
+    ) -> asyncio.Future[LoadInfo]:
         """Start copying a stage in; the future resolves when all its bytes are on the device.
 
-        Room is made here (see the module docstring); `keep`: stages not to evict for it.
+        Room is made here (see the module docstring); `keep`: stages not to evict for it;
+        `prefetch`: a guess (`run`'s next stage), which never evicts a stage prefetched before.
         Raises NO_SPACE, having evicted nothing, when the serving budget cannot be met even by
         evicting every evictable stage; or, having evicted them all, when the arena still has no
         contiguous range for a block.
@@ -314,7 +330,7 @@ class Executor:
             return st.loading
         self._loop = loop = asyncio.get_running_loop()
         st.keep = frozenset((key, *keep))
-        got = self._make_room(st)
+        got = self._make_room(st, prefetch)
         # One marker per block, made before the bytes have a place: a run sent right after the
         # load waits on them, whether the copy is issued now or once training gave memory back.
         st.ready = [
@@ -346,8 +362,16 @@ class Executor:
     def _need(self, st: Stage) -> int:
         return sum(self.memory.round(r.size) for r in st.host.regions if r.size)
 
-    def _victims(self, keep: frozenset[StageKey]) -> list[Stage]:
-        """Stages this executor may evict, the one worth least first."""
+    def _victims(
+        self, keep: frozenset[StageKey], key: StageKey | None = None, prefetch: bool = False
+    ) -> list[Stage]:
+        """Stages this executor may evict, the one worth least first.
+
+        For a load of `key` while other stages of its model are here (a streamed model, whose
+        passes go through its stages in order): first those that already ran in this pass
+        (lower index, the last one to run first: needed again furthest ahead), then other
+        models' stages, then the ones this pass still needs (highest index first). A stage
+        prefetched for a run not come yet goes last, and never for another `prefetch`."""
         now = self.clock()
         bw = self.bandwidth or 1e9
         with self._lock:  # a run admitted on the reader thread updates rates and counts
@@ -357,8 +381,20 @@ class Executor:
                 if s.state is State.RESIDENT and not s.inflight and s.key not in keep
             ]
             if self.eviction == "lru":
-                return eviction_order(idle)
-            return eviction_order(idle, lambda s: stage_value(s.rate.at(now), s.host.nbytes, bw))
+                order = eviction_order(idle)
+            else:
+                order = eviction_order(
+                    idle, lambda s: stage_value(s.rate.at(now), s.host.nbytes, bw)
+                )
+        if key is not None:
+            mine = sorted((s for s in order if s.key[0] == key[0]), key=lambda s: -s.key[1])
+            order = (
+                [s for s in mine if s.key[1] < key[1]]
+                + [s for s in order if s.key[0] != key[0]]
+                + [s for s in mine if s.key[1] > key[1]]
+            )
+        later = [s for s in order if s.next_up]
+        return [s for s in order if not s.next_up] + ([] if prefetch else later)
 
     def _evict_for(self, victim: Stage) -> None:
         self.evict(victim.key)
@@ -371,11 +407,11 @@ class Executor:
         waiting = {k for k in self._waiting if k in self.stages and self.stages[k].waiting}
         return self.memory.used["serving"] + sum(self._need(self.stages[k]) for k in waiting)
 
-    def _make_room(self, st: Stage) -> list[Extent] | None:
+    def _make_room(self, st: Stage, prefetch: bool = False) -> list[Extent] | None:
         """Ranges for `st`, evicting what it takes; None: wait for training to give back."""
         where = f"{st.key[0]!r}/{st.key[1]}"
         need, budget = self._need(st), self.memory.serving_bytes
-        victims = self._victims(st.keep)
+        victims = self._victims(st.keep, st.key, prefetch)
         promised = self._promised()
         if promised + need - budget > sum(self._need(v) for v in victims):
             busy = sorted(f"{k[0]}/{k[1]}" for k in self.resident() if k != st.key)
@@ -432,7 +468,7 @@ class Executor:
                 # Training holds nothing of serving's bytes and it still does not fit: the
                 # serving stages themselves are fragmented. Evict the idle one worth least and
                 # try again.
-                victims = self._victims(st.keep)
+                victims = self._victims(st.keep, st.key)
                 if victims:
                     self._evict_for(victims[0])
                     continue
@@ -596,6 +632,7 @@ class Executor:
             extents = st.extents
             st.state, st.extents, st.users = State.HOST, [], []
             st.generation += 1
+            st.next_up = False
         freed = 0
         for ext in extents:
             if ext is not None:
@@ -637,6 +674,7 @@ class Executor:
         with self._lock:
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
+        self._prefetch_next(key)
         self.memory.serving_started()
         fut = self._compute.submit(
             asyncio.get_running_loop(),
@@ -659,6 +697,21 @@ class Executor:
         fut.add_done_callback(settle)
         return fut
 
+    def _prefetch_next(self, key: StageKey) -> None:
+        """Start copying in the stage after `key` when it is here but not on the device (a
+        streamed model: several of its stages on this worker, more than the budget holds), so
+        that its copy overlaps this run's compute. `key` is in flight, so never its victim. No
+        room (the runs in flight hold it): its own run brings it in, as any evicted stage."""
+        nxt = self.stages.get((key[0], key[1] + 1))
+        if nxt is None or nxt.state is not State.HOST:
+            return
+        try:
+            self.load(nxt.key, (key,), prefetch=True)
+        except FlowmeshError:
+            return
+        nxt.next_up = True
+        self.counters["prefetches"] += 1
+
     def run_here(
         self, key: StageKey, parts: list[Mapping[str, Any]], separate: bool = False
     ) -> RunOutput | None:
@@ -675,6 +728,9 @@ class Executor:
             expected = st.expected_s(forwards, _rows(parts))
             if st.state is not State.RESIDENT or not 0.0 < expected < self.quick_run_s:
                 return None
+            nxt = self.stages.get((key[0], key[1] + 1))
+            if nxt is not None and nxt.state is State.HOST:
+                return None  # `run` prefetches it, on the loop
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
         self.memory.serving_started()
@@ -693,6 +749,7 @@ class Executor:
         st.rate.add(now, requests)
         st.last_used = now
         st.inflight += 1
+        st.next_up = False
         done = self.device.new_marker()
         # Runs that are past their marker no longer read the bytes: keep only those that may.
         st.users = [m for m in st.users if not m.done()]
@@ -735,6 +792,8 @@ class Executor:
         dev = self.device
         marked = False
         try:
+            if st.limits is not None:  # every part, before any of them computes
+                batches = [_checked(st.limits, parts) for parts in batches]
             with torch.inference_mode(), dev.compute(serving=True):
                 t0 = self.clock()
                 wait_s = 0.0
@@ -904,6 +963,17 @@ def _rows(parts: list[Mapping[str, Any]]) -> int:
             rows += int(shape[0]) if len(shape) else 1
             break
     return rows
+
+
+def _checked(limits: TokenLimits, parts: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The parts as tensors, each checked against the stage's limits where it arrived (host
+    memory: no device synchronisation); raises BAD_REQUEST naming what the model cannot take."""
+    out = []
+    for part in parts:
+        tensors = {n: _tensor(t) for n, t in part.items()}
+        limits.check(tensors)
+        out.append(tensors)
+    return out
 
 
 def _tensor(t: Any) -> torch.Tensor:

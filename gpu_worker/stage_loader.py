@@ -15,7 +15,6 @@ materialised on the CPU first and copied in.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +34,7 @@ Progress = Callable[[int, int], None]
 
 def prepare_stage(
     spec: ModelSpec,
-    plan: dict[str, Any],
+    plan: Plan,
     index: int,
     device: Device,
     allow: tuple[str, ...],
@@ -44,11 +43,11 @@ def prepare_stage(
     if spec.weights is not None or spec.hf is not None:
         # Tracing touches process-wide state that running model code uses (`model_code`).
         with building_model():
-            stage = meta_stage(spec, Plan.from_dict(plan), index, allow=allow)
+            stage = meta_stage(spec, plan, index, allow=allow)
         return list(stage.blocks), read_stage(stage, spec, device.host_buffer, progress)
     # Seeding and tracing touch process-wide state that running model code uses (`model_code`).
     with building_model():
-        stage = materialize_stage(spec, Plan.from_dict(plan), index, allow=allow)
+        stage = materialize_stage(spec, plan, index, allow=allow)
     # keep_vars: the tensors themselves, so ties across blocks are seen and stored once
     groups = [dict(block.state_dict(keep_vars=True)) for block in stage.blocks]
     host = HostStage.build(groups, allocate=device.host_buffer)

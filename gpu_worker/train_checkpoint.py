@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from flowmesh.errors import Code, FlowmeshError
+from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.modelio.dtypes import SAFETENSORS_DTYPES
 from flowmesh.roots import io_error, not_safetensors
 from gpu_worker.train_config import TrainConfig
@@ -62,10 +62,6 @@ class Checkpointed(Protocol):
     step_count: int
     grad_valid: dict[str, bool]
     state_valid: dict[str, bool]
-
-
-def _bad(reason: str) -> FlowmeshError:
-    return FlowmeshError(Code.BAD_REQUEST, reason)
 
 
 def _jsonable(value: Any) -> Any:
@@ -130,7 +126,9 @@ def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], meta: str)
     for name, t in tensors.items():
         code = DTYPE_CODES.get(t.dtype)
         if code is None:
-            raise _bad(f"checkpoint tensor {name!r} is {t.dtype}, which a checkpoint cannot hold")
+            raise bad_request(
+                f"checkpoint tensor {name!r} is {t.dtype}, which a checkpoint cannot hold"
+            )
         header[name] = {
             "dtype": code,
             "shape": list(t.shape),
@@ -216,12 +214,12 @@ def _parse_meta(raw: str | bytes, where: str) -> dict[str, Any]:
     except ValueError:  # the parser's text may quote the file
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise _bad(f"{where} is not a flowmesh training checkpoint")
+        raise bad_request(f"{where} is not a flowmesh training checkpoint")
     if meta.get("version") != VERSION:
         # A flowmesh checkpoint's own field, shown as a number only.
         version = meta.get("version")
         shown = version if isinstance(version, int) else "another"
-        raise _bad(f"{where} has version {shown}, this worker reads {VERSION}")
+        raise bad_request(f"{where} has version {shown}, this worker reads {VERSION}")
     return meta
 
 
@@ -235,7 +233,9 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         meta = _parse_meta((Path(path) / META_FILE).read_bytes(), where)
     except (FileNotFoundError, NotADirectoryError):
-        raise _bad(f"{where} is not a flowmesh training checkpoint (no {META_FILE})") from None
+        raise bad_request(
+            f"{where} is not a flowmesh training checkpoint (no {META_FILE})"
+        ) from None
     except OSError as exc:
         raise io_error(exc, where) from None
     try:
@@ -257,11 +257,11 @@ def load_checkpoint(job: Checkpointed, path: str | os.PathLike[str]) -> int:
         str(saved.get("name", saved.get("type"))).lower()
         != str(want.get("name", want.get("type"))).lower()
     ):
-        raise _bad(f"checkpoint {str(path)!r} was trained with {saved}, the job uses {want}")
+        raise bad_request(f"checkpoint {str(path)!r} was trained with {saved}, the job uses {want}")
     saved_loss = meta["config"].get("loss", "cross_entropy")
     want_loss = job.config.to_dict()["loss"]
     if saved_loss != want_loss:
-        raise _bad(
+        raise bad_request(
             f"checkpoint {str(path)!r} was trained with loss {saved_loss!r}, the job asks for "
             f"{want_loss!r}; resume without a training configuration to continue with the "
             "checkpoint's own (its optimizer and loss)"
@@ -277,10 +277,10 @@ def load_checkpoint(job: Checkpointed, path: str | os.PathLike[str]) -> int:
         names = set(f.keys())
         for n, info in job.tensors.items():
             if n not in names:
-                raise _bad(f"checkpoint {str(path)!r} has no tensor {n!r}")
+                raise bad_request(f"checkpoint {str(path)!r} has no tensor {n!r}")
             t = f.get_tensor(n)
             if t.shape != info.home.shape or t.dtype != info.home.dtype:
-                raise _bad(
+                raise bad_request(
                     f"checkpoint tensor {n!r} is {t.dtype} {tuple(t.shape)}, the model's is "
                     f"{info.home.dtype} {tuple(info.home.shape)}"
                 )

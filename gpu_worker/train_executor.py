@@ -52,6 +52,7 @@ from flowmesh.modelio.costs import ModelProfile, human_bytes
 from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.modelio.plan import Plan, chunk_plan
 from flowmesh.modelio.profile import profile
+from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from flowmesh.threads import torch_pool
 from gpu_worker.device import TRAIN_LANE, Device
@@ -654,9 +655,9 @@ def start_job(
     allow: tuple[str, ...],
     resume: str | os.PathLike[str] | None,
     worker: str,
-) -> dict[str, Any]:
+) -> OpenedJob:
     """Open job `name` (`open_job`) with the weights of `spec`'s file unless it resumes, and
-    take it into `trainer`; returns what the worker answers a TrainOpen with."""
+    take it into `trainer`; returns what the worker answers a TrainOpen with (`JobOpened`)."""
     job = open_job(
         name,
         spec,
@@ -674,16 +675,16 @@ def start_job(
             for n, info in job.tensors.items():
                 info.home.copy_(state[n])
     trainer.open(job)
-    return {
-        "name": job.name,
-        "worker": worker,
-        "step": job.step_count,
-        "sub_models": job.sub_model_info(),
-        "footprint": job.footprint(),
-        "host_bytes": job.host_bytes(),
-        "largest_task": job.largest_task(),
-        "config": config.to_dict(),
-    }
+    return OpenedJob(
+        name=job.name,
+        worker=worker,
+        step=job.step_count,
+        sub_models=[SubModelRow(**s) for s in job.sub_model_info()],
+        footprint=job.footprint(),
+        host_bytes=job.host_bytes(),
+        largest_task=job.largest_task(),
+        config=config.to_dict(),
+    )
 
 
 def config_from(meta: Mapping[str, Any]) -> TrainConfig:

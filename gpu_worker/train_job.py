@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from flowmesh.errors import Code, FlowmeshError
+from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.modelio.chain import Block
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model
@@ -49,7 +49,13 @@ from gpu_worker.device import Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.train_checkpoint import save_checkpoint
-from gpu_worker.train_config import TrainConfig, loss_name, optimizer_states, resolve_loss
+from gpu_worker.train_config import (
+    TrainConfig,
+    loss_name,
+    optimizer_class,
+    optimizer_states,
+    resolve_loss,
+)
 from gpu_worker.train_layout import (
     BACKWARD,
     EVAL,
@@ -73,10 +79,6 @@ from gpu_worker.train_scheduler import ANY, Task
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _bad(reason: str) -> FlowmeshError:
-    return FlowmeshError(Code.BAD_REQUEST, reason)
 
 
 @dataclass
@@ -126,12 +128,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _batch_of(inputs: Inputs) -> int:
     tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs.values())
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise _bad("inputs must be a tensor or a non-empty mapping of names to tensors")
+        raise bad_request("inputs must be a tensor or a non-empty mapping of names to tensors")
     if any(t.dim() == 0 for t in tensors):
-        raise _bad("inputs need a batch dimension (dim 0)")
+        raise bad_request("inputs need a batch dimension (dim 0)")
     sizes = {int(t.shape[0]) for t in tensors}
     if len(sizes) != 1:
-        raise _bad(f"inputs disagree on the batch size: {sorted(sizes)}")
+        raise bad_request(f"inputs disagree on the batch size: {sorted(sizes)}")
     return sizes.pop()
 
 
@@ -200,7 +202,7 @@ class TrainingJob:
         self.act_bytes = list(act_bytes) if act_bytes is not None else [0] * k
         self.fwd_bytes = list(fwd_bytes) if fwd_bytes is not None else [0] * k
         if len(self.act_bytes) != k or len(self.fwd_bytes) != k:
-            raise _bad(f"act_bytes and fwd_bytes need one entry per sub-model ({k})")
+            raise bad_request(f"act_bytes and fwd_bytes need one entry per sub-model ({k})")
         self._cuda = device.torch_device.index if device.kind == "cuda" else None
         if self._cuda is None and device.kind == "cuda":
             self._cuda = torch.cuda.current_device()
@@ -280,9 +282,9 @@ class TrainingJob:
             if not params:
                 continue
             try:
-                sub.optimizer = self.config.optimizer_class(params, **self.config.optimizer_kwargs)
+                sub.optimizer = optimizer_class(self.config)(params, **self.config.optimizer_kwargs)
             except (TypeError, ValueError, RuntimeError) as exc:
-                raise _bad(f"optimizer {self.config.optimizer}: {exc}") from None
+                raise bad_request(f"optimizer {self.config.optimizer}: {exc}") from None
 
     def _touch(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -344,25 +346,27 @@ class TrainingJob:
         self, request: int, inputs: Inputs, targets: torch.Tensor, evaluating: bool = False
     ) -> None:
         if self.broken is not None:
-            raise _bad(f"job {self.name!r} is broken ({self.broken}); resume from a checkpoint")
+            raise bad_request(
+                f"job {self.name!r} is broken ({self.broken}); resume from a checkpoint"
+            )
         batch = _batch_of(inputs)
         if self.inputs is not None:
             given = {"": inputs} if isinstance(inputs, torch.Tensor) else inputs
             if isinstance(inputs, torch.Tensor) and len(self.inputs) == 1:
                 given = {next(iter(self.inputs)): inputs}
             if set(given) != set(self.inputs):
-                raise _bad(f"inputs {sorted(given)}: the model takes {sorted(self.inputs)}")
+                raise bad_request(f"inputs {sorted(given)}: the model takes {sorted(self.inputs)}")
             for n, spec in self.inputs.items():
                 t = given[n]
                 spec.check(n, _dtype_name(t.dtype), tuple(t.shape))
         if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
-            raise _bad("targets must be a tensor with a batch dimension")
+            raise bad_request("targets must be a tensor with a batch dimension")
         if int(targets.shape[0]) != batch:
-            raise _bad(f"targets have {int(targets.shape[0])} rows for a batch of {batch}")
+            raise bad_request(f"targets have {int(targets.shape[0])} rows for a batch of {batch}")
         n = self.config.accumulate
         if self.batch is not None and batch > self.batch:
             if not evaluating:
-                raise _bad(
+                raise bad_request(
                     f"a batch of {batch} is over the batch of {self.batch} job {self.name!r} "
                     "was opened for (its memory was planned for that many rows): send at most "
                     f"{self.batch}, or open a job for {batch}"
@@ -371,7 +375,7 @@ class TrainingJob:
             self._data[request] = (_split_rows(inputs, micro), list(targets.split(micro)))
             self._eval_rows[request] = batch
         elif batch % n:
-            raise _bad(f"a batch of {batch} does not split into {n} equal micro-batches")
+            raise bad_request(f"a batch of {batch} does not split into {n} equal micro-batches")
         else:
             self._data[request] = (_split(inputs, n), list(targets.chunk(n)))
         self._losses[request] = []
@@ -721,7 +725,7 @@ class TrainingJob:
         try:
             loss = self.loss_fn(out, target)
         except Exception as exc:
-            raise _bad(
+            raise bad_request(
                 f"job {self.name!r}: loss {name} failed on outputs of shape "
                 f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
             ) from None

@@ -13,7 +13,7 @@ from typing import Any
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
-from flowmesh.modelio.plan import chunk_plan
+from flowmesh.modelio.plan import Plan, chunk_plan
 from flowmesh.modelio.profile import profile
 from flowmesh.peer import MeshPeer
 from flowmesh.roots import Roots
@@ -21,38 +21,40 @@ from flowmesh.spec import (
     BLOCK_ALIGN,
     DEFAULT_ALLOW,
     TENSOR_ALIGN,
-    ModelSpec,
+    TensorSpec,
     check_factory,
     narrow_allow,
+    parse_inputs,
 )
 from flowmesh.threads import torch_pool
 from partitioner.stage_plans import stage_plan
 
 
 def plan_for(
-    request: dict[str, Any],
+    request: p.PlanAsk,
     allow: tuple[str, ...] = DEFAULT_ALLOW,
     measure_device: str | None = None,
     who: str = "partitioner",
     roots: Roots | None = None,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(plan as data, declared inputs) for a PlanJob request. Pure apart from torch on meta,
-    and a Hugging Face directory's config, read only under `roots` (default: the working
-    directory). A spec's weights file is not read here: the workers read it, under theirs."""
-    spec = ModelSpec.from_dict(request["spec"])
+) -> tuple[Plan, dict[str, TensorSpec] | None]:
+    """(plan, declared inputs) for a PlanJob request (checked on receipt). Pure apart from
+    torch on meta, and a Hugging Face directory's config, read only under `roots` (default: the
+    working directory). A spec's weights file is not read here: the workers read it, under
+    theirs."""
+    spec = request.spec
     check_factory(spec.factory, allow, who)
     if spec.hf is not None:
         (roots or Roots.of(None, (), who)).readable(spec.hf, "hf directory")
-    kind = request.get("kind", "stages")
-    batch = int(request.get("batch") or 1)
+    kind = request.kind
+    batch = request.batch or 1
     prof = profile(
         spec,
         batch=batch,
         allow=allow,
-        measure_device=measure_device if request.get("measure") else None,
+        measure_device=measure_device if request.measure else None,
     )
     if kind == "stages":
-        mem_cap = request.get("mem_cap")
+        mem_cap = request.mem_cap
         if mem_cap is not None:
             # Leave room for the worker's padding (per tensor and per block), so that a stage
             # planned under the cap still fits the device once laid out.
@@ -64,30 +66,30 @@ def plan_for(
                     "the device budget cannot hold even the padding of this model's tensors",
                 )
         try:
-            plan = stage_plan(prof, request.get("stages"), mem_cap)
+            plan = stage_plan(prof, request.stages, mem_cap)
         except FlowmeshError as exc:
             if mem_cap is None or exc.code != Code.PLAN_ERROR:
                 raise
             # Would it plan without the devices' cap? Then the model is too big, not malformed.
             try:
-                stage_plan(prof, request.get("stages") or 1, None)
+                stage_plan(prof, request.stages or 1, None)
             except FlowmeshError:
                 raise exc from None
             splittable = max(b.resident_bytes for b in prof.blocks) <= mem_cap
             hint = (
                 " (omit stages to choose automatically)"
-                if (request.get("stages") and splittable)
+                if (request.stages and splittable)
                 else ""
             )
             raise FlowmeshError(Code.TOO_BIG, f"{exc.reason}{hint}") from None
     elif kind == "chunks":
-        target = request.get("target_bytes") or request.get("mem_cap")
+        target = request.target_bytes or request.mem_cap
         if not target:
             raise FlowmeshError(Code.BAD_REQUEST, "a chunk plan needs target_bytes")
-        plan = chunk_plan(prof, int(target), request.get("optimizer") or "adam", batch)
+        plan = chunk_plan(prof, target, request.optimizer or "adam", batch)
     else:
         raise FlowmeshError(Code.BAD_REQUEST, f"unknown plan kind {kind!r}")
-    return plan.to_dict(), prof.inputs
+    return plan, parse_inputs(prof.inputs) if prof.inputs else None
 
 
 class PartitionerService(MeshPeer):

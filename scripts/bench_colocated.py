@@ -122,7 +122,7 @@ async def measure(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
                     timeout=300,
                 )
             )
-        footprint = sum(j.info["footprint"] for j in jobs)
+        footprint = sum(j.info.footprint for j in jobs)
 
         stop = asyncio.Event()
         t0 = time.perf_counter()
@@ -143,14 +143,14 @@ async def measure(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
         for j in jobs:
             await j.close()
         st = await ac.status()
-    (w,) = st["workers"]
+    (w,) = st.workers
     return {
         "alone": alone,
         "together": together,
         "steps_alone_per_s": steps_alone / alone_s,
         "steps_together_per_s": steps_together / together_s,
         "footprint": footprint,
-        "stats": w["stats"],
+        "stats": w.stats,
     }
 
 

@@ -118,8 +118,8 @@ def run(
     return {
         "rps": n / secs,
         "requests": n,
-        "relayed_mib": st["activation_bytes_relayed"] / (1 << 20),
-        "direct_batches": st["direct_batches"],
+        "relayed_mib": st.totals.activation_bytes_relayed / (1 << 20),
+        "direct_batches": st.totals.direct_batches,
     }
 
 

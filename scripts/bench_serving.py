@@ -313,11 +313,11 @@ def flowmesh_config(
             }
 
         got = uvloop.run(run())
-    before = {m["name"]: m for m in got["before"]["models"]}
-    after = {m["name"]: m for m in got["after"]["models"]}
-    loads = {n: after[n]["loads"] - before[n]["loads"] for n in cfg["names"]}
-    evictions = {n: after[n]["evictions"] - before[n]["evictions"] for n in cfg["names"]}
-    workers = got["after"]["workers"]
+    before = {m.name: m for m in got["before"].models}
+    after = {m.name: m for m in got["after"].models}
+    loads = {n: after[n].loads - before[n].loads for n in cfg["names"]}
+    evictions = {n: after[n].evictions - before[n].evictions for n in cfg["names"]}
+    workers = got["after"].workers
     lat = [got["lat"][i] for i in sorted(got["lat"])]
     return {
         "label": label,
@@ -336,10 +336,10 @@ def flowmesh_config(
         "evictions": sum(evictions.values()),
         "loads_by_model": loads,
         "evictions_by_model": evictions,
-        "stages": {n: len(after[n].get("stages") or []) for n in cfg["names"]},
+        "stages": {n: len(after[n].stages) for n in cfg["names"]},
         # Requests in the batch each request ran in, averaged over requests.
         "mean_batch": sum(got["batches"]) / len(got["batches"]) if got["batches"] else None,
-        "worker_mean_load_ms": [w.get("mean_load_ms") for w in workers],
+        "worker_mean_load_ms": [w.mean_load_ms for w in workers],
         **summary(lat),
     }
 

@@ -433,7 +433,7 @@ def main() -> int:
         tracebacks = broker.log.read_text(errors="replace").count("Traceback")
         with contextlib.suppress(Exception), mesh.client() as c:
             st = c.status(timeout=5)
-            print("workers after:", [(w["name"], w["pid"], w["ready"]) for w in st["workers"]])
+            print("workers after:", [(w.name, w.pid, w.ready) for w in st.workers])
     print(f"sent {report.total} fuzz messages in {report.seconds:.1f} s (seed {args.seed})")
     for key, n in sorted(report.sent.items()):
         print(f"  sent    {key:<24} {n}")

@@ -68,16 +68,20 @@ if [ "$cpu" = 1 ]; then
   swap=(--mib 16 --layers 4 --repeats 2 --disk-mib 16)
   cold=(--cpu --stages 2 --mib 8 --rounds 1 --repeats 1)
   train=(--device cpu --width 64 --depth 2 --batch 8 --threads 0 --steps 2 --repeats 1
-    --sizes same --batch-models '')
+    --sizes same --batch-models '' --configs 2x2,2x4)
+  # The suite runs these files' CPU tests itself (and the CUDA ones skip here): collecting them
+  # checks the step's command.
+  cuda_tests=(--collect-only)
   colo=(--jobs 2 --requests 20 --width 64)
 else
   swap=(--mib 1024 --layers 16 --repeats 5 --disk-mib 1024)
   cold=(--stages 8 --mib 256)
   train=(--device cuda:0 --width 4096 --depth 8 --batch 256 --threads 0)
   colo=(--gpu 0 --width 2048)
+  cuda_tests=(-rs)
 fi
-step cuda-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/worker/test_cuda.py \
-  tests/worker/test_coldstart.py
+step cuda-tests 90 "$PY" -m pytest -q -p no:cacheprovider "${cuda_tests[@]}" \
+  tests/worker/test_cuda.py tests/worker/test_coldstart.py
 step swap 75 "$PY" scripts/bench_swap.py "${swap[@]}" --out "$bench"
 step coldstart 75 "$PY" scripts/bench_coldstart.py "${cold[@]}" --out "$bench"
 step training 150 "$PY" scripts/bench_training.py "${train[@]}" --out "$bench"

@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+import msgspec
 import torch
 import uvloop
 
@@ -44,7 +45,9 @@ def main() -> None:
     with Client(args.broker) as c:
         status = c.status()
     declared = {
-        m["name"]: m["inputs"] for m in status["models"] if m["state"] == "ready" and m["inputs"]
+        m.name: msgspec.to_builtins(m.inputs)
+        for m in status.models
+        if m.state == "ready" and m.inputs
     }
     models = args.models or sorted(declared)
     missing = [m for m in models if m not in declared]

@@ -8,13 +8,14 @@ import io
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from client_sdk import cli, views
 from client_sdk.cli import build_parser, up_mesh
+from flowmesh.reports import BrokerStatus, Totals
 from tests.support.cli import ROOT, flowmesh
+from tests.support.reports import broker_status, job_row, model_row, replica_row, worker_row
 
 
 def test_up_passes_state_dir_and_autoscale_to_the_broker() -> None:
@@ -31,23 +32,9 @@ def test_up_passes_state_dir_and_autoscale_to_the_broker() -> None:
 def test_status_says_how_activations_travelled_only_when_some_did() -> None:
     from client_sdk.cli import format_status
 
-    st = {
-        "uptime_s": 3,
-        "protocol": 1,
-        "requests": 2,
-        "completed": 2,
-        "errors": 0,
-        "queued": 0,
-        "inflight_batches": 0,
-        "workers": [],
-        "partitioners": [],
-        "models": [],
-        "jobs": [],
-        "direct_batches": 0,
-        "activation_bytes_relayed": 0,
-    }
+    st = broker_status(uptime_s=3, totals=Totals(requests=2, completed=2))
     assert "stages over several workers" not in format_status(st)
-    st.update(direct_batches=5, activation_bytes_relayed=3 << 20)
+    st.totals.direct_batches, st.totals.activation_bytes_relayed = 5, 3 << 20
     line = format_status(st).splitlines()[1]
     assert line == "stages over several workers: 5 batches direct, 3.0 MiB of activations relayed"
 
@@ -135,36 +122,36 @@ def test_the_deploy_bar_counts_in_mib() -> None:
     assert str(bar.columns[2].render(task)) == "1.0 MiB / 3.0 MiB"
 
 
-def status_of(workers: int, models: int, jobs: int) -> dict[str, Any]:
+def status_of(workers: int, models: int, jobs: int) -> BrokerStatus:
     """A status as the broker sends it, with long names and figures."""
-    return {
-        "uptime_s": 86399, "requests": 1234567, "completed": 1234000, "errors": 567,
-        "queued": 4096, "inflight_batches": 12, "dropped_sends": 3,
-        "workers": [
-            {
-                "name": f"gpu-worker-{i}", "ready": i % 2 == 0, "resident_bytes": 70 << 30,
-                "budget_bytes": 80 << 30, "resident": [f"chat-large/{k}" for k in range(9)],
-                "loads": 12345, "evictions": 9876, "inflight": 16, "last_seen_s": 123.4,
-            }
+    return broker_status(
+        uptime_s=86399, queued=4096, inflight_batches=12,
+        totals=Totals(requests=1234567, completed=1234000, errors=567, dropped_sends=3),
+        workers=[
+            worker_row(
+                f"gpu-worker-{i}", ready=i % 2 == 0, resident_bytes=70 << 30,
+                budget_bytes=80 << 30, resident=[f"chat-large/{k}" for k in range(9)],
+                loads=12345, evictions=9876, inflight=16, last_seen_s=123.4,
+            )
             for i in range(workers)
         ],
-        "models": [
-            {
-                "name": f"chat-large-{i}", "state": "deploying", "replicas": [{}, {}, {}],
-                "queue": 4096, "requests": 123456, "errors": 1234, "mean_ms": 12345.6,
-                "p99_ms": 99999.9, "load_wait_ms": 1234.5, "mean_batch": 7.5,
-            }
+        models=[
+            model_row(
+                f"chat-large-{i}", state="deploying", replicas=[replica_row()] * 3,
+                queue=4096, requests=123456, errors=1234, mean_ms=12345.6,
+                p99_ms=99999.9, load_wait_ms=1234.5, mean_batch=7.5,
+            )
             for i in range(models)
         ],
-        "jobs": [
-            {
-                "name": f"train-12345-{i}", "worker": "gpu-worker-1", "state": "running",
-                "step": 123456, "last_loss": 1.2345678, "steps_per_s": 123.45, "pending": 8,
-                "errors": 0,
-            }
+        jobs=[
+            job_row(
+                f"train-12345-{i}", worker="gpu-worker-1", state="running",
+                step=123456, last_loss=1.2345678, steps_per_s=123.45, pending=8,
+                errors=0,
+            )
             for i in range(jobs)
         ],
-    }  # fmt: skip
+    )  # fmt: skip
 
 
 def test_the_watch_view_fits_80_columns_on_a_terminal_and_as_text() -> None:

@@ -94,8 +94,8 @@ def test_a_broker_started_later_is_reached_and_the_clients_timeout_governs_statu
         assert_no_broker(info.value, address, 1.0)
         with LocalMesh(cpu_workers=0, partitioner=False, frontend_port=port) as mesh:
             assert mesh.frontend == address
-            assert client.status()["workers"] == []
-            assert early.status()["workers"] == []
+            assert client.status().workers == []
+            assert early.status().workers == []
             broker = mesh.child("broker").proc
             broker.send_signal(signal.SIGSTOP)
             try:

@@ -16,9 +16,12 @@ import torch
 from client_sdk.client import AsyncClient, Client
 from client_sdk.jobs import AsyncJob, Job
 from flowmesh import protocol as p
+from flowmesh.reports import SubModelRow
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
+from tests.support.broker import typed_plan
 from tests.support.mesh import mlp_spec, reference
+from tests.support.reports import broker_status, job_row, model_row, stage_row, worker_row
 
 # Coroutine methods whose blocking twin is written by hand, as it does more: `Client.close` also
 # stops the client's loop thread. Their signatures must still agree.
@@ -134,8 +137,8 @@ async def test_deploy_and_plan_send_hf_and_need_a_model() -> None:
     async def call(msg: p.Message, timeout: float | None) -> p.Message:
         sent.append(msg)
         if isinstance(msg, p.Deploy):
-            return p.Deployed(id=msg.id, model={"name": "m"})
-        return p.PlanReply(id=msg.id, plan={"ranges": []})
+            return p.Deployed(id=msg.id, model=model_row("m"))
+        return p.PlanReply(id=msg.id, plan=typed_plan([1]))
 
     client.connection.call = call  # type: ignore[method-assign]
     await client.deploy("m", hf="/models/gpt2", stages=2)
@@ -193,21 +196,25 @@ class Broker:
 
     def answer(self, msg: Any) -> p.Message:
         if isinstance(msg, p.Deploy):
-            self.models.append(msg.spec["name"])
-            stages = [{"stage": i} for i in range(msg.spec["stages"])]
-            return p.Deployed(id=msg.id, model={"name": msg.spec["name"], "stages": stages})
+            self.models.append(msg.spec.name)
+            stages = [stage_row(i) for i in range(msg.spec.stages or 1)]
+            return p.Deployed(id=msg.id, model=model_row(msg.spec.name, stages=stages))
         if isinstance(msg, p.Infer):
             out = self.forward(msg.tensors[""].tensor())
-            return p.Result(id=msg.id, tensors={"": out}, info={"worker": "w0"})
+            return p.Result(id=msg.id, tensors={"": out}, info=p.ResultInfo(workers=["w0"]))
         if isinstance(msg, p.PlanRequest):
             n = msg.stages
-            return p.PlanReply(id=msg.id, plan={"ranges": [[i, i + 1] for i in range(n)]})
+            return p.PlanReply(id=msg.id, plan=typed_plan([1] * n))
         if isinstance(msg, p.Status):
-            status = {"models": [{"name": m} for m in self.models], "workers": [{}, {}]}
+            status = broker_status(
+                models=[model_row(m) for m in self.models],
+                workers=[worker_row("w0"), worker_row("w1")],
+            )
             return p.StatusReply(id=msg.id, status=status)
         if isinstance(msg, p.TrainOpen):
             self.jobs.append(msg.job)
-            return p.TrainOpened(id=msg.id, job={"name": msg.job, "sub_models": [1, 1]})
+            subs = [SubModelRow(blocks=[i, i + 1], host_bytes=1, task_bytes=1) for i in (0, 1)]
+            return p.TrainOpened(id=msg.id, job=job_row(msg.job, sub_models=subs))
         if isinstance(msg, p.TrainStep):
             rows = len(msg.tensors["targets"].tensor())
             assert len(msg.tensors["inputs"].tensor()) == rows
@@ -220,7 +227,7 @@ class Broker:
                 metrics={"rows": float(rows)},
             )
         if isinstance(msg, p.Jobs):
-            return p.JobsReply(id=msg.id, jobs=[{"name": j} for j in self.jobs])
+            return p.JobsReply(id=msg.id, jobs=[job_row(j) for j in self.jobs])
         if isinstance(msg, p.TrainClose):
             self.jobs.remove(msg.job)
             return p.TrainClosed(id=msg.id, job=msg.job)
@@ -253,22 +260,22 @@ def test_the_blocking_client_end_to_end() -> None:
             max_batch_size=4,
             dtype="float32",
         )
-        assert info["name"] == SERVE.name and len(info["stages"]) == 2, info
+        assert info.name == SERVE.name and len(info.stages) == 2, info
         (deploy,) = broker.got
         assert isinstance(deploy, p.Deploy)
-        assert {k: deploy.spec[k] for k in ("factory", "kwargs", "seed", "stages")} == {
+        assert {k: getattr(deploy.spec, k) for k in ("factory", "kwargs", "seed", "stages")} == {
             "factory": SERVE.factory,
             "kwargs": SERVE.kwargs,
             "seed": SERVE.seed,
             "stages": 2,
         }
-        assert deploy.spec["max_batch_size"] == 4 and deploy.spec["dtype"] == "float32"
+        assert deploy.spec.max_batch_size == 4 and deploy.spec.dtype == "float32"
         out = c.infer(SERVE.name, x)
         assert isinstance(out, torch.Tensor)
         assert_forward_close(out, ref(x), "Client.infer")
         out2, call = c.infer_with_info(SERVE.name, x[:3], timeout=30)
         assert_forward_close(out2, ref(x[:3]), "Client.infer_with_info")  # type: ignore[arg-type]
-        assert call == {"worker": "w0"}
+        assert call["workers"] == ["w0"] and call["batch"] == 1
 
         plan = c.plan(SERVE.factory, kwargs=SERVE.kwargs, stages=3)
         assert len(plan["ranges"]) == 3, plan
@@ -276,7 +283,7 @@ def test_the_blocking_client_end_to_end() -> None:
         assert isinstance(asked, p.PlanRequest) and asked.stages == 3, asked
 
         st = c.status()
-        assert [m["name"] for m in st["models"]] == [SERVE.name] and len(st["workers"]) == 2
+        assert [m.name for m in st.models] == [SERVE.name] and len(st.workers) == 2
 
         job = c.train_open(
             TRAIN.name,
@@ -289,16 +296,16 @@ def test_the_blocking_client_end_to_end() -> None:
             timeout=60,
         )
         assert isinstance(job, Job) and isinstance(job._job, AsyncJob)
-        assert job.name == TRAIN.name and job.info["sub_models"], job.info
+        assert job.name == TRAIN.name and job.info.sub_models, job.info
         results = [job.step(xb, yb) for xb, yb in batches]
-        assert [j["name"] for j in c.jobs()] == [TRAIN.name]
+        assert [j.name for j in c.jobs()] == [TRAIN.name]
         job.close()
         assert c.jobs() == []
         c.undeploy(SERVE.name)
-        assert SERVE.name not in {m["name"] for m in c.status()["models"]}
+        assert SERVE.name not in {m.name for m in c.status().models}
     opened = next(m for m in broker.got if isinstance(m, p.TrainOpen))
-    assert opened.spec["kwargs"] == TRAIN.kwargs and opened.spec["seed"] == TRAIN.seed
-    assert opened.config["optimizer"] == SGD
+    assert opened.spec.kwargs == TRAIN.kwargs and opened.spec.seed == TRAIN.seed
+    assert opened.config is not None and opened.config.optimizer == SGD
     assert opened.batch == BATCH and opened.chunk_bytes == 32 * KIB
     # The step results as the broker sent them, in order (floats pass through unchanged).
     assert [(r.step, r.loss, r.metrics) for r in results] == [

@@ -27,6 +27,9 @@ from broker.service import BrokerService
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from flowmesh.spec import ModelSpec
+from flowmesh.train_spec import TrainConfig
+from tests.support.broker import opened_job
 from tests.support.log_lines import Lines, captured_lines
 from tests.support.waiting import until
 
@@ -140,7 +143,7 @@ def flood_expired_calls(core: BrokerCore) -> None:
     core.on_backend(b"part", register, 0.0)
     core.on_backend(b"part", p.Heartbeat(stats={}), 0.0)
     for i in range(FLOOD):
-        spec = {"name": "m", "factory": "flowmesh.examples:mlp", "kwargs": {"width": i + 1}}
+        spec = ModelSpec(name="m", factory="flowmesh.examples:mlp", kwargs={"width": i + 1})
         core.on_client(b"client", p.PlanRequest(id=i, spec=spec, timeout_ms=1000), 0.0)
     core.tick(2.0)
     assert core.calls == {}
@@ -154,11 +157,11 @@ def flood_expired_steps(core: BrokerCore) -> None:
     )
     core.on_backend(b"w", register, 0.0)
     core.on_backend(b"w", p.Heartbeat(stats={}), 0.0)
-    spec = {"name": "j", "factory": "flowmesh.examples:mlp", "seed": 1}
-    config = {"optimizer": {"name": "sgd"}}
+    spec = ModelSpec(name="j", factory="flowmesh.examples:mlp", seed=1)
+    config = TrainConfig(optimizer={"name": "sgd"})
     core.on_client(b"client", p.TrainOpen(id=1, job="j", spec=spec, config=config, batch=4), 0.0)
     (opening,) = [m for _, _, m in core.drain() if isinstance(m, p.TrainOpen)]
-    core.on_backend(b"w", p.TrainOpened(id=opening.id, job={"name": "j", "step": 0}), 0.0)
+    core.on_backend(b"w", p.JobOpened(id=opening.id, job=opened_job("j")), 0.0)
     tensors = {"inputs": torch.zeros(4, 8), "targets": torch.zeros(4, dtype=torch.int64)}
     for i in range(FLOOD):
         core.on_client(b"client", p.TrainStep(id=i, job="j", seq=i + 1, tensors=tensors), 0.0)

@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 from flowmesh import protocol as p
 from flowmesh import transport
 from flowmesh.errors import Code
+from flowmesh.modelio.plan import Plan
+from flowmesh.spec import ModelSpec
+from flowmesh.train_spec import TrainConfig
 
 
 def roundtrip(msg: p.Message) -> p.Message:
@@ -177,8 +180,25 @@ def test_size_limits_are_enforced() -> None:
     assert info.value.code is Code.BAD_MESSAGE
 
 
-def _required(cls: type[p.Message]) -> dict[str, object]:
-    """A sample value of each required field of `cls`."""
+SPEC = ModelSpec(name="m", factory="flowmesh.examples:mlp")
+# A sample of each payload that checks itself (a sample built from its fields alone would not).
+PAYLOAD_SAMPLES: dict[type, object] = {
+    ModelSpec: SPEC,
+    Plan: Plan(
+        kind="stages",
+        spec_digest="d",
+        block_names=("a", "b"),
+        block_bytes=(1, 2),
+        ranges=((0, 1), (1, 2)),
+        range_bytes=(1, 2),
+        objective="bytes",
+    ),
+    TrainConfig: TrainConfig(optimizer={"name": "adam"}),
+}
+
+
+def _required(cls: type[msgspec.Struct]) -> dict[str, object]:
+    """A sample value of each required field of `cls` (a nested part: a sample of its own)."""
     kwargs: dict[str, object] = {}
     for f in msgspec.structs.fields(cls):
         if f.required:
@@ -186,6 +206,12 @@ def _required(cls: type[p.Message]) -> dict[str, object]:
             while typing.get_origin(tp) is typing.Annotated:
                 tp = typing.get_args(tp)[0]
             origin = typing.get_origin(tp)
+            if tp in PAYLOAD_SAMPLES:
+                kwargs[f.name] = PAYLOAD_SAMPLES[tp]
+                continue
+            if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+                kwargs[f.name] = tp(**_required(tp))
+                continue
             kwargs[f.name] = {int: 3, str: "s", float: 1.5, bool: True}.get(
                 tp, {} if origin is dict else [] if origin is list else None
             )
@@ -326,7 +352,7 @@ def test_any_value_anywhere_in_a_header_is_a_decode_error_or_valid(data: st.Data
                 p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
                 p.Register(id=3, role="worker", name="w", pid=4, info={"a": [1]}),
                 p.Error(id=None, code="internal", reason="r"),
-                p.PlanRequest(id=5, spec={"name": "m"}, stages=2),
+                p.PlanRequest(id=5, spec=SPEC, stages=2),
             ]
         )
     )
@@ -360,11 +386,11 @@ HOT = [
     p.Infer(id=1, model="m", tensors={"x": torch.ones(2, 3), "y": torch.ones(0)}),
     p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
     p.RunResult(id=2, model="m", stage=0, tensors={"0/": torch.ones(2)}, info={"compute_s": 1}),
-    p.Result(id=1, tensors={"": torch.ones(1)}, info={"batch": 1, "workers": ["w"], "a": {}}),
+    p.Result(id=1, tensors={"": torch.ones(1)}, info={"batch": 1, "workers": ["w"]}),
     p.Heartbeat(stats={"runs": 3, "stages": {"m/0": "resident"}, "x": [1.5, None]}),
     p.Register(id=3, role="worker", name="w", pid=4, info={"a": [1]}),
     p.Error(id=None, code="internal", reason="r"),
-    p.PlanRequest(id=5, spec={"name": "m"}, stages=2),
+    p.PlanRequest(id=5, spec=SPEC, stages=2),
 ]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.weights import read_header
 from flowmesh.roots import Roots
@@ -135,7 +136,7 @@ def test_the_partitioner_plans_hf_directories_only_under_its_roots(tree: Path) -
     part = Roots.of([tree / "data"], (), "partitioner p0")
 
     def plan(hf: str) -> FlowmeshError:
-        request = {"spec": ModelSpec(name="m", hf=hf).to_dict(), "kind": "stages"}
+        request = p.PlanAsk(spec=ModelSpec(name="m", hf=hf), kind="stages")
         with pytest.raises(FlowmeshError) as info:
             plan_for(request, ("flowmesh.examples",), None, "partitioner p0", part)
         return info.value

@@ -15,6 +15,7 @@ import zmq.asyncio
 from flowmesh import protocol as p
 from flowmesh import transport
 from flowmesh.errors import Code, FlowmeshError
+from tests.support.reports import broker_status
 from tests.support.waiting import until
 
 LOG = logging.getLogger("test.batching")
@@ -73,7 +74,7 @@ async def test_a_send_from_elsewhere_never_hides_input_from_a_sleeping_reader() 
         if msg.id == 0:  # the worker's hello: its connection is up
             joined.set()
             return
-        transport.send(front, p.StatusReply(id=msg.id, status={}), [who.pop(msg.id)])
+        transport.send(front, p.StatusReply(id=msg.id, status=broker_status()), [who.pop(msg.id)])
 
     def on_worker(_addr: bytes | None, msg: p.Message) -> None:
         transport.send(worker, msg)
@@ -189,8 +190,8 @@ async def test_send_bundled_says_which_messages_did_not_go() -> None:
     try:
         await dealer.send_multipart(p.encode(p.Status(id=0)))  # the router learns our address
         await asyncio.wait_for(router.recv_multipart(), 5)
-        good = [p.StatusReply(id=i, status={"n": i}) for i in range(1, 5)]
-        bad = p.StatusReply(id=99, status={"n": object()})  # msgpack cannot pack it
+        good = [p.StatusReply(id=i, status=broker_status(uptime_s=i)) for i in range(1, 5)]
+        bad = p.StatusReply(id=99, status=broker_status(uptime_s=object()))  # cannot be packed
         failed = transport.send_bundled(router, [*good[:2], bad, *good[2:]], [b"d"])
         assert [([m.id for m in msgs], type(exc)) for msgs, exc in failed] == [([99], TypeError)]
         got = p.decode(await asyncio.wait_for(dealer.recv_multipart(), 5))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.token_limits import TokenLimits, attach
 
 
 def _causal_mask(config, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -81,8 +82,10 @@ def gpt2(model: nn.Module) -> list[tuple[str, nn.Module]]:
             Code.NOT_A_CHAIN, "GPT-2 with cross-attention takes two inputs; not a chain"
         )
     t = model.transformer
+    # Learned positions: a sequence longer than `wpe` has rows for cannot be embedded.
+    limits = TokenLimits(t.wte.num_embeddings, t.wpe.num_embeddings)
     return [
-        ("embed", GPT2Embed(t.wte, t.wpe, t.drop)),
+        ("embed", attach(GPT2Embed(t.wte, t.wpe, t.drop), limits)),
         *[(f"transformer.h.{i}", GPT2Layer(layer, cfg)) for i, layer in enumerate(t.h)],
         ("head", GPT2Head(t.ln_f, model.lm_head)),
     ]
@@ -152,7 +155,14 @@ def opt(model: nn.Module) -> list[tuple[str, nn.Module]]:
     d = model.model.decoder
     cfg = model.config
     return [
-        ("embed", OPTEmbed(d.embed_tokens, d.embed_positions, d.project_in)),
+        (
+            "embed",
+            attach(
+                OPTEmbed(d.embed_tokens, d.embed_positions, d.project_in),
+                # Learned positions (their table has 2 rows more: OPT's offset).
+                TokenLimits(d.embed_tokens.num_embeddings, cfg.max_position_embeddings),
+            ),
+        ),
         *[(f"model.decoder.layers.{i}", OPTLayer(layer, cfg)) for i, layer in enumerate(d.layers)],
         ("head", OPTHead(d.final_layer_norm, d.project_out, model.lm_head)),
     ]
@@ -247,7 +257,8 @@ def _rope_chain(model: nn.Module, sliding: list[bool]) -> list[tuple[str, nn.Mod
     rope = Rope(cfg, m.rotary_emb)
     layers = list(m.layers[: cfg.num_hidden_layers])
     return [
-        ("embed", DecoderEmbed(m.embed_tokens)),
+        # Rotary positions: no table to run past, so only the vocabulary is a limit.
+        ("embed", attach(DecoderEmbed(m.embed_tokens), TokenLimits(m.embed_tokens.num_embeddings))),
         *[
             (f"model.layers.{i}", RopeLayer(layer, cfg, rope, sliding[i]))
             for i, layer in enumerate(layers)

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from flowmesh.errors import Code, FlowmeshError
+from flowmesh.errors import FlowmeshError, bad_request
 from flowmesh.modelio import weights
 from flowmesh.modelio.chain import adapter_classes
 from flowmesh.roots import io_error, not_safetensors
@@ -43,10 +43,6 @@ _observers: list[Callable[[str, str], None]] = []
 _observers_lock = threading.Lock()
 
 
-def _bad(reason: str) -> FlowmeshError:
-    return FlowmeshError(Code.BAD_REQUEST, reason)
-
-
 def supported_architectures() -> list[str]:
     """Class names of the transformers models flowmesh has an adapter for."""
     return sorted(
@@ -58,18 +54,18 @@ def read_config(path: str) -> dict[str, Any]:
     """The directory's config.json as a mapping, with clear errors for what is missing."""
     root = Path(path)
     if not root.is_dir():
-        raise _bad(f"hf directory {path!r} does not exist or is not a directory")
+        raise bad_request(f"hf directory {path!r} does not exist or is not a directory")
     cfg = root / CONFIG
     if not cfg.is_file():
-        raise _bad(f"hf directory {path!r} has no {CONFIG}")
+        raise bad_request(f"hf directory {path!r} has no {CONFIG}")
     try:
         data = json.loads(cfg.read_bytes())
     except OSError as exc:
         raise io_error(exc, f"hf directory {path!r}: {CONFIG}") from None
     except ValueError:  # the parser's text may quote the file (a byte that is not UTF-8)
-        raise _bad(f"hf directory {path!r}: {CONFIG} is unreadable: not JSON") from None
+        raise bad_request(f"hf directory {path!r}: {CONFIG} is unreadable: not JSON") from None
     if not isinstance(data, dict):
-        raise _bad(f"hf directory {path!r}: {CONFIG} is not a JSON object")
+        raise bad_request(f"hf directory {path!r}: {CONFIG} is not a JSON object")
     return data
 
 
@@ -80,12 +76,12 @@ def architecture(path: str, config: dict[str, Any] | None = None) -> str:
     archs = config.get("architectures")
     supported = supported_architectures()
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
-        raise _bad(
+        raise bad_request(
             f"hf directory {path!r}: {CONFIG} names no architecture; supported: "
             f"{', '.join(supported)}"
         )
     if len(archs) != 1 or archs[0] not in supported:
-        raise _bad(
+        raise bad_request(
             f"hf directory {path!r}: the architecture {CONFIG} names is not supported; "
             f"supported: {', '.join(supported)}"
         )
@@ -105,11 +101,11 @@ def build_meta(path: str) -> nn.Module:
     except FlowmeshError:
         raise
     except Exception as exc:
-        raise _bad(
+        raise bad_request(
             f"hf directory {path!r}: cannot build {arch}: {type(exc).__name__}: {exc}"
         ) from None
     if type(model).__name__ != arch:
-        raise _bad(
+        raise bad_request(
             f"hf directory {path!r}: {CONFIG} says {arch}, but its model_type builds "
             f"{type(model).__name__}"
         )
@@ -127,21 +123,23 @@ def weight_files(path: str) -> dict[str, str]:
         except OSError as exc:
             raise io_error(exc, f"hf directory {path!r}: {INDEX}") from None
         except (ValueError, KeyError, TypeError):
-            raise _bad(
+            raise bad_request(
                 f"hf directory {path!r}: {INDEX} is unreadable: no JSON weight_map"
             ) from None
         if not isinstance(weight_map, dict):
-            raise _bad(f"hf directory {path!r}: {INDEX} has no weight_map mapping")
+            raise bad_request(f"hf directory {path!r}: {INDEX} has no weight_map mapping")
         out = {}
         for key, name in weight_map.items():
             if not isinstance(name, str) or os.path.basename(name) != name:
                 # Not quoted: only a name that is a file of the directory is ever shown.
-                raise _bad(f"hf directory {path!r}: {INDEX} maps a tensor outside the directory")
+                raise bad_request(
+                    f"hf directory {path!r}: {INDEX} maps a tensor outside the directory"
+                )
             out[key] = str(root / name)
         return out
     single = root / SINGLE
     if not single.is_file():
-        raise _bad(f"hf directory {path!r} has neither {SINGLE} nor {INDEX}")
+        raise bad_request(f"hf directory {path!r} has neither {SINGLE} nor {INDEX}")
     try:
         with safe_open(str(single), framework="pt", device="cpu") as f:
             return dict.fromkeys(f.keys(), str(single))
@@ -195,7 +193,7 @@ def locate(
         if stored not in files and base_prefix and name.startswith(base_prefix + "."):
             stored = name[len(base_prefix) + 1 :]
         if stored not in files:
-            raise _bad(f"hf directory {path!r}: tensor {name!r} is missing from its weights")
+            raise bad_request(f"hf directory {path!r}: tensor {name!r} is missing from its weights")
         by_file.setdefault(files[stored], []).append((local, stored))
     return by_file
 
@@ -237,7 +235,7 @@ def read_weights(
             present = set(f.keys())
             for local, stored in wanted:
                 if stored not in present:
-                    raise _bad(
+                    raise bad_request(
                         f"hf directory {path!r}: tensor {stored!r} is not in "
                         f"{os.path.basename(file)}, where {INDEX} puts it"
                     )
@@ -289,7 +287,7 @@ def load_whole(model: nn.Module, path: str) -> nn.Module:
         if not stale:
             continue
         if not type(module).__name__.endswith("RotaryEmbedding"):
-            raise _bad(
+            raise bad_request(
                 f"hf directory {path!r}: {type(module).__name__} has buffers that are not in the "
                 f"weights ({', '.join(stale)}) and flowmesh does not know how to rebuild them"
             )

@@ -1,10 +1,12 @@
 """Plans: how a model's chain of blocks is cut into stages (serving) or chunks (training).
 
-A plan is plain, versioned data: the broker caches it under the spec's digest and sends it to
-workers, which build their stage from it (`flowmesh.modelio.stages`). `chunk_plan` plans training
-chunks from a profile without torch, for the partitioner and for a worker opening a job alike;
-the partitioner's `stage_plan` (`partitioner.stage_plans`) builds on the helpers here.
-`make_chunk_plan` (`flowmesh.modelio.profile`) profiles the spec first.
+A plan is versioned data, declared once (`Plan`, a `msgspec.Struct` that messages carry and
+msgspec checks on receipt, its `__post_init__` checking the rest): the broker caches it under the
+spec's digest and sends it to workers, which build their stage from it
+(`flowmesh.modelio.stages`). `chunk_plan` plans training chunks from a profile without torch,
+for the partitioner and for a worker opening a job alike; the partitioner's `stage_plan`
+(`partitioner.stage_plans`) builds on the helpers here. `make_chunk_plan`
+(`flowmesh.modelio.profile`) profiles the spec first.
 """
 
 from __future__ import annotations
@@ -13,16 +15,18 @@ import contextlib
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-from flowmesh.errors import Code, FlowmeshError
+import msgspec
+
+from flowmesh.errors import Code, FlowmeshError, Invalid
 from flowmesh.modelio import planners
 from flowmesh.modelio.costs import ModelProfile, human_bytes
 
 PLAN_VERSION = 1
 KINDS = ("stages", "chunks")
 OBJECTIVES = ("time", "bytes", "footprint")
+_set = msgspec.structs.force_setattr  # a frozen plan's fields, normalised as it checks itself
 
 
 def _bad(reason: str) -> FlowmeshError:
@@ -41,8 +45,7 @@ def _ints(values: Any, what: str, length: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Contiguous half-open block ranges, with what each range holds and costs.
 
     `range_bytes` are exact (each tensor of the range once, tied tensors included), `range_time_s`
@@ -61,10 +64,16 @@ class Plan:
     objective: str
     range_time_s: tuple[float, ...] | None = None
     range_footprint: tuple[int, ...] | None = None
-    request: dict[str, Any] = field(default_factory=dict)
+    request: dict[str, Any] = {}
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except FlowmeshError as exc:  # msgspec reports a ValueError with the field's path
+            raise Invalid(exc.code, exc.reason) from None
+
+    def _check(self) -> None:
         if self.version != PLAN_VERSION:
             raise FlowmeshError(
                 Code.PLAN_ERROR,
@@ -83,15 +92,13 @@ class Plan:
         if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
             raise _bad("block_names must be distinct non-empty strings")
         n = len(names)
-        object.__setattr__(self, "block_names", tuple(names))
-        object.__setattr__(self, "block_bytes", _ints(self.block_bytes, "block_bytes", n))
-        object.__setattr__(self, "ranges", self._checkedranges_of(self.ranges, n))
+        _set(self, "block_names", tuple(names))
+        _set(self, "block_bytes", _ints(self.block_bytes, "block_bytes", n))
+        _set(self, "ranges", self._checkedranges_of(self.ranges, n))
         parts = len(self.ranges)
-        object.__setattr__(self, "range_bytes", _ints(self.range_bytes, "range_bytes", parts))
+        _set(self, "range_bytes", _ints(self.range_bytes, "range_bytes", parts))
         if self.range_footprint is not None:
-            object.__setattr__(
-                self, "range_footprint", _ints(self.range_footprint, "range_footprint", parts)
-            )
+            _set(self, "range_footprint", _ints(self.range_footprint, "range_footprint", parts))
         if self.range_time_s is not None:
             times = self.range_time_s
             if not isinstance(times, list | tuple) or len(times) != parts:
@@ -104,7 +111,7 @@ class Plan:
                 for t in times
             ):
                 raise _bad("range_time_s must hold non-negative finite numbers")
-            object.__setattr__(self, "range_time_s", tuple(float(t) for t in times))
+            _set(self, "range_time_s", tuple(float(t) for t in times))
         if self.objective == "time" and self.range_time_s is None:
             raise _bad("a plan balanced by time needs range_time_s")
         if self.objective == "footprint" and self.range_footprint is None:
@@ -162,7 +169,7 @@ class Plan:
         return self.block_names[a:b]
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out: dict[str, Any] = msgspec.structs.asdict(self)
         out["block_names"] = list(self.block_names)
         out["block_bytes"] = list(self.block_bytes)
         out["ranges"] = [list(r) for r in self.ranges]
@@ -183,7 +190,7 @@ class Plan:
                 f"plan version {data.get('version')!r} is not supported (this partitioner reads "
                 f"version {PLAN_VERSION}); re-plan the model",
             )
-        known = {f.name for f in fields(cls)}
+        known = set(cls.__struct_fields__)
         unknown = sorted(set(map(str, data)) - known)
         if unknown:
             raise _bad(f"unknown field(s): {', '.join(unknown)}")

@@ -18,6 +18,7 @@ from broker.state import Model, ModelState, Peer, Phase, Replica, Residency
 from broker.status import model_status
 from flowmesh import protocol as p
 from flowmesh.spec import ModelSpec
+from tests.support.broker import typed_plan
 
 MIB = 1 << 20
 C1 = b"c1"
@@ -136,7 +137,7 @@ class Rig:
         spec = ModelSpec.from_dict(
             {"name": name, "factory": "flowmesh.examples:mlp", "max_batch_size": 1}
         )
-        model = Model(spec=spec, state=ModelState.READY, stage_bytes=[MIB], plan={"ranges": []})
+        model = Model(spec=spec, state=ModelState.READY, stage_bytes=[MIB], plan=typed_plan([MIB]))
         model.desired_replicas = model.floor_replicas = 1
         model.replicas.append(Replica(workers=[workers[0]], ready=[True]))
         peer = self.ctx.peers[workers[0]]
@@ -152,7 +153,7 @@ class Rig:
     def answer(self, run: p.Run, worker: str, now: float) -> None:
         y = p.TensorRef("float32", (1, 2), bytes(8))
         tensors = {f"{k}/y": y for k in range(len(run.parts))}  # a grouped run: one each
-        msg = p.RunResult(id=run.id, model=run.model, stage=run.stage, tensors=tensors, info={})
+        msg = p.RunResult(id=run.id, model=run.model, stage=run.stage, tensors=tensors)
         self.router.run_result(self.ctx.peers[worker], msg, now)
 
     def tick(self, now: float) -> None:
@@ -211,19 +212,19 @@ def test_a_hot_model_gains_a_replica_then_loses_it_back_without_failing_a_reques
             log.append((t, type(msg).__name__, addr, msg))
             if isinstance(msg, p.DeployStage):  # hot for 5 s: a second replica deploys
                 row = model_status(model, rig.ctx.peers)
-                assert (row["replicas_live"], row["replicas_desired"]) == (1, 2)
-                assert (row["scale_ups"], row["replicas"][1]["workers"]) == (1, ["w1"])
+                assert (row.replicas_live, row.replicas_desired) == (1, 2)
+                assert (row.scale_ups, row.replicas[1].workers) == (1, ["w1"])
                 ready = p.StageReady(id=msg.id, model="m", stage=0, nbytes=MIB, seconds=0.1)
                 rig.reg.stage_ready(rig.ctx.peers["w1"], ready, t)
                 log += [(t, type(m).__name__, a, m) for _, a, m in serve.take(t)]
         t += 0.5
-    spec = model.spec.to_dict()
+    spec = model.spec
     assert log == [
         (
             5.0,
             "DeployStage",
             b"w1",
-            p.DeployStage(id=105, model="m", stage=0, spec=spec, plan={"ranges": []}),
+            p.DeployStage(id=105, model="m", stage=0, spec=spec, plan=model.plan),
         ),
         (5.0, "Load", b"w1", p.Load(id=106, model="m", stage=0)),
     ]
@@ -231,7 +232,7 @@ def test_a_hot_model_gains_a_replica_then_loses_it_back_without_failing_a_reques
     # The load (0.79/s x 0.5 s) fell under 0.4 of one replica at 27.5 s: cool since then.
     assert (model.cool_since, model.hot_since, model.scale_downs) == (27.5, None, 0)
     row = model_status(model, rig.ctx.peers)
-    assert (row["replicas_live"], row["replicas_desired"], row["replicas_floor"]) == (2, 2, 1)
+    assert (row.replicas_live, row.replicas_desired, row.replicas_floor) == (2, 2, 1)
     # Two requests run, one on each replica, when the shrink is decided at 87.5 s.
     rig.infer(200, 87.0)
     rig.infer(201, 87.0)
@@ -244,7 +245,7 @@ def test_a_hot_model_gains_a_replica_then_loses_it_back_without_failing_a_reques
         (["w1"], True, 1),
     ]
     row = model_status(model, rig.ctx.peers)
-    assert (row["replicas_live"], row["replicas_desired"], row["scale_downs"]) == (1, 1, 1)
+    assert (row.replicas_live, row.replicas_desired, row.scale_downs) == (1, 1, 1)
     # New work goes to the replica that stays.
     rig.infer(202, 87.6)
     serve.take(87.6)
@@ -262,8 +263,8 @@ def test_a_hot_model_gains_a_replica_then_loses_it_back_without_failing_a_reques
     for k in range(178, 1200):
         assert serve.until(k / 2) == []
     row = model_status(model, rig.ctx.peers)
-    assert (row["replicas_live"], row["replicas_desired"], row["replicas_floor"]) == (1, 1, 1)
-    assert (row["scale_ups"], row["scale_downs"]) == (1, 1)
+    assert (row.replicas_live, row.replicas_desired, row.replicas_floor) == (1, 1, 1)
+    assert (row.scale_ups, row.scale_downs) == (1, 1)
 
 
 def test_a_model_that_stays_hot_grows_no_further_than_its_workers() -> None:
@@ -323,3 +324,20 @@ def test_a_draining_replica_is_kept_when_the_one_it_left_to_is_lost() -> None:
     out = rig.ctx.drain()
     assert [(addr, type(m).__name__) for _, addr, m in out] == [(b"w1", "Load"), (b"w1", "Run")]
     assert model.errors == 0
+
+
+def test_a_deployed_model_keeps_its_arrival_rate_over_the_configured_window() -> None:
+    # `--rate-window`: what lets the real-process test (tests/mesh/test_autoscale.py) see a burst
+    # cool in seconds; a model deployed without it would keep the default 30 s.
+    rig = Rig(rate_window_s=2.0)
+    rig.worker("w0")
+    part = Peer(name="part", addr=b"part", role="partitioner", pid=2, budget=0)
+    part.ready = True
+    rig.ctx.peers["part"], rig.ctx.by_addr[b"part"] = part, "part"
+    spec = ModelSpec.from_dict({"name": "m", "factory": "flowmesh.examples:mlp"})
+    rig.reg.deploy(C1, p.Deploy(id=1, spec=spec), 0.0)
+    rate = rig.ctx.models["m"].rate
+    for _ in range(4):
+        rate.add(10.0)
+    assert rate.at(10.0) == 2.0  # 4 arrivals over a 2 s window
+    assert 0.73 < rate.at(12.0) < 0.74  # one window later: 1/e of it

@@ -20,10 +20,10 @@ def test_worker_is_ready_only_after_its_first_heartbeat() -> None:
         ),
     )
     assert kinds(out) == [(b"w0", "register_ack")] and out[0][2].id == 7
-    assert h.core.status(0)["workers"][0]["ready"] is False
+    assert h.core.status(0).workers[0].ready is False
     h.backend(b"w0", p.Heartbeat(stats={"peak_bytes": 5}))
-    w = h.core.status(0)["workers"][0]
-    assert w["ready"] is True and w["peak_bytes"] == 5
+    w = h.core.status(0).workers[0]
+    assert w.ready is True and w.peak_bytes == 5
 
 
 def test_unknown_peer_is_told_to_register() -> None:
@@ -38,8 +38,8 @@ def test_deploy_plans_places_and_answers() -> None:
     h.worker("w0")
     h.worker("w1")
     model = h.deploy("m", [10 * MIB], replicas=2)
-    assert model["state"] == "ready"
-    assert sorted(r["workers"][0] for r in model["replicas"]) == ["w0", "w1"]
+    assert model.state == "ready"
+    assert sorted(r.workers[0] for r in model.replicas) == ["w0", "w1"]
 
 
 def test_deploy_refuses_factories_outside_the_allow_list() -> None:
@@ -106,10 +106,10 @@ def test_residency_evicts_least_recently_used_idle_model() -> None:
     (load,) = only(out, p.Evict | p.Load)  # the worker evicts; b is what we expect it to
     assert (load.model, h.core.peers["w0"].leaving) == ("c", {("b", 0): load.id})
     st = h.core.status(h.now)
-    assert st["workers"][0]["resident_bytes"] <= 100 * MIB
-    assert st["workers"][0]["resident"] == ["a/0", "c/0"]
+    assert st.workers[0].resident_bytes <= 100 * MIB
+    assert st.workers[0].resident == ["a/0", "c/0"]
     h.backend(w0, p.Resident(stages=[["a", 0, 40 * MIB], ["c", 0, 40 * MIB]], after_load=load.id))
-    assert h.core.status(h.now)["workers"][0]["evictions"] == 1
+    assert h.core.status(h.now).workers[0].evictions == 1
 
 
 def test_never_evicts_a_model_with_running_or_queued_work() -> None:
@@ -458,15 +458,37 @@ def test_a_lost_plan_reply_answers_the_client_and_frees_the_partitioner() -> Non
     assert h.core.peers["part"].inflight_plans == 0 and h.core.calls == {}
 
 
-def test_a_malformed_plan_fails_the_deploy_and_is_not_cached() -> None:
+def test_a_malformed_plan_is_refused_on_receipt_and_fails_the_deploy_at_once() -> None:
     h = Harness()
     part = h.partitioner()
     h.worker("w0")
     spec = {"name": "m", "factory": "flowmesh.examples:mlp", "seed": 0}
-    job = only(h.client(CLIENT_A, p.Deploy(id=3, spec=spec)), p.PlanJob)[0]
-    out = h.backend(part, p.PlanReply(id=job.id, plan={"range_bytes": ["lots"]}))
-    assert [(e.id, e.code) for e in only(out, p.Error)] == [(3, Code.PLAN_ERROR)]
-    assert h.core.plan_cache == {} and "m" not in h.core.models
+    job = only(h.client(CLIENT_A, p.Deploy(id=3, spec=spec, timeout_ms=3000)), p.PlanJob)[0]
+    # The plan checks itself as the reply is decoded: the broker never takes it, but learns
+    # that the answer to its plan job was refused, and fails the deploy without waiting.
+    with pytest.raises(p.DecodeError) as info:
+        h.backend(part, p.PlanReply(id=job.id, plan={"range_bytes": ["lots"]}))
+    assert info.value.code == Code.BAD_REQUEST and "$.plan.range_bytes" in info.value.reason
+    (err,) = only(h.out(), p.Error)
+    assert err.id == 3 and err.code == Code.BAD_REQUEST
+    assert "part's answer was refused" in err.reason and "$.plan.range_bytes" in err.reason
+    assert h.core.calls == {} and len(h.core.plan_cache) == 0 and "m" not in h.core.models
+    assert only(live_until(h, 4.0), p.Error) == []  # nothing left to time out
+
+
+def test_a_refused_answer_naming_another_peers_call_changes_nothing() -> None:
+    h = Harness()
+    part = h.partitioner()
+    other = h.worker("w0")
+    stranger = b"stranger"  # never registered
+    spec = {"name": "m", "factory": "flowmesh.examples:mlp", "seed": 0}
+    job = only(h.client(CLIENT_A, p.Deploy(id=3, spec=spec, timeout_ms=3000)), p.PlanJob)[0]
+    for addr in (other, stranger):
+        with pytest.raises(p.DecodeError):
+            h.backend(addr, p.PlanReply(id=job.id, plan={"range_bytes": ["lots"]}))
+        assert h.out() == [] and job.id in h.core.calls
+    h.backend(part, p.PlanReply(id=job.id, plan=plan_of([MIB])))
+    assert job.id not in h.core.calls and "m" in h.core.models
 
 
 def test_bad_info_in_a_run_result_fails_its_batch_instead_of_orphaning_it() -> None:
@@ -476,14 +498,17 @@ def test_bad_info_in_a_run_result_fails_its_batch_instead_of_orphaning_it() -> N
     h.deploy("m", [MIB], replicas=1)
     rid, out = h.infer("m")
     run = only(out, p.Run)[0]
-    out = h.backend(
-        w0,
-        p.RunResult(
-            id=run.id, model="m", stage=0, tensors={"0/": ref(1, 4)}, info={"compute_s": "x"}
-        ),
-    )
-    (err,) = only(out, p.Error)
-    assert err.id == rid and err.code == Code.INTERNAL and "compute_s" in err.reason
+    # The info checks itself as the result is decoded; the refusal fails the batch at once.
+    with pytest.raises(p.DecodeError):
+        h.backend(
+            w0,
+            p.RunResult(
+                id=run.id, model="m", stage=0, tensors={"0/": ref(1, 4)}, info={"compute_s": "x"}
+            ),
+        )
+    (err,) = only(h.out(), p.Error)
+    assert err.id == rid and err.code == Code.BAD_MESSAGE
+    assert "w0's answer was refused" in err.reason and "$.info.compute_s" in err.reason
     assert h.core.batches == {} and h.core.peers["w0"].inflight_runs == 0
     assert h.core.models["m"].replicas[0].inflight == 0
 
@@ -542,8 +567,8 @@ def test_bad_heartbeat_stats_are_refused_and_status_keeps_working() -> None:
         with pytest.raises(FlowmeshError) as info:  # types on receipt, bounds in the broker
             h.backend(w0, p.decode(p.encode(p.Heartbeat(stats=bad))))
         assert info.value.code in (Code.BAD_MESSAGE, Code.BAD_REQUEST)
-    (w,) = h.core.status(h.now)["workers"]
-    assert w["peak_bytes"] == 7 and w["stats"]["lanes"] == [1, 2]
+    (w,) = h.core.status(h.now).workers
+    assert w.peak_bytes == 7 and w.stats["lanes"] == [1, 2]
 
 
 def test_the_same_process_registering_again_keeps_its_state() -> None:
@@ -562,7 +587,7 @@ def test_the_same_process_registering_again_keeps_its_state() -> None:
     assert out[0][2].kept is True
     assert [e for e in only(out, p.Error)] == []
     st = h.core.status(h.now)
-    assert st["workers"][0]["registrations"] == 2 and st["workers"][0]["resident"] == ["m/0"]
+    assert st.workers[0].registrations == 2 and st.workers[0].resident == ["m/0"]
     (res,) = only(h.finish(w0, run), p.Result)
     assert res.id == rid
     # Another process under that name (it restarted): what the old one held is gone.
@@ -570,7 +595,7 @@ def test_the_same_process_registering_again_keeps_its_state() -> None:
     out = h.backend(w0, msgspec.structs.replace(reg, pid=99))
     assert (rid, Code.WORKER_LOST) in [(e.id, e.code) for e in only(out, p.Error)]
     assert out[-1][2].TYPE == "register_ack" and out[-1][2].kept is False
-    assert h.core.status(h.now)["workers"][0]["resident"] == []
+    assert h.core.status(h.now).workers[0].resident == []
 
 
 def test_a_bad_registration_changes_nothing() -> None:
@@ -587,8 +612,8 @@ def test_a_bad_registration_changes_nothing() -> None:
     )
     with pytest.raises(FlowmeshError):
         h.backend(b"w0", bad)
-    (w,) = h.core.status(h.now)["workers"]
-    assert w["pid"] == 1 and w["ready"] is True
+    (w,) = h.core.status(h.now).workers
+    assert w.pid == 1 and w.ready is True
 
 
 def test_a_load_that_cannot_be_sent_drops_its_call_and_residency() -> None:

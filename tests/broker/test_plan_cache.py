@@ -13,6 +13,8 @@ from broker.context import Context
 from broker.plan_cache import PlanCache, deep_size
 from broker.registry import Registry
 from flowmesh import protocol as p
+from flowmesh.modelio.plan import Plan
+from flowmesh.spec import ModelSpec
 
 KIB = 1 << 10
 
@@ -61,11 +63,11 @@ def rig() -> tuple[Context, Registry]:
 
 def plan(ctx: Context, reg: Registry, n: int) -> list[Any]:
     """A client's plan request for a spec of its own: what the broker sends for it."""
-    spec = {"name": f"m{n}", "factory": "flowmesh.examples:mlp", "kwargs": {"width": n + 1}}
+    spec = ModelSpec(name=f"m{n}", factory="flowmesh.examples:mlp", kwargs={"width": n + 1})
     reg.plan_request(b"client", p.PlanRequest(id=n, spec=spec), 0.0)
     out = [msg for _, _, msg in ctx.drain()]
     for job in [m for m in out if isinstance(m, p.PlanJob)]:
-        reply = p.PlanReply(id=job.id, **answer(n))
+        reply = p.PlanReply(id=job.id, plan=Plan.from_dict(answer(n)["plan"]), inputs=None)
         reg.plan_reply(ctx.peers["part"], reply, 0.0)
         out += [msg for _, _, msg in ctx.drain()]
     return out
@@ -73,7 +75,8 @@ def plan(ctx: Context, reg: Registry, n: int) -> list[Any]:
 
 def test_distinct_plan_requests_keep_the_broker_s_memory_within_the_cache_s_bytes() -> None:
     ctx, reg = rig()
-    bound = reg.plan_cache.max_bytes = 64 * deep_size(answer(0))
+    kept = {"plan": Plan.from_dict(answer(0)["plan"]), "inputs": None}  # as the cache keeps it
+    bound = reg.plan_cache.max_bytes = 64 * deep_size(kept)
     plan(ctx, reg, 0)
     gc.collect()
     tracemalloc.start()

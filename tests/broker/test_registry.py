@@ -12,16 +12,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from broker.checks import MAX_STATS_ITEMS, check_seconds, check_stats
+from broker.checks import MAX_STATS_ITEMS, check_stats
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing
-from broker.registry import Registry, stage_sizes
+from broker.placement import stored_plan
+from broker.registry import Registry
 from broker.state import Model, ModelState, Peer, Phase, Replica, Request, Residency
 from broker.status import model_status
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
-from tests.support.broker import plan_of, received
+from flowmesh.reports import ReplicaRow
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, TensorSpec
+from tests.support.broker import plan_of, received, typed_plan
 
 MIB = 1 << 20
 C = b"client"
@@ -33,8 +35,11 @@ def ack(ref: int, *, kept: bool) -> p.RegisterAck:
     return p.RegisterAck(id=ref, heartbeat_s=1.0, liveness=3, kept=kept, allow=list(DEFAULT_ALLOW))
 
 
-def spec_of(name: str, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "factory": "flowmesh.examples:mlp", "seed": 0, **extra}
+def spec_of(name: str, **extra: Any) -> ModelSpec:
+    return ModelSpec(name=name, factory="flowmesh.examples:mlp", seed=0, **extra)
+
+
+INPUTS = {"x": TensorSpec("float32", (-1, 4))}
 
 
 class Rig:
@@ -76,7 +81,7 @@ class Rig:
         """Deploy through the whole path; returns the READY model, with the output forgotten."""
         self.reg.deploy(C, p.Deploy(id=50, spec=spec_of(name, replicas=replicas)), now)
         ((_, _, job),) = self.out()
-        reply = p.PlanReply(id=job.id, plan=plan_of(stage_bytes), inputs=None)
+        reply = p.PlanReply(id=job.id, plan=typed_plan(stage_bytes), inputs=None)
         self.reg.plan_reply(self.peer("part"), reply, now)
         for _, addr, m in self.out():
             ready = p.StageReady(
@@ -285,11 +290,11 @@ def test_deploy_asks_a_plan_places_every_stage_then_answers() -> None:
     rig.join("w1", budget=80 * MIB)
     spec = spec_of("m", replicas=2)
     rig.reg.deploy(C, p.Deploy(id=5, spec=spec), 0.0)
-    full = ModelSpec.from_dict(spec).to_dict()
-    request = {"spec": full, "kind": "stages", "stages": None, "mem_cap": 80 * MIB}
+    full = spec
+    request = p.PlanAsk(spec=spec, kind="stages", stages=None, mem_cap=80 * MIB)
     assert rig.out() == [(BACKEND, PART, p.PlanJob(id=1, request=request))]
     assert rig.peer("part").inflight_plans == 1
-    plan = plan_of([10 * MIB])
+    plan = typed_plan([10 * MIB])
     rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan, inputs=None), 0.1)
     assert rig.out() == [
         (BACKEND, b"w0", p.DeployStage(id=2, model="m", stage=0, spec=full, plan=plan)),
@@ -304,12 +309,12 @@ def test_deploy_asks_a_plan_places_every_stage_then_answers() -> None:
     assert model.state is ModelState.READY
     assert rig.out() == [(CLIENT, C, p.Deployed(id=5, model=model_status(model, rig.ctx.peers)))]
     row = model_status(model, rig.ctx.peers)
-    assert (row["state"], row["bytes"], row["replicas"]) == (
+    assert (row.state, row.bytes, row.replicas) == (
         "ready",
         10 * MIB,
         [
-            {"workers": ["w0"], "live": True, "inflight": 0},
-            {"workers": ["w1"], "live": True, "inflight": 0},
+            ReplicaRow(workers=["w0"], live=True, inflight=0),
+            ReplicaRow(workers=["w1"], live=True, inflight=0),
         ],
     )
     assert rig.peer("w0").hosted == {("m", 0): 9 * MIB}  # what the worker measured
@@ -322,12 +327,12 @@ def test_a_plan_asked_twice_is_answered_from_the_cache() -> None:
     ask = p.PlanRequest(id=7, spec=spec_of("m"), kind="chunks", target_bytes=MIB)
     rig.reg.plan_request(C, ask, 0.0)
     ((_, _, job),) = rig.out()
-    assert (job.id, job.request["kind"], job.request["mem_cap"]) == (1, "chunks", None)
-    plan = plan_of([MIB, MIB])
-    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan, inputs={"x": 1}), 0.1)
-    assert rig.out() == [(CLIENT, C, p.PlanReply(id=7, plan=plan, inputs={"x": 1}))]
+    assert (job.id, job.request.kind, job.request.mem_cap) == (1, "chunks", None)
+    plan = typed_plan([MIB, MIB])
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan, inputs=INPUTS), 0.1)
+    assert rig.out() == [(CLIENT, C, p.PlanReply(id=7, plan=plan, inputs=INPUTS))]
     rig.reg.plan_request(b"other", msgspec.structs.replace(ask, id=8), 0.2)
-    assert rig.out() == [(CLIENT, b"other", p.PlanReply(id=8, plan=plan, inputs={"x": 1}))]
+    assert rig.out() == [(CLIENT, b"other", p.PlanReply(id=8, plan=plan, inputs=INPUTS))]
 
 
 def test_a_stage_larger_than_any_device_fails_the_deploy() -> None:
@@ -336,7 +341,7 @@ def test_a_stage_larger_than_any_device_fails_the_deploy() -> None:
     rig.join("w0", budget=10 * MIB)
     rig.reg.deploy(C, p.Deploy(id=5, spec=spec_of("big", stages=1)), 0.0)
     rig.out()
-    plan = plan_of([20 * MIB])
+    plan = typed_plan([20 * MIB])
     rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan), 0.1)
     reason = (
         "'big' stage 0 needs 20971520 bytes but the largest device budget is 10485760 bytes; "
@@ -351,7 +356,7 @@ def test_a_deploy_not_done_by_its_deadline_is_failed_and_cleaned_up() -> None:
     rig.join("part")
     rig.join("w0")
     rig.reg.deploy(C, p.Deploy(id=5, spec=spec_of("m", replicas=1), timeout_ms=10_000), 0.0)
-    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan_of([MIB])), 0.1)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=typed_plan([MIB])), 0.1)
     rig.out()
     model = rig.ctx.models["m"]
     rig.reg.deploy_overdue(model, 9.9)
@@ -422,7 +427,7 @@ def test_a_lost_worker_s_replicas_are_recreated_on_live_workers() -> None:
     model = rig.deploy("m", [2 * MIB, MIB], replicas=1)
     assert [r.workers for r in model.replicas] == [["w0", "w1"]]
     rig.reg.peer_dead(rig.peer("w0"), 5.0, "missed heartbeats")
-    full = model.spec.to_dict()
+    full = model.spec
     assert rig.out() == [
         (BACKEND, b"w1", p.DropStage(id=4, model="m", stage=1)),
         (BACKEND, b"w1", p.DeployStage(id=5, model="m", stage=0, spec=full, plan=model.plan)),
@@ -452,7 +457,7 @@ def test_a_replica_given_up_after_a_hung_run_is_recreated_away_from_that_worker(
     rig.reg.give_up_replica(model, rep, "w0", "hung")  # no longer one of its replicas
     assert rig.out() == []
     rig.reg.reconcile(6.0)
-    full = model.spec.to_dict()
+    full = model.spec
     assert rig.out() == [
         (BACKEND, b"w1", p.DeployStage(id=4, model="m", stage=0, spec=full, plan=model.plan))
     ]
@@ -484,7 +489,7 @@ def test_a_stage_answered_for_a_replica_gone_meanwhile_is_dropped() -> None:
     rig.join("part")
     w0 = rig.join("w0")
     rig.reg.deploy(C, p.Deploy(id=5, spec=spec_of("m", replicas=1)), 0.0)
-    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=plan_of([MIB])), 0.1)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=typed_plan([MIB])), 0.1)
     rig.out()
     model = rig.ctx.models["m"]
     model.replicas.clear()  # given up while the worker prepared the stage
@@ -525,8 +530,8 @@ def test_checks_refuse_what_would_break_status_or_placement() -> None:
         with pytest.raises(FlowmeshError) as info:
             check_stats(received(p.Heartbeat(stats=stats)).stats)
         assert (info.value.code, info.value.reason) == (Code.BAD_REQUEST, reason)
-    # A plan is taken by its own validation (`Plan.from_dict`), whatever its values are.
-    assert stage_sizes(plan_of([3, 4])) == [3, 4]
+    # A stored plan is taken by its own validation (`Plan.from_dict`), whatever its values are.
+    assert stored_plan(plan_of([3, 4])).range_bytes == (3, 4)
     for bad, said in [
         ({**plan_of([3, 4]), "range_bytes": [3]}, "range_bytes must be a list of 2 integers"),
         ({**plan_of([3]), "ranges": [[0, 2]]}, "ranges end at block 2, but the model has 1"),
@@ -535,12 +540,8 @@ def test_checks_refuse_what_would_break_status_or_placement() -> None:
         ({"range_bytes": [3]}, "plan version None is not supported"),
     ]:
         with pytest.raises(FlowmeshError) as info:
-            stage_sizes(bad)
+            stored_plan(bad)
         assert info.value.code == Code.PLAN_ERROR and said in info.value.reason, info.value
-    assert check_seconds({"compute_s": 2}, "compute_s") == 2.0
-    assert check_seconds({}, "wait_s") == 0.0
-    with pytest.raises(FlowmeshError):
-        check_seconds({"wait_s": -1.0}, "wait_s")
 
 
 def test_the_rooms_share_the_very_tables() -> None:

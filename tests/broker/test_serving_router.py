@@ -98,7 +98,7 @@ class Rig:
     def result(self, worker: str, run: p.Run, now: float, **info: float) -> list[Outgoing]:
         tensors = {f"{k}/y": ref(rows, 2) for k, (_tag, rows) in enumerate(run.parts)}
         msg = p.RunResult(
-            id=run.id, model=run.model, stage=run.stage, tensors=tensors, info=dict(info)
+            id=run.id, model=run.model, stage=run.stage, tensors=tensors, info=p.RunInfo(**info)
         )
         self.router.run_result(self.ctx.peers[worker], msg, now)
         return self.ctx.drain()
@@ -133,15 +133,15 @@ def test_the_last_stage_answers_each_client_with_its_own_rows_and_timings() -> N
     (dest, addr, result) = out[0]
     assert (dest, addr, len(out)) == (CLIENT, C1, 1)
     assert result.id == 7 and list(result.tensors) == ["y"]
-    assert result.info == {
-        "latency_ms": 250.0,
-        "batch": 1,
-        "queue_ms": 0.0,
-        "run_ms": 250.0,
-        "compute_ms": 125.0,
-        "load_wait_ms": 62.5,
-        "workers": ["w0"],
-    }
+    assert result.info == p.ResultInfo(
+        latency_ms=250.0,
+        batch=1,
+        queue_ms=0.0,
+        run_ms=250.0,
+        compute_ms=125.0,
+        load_wait_ms=62.5,
+        workers=["w0"],
+    )
     # The same figures, as status reads them back from the /metrics histograms.
     assert rig.router.timings.model_means() == {
         "m": {
@@ -343,7 +343,7 @@ def test_a_batch_travels_stage_by_stage_with_its_activations() -> None:
     acts = {"0/h": ref(1, 16)}
     rig.router.run_result(
         rig.ctx.peers["w0"],
-        p.RunResult(id=2, model="m", stage=0, tensors=acts, info={"compute_s": 0.5}),
+        p.RunResult(id=2, model="m", stage=0, tensors=acts, info=p.RunInfo(compute_s=0.5)),
         0.5,
     )
     assert rig.ctx.drain() == [
@@ -578,7 +578,7 @@ def test_requests_of_a_model_taking_one_per_forward_share_a_run_each_computed_al
     out = rig.result("w0", grouped, 0.3)
     answers = [m for _, _, m in out if isinstance(m, p.Result)]
     assert [a.id for a in answers] == [3, 4, 5, 6]
-    assert {a.info["batch"] for a in answers} == {1}
+    assert {a.info.batch for a in answers} == {1}
     (rest,) = [m for _, _, m in out if isinstance(m, p.Run)]
     assert (rest.parts, rest.separate) == ([[9, 2], [10, 1]], True)
     # A grouped run that breaks the model: each of its requests runs alone, to find the culprit.

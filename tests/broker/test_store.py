@@ -13,7 +13,7 @@ from broker.core import CLIENT
 from broker.store import FILE, JobRecord, ModelRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from tests.support.broker import CLIENT_A, MIB, Harness, only, received, ref
+from tests.support.broker import CLIENT_A, MIB, Harness, only, opened_job, received, ref
 
 # ====================================================================== the store alone
 
@@ -156,7 +156,7 @@ def test_a_restarted_broker_takes_the_stages_up_without_deploying_again(tmp_path
     life = Life(tmp_path)
     model = life.core.models["m"]
     assert model.state.value == "ready" and not model.replicas[0].live
-    assert life.core.status(0.0)["restoring"] is True
+    assert life.core.status(0.0).restoring is True
     # A request that comes before the workers waits for them, rather than failing.
     rid, out = life.infer("m")
     assert out == []
@@ -166,7 +166,7 @@ def test_a_restarted_broker_takes_the_stages_up_without_deploying_again(tmp_path
     # Nothing is deployed again: the stages are adopted, the one not resident is loaded.
     assert not only(out, p.DeployStage) and not only(out, p.DropStage)
     assert model.replicas[0].live
-    assert life.core.status(0.0)["restoring"] is False
+    assert life.core.status(0.0).restoring is False
     (load,) = only(out, p.Load)
     assert load.id > 1 << 40  # this life's ids are above every id of the one before
     assert [load.stage] == [s["stage"] for s in inv["w1"]]  # w0's is resident already
@@ -228,15 +228,18 @@ def test_a_bad_inventory_is_refused_before_anything_changes(tmp_path: Path) -> N
 # ====================================================================== training jobs
 
 
+CONFIG = {"optimizer": {"name": "sgd"}, "loss": "mse"}
+
+
 def open_job(life: Harness, worker: bytes, name: str = "j") -> None:
     spec = {"name": name, "factory": "flowmesh.examples:mlp", "seed": 0}
     out = life.client(
-        CLIENT_A, p.TrainOpen(id=50, job=name, spec=spec, config={"loss": "mse"}, batch=4)
+        CLIENT_A, p.TrainOpen(id=50, job=name, spec=spec, config=CONFIG, batch=4)
     )
     ((_, addr, sent),) = out
     assert addr == worker
-    info = {"name": name, "step": 0, "footprint": MIB, "config": {"loss": "mse", "x": 1}}
-    out = life.backend(worker, p.TrainOpened(id=sent.id, job=info))
+    info = opened_job(name, footprint=MIB, config={"loss": "mse", "x": 1})
+    out = life.backend(worker, p.JobOpened(id=sent.id, job=info))
     assert only(out, p.TrainOpened)
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from broker.core import BACKEND, CLIENT
+from flowmesh import metrics
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from tests.support.broker import Harness, ref
+from flowmesh.train_spec import TrainConfig
+from tests.support.broker import Harness, opened_job, ref
 
 KIB = 1 << 10
 C = b"client"
@@ -47,17 +49,18 @@ def open_job(h: Harness, job: str, footprint: int = 0, ref_id: int = 1) -> tuple
         h.client(C, p.TrainOpen(id=ref_id, job=job, spec=SPEC, config=CONFIG, batch=4))
     )
     assert dest == BACKEND and isinstance(fwd, p.TrainOpen)
-    assert (fwd.job, fwd.spec["factory"], fwd.config, fwd.batch) == (
+    assert (fwd.job, fwd.spec.factory, fwd.config, fwd.batch) == (
         job,
         SPEC["factory"],
-        CONFIG,
+        TrainConfig(**CONFIG),  # checked on receipt, forwarded as it came
         4,
     )
-    info = {"name": job, "step": 0, "footprint": footprint, "sub_models": [{"blocks": [0, 2]}]}
-    dest, client, opened = only(h.backend(addr, p.TrainOpened(id=fwd.id, job=info)))
+    info = opened_job(job, worker=addr.decode(), footprint=footprint)
+    dest, client, opened = only(h.backend(addr, p.JobOpened(id=fwd.id, job=info)))
     assert (dest, client) == (CLIENT, C) and isinstance(opened, p.TrainOpened)
-    assert opened.id == ref_id and opened.job["worker"] == addr.decode()
-    assert opened.job["state"] == "ready" and opened.job["sub_models"] == [{"blocks": [0, 2]}]
+    assert opened.id == ref_id and opened.job.worker == addr.decode()
+    assert opened.job.state == "ready" and opened.job.sub_models == info.sub_models
+    assert opened.job.footprint == footprint
     return addr, fwd.id
 
 
@@ -101,7 +104,7 @@ def test_a_job_goes_to_the_worker_with_most_free_training_bytes() -> None:
     with pytest.raises(FlowmeshError) as info:
         h.client(C, p.TrainOpen(id=4, job="first", spec=SPEC, config=CONFIG, batch=4))
     assert info.value.code == Code.MODEL_EXISTS
-    assert [j["name"] for j in h.core.status(h.now)["jobs"]] == ["first", "second", "third"]
+    assert [j.name for j in h.core.status(h.now).jobs] == ["first", "second", "third"]
 
 
 def test_no_training_worker_and_a_factory_off_the_allow_list_are_refused() -> None:
@@ -135,8 +138,8 @@ def test_steps_are_forwarded_in_order_and_answered_with_their_own_ids() -> None:
         (CLIENT, C, 12, 2, 2, 0.5),
         (CLIENT, C, 13, 3, 3, 1.0 / 3),
     ]
-    (row,) = h.core.status(h.now)["jobs"]
-    assert (row["step"], row["last_loss"], row["pending"]) == (3, 1.0 / 3, 0)
+    (row,) = h.core.status(h.now).jobs
+    assert (row.step, row.last_loss, row.pending) == (3, 1.0 / 3, 0)
 
 
 def test_a_taken_seq_is_never_sent_twice() -> None:
@@ -164,8 +167,8 @@ def test_a_taken_seq_is_never_sent_twice() -> None:
     with pytest.raises(FlowmeshError) as info:
         step(h, "j", 5, 15)
     assert info.value.code == Code.BAD_REQUEST and "already taken" in info.value.reason
-    (row,) = h.core.status(h.now)["jobs"]
-    assert (row["step"], row["errors"], row["pending"]) == (2, 1, 1)
+    (row,) = h.core.status(h.now).jobs
+    assert (row.step, row.errors, row.pending) == (2, 1, 1)
 
 
 def test_every_call_has_a_deadline() -> None:
@@ -187,8 +190,8 @@ def test_every_call_has_a_deadline() -> None:
     assert out[0][1].job == "slow" and out[1][1].code == "timeout"  # type: ignore[attr-defined]
     assert "slow" not in h.core.training.jobs
     # Should it open after all, it is closed again: nobody can reach it.
-    late = {"name": "slow", "step": 0}
-    ((dest, addr, shut),) = h.backend(w, p.TrainOpened(id=fwd_open.id, job=late))
+    late = opened_job("slow")
+    ((dest, addr, shut),) = h.backend(w, p.JobOpened(id=fwd_open.id, job=late))
     assert (dest, addr) == (BACKEND, w) and isinstance(shut, p.TrainClose) and shut.job == "slow"
 
 
@@ -208,7 +211,7 @@ def test_a_lost_worker_fails_its_jobs_steps_naming_the_last_checkpoint() -> None
     errs = [m for _, _, m in tick(h, 3.5, b) if isinstance(m, p.Error)]  # a fell silent
     assert [(e.id, e.code) for e in errs] == [(11, "worker_lost"), (12, "worker_lost")]
     assert "last saved at step 4 to '/ck/a'" in errs[0].reason
-    assert [j["name"] for j in h.core.status(h.now)["jobs"]] == ["on-b"]
+    assert [j.name for j in h.core.status(h.now).jobs] == ["on-b"]
     assert only(h.backend(b, result(other, 0.5, 1)))[2].id == 21  # type: ignore[attr-defined]
 
 
@@ -225,9 +228,47 @@ def test_close_fails_what_is_pending_and_forgets_the_job() -> None:
     out = h.backend(w, p.TrainClosed(id=close.id, job="j"))
     assert [(type(m).__name__, m.id) for _, _, m in out] == [("Error", 11), ("TrainClosed", 9)]  # type: ignore[attr-defined]
     assert h.backend(w, result(fwd, 1.0, 1)) == []  # late: nobody waits
-    assert h.core.status(h.now)["jobs"] == []
+    assert h.core.status(h.now).jobs == []
     jobs = only(h.client(C, p.Jobs(id=3)))[2]
     assert isinstance(jobs, p.JobsReply) and jobs.jobs == []
+
+
+def test_a_job_that_ended_keeps_its_final_figures_in_status_and_metrics() -> None:
+    h = Harness()
+    w = trainer(h, "w", 200 * KIB)
+    lost = trainer(h, "x", 100 * KIB)
+    assert open_job(h, "j", footprint=150 * KIB)[0] == w
+    assert open_job(h, "k", ref_id=2)[0] == lost
+    _, _, fwd = only(step(h, "j", 1, 11))
+    h.backend(w, result(fwd, 0.75, 1))
+    _, _, fwd = only(step(h, "j", 2, 12))
+    h.backend(w, p.Error(id=fwd.id, code="model_error", reason="boom"))
+    _, _, close = only(h.client(C, p.TrainClose(id=9, job="j")))
+    h.backend(w, p.TrainClosed(id=close.id, job="j"))
+    tick(h, 3.5, w)  # x fell silent: k is lost with it
+    st = h.core.status(h.now)
+    assert st.jobs == []
+    assert [(j.name, j.state, j.step, j.last_loss, j.errors) for j in st.finished_jobs] == [
+        ("j", "closed", 1, 0.75, 1),
+        ("k", "lost", 0, None, 0),
+    ]
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in metrics.broker_families(st)
+        for s in f.samples
+    }
+    closed = (("state", "closed"), ("train_job", "j"))
+    assert got[("flowmesh_broker_train_final_steps", closed)] == 1
+    assert got[("flowmesh_broker_train_final_loss", closed)] == 0.75
+    assert got[("flowmesh_broker_train_final_errors", closed)] == 1
+    assert got[("flowmesh_broker_train_final_steps", (("state", "lost"), ("train_job", "k")))] == 0
+    assert not [k for k in got if k[0] == "flowmesh_broker_train_steps_total"]  # no open job
+    # Opened again under the same name: one row per name, the latest run's once it ends.
+    open_job(h, "j", ref_id=3)
+    assert [j.name for j in h.core.status(h.now).finished_jobs] == ["j", "k"]
+    _, _, close = only(h.client(C, p.TrainClose(id=10, job="j")))
+    h.backend(w, p.TrainClosed(id=close.id, job="j"))
+    assert [(j.name, j.step) for j in h.core.status(h.now).finished_jobs] == [("k", 0), ("j", 0)]
 
 
 def test_only_the_jobs_worker_may_answer_its_calls() -> None:
@@ -261,12 +302,12 @@ def test_an_eval_is_forwarded_behind_the_steps_and_changes_no_job_figures() -> N
     assert (dest, addr) == (CLIENT, C) and answered == p.TrainEvalResult(
         id=21, job="j", loss=0.7, step=1, metrics=metrics
     )
-    (row,) = h.core.status(h.now)["jobs"]
-    assert (row["step"], row["last_loss"], row["pending"]) == (1, 0.9, 1)
+    (row,) = h.core.status(h.now).jobs
+    assert (row.step, row.last_loss, row.pending) == (1, 0.9, 1)
     # A failed eval answers its caller and counts as no step error.
     _, _, again = only(h.client(C, p.TrainEval(id=22, job="j", tensors=tensors)))
     err = p.Error(id=again.id, code=str(Code.MODEL_ERROR), reason="boom")
-    assert (error_of(h.backend(w, err)).id, h.core.status(h.now)["jobs"][0]["errors"]) == (22, 0)
+    assert (error_of(h.backend(w, err)).id, h.core.status(h.now).jobs[0].errors) == (22, 0)
     with pytest.raises(FlowmeshError) as info:
         h.client(C, p.TrainEval(id=23, job="j", tensors={"inputs": ref(4, 8)}))
     assert info.value.code == Code.BAD_REQUEST and "'targets'" in info.value.reason

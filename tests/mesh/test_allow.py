@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from client_sdk.mesh import LocalMesh
+from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.spec import narrow_allow
+from flowmesh.spec import ModelSpec, narrow_allow
 from flowmesh.testing import assert_forward_close
 from partitioner.service import plan_for
 from tests.support.mesh import FAST
@@ -63,7 +64,7 @@ def test_narrowing_never_widens() -> None:
 
 
 def test_the_partitioner_names_itself_when_it_refuses() -> None:
-    request = {"spec": {"name": "m", "factory": "my_zoo:stack", "seed": 0}, "kind": "stages"}
+    request = p.PlanAsk(spec=ModelSpec(name="m", factory="my_zoo:stack", seed=0), kind="stages")
     with pytest.raises(FlowmeshError) as err:
         plan_for(request, ("flowmesh.examples",), None, "partitioner p-1")
     assert err.value.code == Code.NOT_ALLOWED

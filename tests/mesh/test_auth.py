@@ -28,6 +28,7 @@ from flowmesh.auth import (
     read_cert,
 )
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.reports import PeerRow
 from flowmesh.testing import assert_forward_close
 from tests.support.mesh import FAST, deploy, mlp_spec, reference
 
@@ -59,9 +60,9 @@ def stranger_keys(mesh: LocalMesh, tmp: Path, name: str, role: str) -> Path:
     return add_key(d, name, role)
 
 
-def peer_rows(client: Client) -> dict[str, dict]:
+def peer_rows(client: Client) -> dict[str, PeerRow]:
     st = client.status(timeout=10)
-    return {r["name"]: r for r in (*st["workers"], *st["partitioners"])}
+    return {r.name: r for r in (*st.workers, *st.partitioners)}
 
 
 def spawn_worker(mesh: LocalMesh, name: str, extra: list[str]) -> str:
@@ -142,7 +143,7 @@ async def test_unknown_and_missing_client_keys_are_refused_fast(
     secret = stranger_keys(keyed_mesh, tmp_path, "eve", "operator")
     async with AsyncClient(keyed_mesh.frontend, timeout=20, keys=keyed_mesh.client_keys) as ok:
         st = await ok.status()
-        refused_before, zap_before = st["auth_refused"], st["zap_refused"]
+        refused_before, zap_before = st.totals.auth_refused, st.totals.zap_refused
     async with AsyncClient(keyed_mesh.frontend, timeout=30, keys=str(secret)) as eve:
         exc = await _refused_call(eve)
         assert exc.code == Code.UNAUTHORIZED and "refused this key" in exc.reason, exc
@@ -171,8 +172,8 @@ async def test_unknown_and_missing_client_keys_are_refused_fast(
         assert_forward_close(await ok.infer(SPEC.name, x), ref(x))
         # Refused by ZAP: not one of these messages reached the broker's logic.
         st = await ok.status()
-        assert st["auth_refused"] == refused_before, st["auth_refused"]
-        assert st["zap_refused"] >= zap_before + 2, (zap_before, st["zap_refused"])
+        assert st.totals.auth_refused == refused_before, st.totals.auth_refused
+        assert st.totals.zap_refused >= zap_before + 2, (zap_before, st.totals.zap_refused)
 
 
 async def test_a_refusal_before_the_client_looks_is_still_seen(keyed_mesh: LocalMesh) -> None:
@@ -227,18 +228,18 @@ def test_a_worker_key_cannot_register_under_another_workers_name(
         add_key(keyed_mesh.key_dir, "intruder", "worker")  # an allowed worker key
     with keyed_mesh.client(timeout=20) as c:
         before = peer_rows(c)["worker-0"]
-        refused_before = c.status()["auth_refused"]
+        refused_before = c.status().totals.auth_refused
         intruder = spawn_worker(keyed_mesh, "worker-0", ["--keys", str(secret)])
         try:
             log = wait_log(
                 keyed_mesh, intruder, "registration as worker 'worker-0' refused: this key "
             )
             assert "belongs to worker 'intruder'" in log and "forbidden" in log, log
-            assert c.status()["auth_refused"] > refused_before
+            assert c.status().totals.auth_refused > refused_before
             after = peer_rows(c)["worker-0"]
-            assert (after["pid"], after["registrations"]) == (
-                before["pid"],
-                before["registrations"],
+            assert (after.pid, after.registrations) == (
+                before.pid,
+                before.registrations,
             ), (before, after)
             assert "intruder" not in peer_rows(c)
             x = torch.randn(2, WIDTH)
@@ -266,9 +267,9 @@ def test_a_second_process_with_a_worker_s_own_key_stops_while_that_worker_lives(
         assert "name_taken" in twin.tail(100), twin.tail()
         assert "name 'worker-0' is held by a live worker of another process" in twin.tail(100)
         after = peer_rows(c)["worker-0"]
-        assert (after["pid"], after["registrations"]) == (
-            before["pid"],
-            before["registrations"],
+        assert (after.pid, after.registrations) == (
+            before.pid,
+            before.registrations,
         ), (before, after)
         x = torch.randn(2, WIDTH)
         assert_forward_close(c.infer(SPEC.name, x), ref(x))
@@ -285,7 +286,7 @@ def test_a_client_key_can_infer_but_not_deploy(keyed_mesh: LocalMesh, ref: torch
     with Client(keyed_mesh.frontend, timeout=20, keys=str(secret)) as app:
         x = torch.randn(4, WIDTH)
         assert_forward_close(app.infer(SPEC.name, x), ref(x))
-        assert app.status()["models"][0]["name"] == SPEC.name
+        assert app.status().models[0].name == SPEC.name
         other = mlp_spec("auth-denied", width=WIDTH, depth=2, seed=1)
         with pytest.raises(errors.Forbidden, match="deploy refused: key 'app' has role 'client'"):
             deploy(app, other)
@@ -298,7 +299,7 @@ def test_a_client_key_can_infer_but_not_deploy(keyed_mesh: LocalMesh, ref: torch
             )
         assert exc.value.code == Code.FORBIDDEN
         st = app.status()
-        assert [m["name"] for m in st["models"]] == [SPEC.name] and st["auth_refused"] >= 3
+        assert [m.name for m in st.models] == [SPEC.name] and st.totals.auth_refused >= 3
 
 
 def test_an_operator_deploys_and_infers_end_to_end(keyed_mesh: LocalMesh) -> None:
@@ -310,4 +311,4 @@ def test_an_operator_deploys_and_infers_end_to_end(keyed_mesh: LocalMesh) -> Non
             x = torch.randn(3, 128)
             assert_forward_close(ops.infer(spec.name, x), model(x))
         ops.undeploy(spec.name)
-        assert spec.name not in [m["name"] for m in ops.status()["models"]]
+        assert spec.name not in [m.name for m in ops.status().models]

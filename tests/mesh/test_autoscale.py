@@ -1,33 +1,38 @@
 """Autoscaling on a real mesh: a burst on a model deployed with one replica adds a second on the
 other worker (outputs still those of the direct forward); once the burst is over and the model
-cooled (`BrokerConfig.scale_down_after_s`, 60 s by default), it shrinks back to one."""
+cooled (`BrokerConfig.scale_down_after_s`, 60 s by default), it shrinks back to one.
+
+The burst's arrival rate stays in the model's load for the rate window (`--rate-window`, 30 s by
+default: about a minute before a burst like this one reads as cooled); 2 s here, so that the
+shrink comes seconds after the burst, by the same rule."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
+from flowmesh.reports import ModelRow
 from flowmesh.testing import assert_forward_close
 from tests.support.mesh import FAST, deploy, mlp_spec, reference
 
 
-def row(c: Any, name: str) -> dict[str, Any]:
-    (model,) = [m for m in c.status()["models"] if m["name"] == name]
+def row(c: Any, name: str) -> ModelRow:
+    (model,) = [m for m in c.status().models if m.name == name]
     return model
 
 
 def test_a_burst_adds_a_replica_and_it_shrinks_back_after() -> None:
     # Unbatched: one replica serves one request per run, so a burst outruns it.
-    spec = dataclasses.replace(mlp_spec("hot", width=512, depth=4, seed=3), max_batch_size=1)
+    spec = msgspec.structs.replace(mlp_spec("hot", width=512, depth=4, seed=3), max_batch_size=1)
     ref = reference(spec)
     timers = ["--scale-up-after", "2", "--scale-down-after", "5", "--scale-cooldown", "3"]
+    timers += ["--rate-window", "2"]
     with (
         LocalMesh(
             cpu_workers=2,
@@ -39,7 +44,7 @@ def test_a_burst_adds_a_replica_and_it_shrinks_back_after() -> None:
     ):
         deploy(c, spec, replicas=1)
         first = row(c, "hot")
-        assert (first["replicas_live"], first["replicas_desired"]) == (1, 1)
+        assert (first.replicas_live, first.replicas_desired) == (1, 1)
 
         served_by: set[str] = set()
         stop = time.monotonic() + 90
@@ -68,15 +73,15 @@ def test_a_burst_adds_a_replica_and_it_shrinks_back_after() -> None:
         for x, out in kept:
             assert_forward_close(out, ref(x))
         grown = row(c, "hot")
-        assert len(served_by) == 2, (served_by, json.dumps(grown))
-        assert grown["scale_ups"] == 1 and grown["errors"] == 0, grown
+        assert len(served_by) == 2, (served_by, grown)
+        assert grown.scale_ups == 1 and grown.errors == 0, grown
 
         def shrunk() -> dict[str, Any] | None:
             r = row(c, "hot")
-            return r if r["scale_downs"] == 1 and len(r["replicas"]) == 1 else None
+            return r if r.scale_downs == 1 and len(r.replicas) == 1 else None
 
         after = mesh.wait_until(shrunk, "the second replica to be dropped", 180)
-        assert (after["replicas_live"], after["replicas_desired"]) == (1, 1), after
-        assert after["scale_ups"] == 1 and after["errors"] == 0, after
+        assert (after.replicas_live, after.replicas_desired) == (1, 1), after
+        assert after.scale_ups == 1 and after.errors == 0, after
         x = torch.randn(3, 512)
         assert_forward_close(c.infer("hot", x), ref(x))

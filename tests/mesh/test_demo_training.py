@@ -24,6 +24,7 @@ from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
 from flowmesh.units import parse_size
 from tests.support.mesh import FAST
+from tests.support.reports import broker_status
 
 STEPS = 4
 SWEEP_TRIALS, SWEEP_STEPS, SWEEP_EVAL_EVERY = 4, 6, 2
@@ -139,7 +140,7 @@ def test_a_job_that_timed_out_is_reported_as_a_timeout(capsys: pytest.CaptureFix
         timed_out=2,
     )
     code = demo.report_training(
-        {"workers": []}, {"j": spec}, {"j": opt}, {"j": stuck}, {"j": [2.5, 2.4, 2.3]}, 0.0
+        broker_status(), {"j": spec}, {"j": opt}, {"j": stuck}, {"j": [2.5, 2.4, 2.3]}, 0.0
     )
     out = capsys.readouterr().out
     assert code == 1

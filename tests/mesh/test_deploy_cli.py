@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file, save_file
 
+from client_sdk.cli import main
 from client_sdk.mesh import LocalMesh
 from client_sdk.views import DeployWatch
 from flowmesh.modelio.build import build_seeded
+from flowmesh.reports import BrokerStatus
 from tests.support.cli import flowmesh
 from tests.support.mesh import fresh_stats, mesh_options, mlp_spec
+from tests.support.reports import broker_status, worker_row
 
 pytestmark = mesh_options(memory_budget="16MiB")
 
@@ -33,8 +37,8 @@ def test_deploy_shows_the_weights_read_and_the_workers_report_reading(
     assert "reading weights" in done.stderr and "weights read in" in done.stderr
     assert " MiB / " in done.stderr and " MB" not in done.stderr  # one unit: binary
     with mesh.client() as c:
-        for w in c.status()["workers"]:
-            assert fresh_stats(c, w["name"])["preparing"] == {}  # nothing left half-read
+        for w in c.status().workers:
+            assert fresh_stats(c, w.name)["preparing"] == {}  # nothing left half-read
 
 
 def test_deploy_a_hugging_face_directory_then_infer_a_batch(
@@ -53,8 +57,8 @@ def test_deploy_a_hugging_face_directory_then_infer_a_batch(
     assert deployed.returncode == 0, deployed.stderr
     assert deployed.stdout.startswith("deployed gpt: ") and "stage 1: " in deployed.stdout
     with mesh.client() as c:
-        model = next(m for m in c.status()["models"] if m["name"] == "gpt")
-    assert model["factory"] is None and model["slo_ms"] == 500
+        model = next(m for m in c.status().models if m.name == "gpt")
+    assert model.factory is None and model.slo_ms == 500
     out = tmp_path / "out.safetensors"
     run = flowmesh(
         "infer", "gpt", "--batch", "2", "--seq", "8", "--output", str(out),
@@ -63,15 +67,22 @@ def test_deploy_a_hugging_face_directory_then_infer_a_batch(
     assert run.returncode == 0, run.stderr
     assert "batch of 2 row(s) in a forward of 1 request(s)" in run.stdout, run.stdout
     assert {k: list(v.shape) for k, v in load_file(out).items()} == {"output": [2, 8, 64]}
-    both = flowmesh("deploy", "x", "flowmesh.examples:mlp", "--hf", "d", "--broker", "tcp://x:1")
-    assert both.returncode == 1 and "one of the two" in both.stderr, both.stderr
+
+
+def test_deploy_takes_a_factory_or_a_directory_not_both() -> None:
+    # Refused before any connection: in this process (an interpreter's start saved), where
+    # `SystemExit(message)` is what exits 1 with the message on stderr.
+    with pytest.raises(SystemExit) as both:
+        main(["deploy", "x", "flowmesh.examples:mlp", "--hf", "d", "--broker", "tcp://x:1"])
+    assert "one of the two" in str(both.value.code), both.value
 
 
 def test_deploy_watch_adds_up_the_stages_each_worker_reads() -> None:
     watch = DeployWatch("m")
 
-    def status(**per_worker: dict[str, list[int]]) -> dict:
-        return {"workers": [{"name": w, "stats": {"preparing": p}} for w, p in per_worker.items()]}
+    def status(**per_worker: dict[str, list[int]]) -> BrokerStatus:
+        rows = [worker_row(w, stats={"preparing": p}) for w, p in per_worker.items()]
+        return broker_status(workers=rows)
 
     assert watch.update(status(a={"m/0": [0, 100]}, b={"other/0": [5, 9]})) == (0, 100)
     assert watch.update(status(a={"m/0": [40, 100]}, b={"m/1": [10, 50]})) == (50, 150)

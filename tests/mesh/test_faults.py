@@ -61,7 +61,7 @@ def test_worker_killed_during_traffic(tmp_path) -> None:  # type: ignore[no-unty
 
                 async def busy() -> bool:
                     st = await client.status()
-                    return any(w["name"] == "worker-1" and w["inflight"] for w in st["workers"])
+                    return any(w.name == "worker-1" and w.inflight for w in st.workers)
 
                 for _ in range(1000):
                     # Running, until the broker has sent it work; then frozen with it, maybe.
@@ -85,16 +85,16 @@ def test_worker_killed_during_traffic(tmp_path) -> None:  # type: ignore[no-unty
         assert len(outcomes) == sent[0] and set(outcomes) <= {"ok", "lost"}
         with mesh.client() as c:
             st = c.status()
-            assert sorted(w["name"] for w in st["workers"]) == ["worker-0", "worker-2"]
+            assert sorted(w.name for w in st.workers) == ["worker-0", "worker-2"]
             # Requests were in flight on the killed worker: retried elsewhere or answered lost.
-            assert st["retried"] + outcomes.count("lost") > 0, st
+            assert st.totals.retried + outcomes.count("lost") > 0, st
 
             # Replicas lost with the worker are re-created on the survivors.
             def repaired() -> list | None:
-                models = c.status()["models"]
+                models = c.status().models
                 return (
                     models
-                    if all(sum(r["live"] for r in m["replicas"]) == 2 for m in models)
+                    if all(sum(r.live for r in m.replicas) == 2 for m in models)
                     else None
                 )
 
@@ -197,4 +197,4 @@ def test_malformed_messages_are_answered_while_a_client_keeps_working(
     with mesh.client() as c:
         x = torch.randn(3, 64)
         assert_forward_close(c.infer("steady", x), ref(x))
-        assert len(c.status()["workers"]) == 1
+        assert len(c.status().workers) == 1

@@ -11,7 +11,6 @@ mesh with fast heartbeats while a second client measures its latency.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import statistics
 import threading
@@ -20,6 +19,7 @@ from collections import Counter
 from typing import Any
 
 import msgpack
+import msgspec
 import torch
 import zmq
 
@@ -113,7 +113,7 @@ def p99(xs: list[float]) -> float:
 
 
 def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    flood_spec = dataclasses.replace(
+    flood_spec = msgspec.structs.replace(
         mlp_spec("flood", width=WIDTH, depth=1, seed=1), max_batch_size=64
     )
     probe_spec = mlp_spec("probe", width=32, depth=2, seed=2)
@@ -132,7 +132,7 @@ def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-
             deploy(c, flood_spec, replicas=2)
             deploy(c, probe_spec, replicas=2)
             st = c.status()
-        peers_before = {w["name"]: w["pid"] for w in st["workers"] + st["partitioners"]}
+        peers_before = {w.name: w.pid for w in st.workers + st.partitioners}
         assert len(peers_before) == 3
 
         failures: list[str] = []
@@ -205,9 +205,9 @@ def test_a_flood_leaves_the_mesh_standing(tmp_path) -> None:  # type: ignore[no-
         # re-registers with the same pid keeps its state on the broker; `registrations` counts.)
         with mesh.client() as c:
             st = c.status()
-        peers = st["workers"] + st["partitioners"]
-        assert {w["name"]: w["pid"] for w in peers} == peers_before
-        assert all(w["ready"] for w in peers), peers
-        assert [w["registrations"] for w in peers] == [1] * len(peers), [
-            (w["name"], w["registrations"]) for w in peers
+        peers = st.workers + st.partitioners
+        assert {w.name: w.pid for w in peers} == peers_before
+        assert all(w.ready for w in peers), peers
+        assert [w.registrations for w in peers] == [1] * len(peers), [
+            (w.name, w.registrations) for w in peers
         ]

@@ -56,7 +56,7 @@ def test_fuzz_at_both_ports_while_a_healthy_client_is_served(fuzz_mesh: LocalMes
     with mesh.client() as c:
         spec = fuzz.healthy_spec(64)
         c.deploy(spec.name, spec.factory, kwargs=spec.kwargs, seed=spec.seed)
-        before = {w["name"]: w["pid"] for w in c.status()["workers"]}
+        before = {w.name: w.pid for w in c.status().workers}
     limits = p.Limits(max_message_bytes=MAX_MESSAGE)
 
     report = asyncio.run(fuzz.fuzz(mesh.frontend, mesh.backend, FUZZ_COUNT, seed=0, limits=limits))
@@ -77,8 +77,8 @@ def test_fuzz_at_both_ports_while_a_healthy_client_is_served(fuzz_mesh: LocalMes
     assert "Traceback" not in log, log[log.index("Traceback") - 500 :][:3000]
     with mesh.client() as c:
         st = c.status()
-        assert {w["name"]: w["pid"] for w in st["workers"]} == before
-        assert all(w["ready"] for w in st["workers"])
+        assert {w.name: w.pid for w in st.workers} == before
+        assert all(w.ready for w in st.workers)
 
     # A stop that was asked for is a success: exit status 0 for every process.
     for child in reversed(mesh.children):

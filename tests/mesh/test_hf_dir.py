@@ -49,7 +49,7 @@ def test_a_llama_directory_is_served_in_two_stages(tmp_path: Path) -> None:
         mesh.client() as c,
     ):
         status = c.deploy("tiny-llama", hf=str(model_dir), stages=2, replicas=1)
-        assert status["factory"] is None and len(status["stages"]) == 2
+        assert status.factory is None and len(status.stages) == 2
         for length in (5, 11):
             ids = torch.randint(0, 256, (2, length))
             with torch.no_grad():
@@ -60,7 +60,7 @@ def test_a_llama_directory_is_served_in_two_stages(tmp_path: Path) -> None:
     blocks = chain_of(build_meta(ModelSpec(name="x", hf=str(model_dir))))
     wanted = sorted(
         sorted({o for blk in blocks[a:b] for o in blk.tensor_names.values()})
-        for a, b in (s["blocks"] for s in status["stages"])
+        for a, b in (s.blocks for s in status.stages)
     )
     logs = [f.read_text().splitlines() for f in sorted(reads.iterdir())]
     got = sorted(sorted(line.split("\t")[1] for line in lines) for lines in logs if lines)

@@ -26,6 +26,7 @@ from client_sdk.errors import ClientError
 from client_sdk.mesh import LocalMesh
 from flowmesh import protocol as p
 from flowmesh.errors import FlowmeshError
+from flowmesh.reports import BrokerStatus, WorkerRow
 from flowmesh.testing import assert_forward_close, compare
 from tests.support.mesh import FAST, deploy, mlp_spec, reference
 from tests.support.waiting import until
@@ -33,7 +34,10 @@ from tests.support.waiting import until
 WIDTH = 64
 SPEC = mlp_spec("identity-mlp", width=WIDTH, depth=2, seed=7)
 REQUESTS = 40
-IDS = range(1, 3000)  # broker ids are sequential: runs of this module lie well inside
+# Broker ids come from one counter from 1 (no state directory), drawn per request, run, load and
+# plan ask, never by the clock: the forgery test, first on the module's mesh, sees run ids near
+# 100 (40 requests, one deploy), well inside. Each request waits for a sweep of the whole range.
+IDS = range(1, 600)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +53,15 @@ def ref() -> torch.nn.Module:
     return reference(SPEC)
 
 
-def worker_row(client: Any) -> dict[str, Any] | None:
-    rows = [w for w in client.status(timeout=10)["workers"] if w["name"] == "worker-0"]
+def worker_row(client: Any) -> WorkerRow | None:
+    rows = [w for w in client.status(timeout=10).workers if w.name == "worker-0"]
     return rows[0] if rows else None
 
 
 def impostor(
     backend: str,
     routing_id: bytes | None,
-    real: dict[str, Any],
+    real: WorkerRow,
     stop: threading.Event,
     sweeps: list[int],
 ) -> Counter[str]:
@@ -85,9 +89,9 @@ def impostor(
             id=1,
             role="worker",
             name="worker-0",
-            pid=real["pid"],
+            pid=real.pid,
             kind="cpu",
-            budget_bytes=real["budget_bytes"],
+            budget_bytes=real.budget_bytes,
         )
         put(reg)
         forged = torch.full((1, WIDTH), 1e6)
@@ -114,7 +118,7 @@ def test_without_keys_no_forged_answer_reaches_a_client(
         real = worker_row(c)
     assert real is not None
 
-    async def main() -> tuple[int, int, list[Counter[str]], dict[str, Any]]:
+    async def main() -> tuple[int, int, list[Counter[str]], BrokerStatus]:
         stop = threading.Event()
         sweeps = {rid: [0] for rid in (b"worker-0", None)}
         thieves = [
@@ -151,11 +155,11 @@ def test_without_keys_no_forged_answer_reaches_a_client(
     assert (forged, failed) == (0, 0), f"{forged} forged answer(s) delivered, {failed} failed"
     for received in got:  # refused, and never sent a run of the worker's
         assert received["name_taken"] >= 1 and received["run"] == 0, received
-    ((worker,),) = [status["workers"]]
-    assert (worker["name"], worker["pid"], worker["registrations"]) == ("worker-0", real["pid"], 1)
-    assert status["names_refused"] >= 2, status
-    (model,) = [m for m in status["models"] if m["name"] == SPEC.name]
-    assert model["errors"] == 0, model
+    ((worker,),) = [status.workers]
+    assert (worker.name, worker.pid, worker.registrations) == ("worker-0", real.pid, 1)
+    assert status.totals.names_refused >= 2, status
+    (model,) = [m for m in status.models if m.name == SPEC.name]
+    assert model.errors == 0, model
     assert [ch.name for ch in one_worker.children if ch.proc.poll() is not None] == []
 
 
@@ -185,13 +189,13 @@ def test_a_second_process_under_a_live_worker_s_name_stops_and_a_restarted_one_c
         assert twin.proc.wait(120) == 1, twin.tail()
         said = (
             "the broker refused our name: name 'worker-0' is held by a live worker of another "
-            f"process (pid {before['pid']}, "
+            f"process (pid {before.pid}, "
         )
         assert said in twin.tail(100), twin.tail()
         after = worker_row(c)
-        assert after is not None and (after["pid"], after["registrations"]) == (
-            before["pid"],
-            before["registrations"],
+        assert after is not None and (after.pid, after.registrations) == (
+            before.pid,
+            before.registrations,
         ), (before, after)
         assert_forward_close(c.infer(SPEC.name, x), ref(x))
 
@@ -201,7 +205,7 @@ def test_a_second_process_under_a_live_worker_s_name_stops_and_a_restarted_one_c
 
         def serving() -> Any:
             row = worker_row(c)
-            if row is None or row["pid"] == before["pid"] or not row["ready"]:
+            if row is None or row.pid == before.pid or not row.ready:
                 return None
             try:
                 return c.infer_with_info(SPEC.name, x, timeout=5)
@@ -214,4 +218,4 @@ def test_a_second_process_under_a_live_worker_s_name_stops_and_a_restarted_one_c
         assert_forward_close(out, ref(x))
         assert info["workers"] == ["worker-0"], info
         row = worker_row(c)
-        assert row is not None and row["pid"] == again.proc.pid, row
+        assert row is not None and row.pid == again.proc.pid, row

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import random
+import re
 import socket
 import threading
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,9 +28,19 @@ from client_sdk import cli, errors
 from client_sdk.mesh import LocalMesh
 from flowmesh import metrics
 from flowmesh import protocol as p
+from flowmesh.reports import Totals
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
+from tests.support.inproc import InProcMesh
 from tests.support.mesh import deploy, fresh_stats, mesh_options, mlp_spec, reference
+from tests.support.reports import (
+    broker_status,
+    job_row,
+    model_row,
+    partitioner_row,
+    replica_row,
+    worker_row,
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -76,56 +89,49 @@ def free_port_range(n: int) -> int:
 # ============================================================== in-process: the mapping
 
 
-BROKER_STATUS: dict[str, Any] = {
-    "uptime_s": 12.5,
-    "queued": 3,
-    "inflight_batches": 1,
-    "dropped_sends": 2,
-    "heartbeat_losses": 1,
-    "retried": 0,
-    "hung_runs": 0,
-    "expired_calls": 0,
-    "train_expired": 0,
-    "auth_refused": 0,
-    "refused_unknown_model": {"model_not_found": 4},
-    "models": [
-        {
-            "name": "m",
-            "state": "ready",
-            "completed": 7,
-            "errors_by_code": {"timeout": 2},
-            "refused": {"overloaded": 5},
-            "queue": 3,
-            "loads": 2,
-            "evictions": 1,
-            "batches": 6,
-            "bytes": 1024,
-            "replicas": [{"live": True}, {"live": False}],
-        }
+BROKER_STATUS = broker_status(
+    uptime_s=12.5,
+    queued=3,
+    inflight_batches=1,
+    totals=Totals(dropped_sends=2, heartbeat_losses=1),
+    refused_unknown_model={"model_not_found": 4},
+    models=[
+        model_row(
+            "m",
+            state="ready",
+            completed=7,
+            errors_by_code={"timeout": 2},
+            refused={"overloaded": 5},
+            queue=3,
+            loads=2,
+            evictions=1,
+            batches=6,
+            bytes=1024,
+            replicas=[replica_row("w0", live=True), replica_row("w0", live=False)],
+        )
     ],
-    "workers": [
-        {
-            "name": "w0",
-            "ready": True,
-            "budget_bytes": 4096,
-            "resident_bytes": 1024,
-            "host_bytes": 2048,
-            "loads": 2,
-            "evictions": 1,
-            "inflight": 0,
-            "last_seen_s": 0.25,
-            "missed_heartbeats": 0,
-            "registrations": 1,
-        }
+    workers=[
+        worker_row(
+            "w0",
+            ready=True,
+            budget_bytes=4096,
+            resident_bytes=1024,
+            host_bytes=2048,
+            loads=2,
+            evictions=1,
+            inflight=0,
+            last_seen_s=0.25,
+            missed_heartbeats=0,
+            registrations=1,
+        )
     ],
-    "partitioners": [
-        {"name": "p0", "last_seen_s": 3.0, "missed_heartbeats": 3, "registrations": 2}
+    partitioners=[partitioner_row("p0", last_seen_s=3.0, missed_heartbeats=3, registrations=2)],
+    jobs=[
+        job_row("j", step=5, last_loss=0.5, steps_per_s=2.0, errors=0),
+        job_row("k", step=0, last_loss=None, steps_per_s=0.0, errors=0),
     ],
-    "jobs": [
-        {"name": "j", "step": 5, "last_loss": 0.5, "steps_per_s": 2.0, "errors": 0},
-        {"name": "k", "step": 0, "last_loss": None, "steps_per_s": 0.0, "errors": 0},
-    ],
-}
+    finished_jobs=[job_row("done", state="closed", step=9, last_loss=0.25, errors=1)],
+)
 
 
 def test_broker_status_maps_to_families_exactly() -> None:
@@ -146,7 +152,11 @@ def test_broker_status_maps_to_families_exactly() -> None:
     assert value(got, b + "train_steps_total", train_job="j") == 5
     assert value(got, b + "train_last_loss", train_job="j") == 0.5
     # No loss yet: no sample, rather than a made-up number.
-    assert (b + "train_last_loss", (("job", "k"),)) not in got
+    assert (b + "train_last_loss", (("train_job", "k"),)) not in got
+    # A job that ended: its final figures, by how it ended.
+    assert value(got, b + "train_final_steps", train_job="done", state="closed") == 9
+    assert value(got, b + "train_final_loss", train_job="done", state="closed") == 0.25
+    assert value(got, b + "train_final_errors", train_job="done", state="closed") == 1
 
 
 WORKER_STATS: dict[str, Any] = {
@@ -187,25 +197,43 @@ def test_worker_figures_map_to_families_exactly() -> None:
     assert not [k for k in got if "prefault" in k[0]]
 
 
-def test_the_dashboard_plots_only_metrics_the_processes_export() -> None:
-    import json
-    import re
-    from pathlib import Path
-
-    from broker.status import Timings
-
-    names = {f.name for f in metrics.broker_families(BROKER_STATUS)}
-    names |= {f.name for f in Timings().collect()}
-    names |= {f.name for f in metrics.worker_families("w", WORKER_STATS, WORKER_TRAIN)}
-    names |= {f.name for f in metrics.partitioner_families("p", {"planned": 1})}
-    names |= {f"flowmesh_worker_{m}" for _, m, _, _ in metrics.WORKER_FIGURES}
+def dashboard_series() -> set[str]:
+    """Every flowmesh series the Grafana dashboard plots, by name."""
     dash = json.loads((Path(__file__).parents[2] / "scripts/grafana_dashboard.json").read_text())
     exprs = [t["expr"] for panel in dash["panels"] for t in panel.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"flowmesh_[a-z_]+", e)}
     assert used, "no flowmesh metric in the dashboard"
+    return used
+
+
+def missing_from(used: set[str], names: set[str]) -> set[str]:
     suffix = re.compile(r"_(bucket|sum|count|total)$")
-    missing = {m for m in used if m not in names and suffix.sub("", m) not in names}
-    assert not missing, missing
+    return {m for m in used if m not in names and suffix.sub("", m) not in names}
+
+
+def cpu_worker_figures() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A CPU worker's heartbeat figures (what its /metrics reads) and its trainer's, in process."""
+    with InProcMesh(cpu_workers=1, memory_budget="8MiB", train_bytes="1MiB") as mesh:
+        with mesh.client() as c:
+            stats = fresh_stats(c, "worker-0")
+        train = mesh.on_loop(lambda: mesh.worker("worker-0").trainer.stats())
+    return stats, train
+
+
+def test_the_dashboard_plots_only_metrics_the_processes_export() -> None:
+    from broker.status import Timings
+
+    stats, train = cpu_worker_figures()
+    workers = {f.name for f in metrics.worker_families("w", stats, train)}
+    names = {f.name for f in metrics.broker_families(BROKER_STATUS)}
+    names |= {f.name for f in Timings().collect()}
+    names |= {f.name for f in metrics.partitioner_families("p", {"planned": 1})}
+    used = dashboard_series()
+    assert not missing_from(used, names | workers), missing_from(used, names | workers)
+    # Every worker series the dashboard plots has a sample from a CPU worker too (the stand-in
+    # has no pinned host tier: it reports the tier's figures as zero rather than not at all).
+    plotted = {m for m in used if m.startswith("flowmesh_worker_")}
+    assert plotted and not missing_from(plotted, workers), missing_from(plotted, workers)
 
 
 def test_broker_refusals_and_answers_are_counted_where_status_reads_them() -> None:
@@ -213,7 +241,7 @@ def test_broker_refusals_and_answers_are_counted_where_status_reads_them() -> No
     with pytest.raises(Exception, match="no model"):
         core.on_client(b"c", p.Infer(id=1, model="nope", tensors={}), 0.0)
     st = core.status(1.0)
-    assert st["refused_unknown_model"] == {"model_not_found": 1}
+    assert st.refused_unknown_model == {"model_not_found": 1}
     got = samples([*metrics.broker_families(st), *core.serving.timings.collect()])
     assert value(got, "flowmesh_broker_requests_refused_total", model="", code="model_not_found")
     assert value(got, "flowmesh_broker_uptime_seconds") == 1.0
@@ -227,15 +255,15 @@ def test_status_has_host_bytes_at_deploy_and_counts_missed_heartbeats() -> None:
     h.worker("w0")
     h.deploy("m", [3 * MIB], replicas=1)
     # No heartbeat since the stage was ready: the broker's own view, not the worker's last beat.
-    (w,) = h.core.status(h.now)["workers"]
-    assert w["host_bytes"] == 3 * MIB and w["missed_heartbeats"] == 0
+    (w,) = h.core.status(h.now).workers
+    assert w.host_bytes == 3 * MIB and w.missed_heartbeats == 0
     h.now = 2.5
-    (w,) = h.core.status(h.now)["workers"]
-    assert w["missed_heartbeats"] == 2
+    (w,) = h.core.status(h.now).workers
+    assert w.missed_heartbeats == 2
     h.now = 3.5
     h.core.tick(h.now)
     st = h.core.status(h.now)
-    assert st["workers"] == [] and st["heartbeat_losses"] == 2  # the worker and the partitioner
+    assert st.workers == [] and st.totals.heartbeat_losses == 2  # the worker and the partitioner
     assert (
         value(samples(metrics.broker_families(st)), "flowmesh_broker_heartbeat_losses_total") == 2
     )
@@ -305,9 +333,9 @@ def test_metrics_and_status_report_the_same_serving_figures(mesh: LocalMesh) -> 
         deploy(c, spec)
         # Right after the deploy returns, status holds each worker's host bytes already.
         st = c.status()
-        (row,) = [m for m in st["models"] if m["name"] == "metered"]
-        hosted = sum(w["host_bytes"] for w in st["workers"])
-        assert hosted >= row["bytes"] > 0
+        (row,) = [m for m in st.models if m.name == "metered"]
+        hosted = sum(w.host_bytes for w in st.workers)
+        assert hosted >= row.bytes > 0
         infos = []
         for _ in range(n):
             x = torch.randn(2, 256)
@@ -327,45 +355,45 @@ def test_metrics_and_status_report_the_same_serving_figures(mesh: LocalMesh) -> 
         workers = {w: scrape(ports[w]) for w in ("worker-0", "worker-1")}
         part = scrape(ports["partitioner"])
 
-    (row,) = [m for m in st["models"] if m["name"] == "metered"]
+    (row,) = [m for m in st.models if m.name == "metered"]
     b = "flowmesh_broker_"
-    assert row["completed"] == n
+    assert row.completed == n
     assert value(broker, b + "requests_total", model="metered", outcome="ok") == n
     assert value(broker, b + "requests_refused_total", model="metered", code="bad_request") == 1
-    assert row["refused"] == {"bad_request": 1}
+    assert row.refused == {"bad_request": 1}
     assert value(broker, b + "request_latency_seconds_count", model="metered") == n
     assert value(broker, b + "request_latency_seconds_sum", model="metered") == pytest.approx(
         sum(i["latency_ms"] for i in infos) / 1000
     )
     assert value(broker, b + "request_queue_wait_seconds_count", model="metered") == n
-    assert value(broker, b + "batch_size_count", model="metered") == row["batches"] == n
+    assert value(broker, b + "batch_size_count", model="metered") == row.batches == n
     # Means in status are the histograms' sums over counts.
     mean_run = sum(i["run_ms"] for i in infos) / n
-    assert row["run_ms"] == pytest.approx(mean_run)
-    assert row["load_wait_ms"] == pytest.approx(sum(i["load_wait_ms"] for i in infos) / n)
-    assert row["mean_batch"] == 1.0
+    assert row.run_ms == pytest.approx(mean_run)
+    assert row.load_wait_ms == pytest.approx(sum(i["load_wait_ms"] for i in infos) / n)
+    assert row.mean_batch == 1.0
     # Loads: counted by the broker per worker, their bytes and times from Loaded.
-    loads = sum(w["loads"] for w in st["workers"])
-    assert loads >= row["loads"] >= 1
+    loads = sum(w.loads for w in st.workers)
+    assert loads >= row.loads >= 1
     assert total(broker, b + "worker_load_seconds_count") == loads
     assert total(broker, b + "worker_load_bytes_total") == sum(
-        w["load_bytes"] for w in st["workers"]
+        w.load_bytes for w in st.workers
     )
-    assert sum(w["load_bytes"] for w in st["workers"]) >= row["bytes"]
-    for w in st["workers"]:
-        name = w["name"]
-        assert value(broker, b + "worker_resident_bytes", worker=name) == w["resident_bytes"]
-        assert value(broker, b + "worker_host_bytes", worker=name) == w["host_bytes"]
-        assert value(broker, b + "worker_loads_total", worker=name) == w["loads"]
-        if w["loads"]:
-            assert w["mean_load_ms"] > 0
+    assert sum(w.load_bytes for w in st.workers) >= row.bytes
+    for w in st.workers:
+        name = w.name
+        assert value(broker, b + "worker_resident_bytes", worker=name) == w.resident_bytes
+        assert value(broker, b + "worker_host_bytes", worker=name) == w.host_bytes
+        assert value(broker, b + "worker_loads_total", worker=name) == w.loads
+        if w.loads:
+            assert w.mean_load_ms > 0
         # The worker's own endpoint: the figures its heartbeats carry.
         got, stats = workers[name], fresh[name]
         wm = "flowmesh_worker_"
         assert value(got, wm + "loads_total", worker=name) == stats["loads"]
         assert value(got, wm + "resident_bytes", worker=name) == stats["resident_bytes"]
         assert value(got, wm + "budget_bytes", worker=name) == stats["budget_bytes"]
-        assert value(got, wm + "host_bytes", worker=name) == stats["host_bytes"] == w["host_bytes"]
+        assert value(got, wm + "host_bytes", worker=name) == stats["host_bytes"] == w.host_bytes
         copied = value(
             got,
             wm + "copied_bytes_total",
@@ -385,7 +413,7 @@ def test_metrics_and_status_report_the_same_serving_figures(mesh: LocalMesh) -> 
             )
             for w in workers
         )
-        >= row["bytes"]
+        >= row.bytes
     )
     assert (
         value(part, "flowmesh_partitioner_plans_total", partitioner="partitioner-0", outcome="ok")
@@ -413,23 +441,23 @@ def test_a_training_step_shows_in_the_steps_metric(mesh: LocalMesh) -> None:
             timeout=60,
         )
         losses = [job.step(torch.randn(8, 8), torch.randint(0, 5, (8,))).loss for _ in range(3)]
-        (row,) = [j for j in c.status()["jobs"] if j["name"] == "metered-job"]
+        (row,) = [j for j in c.status().jobs if j.name == "metered-job"]
         broker = scrape(ports["broker"])
-        worker = scrape(ports[row["worker"]])
+        worker = scrape(ports[row.worker])
         job.close()
-    assert row["step"] == 3
+    assert row.step == 3
     assert value(broker, "flowmesh_broker_train_steps_total", train_job="metered-job") == 3
     assert value(
         broker, "flowmesh_broker_train_last_loss", train_job="metered-job"
     ) == pytest.approx(losses[-1])
     got = value(
-        worker, "flowmesh_worker_train_steps_total", worker=row["worker"], train_job="metered-job"
+        worker, "flowmesh_worker_train_steps_total", worker=row.worker, train_job="metered-job"
     )
     assert got == 3
 
 
 def ensure_deployed(c: Any, spec: ModelSpec) -> None:
-    if spec.name not in {m["name"] for m in c.status()["models"]}:
+    if spec.name not in {m.name for m in c.status().models}:
         deploy(c, spec)
 
 

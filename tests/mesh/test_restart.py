@@ -156,7 +156,7 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
 
         with mesh.client(timeout=60) as c:
             st = mesh.wait_ready()
-            assert {m["name"]: m["state"] for m in st["models"]} == {
+            assert {m.name: m.state for m in st.models} == {
                 seeded.name: "ready",
                 on_disk.name: "ready",
             }

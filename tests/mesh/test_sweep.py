@@ -1,6 +1,5 @@
-"""Sweeps through a real mesh (broker, partitioner, one CPU worker): Optuna's ask-and-tell and its
-successive-halving pruner over training jobs, the SDK (`AsyncClient.sweep`) and the command
-(`flowmesh sweep CONFIG.toml`) as a subprocess."""
+"""The sweep command (`flowmesh sweep CONFIG.toml`) as a subprocess against a real mesh (broker,
+partitioner, one CPU worker). The SDK's sweeps are tests/scenarios/test_sweep.py."""
 
 from __future__ import annotations
 
@@ -10,13 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import optuna
 import torch
 from safetensors.torch import save_file
 
-from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from client_sdk.sweep import TrialRecord, split_params
 from client_sdk.train_data import Dataset
 from tests.support.mesh import mesh_options
 
@@ -37,73 +33,6 @@ def teacher(rows: int = 320, seed: int = 1) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 8, generator=g)
     return Dataset({"": x}, (x @ torch.randn(8, 4, generator=g)).argmax(1), "teacher")
-
-
-def test_split_params_routes_optimizer_keys_and_factory_kwargs() -> None:
-    params = {"lr": 0.1, "optimizer": "sgd", "optim.nesterov": True, "momentum": 0.9, "width": 8}
-    kw, opt = split_params(params, {"depth": 2}, {"name": "adamw", "lr": 1e-3})
-    assert kw == {"depth": 2, "width": 8}
-    assert opt == {"name": "sgd", "lr": 0.1, "nesterov": True, "momentum": 0.9}
-    _, opt = split_params({"momentum": 0.9}, {}, {"name": "adam"})
-    assert opt == {"name": "adam"}  # momentum is SGD's only
-
-
-async def test_sweep_prunes_closes_pruned_jobs_and_saves_curves(
-    mesh: LocalMesh, tmp_path: Path
-) -> None:
-    listed: dict[int, list[str]] = {}
-    async with AsyncClient(mesh.frontend) as c:
-
-        async def after(rec: TrialRecord) -> None:
-            listed[rec.number] = [j["name"] for j in await c.jobs()]
-
-        result = await c.sweep(
-            name="sw",
-            factory="flowmesh.examples:mlp",
-            space={"lr": LR},
-            data=teacher(),
-            trials=6,
-            steps=STEPS,
-            eval_every=EVERY,
-            pruner="successive_halving",
-            reduction_factor=2,
-            concurrency=2,
-            kwargs=MLP,
-            optimizer={"name": "adam"},
-            batch=16,
-            out_dir=tmp_path / "out",
-            show=False,
-            on_trial_end=after,
-        )
-        assert await c.jobs() == []
-
-    trials = result.trials
-    assert [t.number for t in trials] == list(range(6))
-    assert {t.state for t in trials} <= {"COMPLETE", "PRUNED"}, [
-        (t.state, t.reason) for t in trials
-    ]
-    pruned = [t for t in trials if t.state == "PRUNED"]
-    assert pruned and result.completed, result.table()
-    for t in pruned:
-        assert t.step < STEPS and t.job not in listed[t.number], (t, listed)
-    for t in result.completed:
-        assert t.step == STEPS and len(t.curve) == STEPS
-        assert [s for s, _ in t.evals] == list(range(EVERY, STEPS + 1, EVERY))
-        assert t.value == t.evals[-1][1]
-    # Optuna's view agrees with the records: states, and the best value over completed trials.
-    frozen = {f.number: f for f in result.study.trials}
-    assert all(frozen[t.number].state.name == t.state for t in trials)
-    best = result.best
-    assert best is not None and best.value == min(t.value for t in result.completed)  # type: ignore[type-var]
-    assert result.study.best_value == best.value
-    assert frozen[best.number].state == optuna.trial.TrialState.COMPLETE
-
-    assert result.png_path is not None and result.png_path.read_bytes()[:4] == b"\x89PNG"
-    saved = json.loads(result.json_path.read_text())  # type: ignore[union-attr]
-    assert saved["best"] == {"number": best.number, "value": best.value}
-    for t, s in zip(trials, saved["trials"], strict=True):
-        assert (s["number"], s["state"], s["params"]) == (t.number, t.state, t.params)
-        assert s["curve"] == t.curve and [tuple(e) for e in s["evals"]] == t.evals
 
 
 SWEEP_TOML = """

@@ -17,6 +17,7 @@ import torch
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
+from flowmesh.reports import JobRow
 from flowmesh.spec import ModelSpec
 from tests.support.mesh import FAST, fresh_stats
 from tests.support.train_models import MARK
@@ -56,7 +57,7 @@ def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
     kept = poisoned(12, "nan")  # the "nan" job's data, for a job that does not stop on it
     expected = {n: solo(s, batches[n][:BAD] + batches[n][BAD + 1 :]) for n, s in jobs.items()}
 
-    async def run(c: AsyncClient) -> tuple[dict[str, list[Any]], list[dict[str, Any]]]:
+    async def run(c: AsyncClient) -> tuple[dict[str, list[Any]], list[JobRow]]:
         opened = {
             n: await c.train_open(
                 f"iso-{n}",
@@ -83,7 +84,7 @@ def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
             timeout=60,
         )
         batches["kept"] = kept
-        assert {j.info["worker"] for j in opened.values()} == {"worker-0"}
+        assert {j.info.worker for j in opened.values()} == {"worker-0"}
         # Every step of every job in flight at once: the failures happen among healthy steps.
         futures = {
             n: [asyncio.ensure_future(opened[n].step_async(x, y)) for x, y in batches[n]]
@@ -111,7 +112,7 @@ def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
         **FAST,
     ) as mesh:
 
-        async def main() -> tuple[dict[str, list[Any]], list[dict[str, Any]]]:
+        async def main() -> tuple[dict[str, list[Any]], list[JobRow]]:
             async with AsyncClient(mesh.frontend, timeout=60) as c:
                 return await run(c)
 
@@ -142,9 +143,9 @@ def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
     torch.testing.assert_close(
         [r.loss for r in reported[:BAD]], expected["nan"][:BAD], rtol=1e-5, atol=1e-6
     )
-    rows = {j["name"]: j for j in listed}
-    assert {n: rows[f"iso-{n}"]["errors"] for n in jobs} == {n: 1 for n in jobs}
-    assert {n: rows[f"iso-{n}"]["state"] for n in jobs} == {n: "ready" for n in jobs}
+    rows = {j.name: j for j in listed}
+    assert {n: rows[f"iso-{n}"].errors for n in jobs} == {n: 1 for n in jobs}
+    assert {n: rows[f"iso-{n}"].state for n in jobs} == {n: "ready" for n in jobs}
     # The jobs are still open and idle: a failed step holds no device bytes.
     assert stats["train_jobs"] == 4 and stats["train_step_errors"] == 2, stats
     assert stats["train_reserved_bytes"] == 0 and stats["train_resident_bytes"] == 0, stats

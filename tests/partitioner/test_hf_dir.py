@@ -311,7 +311,7 @@ def test_a_worker_reads_each_stage_straight_from_the_directory_bit_for_bit(
 
         monkeypatch.setattr(flowmesh.modelio.hf_dir, "read_weights", no_materialising)
         with observe_reads() as seen:
-            _blocks, host = prepare_stage(spec, plan.to_dict(), i, dev, ())
+            _blocks, host = prepare_stage(spec, plan, i, dev, ())
         monkeypatch.setattr(flowmesh.modelio.hf_dir, "read_weights", materialising_reader)
         stage = materialize_stage(spec, plan, i)
         old = HostStage.build([dict(b.state_dict(keep_vars=True)) for b in stage.blocks])

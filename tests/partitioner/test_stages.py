@@ -3,11 +3,11 @@ or a file) and reads only those; composed, they compute the model's outputs."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from msgspec.structs import replace
 from safetensors.torch import save_file
 
 from flowmesh.errors import Code, FlowmeshError

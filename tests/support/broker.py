@@ -17,7 +17,12 @@ CLIENT_A, CLIENT_B = b"client-a", b"client-b"
 
 
 def plan_of(stage_bytes: list[int], blocks_per_stage: int = 1) -> dict[str, Any]:
-    """A valid serving plan (as `Plan.from_dict` takes it) of these stage sizes."""
+    """A valid serving plan of these stage sizes, as data (as `Plan.from_dict` takes it)."""
+    return typed_plan(stage_bytes, blocks_per_stage).to_dict()
+
+
+def typed_plan(stage_bytes: list[int], blocks_per_stage: int = 1) -> Plan:
+    """A valid serving plan of these stage sizes."""
     n, k = len(stage_bytes), blocks_per_stage
     return Plan(
         kind="stages",
@@ -27,7 +32,7 @@ def plan_of(stage_bytes: list[int], blocks_per_stage: int = 1) -> dict[str, Any]
         ranges=tuple((i * k, (i + 1) * k) for i in range(n)),
         range_bytes=tuple(stage_bytes),
         objective="bytes",
-    ).to_dict()
+    )
 
 
 def received(msg: p.Message) -> Any:
@@ -52,11 +57,20 @@ class Harness:
         return self.core.drain()
 
     def backend(self, addr: bytes, msg: p.Message) -> list[tuple[str, bytes, p.Message]]:
+        """`msg` from the peer at `addr`, through the codec. One the codec refuses raises its
+        DecodeError, after the broker was told of it as its shell tells it (`on_refused`), so
+        that what that did is in `out()`."""
+        try:
+            msg = received(msg)
+        except p.DecodeError as exc:
+            if exc.ref is not None and exc.type is not None:
+                self.core.answer_refused(addr, exc.ref, str(exc.code), exc.reason, self.now)
+            raise
         self.core.on_backend(addr, msg, self.now)
         return self.out()
 
     def client(self, addr: bytes, msg: p.Message) -> list[tuple[str, bytes, p.Message]]:
-        self.core.on_client(addr, msg, self.now)
+        self.core.on_client(addr, received(msg), self.now)
         return self.out()
 
     def worker(self, name: str, budget: int = 100 * MIB) -> bytes:
@@ -83,7 +97,7 @@ class Harness:
         replicas: int | None = None,
         max_batch: int = 8,
         inputs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> p.ModelRow:
         spec = {
             "name": name,
             "factory": "flowmesh.examples:mlp",
@@ -153,3 +167,26 @@ def kinds(out: list[tuple[str, bytes, p.Message]]) -> list[tuple[bytes, str]]:
 
 def only(out: list[tuple[str, bytes, p.Message]], cls: type) -> list[Any]:
     return [m for _, _, m in out if isinstance(m, cls)]
+
+
+def opened_job(
+    name: str,
+    *,
+    worker: str = "w",
+    step: int = 0,
+    footprint: int = 0,
+    blocks: tuple[tuple[int, int], ...] = ((0, 2),),
+    config: dict[str, Any] | None = None,
+) -> p.OpenedJob:
+    """What a worker answers a TrainOpen with (`p.JobOpened`), with small figures."""
+    subs = [p.SubModelRow(blocks=[a, b], host_bytes=footprint, task_bytes=0) for a, b in blocks]
+    return p.OpenedJob(
+        name=name,
+        worker=worker,
+        step=step,
+        sub_models=subs,
+        footprint=footprint,
+        host_bytes=footprint,
+        largest_task=0,
+        config=config or {},
+    )

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from client_sdk.mesh import LOCAL_OPERATOR, LocalMesh, wait_until
+from flowmesh import protocol as p
 from flowmesh.auth import ensure_key, init_keys
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
@@ -107,7 +108,7 @@ def reference(spec: ModelSpec) -> Callable[..., Any]:
     return forward
 
 
-def deploy(client, spec: ModelSpec, **kw) -> dict:  # type: ignore[no-untyped-def]
+def deploy(client, spec: ModelSpec, **kw) -> p.ModelRow:  # type: ignore[no-untyped-def]
     return client.deploy(
         spec.name,
         spec.factory,
@@ -127,13 +128,13 @@ def fresh_stats(client: Any, name: str, timeout: float = 10.0) -> dict[str, Any]
     while the peer owes the broker no reply, so that what it hears next is a heartbeat: call it
     once the traffic it should reflect has been answered.
     """
-    asked = client.status()["uptime_s"]
+    asked = client.status().uptime_s
 
     def probe() -> dict[str, Any] | None:
         st = client.status()
-        (row,) = [r for r in (*st["workers"], *st["partitioners"]) if r["name"] == name]
+        (row,) = [r for r in (*st.workers, *st.partitioners) if r.name == name]
         # Both figures are rounded to the millisecond: 2 ms keeps the comparison strict.
-        return row["stats"] if st["uptime_s"] - row["last_seen_s"] > asked + 0.002 else None
+        return row.stats if st.uptime_s - row.last_seen_s > asked + 0.002 else None
 
     return wait_until(probe, f"a heartbeat from {name}", timeout)
 
@@ -152,15 +153,15 @@ class ResidencySampler:
         self.over: list[str] = []
         self.seen_resident: set[str] = set()
 
-    def take(self, status: dict[str, Any]) -> None:
+    def take(self, status: p.BrokerStatus) -> None:
         self.samples += 1
-        for w in status["workers"]:
-            stages = w["stats"].get("resident_stages", {})
+        for w in status.workers:
+            stages: Any = w.stats.get("resident_stages", {})
             held = sum(stages.values())
             self.seen_resident |= set(stages)
-            self.largest[w["name"]] = max(self.largest.get(w["name"], 0), held)
-            if held > w["budget_bytes"]:
-                self.over.append(f"{w['name']}: {held} > {w['budget_bytes']} in {stages}")
+            self.largest[w.name] = max(self.largest.get(w.name, 0), held)
+            if held > w.budget_bytes:
+                self.over.append(f"{w.name}: {held} > {w.budget_bytes} in {stages}")
 
     def check(self, final: dict[str, dict[str, Any]], budgets: dict[str, int]) -> None:
         """Nothing sampled over budget, nor the worker's own high-water mark of stage bytes

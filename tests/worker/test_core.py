@@ -7,11 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.spec import ModelSpec
 from flowmesh.steps import StepResult
 from gpu_worker.core import (
     AddStage,
@@ -27,8 +29,9 @@ from gpu_worker.core import (
     WorkerCore,
 )
 from gpu_worker.executor import LoadInfo, RunOutput
+from tests.support.broker import opened_job, typed_plan
 
-SPEC = {"name": "m", "factory": "flowmesh.examples:mlp", "kwargs": {"width": 4}, "seed": 0}
+SPEC = ModelSpec(name="m", factory="flowmesh.examples:mlp", kwargs={"width": 4}, seed=0)
 
 
 def refused(core: WorkerCore, msg: p.Message, now: float = 0.0) -> tuple[str, str]:
@@ -66,7 +69,7 @@ def test_a_run_is_cut_into_its_parts_and_answered_with_them() -> None:
     assert (answer.id, answer.model, answer.stage) == (7, "m", 1)
     assert answer.tensors.keys() == {"0/", "1/"}
     assert answer.tensors["0/"] is y0 and answer.tensors["1/"] is y1
-    assert answer.info == {"compute_s": 0.5, "wait_s": 0.25}
+    assert answer.info == p.RunInfo(compute_s=0.5, wait_s=0.25)
     # Answered from its compute lane already: nothing more goes out.
     core.handle(run, 2.0)
     (again,) = core.drain()
@@ -114,7 +117,7 @@ def test_a_load_is_asked_for_and_answered_and_its_id_goes_with_the_next_report()
 
 def test_a_stage_is_prepared_kept_with_its_digest_and_dropped_if_the_broker_forgot_it() -> None:
     core = WorkerCore("w")
-    plan = {"ranges": [[0, 1]]}
+    plan = typed_plan([4096])
     deploy = p.DeployStage(id=2, model="m", stage=0, spec=SPEC, plan=plan)
     core.handle(deploy, 10.0)
     (work,) = core.drain()
@@ -134,7 +137,7 @@ def test_a_stage_is_prepared_kept_with_its_digest_and_dropped_if_the_broker_forg
     core.handle(p.DropStage(id=4, model="m", stage=0), 15.0)
     assert [type(a).__name__ for a in core.drain()] == ["DropStage"]
     assert core.digests == {}
-    forbidden = {**SPEC, "factory": "os:system"}
+    forbidden = msgspec.structs.replace(SPEC, factory="os:system")
     code, reason = refused(core, p.DeployStage(id=5, model="m", stage=0, spec=forbidden, plan=plan))
     assert code == "not_allowed" and reason.startswith("worker w refused factory 'os:system'")
 
@@ -143,13 +146,13 @@ def test_a_stage_is_prepared_kept_with_its_digest_and_dropped_if_the_broker_forg
 
 
 def opened(core: WorkerCore, job: str = "j", open_id: int = 1) -> None:
-    msg = p.TrainOpen(id=open_id, job=job, spec=SPEC, config={}, batch=4)
+    msg = p.TrainOpen(id=open_id, job=job, spec=SPEC, config=None, batch=4)
     core.handle(msg, 0.0)
     (work,) = core.drain()
     assert work == OpenJob(msg, core.epoch)
-    info = {"name": job, "sub_models": [{"blocks": [0, 1]}], "step": 0}
+    info = opened_job(job, blocks=((0, 1),))
     core.finished(work, info, 1.0)
-    assert sent(core.drain()) == [p.TrainOpened(id=open_id, job=info)]
+    assert sent(core.drain()) == [p.JobOpened(id=open_id, job=info)]
 
 
 def received(msg: p.Message) -> Any:
@@ -222,7 +225,7 @@ def test_only_the_latest_answers_are_kept_and_a_closed_job_s_late_step_stays_its
 
 def test_a_job_opened_for_a_broker_that_forgot_it_is_closed_unanswered() -> None:
     core = WorkerCore("w", train_bytes=1 << 20)
-    msg = p.TrainOpen(id=1, job="j", spec=SPEC, config={}, batch=4)
+    msg = p.TrainOpen(id=1, job="j", spec=SPEC, config=None, batch=4)
     core.handle(msg, 0.0)
     (work,) = core.drain()
     core.registered_again()
@@ -304,7 +307,7 @@ def test_the_last_stage_merges_the_micro_batches_in_order_and_answers_the_whole_
     core.finished(c0, output({"y": out[:3]}, compute_s=2.0, wait_s=0.25), 4.0)
     (answer,) = sent(core.drain())
     assert isinstance(answer, p.RunResult) and (answer.id, answer.stage) == (9, 1)
-    assert answer.info == {"compute_s": 3.0, "wait_s": 0.75}
+    assert answer.info == p.RunInfo(compute_s=3.0, wait_s=0.75)
     assert answer.tensors.keys() == {"0/y", "1/y"}
     # bit-exact: cat then split by the parts' rows moves the outputs' rows, computes nothing
     assert torch.equal(answer.tensors["0/y"], out[:2])

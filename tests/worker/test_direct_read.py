@@ -9,13 +9,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
+from msgspec.structs import replace
 
 import flowmesh.modelio.weights
 import gpu_worker.stage_loader as stage_loader
@@ -84,7 +84,7 @@ def stages(spec: ModelSpec, parts: int) -> tuple[Plan, list[tuple[list, HostStag
     plan = make_stage_plan(spec, parts)
     dev = CpuStandIn(64 * MIB)
     return plan, [
-        prepare_stage(spec, plan.to_dict(), i, dev, DEFAULT_ALLOW) for i in range(plan.parts)
+        prepare_stage(spec, plan, i, dev, DEFAULT_ALLOW) for i in range(plan.parts)
     ]
 
 
@@ -165,7 +165,7 @@ def test_one_copy_from_the_file_into_the_host_buffer(monkeypatch, tmp_path) -> N
         return allocations[-1]
 
     monkeypatch.setattr(dev, "host_buffer", allocate)
-    _blocks, host = prepare_stage(spec, plan.to_dict(), 0, dev, DEFAULT_ALLOW)
+    _blocks, host = prepare_stage(spec, plan, 0, dev, DEFAULT_ALLOW)
     assert len(allocations) == 1 and allocations[0] is host.buffer
     lo = host.buffer.data_ptr()
     hi = lo + host.buffer.numel()
@@ -188,7 +188,7 @@ def test_a_missing_tensor_or_a_wrong_shape_is_a_clear_error(tmp_path) -> None:
         spec = replace(seeded, seed=None, weights=str(path))
         plan = make_stage_plan(spec, 1)
         with pytest.raises(FlowmeshError, match=what):
-            prepare_stage(spec, plan.to_dict(), 0, CpuStandIn(8 * MIB), DEFAULT_ALLOW)
+            prepare_stage(spec, plan, 0, CpuStandIn(8 * MIB), DEFAULT_ALLOW)
 
 
 def test_reading_a_stage_reports_its_progress_up_to_every_byte(case) -> None:
@@ -202,9 +202,7 @@ def test_reading_a_stage_reports_its_progress_up_to_every_byte(case) -> None:
         def progress(done: int, total: int, seen: list[tuple[int, int]] = seen) -> None:
             seen.append((done, total))
 
-        _, host = prepare_stage(
-            spec, plan.to_dict(), i, CpuStandIn(64 * MIB), DEFAULT_ALLOW, progress
-        )
+        _, host = prepare_stage(spec, plan, i, CpuStandIn(64 * MIB), DEFAULT_ALLOW, progress)
         stored = sum(s.nbytes for r in host.regions for s in r.slots if s.alias is None)
         assert seen[0] == (0, stored) and seen[-1] == (stored, stored), (arch, i, seen[-1])
         assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))

@@ -557,7 +557,7 @@ async def test_a_model_traced_while_another_serves_does_not_disturb_its_runs() -
     await ex.load(("a", 0))
     allow = (*DEFAULT_ALLOW, *TOY_ALLOW)
     traced_spec = ModelSpec(name="r", factory="tests.support.toy_models:residual", seed=0)
-    plan = make_stage_plan(traced_spec, 1, profile=profile(traced_spec, allow=allow)).to_dict()
+    plan = make_stage_plan(traced_spec, 1, profile=profile(traced_spec, allow=allow))
     stop, traced = threading.Event(), [0]
 
     def trace_again_and_again() -> None:

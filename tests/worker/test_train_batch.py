@@ -22,6 +22,7 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
+from flowmesh.train_spec import TrainConfig
 from gpu_worker.device import CpuStandIn
 from gpu_worker.service import WorkerService
 
@@ -40,8 +41,8 @@ ARENA, TRAIN_BYTES, BATCH = 28 * MIB, 12 * MIB, 8
 def open_worker(batch: int = BATCH) -> WorkerService:
     """A worker with a job opened for `batch` rows, as a TrainOpen from the broker opens it."""
     svc = WorkerService("w", "tcp://127.0.0.1:1", CpuStandIn(ARENA), train_bytes=TRAIN_BYTES)
-    msg = p.TrainOpen(id=1, job="j", spec=SPEC.to_dict(), config=CONFIG, batch=batch)
-    svc._open_job(msg)
+    msg = p.TrainOpen(id=1, job="j", spec=SPEC, config=TrainConfig(**CONFIG), batch=batch)
+    svc.hands.open_job(msg)
     return svc
 
 

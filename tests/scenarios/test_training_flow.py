@@ -1,4 +1,4 @@
-"""Memory flow and exactness through a real mesh (broker, partitioner, CPU workers on loopback).
+"""Memory flow and exactness through an in-process mesh (tests/support/inproc.py).
 
 - Memory flow: four jobs, each larger than the worker's training bytes and together more than
   three times them, train at once on one worker; status sampled while they train shows their
@@ -22,24 +22,24 @@ from typing import Any
 import pytest
 import torch
 
-from client_sdk.client import AsyncClient
-from client_sdk.mesh import LocalMesh
 from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
+from flowmesh.reports import JobRow
 from flowmesh.spec import ModelSpec
-from tests.support.mesh import FAST, fresh_stats, mesh_options
+from tests.support.inproc import InProcMesh
+from tests.support.mesh import fresh_stats, mesh_options
 from tests.support.torch_threads import one_thread  # noqa: F401  (autouse)
 from tests.support.training import saved_state
 
-# one_thread: the workers run one intra-op thread (FAST); the plain loops here must reduce in the
-# same order, or a gradient that is rounding noise (an attention key's bias: softmax ignores it)
-# differs, and Adam scales such noise up to a full step.
+# one_thread: the workers run one intra-op thread (`threads_per_worker`); the plain loops here must
+# reduce in the same order, or a gradient that is rounding noise (an attention key's bias: softmax
+# ignores it) differs, and Adam scales such noise up to a full step.
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
 BATCH = 8
 Data = list[tuple[torch.Tensor, torch.Tensor]]
-ALLOW = ["--allow", "flowmesh.examples", "--allow", "tests.support.train_models"]
+ALLOW = ("flowmesh.examples", "tests.support.train_models")
 
 
 def close(actual: Any, expected: Any, msg: str) -> None:
@@ -59,7 +59,7 @@ def plain(
 ) -> tuple[list[float], torch.nn.Module]:
     """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step
     (`flowmesh.reference.train`)."""
-    model = build_seeded(s, ("flowmesh.examples", "tests.support.train_models"))
+    model = build_seeded(s, ALLOW)
     losses = train(model, optimizer, batches, clip=clip, accumulate=accumulate, rng_seed=rng_seed)
     return losses, model
 
@@ -108,16 +108,14 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
         f"flow-{i}": (flow_spec(10 + i), features(10 + i, FLOW_STEPS, (8,), 5)) for i in range(4)
     }
     solo = {n: plain(s, FLOW_OPT, d)[0] for n, (s, d) in jobs.items()}
-    samples: list[dict[str, Any]] = []
-    midway: list[dict[str, Any]] = []
-    finished: list[dict[str, Any]] = []
-    with LocalMesh(
+    samples: list[tuple[dict[str, Any], list[JobRow]]] = []  # (worker's stats, job rows)
+    midway: list[list[JobRow]] = []
+    finished: list[list[JobRow]] = []
+    with InProcMesh(
         cpu_workers=1,
         memory_budget=f"{FLOW_SERVING}B",
         train_bytes=FLOW_BYTES,
-        broker_args=ALLOW,
-        worker_args=ALLOW,
-        **FAST,
+        allow=ALLOW,
     ) as mesh:
         stop = threading.Event()
 
@@ -125,12 +123,12 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
             with mesh.client(timeout=30) as c:
                 while not stop.is_set():
                     st = c.status()
-                    (w,) = [w for w in st["workers"] if w["name"] == "worker-0"]
-                    samples.append({"stats": dict(w["stats"]), "jobs": st["jobs"]})
+                    (w,) = [w for w in st.workers if w.name == "worker-0"]
+                    samples.append((dict(w.stats), st.jobs))
                     time.sleep(0.05)  # the sampler's period, not a wait for anything
 
-        async def run() -> tuple[dict[str, Any], dict[str, list[Any]]]:
-            async with AsyncClient(mesh.frontend, timeout=60) as ac:
+        async def run() -> tuple[dict[str, JobRow], dict[str, list[Any]]]:
+            async with mesh.async_client(timeout=60) as ac:
                 opened = {
                     n: await ac.train_open(
                         n,
@@ -153,10 +151,10 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
                 # now shows jobs part-way (the sampler thread may miss that moment on a busy box).
                 for fs in steps.values():
                     await fs[0]
-                midway.append(await ac.status())
+                midway.append((await ac.status()).jobs)
                 results = {n: await asyncio.gather(*fs) for n, fs in steps.items()}
                 infos = {n: j.info for n, j in opened.items()}
-                finished.append(await ac.status())  # every job at its last step, still open
+                finished.append((await ac.status()).jobs)  # every job at its last step, still open
                 for j in opened.values():
                     await j.close()
                 return infos, results
@@ -171,7 +169,7 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
         with mesh.client() as c:  # the worker's counters from a heartbeat after the last step
             last = fresh_stats(c, "worker-0")
 
-    footprints = [i["footprint"] for i in infos.values()]
+    footprints = [i.footprint for i in infos.values()]
     assert min(footprints) > FLOW_ARENA, f"each job must be larger than the arena: {footprints}"
     assert sum(footprints) >= 3 * FLOW_ARENA, f"together at least 3x the arena: {footprints}"
     for n, rs in results.items():
@@ -179,8 +177,7 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
         assert [r.step for r in rs] == list(range(1, FLOW_STEPS + 1)), f"{n}: steps out of order"
 
     assert samples, "status was never sampled"
-    for s in samples:
-        st = s["stats"]
+    for st, _ in samples:
         if "train_budget_bytes" not in st:
             continue  # before the first heartbeat
         assert st["train_budget_bytes"] == FLOW_BYTES and st["arena_bytes"] == FLOW_ARENA
@@ -194,24 +191,25 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
     assert last["train_job_switches"] > 4 * FLOW_STEPS, last
     assert last["train_tasks_admitted"] >= last["train_tasks_started"] >= last["train_tasks"] > 0
     # ... and status showed it while they trained: several jobs part-way at the same moment.
+    sampled = [rows for _, rows in samples]
     during = [
-        [j["name"] for j in s["jobs"] if 0 < j["step"] < FLOW_STEPS]
-        for s in [*samples, *midway]
-        if len(s["jobs"]) == 4
+        [j.name for j in rows if 0 < j.step < FLOW_STEPS]
+        for rows in [*sampled, *midway]
+        if len(rows) == 4
     ]
     assert any(len(names) >= 2 for names in during), during
     # Every job's row: worker, sub-models with block ranges and bytes, step, loss, steps/s.
-    rows = [j for s in [*samples, *finished] for j in s["jobs"] if j["step"] == FLOW_STEPS]
-    assert {j["name"] for j in rows} == set(jobs)
-    for j in rows:
-        assert j["worker"] == "worker-0"
-        assert len(j["sub_models"]) >= 2
-        assert j["sub_models"][0]["blocks"][0] == 0
-        for a, b in zip(j["sub_models"], j["sub_models"][1:], strict=False):
-            assert a["blocks"][1] == b["blocks"][0], j["sub_models"]
-        assert all(0 < m["host_bytes"] < m["task_bytes"] <= FLOW_BYTES for m in j["sub_models"])
-        assert j["last_loss"] == results[j["name"]][-1].loss
-        assert j["steps_per_s"] > 0
+    last_rows = [j for rows in [*sampled, *finished] for j in rows if j.step == FLOW_STEPS]
+    assert {j.name for j in last_rows} == set(jobs)
+    for j in last_rows:
+        assert j.worker == "worker-0"
+        assert len(j.sub_models) >= 2
+        assert j.sub_models[0].blocks[0] == 0
+        for a, b in zip(j.sub_models, j.sub_models[1:], strict=False):
+            assert a.blocks[1] == b.blocks[0], j.sub_models
+        assert all(0 < m.host_bytes < m.task_bytes <= FLOW_BYTES for m in j.sub_models)
+        assert j.last_loss == results[j.name][-1].loss
+        assert j.steps_per_s > 0
 
 
 # ================================================================== exactness matrix
@@ -259,13 +257,11 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-pytestmark = mesh_options(
-    cpu_workers=1, train_bytes=2 << 20, broker_args=ALLOW, worker_args=ALLOW
-)
+pytestmark = mesh_options(cpu_workers=1, train_bytes=2 << 20, allow=ALLOW)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_exactness_through_the_mesh(mesh: LocalMesh, case: str, tmp_path: Path) -> None:
+def test_exactness_through_the_mesh(mesh: InProcMesh, case: str, tmp_path: Path) -> None:
     c_ = CASES[case]
     s: ModelSpec = c_["spec"]
     if s.factory.endswith("hf_gpt2"):
@@ -287,7 +283,7 @@ def test_exactness_through_the_mesh(mesh: LocalMesh, case: str, tmp_path: Path) 
             chunk_bytes=c_["chunk"],
             timeout=60,
         )
-        assert len(job.info["sub_models"]) >= 2, job.info["sub_models"]
+        assert len(job.info.sub_models) >= 2, job.info.sub_models
         futures = [job.step_async(x, y) for x, y in batches]  # all in flight
         results = [f.result(60) for f in futures]
         saved = job.save(str(tmp_path / "ckpt"))

@@ -1,0 +1,237 @@
+"""What the broker reports about itself, declared once: the status (`BrokerStatus`) with its rows
+for models, workers, partitioners and training jobs, and its totals.
+
+The broker builds these (`broker.status`, `BrokerCore.status`, the training router's job rows);
+`StatusReply`, `JobsReply`, `Deployed` and `TrainOpened` carry them; the CLI, the metrics, the
+demo and the tests read them by attribute. Like every nested part of a message, a row takes no
+field it does not declare, and a client's decoder refuses a malformed one (a `DecodeError` with
+a code and a reason). `msgspec.to_builtins` gives the plain data `flowmesh status --json`
+prints, with the field names below as its keys.
+
+The scalar types the messages share (`Count`, `Finite`) and a peer's heartbeat figures
+(`Stats`) are declared here too, so that `flowmesh.messages` imports this module and not the
+other way round. No torch import.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta
+
+from flowmesh.spec import TensorSpec
+
+Count = Annotated[int, Meta(ge=0)]  # bytes, stages, steps, seqs, frames
+_BIG = sys.float_info.max
+Finite = Annotated[float, Meta(ge=-_BIG, le=_BIG)]  # no NaN, no infinity
+
+# -- what a peer reports with its heartbeats: plain scalars, and lists and maps of them, three
+# levels deep at most (a top-level value, its items, theirs); numbers finite. They are stored
+# and shown by status() to every client; the broker bounds how many there are.
+
+StatScalar = Union[None, bool, int, Finite, str]  # noqa: UP007 (msgspec reads it at run time)
+StatItem = Union[StatScalar, list[StatScalar], dict[str, StatScalar]]  # noqa: UP007
+StatValue = Union[StatScalar, list[StatItem], dict[str, StatItem]]  # noqa: UP007
+Stats = dict[str, StatValue]
+
+
+class _Row(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A part of a report: every field named when built, nothing unknown on receipt."""
+
+
+# -- models
+
+
+class StageRow(_Row):
+    """Stage `index` of a model's plan: its device bytes, its blocks [start, stop) and the
+    names of its first and last block."""
+
+    index: Count
+    bytes: Count
+    blocks: list[Count]
+    first: str
+    last: str
+
+
+class ReplicaRow(_Row):
+    """One copy of a model: stage i on `workers[i]`; `live` once every stage is deployed."""
+
+    workers: list[str]
+    live: bool
+    inflight: Count
+
+
+class ModelRow(_Row):
+    """A deployed model (`broker.status.model_status`); also what a deploy is answered with."""
+
+    name: str
+    state: str
+    factory: str | None
+    dtype: str
+    inputs: dict[str, TensorSpec]  # its declared inputs
+    bytes: Count
+    stages: list[StageRow]
+    replicas: list[ReplicaRow]
+    # Replicas able to run / wanted now (the deployed count plus what autoscaling added).
+    replicas_live: Count
+    replicas_desired: Count
+    replicas_floor: Count
+    scale_ups: Count
+    scale_downs: Count
+    resident_on: list[str]
+    queue: Count
+    requests: Count
+    completed: Count
+    errors: Count
+    errors_by_code: dict[str, Count]
+    refused: dict[str, Count]  # requests refused at the door, by code
+    loads: Count
+    evictions: Count
+    batches: Count
+    mean_ms: float  # over the latest answered requests
+    p99_ms: float
+    # Means over every answered request (the same histograms as /metrics).
+    queue_wait_ms: float
+    load_wait_ms: float
+    run_ms: float
+    mean_batch: float
+    slo_ms: float | None
+    # Of the answered requests, the fraction within the model's latency objective.
+    within_slo: float | None
+    rate_per_s: float  # decayed arrival rate as of the model's last request
+    prefetches: Count
+
+
+# -- peers
+
+
+class PeerRow(_Row):
+    """What the broker knows of every peer (`broker.status.peer_rows`)."""
+
+    name: str
+    ready: bool
+    pid: Count
+    registrations: Count
+    last_seen_s: float
+    # Heartbeat intervals since the peer was last heard (liveness of them loses it).
+    missed_heartbeats: Count
+
+
+class PartitionerRow(PeerRow):
+    inflight: Count  # plans asked for, not answered
+    stats: Stats  # its latest heartbeat's figures
+
+
+class WorkerRow(PeerRow):
+    device: str
+    kind: str
+    budget_bytes: Count
+    resident_bytes: Count
+    peak_bytes: Count
+    # The broker's own view, current as soon as a StageReady arrives (the worker's heartbeat
+    # figure lags a beat); stages being deployed count at planned size.
+    host_bytes: Count
+    resident: list[str]  # "model/stage"
+    loads: Count
+    load_bytes: Count
+    mean_load_ms: float
+    evictions: Count
+    inflight: Count  # runs sent, not answered
+    reserved_for: str | None  # draining for a starving model
+    # Where the previous stage of a direct run sends it activations ("": relayed).
+    peer_endpoint: str
+    stats: Stats  # its latest heartbeat's figures
+
+
+# -- training jobs
+
+
+class SubModelRow(_Row):
+    """A training job's sub-model: its blocks [start, stop), host-tier bytes, and the arena
+    bytes its largest task takes."""
+
+    blocks: list[Count]
+    host_bytes: Count
+    task_bytes: Count
+
+
+class OpenedJob(_Row):
+    """What a worker answers a training job's opening with (`JobOpened`)."""
+
+    name: str
+    worker: str
+    step: Count
+    sub_models: list[SubModelRow]
+    footprint: Count
+    host_bytes: Count
+    largest_task: Count
+    config: dict[str, Any]  # what the worker runs (a checkpoint's, when resumed)
+
+
+class JobRow(_Row):
+    """A training job as the broker reports it (`flowmesh jobs`, `TrainOpened`)."""
+
+    name: str
+    worker: str
+    state: str
+    factory: str | None
+    config: dict[str, Any]
+    batch: Count
+    step: Count
+    last_loss: float | None
+    steps_per_s: float
+    pending: Count  # calls awaiting the worker
+    sub_models: list[SubModelRow]
+    footprint: Count
+    saved_step: Count | None
+    saved_path: str | None
+    errors: Count
+    age_s: float
+
+
+# -- the broker as a whole
+
+
+class Totals(_Row):
+    """The broker's counters since it started."""
+
+    requests: Count = 0
+    completed: Count = 0
+    errors: Count = 0
+    batches: Count = 0
+    retried: Count = 0  # requests run again after their worker was lost
+    hung_runs: Count = 0
+    expired_calls: Count = 0
+    dropped_sends: Count = 0
+    direct_batches: Count = 0  # multi-stage batches whose activations went worker to worker
+    activation_bytes_relayed: Count = 0  # activations forwarded by the broker between stages
+    heartbeat_losses: Count = 0
+    auth_refused: Count = 0  # messages refused for their peer's key (CURVE)
+    zap_refused: Count = 0  # connections refused by the ZAP handler
+    names_refused: Count = 0  # registrations under a name taken by another key
+    train_steps: Count = 0
+    train_step_errors: Count = 0
+    train_expired: Count = 0
+
+
+class BrokerStatus(_Row):
+    """What `flowmesh status` shows and the broker's /metrics reads (`BrokerCore.status`)."""
+
+    uptime_s: float
+    protocol: int
+    heartbeat_s: float
+    workers: list[WorkerRow]
+    partitioners: list[PartitionerRow]
+    models: list[ModelRow]
+    refused_unknown_model: dict[str, Count]  # requests naming no deployed model, by code
+    queued: Count
+    inflight_batches: Count
+    jobs: list[JobRow]
+    # Jobs that ended, as they were at the end (state "closed", or "lost" with their worker):
+    # the latest of each name, oldest first, a bounded number (the training router's).
+    finished_jobs: list[JobRow]
+    # After a restart, until the workers named in the state store came back.
+    restoring: bool
+    totals: Totals

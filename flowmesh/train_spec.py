@@ -1,0 +1,142 @@
+"""How a training job trains, declared once and free of torch: `TrainConfig` (a `msgspec.Struct`
+that `TrainOpen` carries, checked on receipt by msgspec and by its `__post_init__`) and the form
+of a loss spec.
+
+A loss spec is plain data that crosses processes: a built-in name (`LOSS_NAMES`), a loss factory
+"package.module:callable", or {"factory": ..., "kwargs": {...}}. `check_loss_spec` checks its
+form anywhere; the worker resolves it against its allow-list (`gpu_worker.train_config`, which
+also holds the optimizer classes these names stand for).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from flowmesh.errors import Code, FlowmeshError, Invalid
+from flowmesh.spec import FACTORY_RE, MAX_KWARGS_BYTES
+
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+LOSS_NAMES = ("cross_entropy", "mse")
+LossSpec = str | Mapping[str, Any]
+
+
+def _bad(reason: str) -> FlowmeshError:
+    return FlowmeshError(Code.BAD_REQUEST, reason)
+
+
+def loss_name(loss: LossSpec) -> str:
+    """How a loss spec reads in messages: its name or factory, with its kwargs."""
+    if isinstance(loss, str):
+        return loss
+    kwargs = loss.get("kwargs") or {}
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return f"{loss.get('factory')}({args})"
+
+
+def check_loss_spec(loss: Any) -> LossSpec:
+    """A loss spec's form (no import): a built-in name, 'package.module:callable', or
+    {"factory": "package.module:callable", "kwargs": {...}}; returns it as plain data."""
+    if isinstance(loss, str):
+        if loss in LOSS_NAMES or FACTORY_RE.match(loss):
+            return loss
+        raise _bad(
+            f"loss {loss!r}: expected one of {', '.join(LOSS_NAMES)}, or a loss factory "
+            "'package.module:callable' from the worker's allow-list"
+        )
+    if isinstance(loss, Mapping):
+        unknown = sorted(set(loss) - {"factory", "kwargs"})
+        factory, kwargs = loss.get("factory"), loss.get("kwargs") or {}
+        if unknown or not isinstance(factory, str) or not FACTORY_RE.match(factory):
+            raise _bad(
+                f"loss {dict(loss)!r}: a mapping needs 'factory': 'package.module:callable' "
+                "and optionally 'kwargs' (nothing else)"
+            )
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise _bad(f"loss {factory}: kwargs must be a mapping with string keys")
+        try:
+            size = len(json.dumps(dict(kwargs)))
+        except (TypeError, ValueError) as exc:
+            raise _bad(f"loss {factory}: kwargs must be plain data: {exc}") from None
+        if size > MAX_KWARGS_BYTES:
+            raise _bad(f"loss {factory}: kwargs are {size} bytes, limit {MAX_KWARGS_BYTES}")
+        return {"factory": factory, "kwargs": dict(kwargs)}
+    raise _bad(f"loss must be a name, a factory string or a mapping, got {type(loss).__name__}")
+
+
+class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a job trains: optimizer, loss and step options (plain data, JSON-able)."""
+
+    optimizer: dict[str, Any]
+    # A built-in name, "package.module:callable" or {"factory": ..., "kwargs": {...}}: a factory
+    # from the worker's allow-list returning loss(output, target) -> scalar (resolve_loss).
+    loss: str | dict[str, Any] = "cross_entropy"
+    # int or float, as given (a checkpoint keeps the configuration as it came).
+    clip_grad_norm: int | float | None = None
+    accumulate: int = 1  # micro-batches per step: the step's batch is split into this many
+    seed: int = 0  # the job's RNG stream (dropout); weights come from the model's own seed
+    stop_on_nonfinite: bool = True  # a nan/inf loss fails the step (no update) instead of applying
+
+    def __post_init__(self) -> None:
+        try:
+            self._check()
+        except FlowmeshError as exc:  # msgspec reports a ValueError with the field's path
+            raise Invalid(exc.code, exc.reason) from None
+
+    def _check(self) -> None:
+        if not isinstance(self.optimizer, Mapping):
+            raise _bad(f"optimizer must be a mapping with a name, got {self.optimizer!r}")
+        name = self.optimizer.get("name", self.optimizer.get("type"))
+        if not isinstance(name, str) or name.lower() not in OPTIMIZER_NAMES:
+            raise _bad(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZER_NAMES)}")
+        msgspec.structs.force_setattr(self, "optimizer", dict(self.optimizer))
+        msgspec.structs.force_setattr(self, "loss", check_loss_spec(self.loss))
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool)
+            or not isinstance(clip, int | float)
+            or not math.isfinite(clip)
+            or clip <= 0
+        ):
+            raise _bad(f"clip_grad_norm must be a positive number or null, got {clip!r}")
+        n = self.accumulate
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise _bad(f"accumulate must be a positive integer, got {n!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer's name, lower case: one of OPTIMIZER_NAMES."""
+        name = self.optimizer.get("name", self.optimizer.get("type"))
+        assert isinstance(name, str)
+        return name.lower()
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.optimizer.items() if k not in ("name", "type")}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": dict(self.optimizer),
+            "loss": self.loss if isinstance(self.loss, str) else dict(self.loss),
+            "clip_grad_norm": self.clip_grad_norm,
+            "accumulate": self.accumulate,
+            "seed": self.seed,
+            "stop_on_nonfinite": self.stop_on_nonfinite,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """A configuration kept as plain data (a checkpoint's, a stored job's)."""
+        known = set(cls.__struct_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise _bad(f"unknown training option(s): {', '.join(unknown)}")
+        if "optimizer" not in data:
+            raise _bad("a training configuration needs an optimizer")
+        return cls(**data)

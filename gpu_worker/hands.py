@@ -1,0 +1,381 @@
+"""The worker's hands: what does `gpu_worker.core.WorkerCore`'s work, on the executors and
+threads, with no socket of its own.
+
+The core decides; `WorkerHands` does each item of its outbox (`flush`) on the executor (runs,
+loads, evictions), the training executor (steps, evaluations, saves) and the deploy thread
+(stage preparation, and the opening and closing of training jobs, in arrival order), and feeds
+what each piece of work ended with back to the core as soon as its future settles, so one slow
+model never holds up the others. It also says what the worker holds (`inventory`) and what it
+reports with its heartbeats (`stats`).
+
+What needs a socket is given as callbacks: `send` (a message to the broker, on the loop),
+`send_from_thread` (the same from a compute lane; False when it cannot go from there),
+`send_hop` (a direct run's micro-batch to the next stage's worker) and `allow_peer` (a key the
+peer socket may take). The process shell (`gpu_worker.service`) gives its sockets; the
+in-process test mesh (tests/support/inproc.py) gives the other workers' cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.threads import torch_pool
+from gpu_worker.core import (
+    AddStage,
+    AllowPeer,
+    CloseJob,
+    DropStage,
+    Evaluate,
+    EvictStage,
+    LoadStage,
+    OpenJob,
+    PrepareStage,
+    RunChunk,
+    RunStage,
+    SaveJob,
+    Send,
+    SendHop,
+    SubmitStep,
+    Work,
+    WorkerCore,
+    run_result,
+)
+from gpu_worker.device import Device
+from gpu_worker.executor import Executor, RunOutput
+from gpu_worker.host_tier import ALIGN
+from gpu_worker.memory import DeviceMemory
+from gpu_worker.stage_loader import prepare_stage
+from gpu_worker.train_executor import TrainingExecutor, start_job
+
+
+class WorkerHands:
+    """The executors and threads of worker `core.name` on `device`, doing its core's work.
+
+    Use it on one running event loop (the callbacks' `send` and `send_hop` are called there).
+    """
+
+    def __init__(
+        self,
+        core: WorkerCore,
+        device: Device,
+        *,
+        send: Callable[[p.Message], bool],
+        send_from_thread: Callable[[p.Message], bool],
+        send_hop: Callable[[SendHop], None],
+        allow_peer: Callable[[str], None],
+        clock: Callable[[], float],
+        compute_lanes: int = 2,
+        train_bytes: int = 0,
+        eviction: str = "value",
+        log: logging.Logger | None = None,
+    ) -> None:
+        if not 0 <= train_bytes <= device.budget_bytes:
+            raise ValueError("training bytes must be within the device's arena")
+        self.core = core
+        self.device = device
+        self.send, self.send_from_thread = send, send_from_thread
+        self.send_hop, self.allow_peer = send_hop, allow_peer
+        self.clock = clock
+        self.log = log or logging.getLogger("worker")
+        self.train_bytes = train_bytes
+        self.memory = DeviceMemory(device.budget_bytes - train_bytes, train_bytes, ALIGN)
+        self.executor = Executor(device, compute_lanes, memory=self.memory, eviction=eviction)
+        # The executor decides its own evictions; the broker learns them from `Resident`.
+        self.executor.on_residency = self.report_soon
+        self._report_due = False
+        self.trainer = TrainingExecutor(device, memory=self.memory) if train_bytes > 0 else None
+        # Stages prepared (weights read into the host tier) since the process started.
+        self.stages_prepared = 0
+        self.lane_answers = 0  # runs answered from their compute lane
+        # Stages whose weights are being read in: "model/stage" -> [bytes read, bytes to read]
+        # (reported with the heartbeats, so `flowmesh deploy` can show its progress).
+        self.preparing: dict[str, list[int]] = {}
+        # Stage preparation, and the opening and closing of training jobs, in arrival order.
+        self._deploys = torch_pool(1, "deploy")
+
+    def close(self) -> None:
+        self.executor.close()
+        if self.trainer is not None:
+            self.trainer.close()
+        self._deploys.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ what the worker holds
+
+    def registration(self, name: str, threads: int, peer_endpoint: str) -> p.Register:
+        """The Register message of this worker: its device, its arena and its inventory."""
+        return p.Register(
+            id=1,
+            role="worker",
+            name=name,
+            pid=os.getpid(),
+            device=getattr(self.device, "name", self.device.kind),
+            kind=self.device.kind,
+            # The broker plans serving residency against this; training has its own bytes.
+            budget_bytes=self.memory.serving_bytes,
+            info={
+                "compute_lanes": self.executor.compute_lanes,
+                "threads": threads,
+                "train_bytes": self.train_bytes,
+                "arena_bytes": self.memory.capacity,
+                **({"peer_endpoint": peer_endpoint} if peer_endpoint else {}),
+                **self.device.info(),
+            },
+            inventory=self.inventory(),
+        )
+
+    def inventory(self) -> p.Inventory:
+        """The stages and training jobs this worker holds (see `p.Inventory`)."""
+        resident = self.executor.resident()
+        digests = self.core.digests
+        stages = [
+            p.HeldStage(
+                model=key[0],
+                stage=key[1],
+                nbytes=st.host.nbytes,
+                resident=key in resident,
+                digest=digests.get(key, ""),
+            )
+            for key, st in self.executor.stages.items()
+        ]
+
+        def answer(r: Any) -> p.StepOk | p.StepFailed:  # the ledger's {"seq", ...} dicts
+            if isinstance(r, p.StepOk | p.StepFailed):
+                return r
+            return p.StepFailed(**r) if "code" in r else p.StepOk(**r)
+
+        jobs = []
+        trainer = self.trainer
+        for name, ledger in self.core.jobs.items():
+            job = trainer.jobs.get(name) if trainer is not None else None
+            if job is None:
+                continue
+            jobs.append(
+                p.HeldJob(
+                    name=name,
+                    step=job.step_count,
+                    seq=ledger.last,
+                    footprint=job.footprint(),
+                    results=[answer(r) for r in ledger.answers.values()],
+                    running=sorted(ledger.running),
+                )
+            )
+        return p.Inventory(stages=stages, jobs=jobs)
+
+    def stats(self) -> dict[str, Any]:
+        """What the worker's heartbeats report of its executors and memory."""
+        out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
+        out["stages_prepared"] = self.stages_prepared
+        out["lane_answers"] = self.lane_answers
+        out["preparing"] = {k: list(v) for k, v in list(self.preparing.items())}
+        direct = self.core.direct
+        out.update(direct.counters)
+        out["direct_pending"] = len(direct.runs)  # announced runs not finished here
+        if self.trainer is not None:
+            # Flat figures: heartbeat stats are bounded in depth (broker.checks.check_stats).
+            t = self.trainer.stats()
+            out.update(
+                train_jobs=len(t["jobs"]),
+                train_steps=t["steps"],
+                train_step_errors=t["step_errors"],
+                train_budget_bytes=t["budget_bytes"],
+                train_reserved_bytes=t["reserved_bytes"],
+                train_resident_bytes=t["resident_bytes"],
+                train_evals=t["evals"],
+                train_reserved_peak=t["reserved_peak"],
+                train_resident_peak=t["resident_peak"],
+                train_bytes_in=t["bytes_in"],
+                train_tasks=t["tasks"],
+                train_tasks_admitted=t["tasks_admitted"],
+                train_tasks_started=t["tasks_started"],
+                train_job_switches=t["job_switches"],
+                train_tasks_reclaimed=t["tasks_reclaimed"],
+            )
+        return out
+
+    # ------------------------------------------------------------------ the core's work
+
+    def flush(self) -> None:
+        """Do what the core asked for, in its order; what that leads to, too."""
+        core = self.core
+        while core.out:
+            action = core.out.pop(0)
+            if isinstance(action, Send):
+                self.send(action.msg)
+            elif isinstance(action, AllowPeer):
+                self.allow_peer(action.key)
+            else:
+                try:
+                    self._start(action)
+                except Exception as exc:
+                    core.finished(action, exc, self.clock())
+
+    def _feed(self, fut: asyncio.Future[Any], work: Work) -> None:
+        """Tell the core what `work` ended with once `fut` settles."""
+
+        def done(f: asyncio.Future[Any]) -> None:
+            result: Any
+            if f.cancelled():
+                result = FlowmeshError(Code.INTERNAL, "cancelled")
+            else:
+                result = f.exception()
+                if result is None:
+                    result = f.result()
+            self.core.finished(work, result, self.clock())
+            self.flush()
+
+        fut.add_done_callback(done)
+
+    def _start(self, work: Work) -> None:
+        """Start `work` on its executor or thread; raises what fails it at once."""
+        loop = asyncio.get_running_loop()
+        if isinstance(work, RunStage):
+            self._run(work)
+        elif isinstance(work, RunChunk):
+            msg = work.run.msg
+            if msg.id in self.core.direct.runs:  # else failed meanwhile: nobody waits for it
+                self._feed(self.executor.run((msg.model, msg.stage), [work.tensors]), work)
+        elif isinstance(work, SendHop):
+            self.send_hop(work)
+            self.core.finished(work, None, self.clock())
+        elif isinstance(work, LoadStage):
+            # Answered even when nothing changed: the broker's expectation of which stages
+            # this load evicts is settled by what we report.
+            self.report_soon()
+            msg = work.msg
+            self._feed(self.executor.load((msg.model, msg.stage), work.keep), work)
+        elif isinstance(work, EvictStage):
+            self.executor.evict((work.msg.model, work.msg.stage))
+        elif isinstance(work, DropStage):
+            self.executor.drop_stage((work.msg.model, work.msg.stage))
+        elif isinstance(work, PrepareStage):
+            self._prepare(work)
+        elif isinstance(work, AddStage):
+            self.executor.add_stage(work.key, work.blocks, work.host)
+        elif isinstance(work, OpenJob):
+            self._feed(loop.run_in_executor(self._deploys, self.open_job, work.msg), work)
+        elif isinstance(work, CloseJob):
+            # On the thread that opens jobs: a close never overtakes the open before it.
+            self._feed(loop.run_in_executor(self._deploys, self._close_job, work.msg.job), work)
+        elif isinstance(work, SubmitStep):
+            fut = self._trainer().submit(work.msg.job, work.inputs, work.targets)
+            self._feed(asyncio.wrap_future(fut), work)
+        elif isinstance(work, Evaluate):
+            fut = self._trainer().evaluate(work.msg.job, work.inputs, work.targets)
+            self._feed(asyncio.wrap_future(fut), work)
+        elif isinstance(work, SaveJob):
+            self._feed(asyncio.wrap_future(self._save(work)), work)
+        else:
+            raise FlowmeshError(Code.INTERNAL, f"no way to do {type(work).__name__}")
+
+    def report_soon(self) -> None:
+        """One `Resident` report after whatever the current loop pass changes."""
+        if not self._report_due:
+            self._report_due = True
+            asyncio.get_running_loop().call_soon(self._report)
+
+    def _report(self) -> None:
+        self._report_due = False
+        self.send(p.Resident(stages=self.executor.residency(), after_load=self.core.last_load))
+
+    def _prepare(self, work: PrepareStage) -> None:
+        msg = work.msg
+        key = f"{msg.model}/{msg.stage}"
+        read = self.preparing[key] = [0, 0]
+
+        def progress(done: int, total: int) -> None:  # on the deploy thread
+            read[:] = [done, total]
+
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._deploys,
+            prepare_stage,
+            work.spec,
+            msg.plan,
+            msg.stage,
+            self.device,
+            self.core.allow,
+            progress,
+        )
+
+        def prepared(f: asyncio.Future[Any]) -> None:  # before the core hears of it
+            if self.preparing.get(key) is read:
+                del self.preparing[key]
+            if not f.cancelled() and f.exception() is None:
+                self.stages_prepared += 1
+
+        fut.add_done_callback(prepared)
+        self._feed(fut, work)
+
+    def _run(self, work: RunStage) -> None:
+        msg = work.msg
+
+        def counted(f: asyncio.Future[RunOutput]) -> None:
+            if not f.cancelled() and f.exception() is None and f.result().answered:
+                self.lane_answers += 1
+
+        # The result goes out from the compute lane that computed it (one thread hand-off
+        # less on every request's path); the loop sends it only if the lane could not.
+        fut = self.executor.run(
+            (msg.model, msg.stage),
+            work.parts,
+            separate=msg.separate,
+            on_lane=lambda out: self.send_from_thread(run_result(msg, out)),
+        )
+        fut.add_done_callback(counted)
+        self._feed(fut, work)
+
+    # ------------------------------------------------------------------ training jobs
+
+    def _trainer(self) -> TrainingExecutor:
+        if self.trainer is None:
+            raise FlowmeshError(
+                Code.UNAVAILABLE,
+                f"worker {self.core.name} takes no training jobs (--train-bytes 0)",
+            )
+        return self.trainer
+
+    def open_job(self, msg: p.TrainOpen) -> dict[str, Any]:
+        """On a thread: build, plan and lay out the job (profiling and weights take a while)."""
+        trainer = self._trainer()
+        opening = self.core.job_opening(msg)
+        return start_job(
+            trainer,
+            msg.job,
+            opening.spec,
+            opening.config,
+            self.device,
+            batch=msg.batch,
+            target_bytes=opening.target_bytes,
+            allow=self.core.allow,
+            resume=opening.resume,
+            worker=self.core.name,
+        )
+
+    def _close_job(self, name: str) -> None:
+        self._trainer().close_job(name)
+
+    def _save(self, work: SaveJob) -> Future[tuple[str, int]]:
+        msg = work.msg
+        trainer = self._trainer()
+        job = trainer.jobs.get(msg.job)
+        if job is None:
+            raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no training job {msg.job!r} here")
+        saved: Future[tuple[str, int]] = Future()
+
+        def done(f: Future[Any]) -> None:
+            # On the training driver, as the save task ends: the job's step count is the
+            # checkpoint's, before any later step of the job finishes.
+            exc = f.exception()
+            if exc is not None:
+                saved.set_exception(exc)
+            else:
+                saved.set_result((msg.path, job.step_count))  # the path as the client wrote it
+
+        trainer.save(msg.job, work.path).add_done_callback(done)
+        return saved
