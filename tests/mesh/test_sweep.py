@@ -9,12 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from client_sdk.mesh import LocalMesh
-from client_sdk.train_data import Dataset
 from tests.support.mesh import mesh_options
+from tests.support.training import teacher
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = {"width": 16, "depth": 2, "in_features": 8, "out_features": 4}
@@ -25,14 +24,6 @@ STEPS, EVERY = 12, 3
 
 
 pytestmark = mesh_options(cpu_workers=1, train_bytes="256KiB")
-
-
-def teacher(rows: int = 320, seed: int = 1) -> Dataset:
-    """Labels a random linear teacher gives: learnable, unlike random labels, so a good learning
-    rate shows in the held-out loss."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 8, generator=g)
-    return Dataset({"": x}, (x @ torch.randn(8, 4, generator=g)).argmax(1), "teacher")
 
 
 SWEEP_TOML = """

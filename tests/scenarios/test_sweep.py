@@ -5,18 +5,14 @@ ask-and-tell and its successive-halving pruner over training jobs, through the S
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
-import torch
 
 from client_sdk.sweep import TrialRecord, split_params
-from client_sdk.train_data import Dataset
 from tests.support.inproc import InProcMesh
 from tests.support.mesh import mesh_options
+from tests.support.training import teacher
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = {"width": 16, "depth": 2, "in_features": 8, "out_features": 4}
@@ -27,14 +23,6 @@ STEPS, EVERY = 12, 3
 
 
 pytestmark = mesh_options(cpu_workers=1, train_bytes="256KiB")
-
-
-def teacher(rows: int = 320, seed: int = 1) -> Dataset:
-    """Labels a random linear teacher gives: learnable, unlike random labels, so a good learning
-    rate shows in the held-out loss."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 8, generator=g)
-    return Dataset({"": x}, (x @ torch.randn(8, 4, generator=g)).argmax(1), "teacher")
 
 
 def test_split_params_routes_optimizer_keys_and_factory_kwargs() -> None:
@@ -103,44 +91,3 @@ async def test_sweep_prunes_closes_pruned_jobs_and_saves_curves(
         assert (s["number"], s["state"], s["params"]) == (t.number, t.state, t.params)
         assert s["curve"] == t.curve and [tuple(e) for e in s["evals"]] == t.evals
 
-
-SWEEP_TOML = """
-name = "cli-sweep"
-factory = "flowmesh.examples:mlp"
-trials = 4
-steps = 6
-eval_every = 3
-concurrency = 2
-pruner = "successive_halving"
-reduction_factor = 2
-batch = 16
-out = "results"
-
-[kwargs]
-width = 16
-depth = 2
-in_features = 8
-out_features = 4
-
-[optimizer]
-name = "adam"
-
-[data]
-file = "data.safetensors"
-
-[space.lr]
-type = "float"
-low = 1e-5
-high = 1.0
-log = true
-
-[space.optimizer]
-type = "categorical"
-choices = ["adam", "sgd"]
-"""
-
-
-def flowmesh_sweep(mesh: InProcMesh, config: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "client_sdk.cli", "sweep", "--broker", mesh.frontend, str(config)]
-    env = {**os.environ, "COLUMNS": "120"}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
