@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from broker.context import fail
 from broker.state import Peer
 from broker.store import JobRecord, Store
@@ -318,14 +320,7 @@ class TrainingRouter:
         if isinstance(answer, p.TrainStepResult):
             self._to_client(
                 addr,
-                p.TrainStepResult(
-                    id=msg.id,
-                    job=job.name,
-                    seq=msg.seq,
-                    loss=answer.loss,
-                    step=answer.step,
-                    metrics=answer.metrics,
-                ),
+                msgspec.structs.replace(answer, id=msg.id),  # the same job and seq
             )
             return
         if isinstance(answer, p.Error):
@@ -402,13 +397,7 @@ class TrainingRouter:
                 return
             self._answer(
                 call,
-                p.TrainEvalResult(
-                    id=call.client_id,
-                    job=msg.job,
-                    loss=msg.loss,
-                    step=msg.step,
-                    metrics=msg.metrics,
-                ),
+                msgspec.structs.replace(msg, id=call.client_id),
             )
         elif isinstance(msg, p.TrainSaved):
             call = self._pop(worker, msg.id, "save", msg.job)
@@ -455,14 +444,7 @@ class TrainingRouter:
         if call is not None:
             self._answer(
                 call,
-                p.TrainStepResult(
-                    id=call.client_id,
-                    job=msg.job,
-                    seq=msg.seq,
-                    loss=msg.loss,
-                    step=msg.step,
-                    metrics=msg.metrics,
-                ),
+                msgspec.structs.replace(msg, id=call.client_id),
             )
 
     def _keep(self, job: Job, seq: int, answer: p.Message) -> None:
