@@ -908,10 +908,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the outputs to this safetensors file")
     p.set_defaults(fn=cmd_infer)
 
-    # The optimizers a worker can run (tests/test_cli.py checks them against the worker's own).
-    from flowmesh.modelio.planners import OPTIMIZER_NAMES
-
-    optimizers = sorted(OPTIMIZER_NAMES)
+    # Any torch.optim optimizer by name: the worker (or partitioner) resolves it, and refuses
+    # what it cannot run, saying why (flowmesh.optimizers); the CLI does not import torch.
+    optimizer_help = "a torch.optim optimizer by name, any case (adam, sgd, rmsprop, nadam, ...)"
     p = client_cmd("plan", "plan pipeline stages or training chunks for a model")
     p.add_argument("factory")
     p.add_argument("--kwargs")
@@ -919,7 +918,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--mem-cap", default=None, help="bytes per stage (default: smallest worker)")
     p.add_argument("--target", default=None, help="training chunk target bytes (chunk plan)")
-    p.add_argument("--optimizer", default="adam", choices=optimizers)
+    p.add_argument("--optimizer", default="adam", help=optimizer_help)
     p.add_argument(
         "--momentum", type=float, default=None, help="sgd only: plan its momentum buffer too"
     )
@@ -938,7 +937,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="checkpoint directory written by --save")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch", type=int, default=8, help="rows per step")
-    p.add_argument("--optimizer", default="adamw", choices=optimizers)
+    p.add_argument("--optimizer", default="adamw", help=optimizer_help)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--momentum", type=float, default=None, help="sgd only")

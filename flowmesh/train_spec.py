@@ -4,14 +4,15 @@ of a loss spec.
 
 A loss spec is plain data that crosses processes: a built-in name (`LOSS_NAMES`), a loss factory
 "package.module:callable", or {"factory": ..., "kwargs": {...}}. `check_loss_spec` checks its
-form anywhere; the worker resolves it against its allow-list (`gpu_worker.train_config`, which
-also holds the optimizer classes these names stand for).
+form anywhere; the worker resolves it against its allow-list (`gpu_worker.train_config`), and
+the optimizer a configuration names with `flowmesh.optimizers`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,9 @@ import msgspec
 from flowmesh.errors import Code, FlowmeshError, Invalid
 from flowmesh.spec import FACTORY_RE, MAX_KWARGS_BYTES
 
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+# An optimizer's name: a class of torch.optim in any case, resolved where torch is
+# (`flowmesh.optimizers`); here only its form is checked.
+OPTIMIZER_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 LOSS_NAMES = ("cross_entropy", "mse")
 LossSpec = str | Mapping[str, Any]
 
@@ -90,9 +93,19 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def _check(self) -> None:
         if not isinstance(self.optimizer, Mapping):
             raise _bad(f"optimizer must be a mapping with a name, got {self.optimizer!r}")
+        factory = self.optimizer.get("factory")
         name = self.optimizer.get("name", self.optimizer.get("type"))
-        if not isinstance(name, str) or name.lower() not in OPTIMIZER_NAMES:
-            raise _bad(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZER_NAMES)}")
+        if factory is not None:
+            if name is not None or not isinstance(factory, str) or not FACTORY_RE.match(factory):
+                raise _bad(
+                    f"optimizer factory {factory!r}: expected 'package.module:callable' "
+                    "(and no 'name' beside it)"
+                )
+        elif not isinstance(name, str) or not OPTIMIZER_NAME_RE.match(name):
+            raise _bad(
+                f"optimizer {name!r}: give 'name', a torch.optim optimizer (adam, sgd, rmsprop, "
+                "...), or 'factory', 'package.module:callable' from the worker's allow-list"
+            )
         msgspec.structs.force_setattr(self, "optimizer", dict(self.optimizer))
         msgspec.structs.force_setattr(self, "loss", check_loss_spec(self.loss))
         clip = self.clip_grad_norm
@@ -111,14 +124,17 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def optimizer_name(self) -> str:
-        """The optimizer's name, lower case: one of OPTIMIZER_NAMES."""
+        """The optimizer's name, lower case, or its factory."""
+        factory = self.optimizer.get("factory")
+        if isinstance(factory, str):
+            return factory
         name = self.optimizer.get("name", self.optimizer.get("type"))
         assert isinstance(name, str)
         return name.lower()
 
     @property
     def optimizer_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in self.optimizer.items() if k not in ("name", "type")}
+        return {k: v for k, v in self.optimizer.items() if k not in ("name", "type", "factory")}
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,5 +1,5 @@
-"""The torch side of how a training job trains: the optimizer classes its configuration may
-name, and loss specs resolved on the worker.
+"""The torch side of how a training job trains: its optimizer (`flowmesh.optimizers`, any
+torch.optim optimizer by name or an allowed factory) and loss specs resolved on the worker.
 
 The configuration itself (`TrainConfig`) and the form of a loss spec are declared, free of
 torch, in `flowmesh.train_spec` (they cross processes); `resolve_loss` turns a loss spec into
@@ -18,10 +18,10 @@ import torch
 from torch.nn import functional as F
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
+from flowmesh.optimizers import make_optimizer, state_slots
 from flowmesh.spec import DEFAULT_ALLOW, factory_allowed
 from flowmesh.train_spec import (
     LOSS_NAMES,
-    OPTIMIZER_NAMES,
     LossSpec,
     TrainConfig,
     check_loss_spec,
@@ -31,24 +31,14 @@ from flowmesh.train_spec import (
 __all__ = [
     "LOSSES",
     "LOSS_ALLOW",
-    "OPTIMIZERS",
     "LossSpec",
     "TrainConfig",
     "check_loss_spec",
     "loss_name",
-    "optimizer_class",
+    "make_optimizer",
     "optimizer_states",
     "resolve_loss",
 ]
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
-# Options that choose an implementation, not the maths; a probe on the meta device cannot take
-# some of them (fused kernels), and drops them.
-_IMPL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -67,7 +57,7 @@ LOSSES: dict[str, LossFn] = {
 # flowmesh's own code, like the built-in losses above).
 LOSS_ALLOW = ("flowmesh.losses",)
 # The names a configuration is checked against, without torch, are these.
-assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES and tuple(LOSSES) == LOSS_NAMES
+assert tuple(LOSSES) == LOSS_NAMES
 
 
 def resolve_loss(loss: LossSpec, allow: Iterable[str] | None = None) -> LossFn:
@@ -113,36 +103,9 @@ def resolve_loss(loss: LossSpec, allow: Iterable[str] | None = None) -> LossFn:
     return fn
 
 
-def optimizer_class(config: TrainConfig) -> type[torch.optim.Optimizer]:
-    return OPTIMIZERS[config.optimizer_name]
-
-
 def optimizer_states(
-    config: TrainConfig, params: list[torch.Tensor]
+    config: TrainConfig, params: list[torch.Tensor], allow: Iterable[str] | None = None
 ) -> list[dict[str, torch.dtype]]:
-    """The optimizer's per-parameter state tensors (name, dtype), found by one step on meta
-    copies: the entries shaped like the parameter are what moves with it."""
-    if not params:
-        return []
-    probes = []
-    for p in params:
-        q = torch.empty_like(p, device="meta").requires_grad_(True)
-        q.grad = torch.empty_like(q)
-        probes.append(q)
-    kwargs = {k: v for k, v in config.optimizer_kwargs.items() if k not in _IMPL_OPTIONS}
-    try:
-        opt = optimizer_class(config)(probes, **kwargs)
-        opt.step()
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise bad_request(f"optimizer {config.optimizer}: {exc}") from None
-    out = []
-    for q in probes:
-        state = opt.state.get(q, {})
-        out.append(
-            {
-                k: v.dtype
-                for k, v in state.items()
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(q.shape) and v.dim()
-            }
-        )
-    return out
+    """The optimizer's per-parameter state tensors (name, dtype): what moves with each
+    parameter (`flowmesh.optimizers.state_slots`)."""
+    return state_slots(config.optimizer, params, allow)

@@ -52,6 +52,7 @@ from flowmesh.modelio.costs import ModelProfile, human_bytes
 from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.modelio.plan import Plan, chunk_plan
 from flowmesh.modelio.profile import profile
+from flowmesh.optimizers import state_count
 from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from flowmesh.threads import torch_pool
@@ -59,14 +60,13 @@ from gpu_worker.device import TRAIN_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.model_code import building_model
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
-from gpu_worker.train_config import LOSSES, OPTIMIZERS, TrainConfig
+from gpu_worker.train_config import LOSSES, TrainConfig
 from gpu_worker.train_job import Inputs, StepResult, TaskResult, TrainingJob
 from gpu_worker.train_layout import CopyPlan
 from gpu_worker.train_scheduler import FlowScheduler, Phase, Task
 
 __all__ = [
     "LOSSES",
-    "OPTIMIZERS",
     "FlowScheduler",
     "StepResult",
     "TrainConfig",
@@ -617,7 +617,8 @@ def open_job(
         prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow)
         if plan is None:
             assert target_bytes is not None
-            plan = chunk_plan(prof, target_bytes, config.optimizer, micro)
+            states = state_count(config.optimizer, allow)
+            plan = chunk_plan(prof, target_bytes, config.optimizer, micro, states)
         model = build_seeded(spec, allow)
         inputs = declared_inputs(spec, model)
         example = make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None

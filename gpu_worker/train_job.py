@@ -52,7 +52,7 @@ from gpu_worker.train_checkpoint import save_checkpoint
 from gpu_worker.train_config import (
     TrainConfig,
     loss_name,
-    optimizer_class,
+    make_optimizer,
     optimizer_states,
     resolve_loss,
 )
@@ -194,6 +194,7 @@ class TrainingJob:
         self.config = config
         # Resolved at open: a refused or broken loss factory fails the open, not a step.
         self.loss_fn = resolve_loss(config.loss, allow)
+        self.allow = None if allow is None else tuple(allow)
         self.device = device
         self.inputs = dict(inputs) if inputs is not None else None
         self.ranges = [(int(a), int(b)) for a, b in ranges]
@@ -211,6 +212,11 @@ class TrainingJob:
         self.tensors, self.subs = collect(blocks, self.ranges)
         for m in (mod for sub in self.subs for mod in sub.modules):
             m.train()
+        # Flags read when copies are planned: which homes hold something worth copying in.
+        self.grad_valid: dict[str, bool] = {
+            n: False for n, i in self.tensors.items() if i.trainable
+        }
+        self.state_valid: dict[str, bool] = dict(self.grad_valid)
         self._make_slabs()
         self._make_optimizers()
         for sub in self.subs:
@@ -234,11 +240,6 @@ class TrainingJob:
             cuda_gen = torch.Generator(device=f"cuda:{self._cuda}").manual_seed(config.seed)
             cuda_state = cuda_gen.get_state()
         self.rng: RngState = (gen.get_state(), cuda_state)
-        # Flags read when copies are planned: which homes hold something worth copying in.
-        self.grad_valid: dict[str, bool] = {
-            n: False for n, i in self.tensors.items() if i.trainable
-        }
-        self.state_valid: dict[str, bool] = dict(self.grad_valid)
         # Per step (request id): micro-batches, kept inputs, incoming gradients, replay contexts.
         self._data: dict[int, tuple[list[Inputs], list[torch.Tensor]]] = {}
         self._acts: dict[tuple[int, int, int], Any] = {}
@@ -263,7 +264,8 @@ class TrainingJob:
         for sub in self.subs:
             infos = [self.tensors[n] for n in sub.owned]
             trainable = [i.tensor for i in infos if i.is_param and i.trainable]
-            size = lay_out_slab(sub, self.tensors, optimizer_states(self.config, trainable))
+            slots = optimizer_states(self.config, trainable, self.allow)
+            size = lay_out_slab(sub, self.tensors, slots)
             sub.slab = self.device.host_buffer(max(size, 1))
             with torch.no_grad():
                 for info in infos:
@@ -281,10 +283,18 @@ class TrainingJob:
             params = [self.tensors[n].tensor for n in sub.owned if self.tensors[n].trainable]
             if not params:
                 continue
-            try:
-                sub.optimizer = optimizer_class(self.config)(params, **self.config.optimizer_kwargs)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise bad_request(f"optimizer {self.config.optimizer}: {exc}") from None
+            sub.optimizer = make_optimizer(self.config.optimizer, params, self.allow)
+            # An optimizer that makes its state as it is built (Adagrad's sums) hands it to the
+            # host tier now, as others do at their first update: from here on the home holds it.
+            for n in sub.owned:
+                info = self.tensors[n]
+                state = sub.optimizer.state.get(info.tensor)
+                if info.trainable and state and all(k in state for k in info.state_homes):
+                    with torch.no_grad():
+                        for key, home in info.state_homes.items():
+                            home.copy_(state[key])
+                            state[key] = home
+                    self.state_valid[n] = bool(info.state_homes)
 
     def _touch(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:

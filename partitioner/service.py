@@ -13,8 +13,10 @@ from typing import Any
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.logs import LogThrottle
+from flowmesh.modelio import planners
 from flowmesh.modelio.plan import Plan, chunk_plan
 from flowmesh.modelio.profile import profile
+from flowmesh.optimizers import state_count
 from flowmesh.peer import MeshPeer
 from flowmesh.roots import Roots
 from flowmesh.spec import (
@@ -77,19 +79,27 @@ def plan_for(
                 raise exc from None
             splittable = max(b.resident_bytes for b in prof.blocks) <= mem_cap
             hint = (
-                " (omit stages to choose automatically)"
-                if (request.stages and splittable)
-                else ""
+                " (omit stages to choose automatically)" if (request.stages and splittable) else ""
             )
             raise FlowmeshError(Code.TOO_BIG, f"{exc.reason}{hint}") from None
     elif kind == "chunks":
         target = request.target_bytes or request.mem_cap
         if not target:
             raise FlowmeshError(Code.BAD_REQUEST, "a chunk plan needs target_bytes")
-        plan = chunk_plan(prof, target, request.optimizer or "adam", batch)
+        optimizer = request.optimizer or "adam"
+        plan = chunk_plan(prof, target, optimizer, batch, _state_count(optimizer))
     else:
         raise FlowmeshError(Code.BAD_REQUEST, f"unknown plan kind {kind!r}")
     return plan, parse_inputs(prof.inputs) if prof.inputs else None
+
+
+def _state_count(optimizer: str) -> int:
+    """The planner's own count where it has one (it knows `flowmesh plan --momentum`'s
+    "sgd_momentum"), else torch.optim's, probed."""
+    try:
+        return planners.optimizer_states(optimizer)
+    except FlowmeshError:
+        return state_count(optimizer)
 
 
 class PartitionerService(MeshPeer):

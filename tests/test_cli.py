@@ -78,14 +78,12 @@ def test_no_parser_takes_an_abbreviated_flag(capsys: pytest.CaptureFixture[str])
     assert err.startswith("usage: flowmesh up "), err
 
 
-def test_plan_and_train_offer_the_optimizers_a_worker_runs() -> None:
-    from gpu_worker.train_config import OPTIMIZERS
-
-    def choices(cmd: str) -> list[str]:
+def test_plan_and_train_take_any_torch_optimizer_by_name() -> None:
+    for cmd in ("plan", "train"):
         p = next(p for p in subparsers(build_parser()) if p.prog == f"flowmesh {cmd}")
-        return next(a.choices for a in p._actions if a.dest == "optimizer")
-
-    assert choices("plan") == choices("train") == sorted(OPTIMIZERS)
+        action = next(a for a in p._actions if a.dest == "optimizer")
+        # No fixed list: the worker resolves the name in torch.optim (flowmesh.optimizers).
+        assert action.choices is None and "torch.optim" in action.help
 
 
 def test_up_hands_its_config_file_to_every_process_and_keeps_its_log_dir(tmp_path: Path) -> None:

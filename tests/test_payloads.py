@@ -88,7 +88,8 @@ def test_a_plan_reply_with_a_malformed_plan_is_refused_on_receipt(plan: Any, sai
 @pytest.mark.parametrize(
     ("config", "said"),
     [
-        ({**CONFIG, "optimizer": {"name": "lion"}}, "optimizer 'lion'"),
+        ({**CONFIG, "optimizer": {"name": "lion; rm"}}, "optimizer 'lion; rm'"),
+        ({**CONFIG, "optimizer": {"factory": "lion"}}, "optimizer factory 'lion'"),
         ({**CONFIG, "accumulate": 0}, "accumulate must be a positive integer"),
         ({**CONFIG, "clip_grad_norm": -1.0}, "clip_grad_norm must be a positive number"),
         ({**CONFIG, "loss": "hinge"}, "loss 'hinge'"),

@@ -284,11 +284,13 @@ def chunk_plan(
     target_bytes: int,
     optimizer: str | Mapping[str, Any],
     batch: int,
+    states: int | None = None,
 ) -> Plan:
-    """Training chunks from a profile (see `planners.chunks`)."""
+    """Training chunks from a profile (see `planners.chunks`); `states`: the optimizer's state
+    tensors per parameter, as `flowmesh.optimizers.state_count` counts them."""
     with explain_uncut(profile):
-        bounds = planners.chunks(target_bytes, profile, optimizer, batch)
-    footprints, margin = planners.chunk_footprints(profile, optimizer, batch)
+        bounds = planners.chunks(target_bytes, profile, optimizer, batch, states)
+    footprints, margin = planners.chunk_footprints(profile, optimizer, batch, states)
     ranges = ranges_of(bounds)
     return Plan(
         kind="chunks",
@@ -303,7 +305,7 @@ def chunk_plan(
         request={
             "target_bytes": target_bytes,
             "optimizer": dict(optimizer) if isinstance(optimizer, Mapping) else optimizer,
-            "optimizer_states": planners.optimizer_states(optimizer),
+            "optimizer_states": planners.optimizer_states(optimizer, states),
             "batch": batch,
         },
     )

@@ -190,17 +190,23 @@ def profile_blocks(source: ModelProfile | Sequence[BlockProfile]) -> Sequence[Bl
 
 # -- training chunks -------------------------------------------------------------------------
 
+# Without torch (this module is read by processes that have none): the states of the common
+# optimizers. Whoever has torch counts any optimizer's with `flowmesh.optimizers.state_count`
+# and passes it as `states`, which the planning functions below take in preference.
 _OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
-# The optimizers a training job may name (the worker builds them: `gpu_worker.train_config`).
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 
 
-def optimizer_states(optimizer: str | Mapping[str, Any]) -> int:
-    """Tensors the optimizer keeps per parameter: sgd 0, sgd with momentum 1, adam/adamw 2.
+def optimizer_states(optimizer: str | Mapping[str, Any], states: int | None = None) -> int:
+    """Tensors the optimizer keeps per parameter: `states` when given (counted by
+    `flowmesh.optimizers.state_count`), else sgd 0, sgd with momentum 1, adam/adamw 2.
 
     `optimizer` is a name or a mapping with "name" (or "type") and the optimizer's options:
     `{"name": "sgd", "momentum": 0.9}` keeps a momentum buffer, adam with `amsgrad` a third state.
     """
+    if states is not None:
+        if isinstance(states, bool) or not isinstance(states, int) or states < 0:
+            raise _err(f"states must be a non-negative integer, got {states!r}")
+        return states
     options: Mapping[str, Any] = {}
     if isinstance(optimizer, Mapping):
         options = optimizer
@@ -208,21 +214,24 @@ def optimizer_states(optimizer: str | Mapping[str, Any]) -> int:
     if not isinstance(optimizer, str) or optimizer.lower() not in _OPTIMIZER_STATES:
         raise FlowmeshError(
             Code.BAD_REQUEST,
-            f"optimizer {optimizer!r}: expected one of {', '.join(sorted(_OPTIMIZER_STATES))}",
+            f"optimizer {optimizer!r}: without torch, only "
+            f"{', '.join(sorted(_OPTIMIZER_STATES))} are counted; count its states with "
+            "flowmesh.optimizers.state_count",
         )
     name = optimizer.lower()
-    states = _OPTIMIZER_STATES[name]
+    count = _OPTIMIZER_STATES[name]
     if name == "sgd" and options.get("momentum"):
-        states = 1
+        count = 1
     if name in ("adam", "adamw") and options.get("amsgrad"):
-        states = 3
-    return states
+        count = 3
+    return count
 
 
 def chunk_footprints(
     blocks: ModelProfile | Sequence[BlockProfile],
     optimizer: str | Mapping[str, Any],
     batch: int,
+    states: int | None = None,
 ) -> tuple[list[int], int]:
     """Per-block training bytes and the per-chunk margin.
 
@@ -240,7 +249,7 @@ def chunk_footprints(
     blocks = profile_blocks(blocks)
     if not blocks:
         raise _err("nothing to partition: the chain has no blocks")
-    k = optimizer_states(optimizer)
+    k = optimizer_states(optimizer, states)
     footprints = [
         (b.param_bytes + b.shared_bytes) * (2 + k)
         + b.buffer_bytes
@@ -256,12 +265,13 @@ def chunks(
     blocks: ModelProfile | Sequence[BlockProfile],
     optimizer: str | Mapping[str, Any],
     batch: int,
+    states: int | None = None,
 ) -> list[int]:
     """Contiguous training sub-models: the fewest whose footprint (see `chunk_footprints`) stays
     within `target_bytes`, then with the largest one as small as possible."""
     if isinstance(target_bytes, bool) or not isinstance(target_bytes, int) or target_bytes < 1:
         raise _err(f"target_bytes must be a positive integer, got {target_bytes!r}")
-    footprints, margin = chunk_footprints(blocks, optimizer, batch)
+    footprints, margin = chunk_footprints(blocks, optimizer, batch, states)
     names = [b.name for b in profile_blocks(blocks)]
     cap = target_bytes - margin
     for i, fp in enumerate(footprints):

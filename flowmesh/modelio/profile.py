@@ -27,6 +27,7 @@ from flowmesh.modelio.chain import Block, chain_of, first_names
 from flowmesh.modelio.costs import BlockProfile, ModelProfile
 from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
 from flowmesh.modelio.plan import Plan, chunk_plan
+from flowmesh.optimizers import state_count
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 
 Inputs = dict[str, torch.Tensor]
@@ -372,4 +373,4 @@ def make_chunk_plan(
     prof = profile_for(
         spec, profile, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow
     )
-    return chunk_plan(prof, target_bytes, optimizer, batch)
+    return chunk_plan(prof, target_bytes, optimizer, batch, state_count(optimizer, allow))
