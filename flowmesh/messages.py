@@ -199,6 +199,103 @@ class Welcome(Message, tag="welcome"):
     max_header_bytes: Count
 
 
+# -- generation (language models), client <-> broker
+#
+# Text is the client's: it encodes prompts and decodes tokens with the model's own tokenizer
+# (`TokenizerInfo`, read by the broker from the model's Hugging Face directory), and it watches
+# for stop strings, stopping a sequence with `StopGenerate`; the mesh moves token ids only, as an
+# API server in front of an inference engine does.
+
+# A token id, a sequence's length: bounded so that no value from the wire overflows an int64.
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+MAX_GEN_TOKENS = 1 << 20
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How a sequence picks its next tokens: the most likely one at temperature 0; otherwise a
+    draw from softmax(logits / temperature) cut to the `top_k` most likely (0: no cut) and then
+    to the smallest set whose probability reaches `top_p`, from a generator seeded with `seed`
+    (None: an unseeded one). A sequence ends at `max_tokens` new tokens ("length"), or on the
+    model's end-of-sequence ids or one of `stop_ids` ("stop"), the stopping token kept."""
+
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_GEN_TOKENS)] = 16
+    temperature: Annotated[float, Meta(ge=0, le=1000)] = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
+    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    stop_ids: list[TokenId] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class Generate(Message, tag="generate"):
+    """Generate a continuation of each prompt (token ids), one sequence per prompt. Answered by
+    one `Generated`; with `stream`, each sequence's new tokens first come as `GenChunk`s."""
+
+    id: Id
+    model: str
+    prompts: list[list[TokenId]]
+    sampling: Sampling = field(default_factory=Sampling)
+    stream: bool = False
+    timeout_ms: int | None = None
+
+
+class GenChunk(Message, tag="gen_chunk"):
+    """New tokens of one sequence of a streamed `Generate` (`id` is the Generate's), in order;
+    the sequence's last chunk carries its `finish` ("stop" or "length")."""
+
+    id: Id
+    index: Count  # which prompt of the Generate
+    ids: list[TokenId]
+    finish: str | None = None
+
+
+class GenOutput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One sequence's result: every new token, why it ended, and its timings (first token from
+    the Generate's arrival, then the time from each token to the next)."""
+
+    ids: list[TokenId]
+    finish: str  # "stop" | "length"
+    prompt_tokens: Count
+    ttft_ms: float = 0.0
+    token_ms: list[float] = field(default_factory=list)
+
+
+class Generated(Message, tag="generated"):
+    id: Id
+    outputs: list[GenOutput]
+
+
+class StopGenerate(Message, tag="stop_generate"):
+    """Stop sequences of a running `Generate` (`id` is the Generate's; `indexes` None: all of
+    them) as if they had ended with "stop": a stop string the client saw, or a client going away.
+    Their KV memory is freed at once; the Generate is still answered with `Generated`. Not
+    answered itself (a late one, for a Generate already answered, changes nothing)."""
+
+    id: Id
+    indexes: list[Count] | None = None
+
+
+class TokenizerInfo(Message, tag="tokenizer_info"):
+    """Ask for a deployed language model's tokenizer."""
+
+    id: Id
+    model: str
+
+
+class TokenizerReply(Message, tag="tokenizer_reply"):
+    """A model's tokenizer as its directory has it: `tokenizer.json` (the `tokenizers` library's
+    format), the chat template ("" when it has none), the ids that end a sequence, and the
+    longest sequence (prompt + new tokens) the deployment takes."""
+
+    id: Id
+    model: str
+    tokenizer_json: str
+    chat_template: str = ""
+    eos_ids: list[TokenId] = field(default_factory=list)
+    bos_id: TokenId | None = None
+    max_context: Count = 0
+
+
 # -- training jobs, client <-> broker; the broker sends the same types on to the job's worker
 # under its own call id (a job command), and the worker answers with the matching reply.
 
@@ -487,6 +584,27 @@ class Evict(Message, tag="evict"):
     stage: Count
 
 
+class SeqStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One sequence's share of a generation iteration: `count` new tokens (its whole prompt at
+    prefill, then 1) at positions `start`..`start + count - 1`; the tokens before `start` are in
+    the stage's KV cache. `drawn` is how many tokens it has generated before this iteration."""
+
+    seq: Id
+    start: Count
+    count: Annotated[int, Meta(ge=1)]
+    sampling: Sampling
+    drawn: Count = 0
+
+
+class GenStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A Run that is one iteration of generation: the sequences in it, in the order of their
+    tokens in the Run's tensor (stage 0: `ids`, int64, every sequence's new tokens one after the
+    other; later stages: the hidden states of those tokens, the previous stage's output). The
+    last stage answers with `tokens` (int64, one new token per sequence, in this order)."""
+
+    seqs: list[SeqStep]
+
+
 class Run(Message, tag="run"):
     """Run one batch through a stage. `parts` is [[request tag, rows], ...] in batch order;
     part k's tensors are named 'k/<input name>'."""
@@ -513,6 +631,17 @@ class Run(Message, tag="run"):
     # Each part is a forward of its own (requests of a model taking one per forward, sent
     # together to save messages and hand-offs), not rows of one batch.
     separate: bool = False
+    # Not None: a generation iteration (see GenStep), with a KV cache on each stage's worker.
+    gen: GenStep | None = None
+
+
+class FreeSeqs(Message, tag="free_seqs"):
+    """Sequences that ended (or were stopped): drop their KV blocks on this stage now. Not
+    answered; a sequence the worker does not hold is ignored."""
+
+    model: str
+    stage: Count
+    seqs: list[Id]
 
 
 class Hop(Message, tag="hop"):
@@ -614,6 +743,8 @@ __all__ = [
     "BrokerStatus",
     "Count",
     "Finite",
+    "GenOutput",
+    "GenStep",
     "HeldJob",
     "HeldStage",
     "Id",
@@ -627,13 +758,16 @@ __all__ = [
     "PlanAsk",
     "ResultInfo",
     "RunInfo",
+    "Sampling",
     "Seconds",
+    "SeqStep",
     "Stats",
     "StepAnswer",
     "StepFailed",
     "StepOk",
     "TensorMeta",
     "Tensors",
+    "TokenId",
     "message_types",
     "stage_digest",
 ]

@@ -92,6 +92,12 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # int or float, as given: the spec's digests hash it as it came (1 and 1.0 pack apart).
     slo_ms: int | float | None = None
     hf: str | None = None
+    # Generation (language models from `hf`): the longest sequence (prompt + new tokens; None:
+    # the model's own limit), how many sequences run at once, and the share of each stage's
+    # worker's serving memory their KV cache may take.
+    max_context: int | None = None
+    max_seqs: int = 16
+    kv_share: float = 0.5
 
     def __post_init__(self) -> None:
         try:
@@ -144,6 +150,14 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad_request("slo_ms must be a positive number of milliseconds")
         if self.inputs is not None:
             msgspec.structs.force_setattr(self, "inputs", parse_inputs(self.inputs))
+        if self.max_context is not None and not (
+            isinstance(self.max_context, int) and 1 <= self.max_context <= 1 << 20
+        ):
+            raise bad_request("max_context must be an integer in 1..1048576 or omitted")
+        if not isinstance(self.max_seqs, int) or not 1 <= self.max_seqs <= 4096:
+            raise bad_request("max_seqs must be an integer in 1..4096")
+        if not isinstance(self.kv_share, int | float) or not 0 < self.kv_share <= 1:
+            raise bad_request("kv_share must be a number in (0, 1]")
 
     def _check_hf(self) -> None:
         # Only the form here: the directory is read where the model is built (partitioner,
@@ -173,6 +187,9 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         out["kwargs"] = dict(self.kwargs)
         if self.hf is None:
             del out["hf"]  # factory specs keep the form they had before hf existed
+        for name, default in (("max_context", None), ("max_seqs", 16), ("kv_share", 0.5)):
+            if out[name] == default:
+                del out[name]  # and so do specs that leave generation's settings alone
         if self.inputs is not None:
             out["inputs"] = {
                 n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in self.inputs.items()

@@ -8,8 +8,8 @@ to `out` what must happen next, in order:
   names it is announced);
 - work for the shell to do, on its sockets, executors and threads: `SendHop` (a direct run's
   activations to the next stage's worker), `RunStage`, `RunChunk`,
-  `LoadStage`, `EvictStage`, `DropStage`, `PrepareStage`, `AddStage`, `OpenJob`, `SubmitStep`,
-  `Evaluate`, `SaveJob`, `CloseJob`.
+  `LoadStage`, `EvictStage`, `DropStage`, `FreeKV`, `PrepareStage`, `AddStage`, `OpenJob`,
+  `SubmitStep`, `Evaluate`, `SaveJob`, `CloseJob`.
 
 The shell drains `out` (`drain`), does each item, and feeds back what each piece of work ended
 with (`finished`: its result, or the exception it failed with). Tests drive it in-process with
@@ -26,6 +26,9 @@ What it owns:
   (`tensor_split`), each stage computes each micro-batch as it comes and passes it on to the next
   stage's worker, and the last stage merges them (`cat`) and answers the broker.
 - **Runs' parts**: a Run's tensors ('k/name') cut into its parts, and the parts of a RunResult.
+- **Generation**: a Run with `gen` is one iteration (one part, chunks=1): stage 0 takes '0/ids',
+  the last stage answers '0/tokens' (one sampled token per sequence); the KV cache is the
+  executor's, and `FreeSeqs` drops sequences from it (`FreeKV`, not answered).
 - **Opening a job**: which spec, configuration, checkpoint and chunk target (`job_opening`).
 - **The broker's epoch**: a broker that registered us afresh (`registered_again`) forgot what it
   asked before: a stage or job still being prepared for it is dropped when ready.
@@ -121,6 +124,13 @@ class DropStage:
 
 
 @dataclass
+class FreeKV:
+    """Drop the KV of sequences that ended (`p.FreeSeqs`); nothing comes back."""
+
+    msg: p.FreeSeqs
+
+
+@dataclass
 class PrepareStage:
     """Read a stage's weights into the host tier (on a thread); (blocks, host stage) comes back."""
 
@@ -132,11 +142,12 @@ class PrepareStage:
 
 @dataclass
 class AddStage:
-    """A prepared stage, for the executor to hold."""
+    """A prepared stage, for the executor to hold; `kv_share`: its spec's (generation)."""
 
     key: StageKey
     blocks: Any
     host: Any
+    kv_share: float = 0.5
 
 
 @dataclass
@@ -192,6 +203,7 @@ Work = (
     | LoadStage
     | EvictStage
     | DropStage
+    | FreeKV
     | PrepareStage
     | AddStage
     | OpenJob
@@ -279,6 +291,8 @@ class WorkerCore:
         elif isinstance(msg, p.DropStage):
             self.out.append(DropStage(msg))
             self.digests.pop((msg.model, msg.stage), None)
+        elif isinstance(msg, p.FreeSeqs):
+            self.out.append(FreeKV(msg))
         elif isinstance(msg, p.TrainStep):
             self._train_step(msg)
         elif isinstance(msg, p.TrainEval):
@@ -327,6 +341,11 @@ class WorkerCore:
         them; a later stage computes each micro-batch as it arrives from the stage before."""
         if not msg.parts:
             raise FlowmeshError(Code.BAD_REQUEST, "a run needs parts")
+        if msg.gen is not None and (msg.chunks != 1 or len(msg.parts) != 1):
+            # Its sequences' tokens are not rows to cut: each iteration goes whole.
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"run {msg.id}: a generation run has one part and one chunk"
+            )
         if not msg.from_peer:
             merged, _ = concat_parts(run_parts(msg), torch.device("cpu"))
             rows = sum(r for _, r in msg.parts)
@@ -487,6 +506,9 @@ class WorkerCore:
             self._job_closed(work, result)
         elif isinstance(work, PrepareStage):
             self._stage_prepared(work, result, now)
+        elif isinstance(work, FreeKV):
+            if failed:  # not answered: FreeSeqs has no id to answer
+                self.log_throttle.error("freeing sequences failed: %r", result)
         elif failed:
             self._fail(getattr(getattr(work, "msg", None), "id", None), result)
         elif isinstance(work, RunStage):
@@ -518,7 +540,7 @@ class WorkerCore:
             return
         blocks, host = result
         key = (msg.model, msg.stage)
-        self.out.append(AddStage(key, blocks, host))
+        self.out.append(AddStage(key, blocks, host, work.spec.kv_share))
         self.digests[key] = p.stage_digest(msg.spec, msg.plan, msg.stage)
         self.log.info("stage ready model=%s stage=%d bytes=%d", msg.model, msg.stage, host.nbytes)
         self._send(

@@ -59,12 +59,18 @@ from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.eviction import StageKey, eviction_order
+from flowmesh.messages import GenStep
+from flowmesh.modelio.decode import KV_BLOCK as KV_TOKENS
+from flowmesh.modelio.decode import Packed, block_step, kv_shape
+from flowmesh.modelio.hf_adapters import NormHead, RopeLayer
 from flowmesh.modelio.inputs import call_model
+from flowmesh.modelio.sampling import new_generator, sample
 from flowmesh.modelio.token_limits import TokenLimits, limits_of
 from flowmesh.threads import TorchLanes, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
+from gpu_worker.kv_cache import SeqKV, StageKV, blocks_for, new_blocks_after
 from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import SERVING_CALLS
 
@@ -153,6 +159,14 @@ class Stage:
     # What the stage's inputs can take, when its first block embeds a language model's token
     # ids (`flowmesh.modelio.token_limits`): every run is checked against it before computing.
     limits: TokenLimits | None = field(init=False, default=None)
+    # Generation: the share of the serving budget the model's KV may take on this worker, and
+    # this stage's KV cache (made at its first generation run, freed with its residency).
+    kv_share: float = 0.5
+    kv: StageKV | None = None
+
+    @property
+    def live_kv(self) -> bool:
+        return self.kv is not None and bool(self.kv.seqs)
 
     def __post_init__(self) -> None:
         self.bound = [-1 if r.slots else None for r in self.host.regions]
@@ -289,14 +303,21 @@ class Executor:
             "evictions_chosen": 0,  # idle stages evicted to make room for a load
             "implicit_loads": 0,  # stages brought back because a run asked for them
             "prefetches": 0,  # next stages loaded while the stage before them computed
+            "gen_runs": 0,  # iterations of generation
+            "kv_refused": 0,  # iterations whose KV blocks could not be placed
         }
 
     # ------------------------------------------------------------------ stages
 
-    def add_stage(self, key: StageKey, blocks: list[nn.Module], host: HostStage) -> None:
+    def add_stage(
+        self, key: StageKey, blocks: list[nn.Module], host: HostStage, kv_share: float = 0.5
+    ) -> None:
+        """Hold a prepared stage; `kv_share`: its model's `ModelSpec.kv_share`."""
         if key in self.stages:
             self.drop_stage(key)
-        self.stages[key] = Stage(key, blocks, host, recent=deque(maxlen=self.forward_window))
+        self.stages[key] = Stage(
+            key, blocks, host, recent=deque(maxlen=self.forward_window), kv_share=kv_share
+        )
 
     def drop_stage(self, key: StageKey) -> None:
         if key in self.stages:
@@ -378,7 +399,10 @@ class Executor:
             idle = [
                 s
                 for s in self.stages.values()
-                if s.state is State.RESIDENT and not s.inflight and s.key not in keep
+                if s.state is State.RESIDENT
+                and not s.inflight
+                and s.key not in keep
+                and not s.live_kv  # its sequences would be lost (no preemption yet)
             ]
             if self.eviction == "lru":
                 order = eviction_order(idle)
@@ -638,6 +662,9 @@ class Executor:
             if ext is not None:
                 freed += ext.size
                 self.memory.free(ext, after, "serving")
+        if st.kv is not None:  # its sequences' KV goes with it (their next step fails)
+            freed += st.kv.free_all(after)
+            st.kv = None
         if st.loading is not None and not st.loading.done():
             st.loading.set_exception(FlowmeshError(Code.NOT_RESIDENT, "evicted while loading"))
             st.loading.exception()  # mark retrieved: nobody may be waiting on it
@@ -652,6 +679,7 @@ class Executor:
         parts: list[Mapping[str, Any]],
         separate: bool = False,
         on_lane: Callable[[RunOutput], bool] | None = None,
+        gen: GenStep | None = None,
     ) -> asyncio.Future[RunOutput]:
         """Run one batch (the parts are concatenated along dim 0) through a loaded stage; with
         `separate`, each part through the stage on its own, one after the other (requests of a
@@ -659,7 +687,12 @@ class Executor:
 
         `on_lane(output)` is called on the compute lane as soon as the run is computed, before
         the loop hears of it: True when it answered the run from there (`output.answered`),
-        so that the answer does not wait for the loop to wake up."""
+        so that the answer does not wait for the loop to wake up.
+
+        `gen`: an iteration of generation (`_run_gen`): one part, one tensor (stage 0: the
+        packed token ids; later: the hidden states of those tokens); the sequences' KV blocks
+        are placed here, on the loop, before it is queued (NO_SPACE, changing nothing, when
+        they cannot be)."""
         st = self._stage(key)
         if st.state is State.HOST:
             # Evicted since the broker last heard (the worker chooses its evictions): bring it
@@ -671,25 +704,39 @@ class Executor:
                     Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded: {exc.reason}"
                 ) from None
             self.counters["implicit_loads"] += 1
+        if gen is not None:
+            x = _gen_input(st, parts, gen)
+            seqs, placed = self._place_kv(st, gen)
         with self._lock:
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
         self._prefetch_next(key)
         self.memory.serving_started()
-        fut = self._compute.submit(
-            asyncio.get_running_loop(),
-            self._run_and_answer,
-            on_lane,
-            st,
-            ready,
-            [[p] for p in parts] if separate else [parts],
-            done,
-            generation,
-        )
+        loop = asyncio.get_running_loop()
+        if gen is None:
+            fut = self._compute.submit(
+                loop,
+                self._run_and_answer,
+                on_lane,
+                st,
+                ready,
+                [[p] for p in parts] if separate else [parts],
+                done,
+                generation,
+            )
+        else:
+            self.counters["gen_runs"] += 1
+            after = new_blocks_after(placed)
+            fut = self._compute.submit(
+                loop, self._run_gen, on_lane, st, ready, x, gen, seqs, after, done, generation
+            )
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
             self.memory.serving_ended()
             failed = f.cancelled() or f.exception() is not None
+            if failed and gen is not None and st.kv is not None:
+                # Its sequences fail (the broker does not restart them, v1): their KV goes now.
+                st.kv.free((s.seq for s in gen.seqs), [done])
             self._finish_run(
                 st, done, None if failed else f.result(), len(parts) if separate else 1
             )
@@ -824,9 +871,17 @@ class Executor:
             if not marked:  # the compute lane itself failed: nothing of the run was queued
                 dev.mark_done(done)
 
-    def _forward(self, st: Stage, ready: list[Any], x: Any, generation: int) -> tuple[Any, float]:
+    def _forward(
+        self,
+        st: Stage,
+        ready: list[Any],
+        x: Any,
+        generation: int,
+        step: Callable[[int, Any], Any] | None = None,
+    ) -> tuple[Any, float]:
         """`x` through the stage's blocks, each once its bytes are in; returns the output and
-        the seconds spent waiting for them."""
+        the seconds spent waiting for them. `step(k, x)`: how block k computes (a generation
+        run's), instead of its own forward."""
         blocks = st.blocks
         wait_s = 0.0
         i = 0
@@ -848,7 +903,10 @@ class Executor:
                     raise _evicted(st)
                 for k in range(i, end):
                     try:
-                        x = call_model(blocks[k], x) if k == 0 else blocks[k](x)
+                        if step is not None:
+                            x = step(k, x)
+                        else:
+                            x = call_model(blocks[k], x) if k == 0 else blocks[k](x)
                     except Exception as exc:
                         if _rebound(st, k, k + 1, generation):
                             raise _evicted(st) from None
@@ -864,6 +922,152 @@ class Executor:
                 raise _evicted(st)
             i = end
         return x, wait_s
+
+    # ------------------------------------------------------------------ generation
+
+    def _kv(self, st: Stage) -> StageKV:
+        """The stage's KV cache, made at its first generation run (BAD_REQUEST for blocks that
+        generation does not run)."""
+        if st.kv is None:
+            where = f"{st.key[0]!r}/{st.key[1]}"
+            st.kv = StageKV(where, kv_shape(st.blocks), self.memory, self.device.arena)
+        return st.kv
+
+    def _place_kv(self, st: Stage, gen: GenStep) -> tuple[list[SeqKV], list[Extent]]:
+        """Ranges for the blocks the iteration adds, within the model's KV share of the serving
+        budget, making room in the budget by evicting idle stages of other models (never one
+        holding live KV) as a load does. Returns each step's sequence and the new ranges.
+        Raises, having changed nothing: TOO_BIG for a sequence whose KV could never fit here,
+        NO_SPACE when the blocks do not fit now (other sequences hold the room)."""
+        kv = self._kv(st)
+        new = kv.need(gen.seqs)
+        if not new:
+            return kv.grow(gen.seqs, []), []
+        size = self.memory.round(kv.block_bytes)
+        need, budget = new * size, self.memory.serving_bytes
+        model = st.key[0]
+        cap = int(st.kv_share * budget)
+        where = kv.where
+        longest = max(gen.seqs, key=lambda s: s.start + s.count)
+        alone = blocks_for(longest.start + longest.count) * size
+        if alone > cap:
+            self.counters["kv_refused"] += 1
+            raise FlowmeshError(
+                Code.TOO_BIG,
+                f"{where}: sequence {longest.seq} needs {alone} bytes of KV at "
+                f"{longest.start + longest.count} tokens ({size} per block of "
+                f"{KV_TOKENS} tokens), over its model's share here: kv_share "
+                f"{st.kv_share} x serving budget {budget} = {cap} bytes",
+            )
+        held = sum(s.kv.nbytes for s in self.stages.values() if s.key[0] == model and s.kv)
+        if held + need > cap:
+            self.counters["kv_refused"] += 1
+            raise FlowmeshError(
+                Code.NO_SPACE,
+                f"{where}: KV of {model!r} would take {held + need} bytes on this worker "
+                f"({held} held, {new} more blocks of {size}), over its share: kv_share "
+                f"{st.kv_share} x serving budget {budget} = {cap} bytes",
+            )
+        # Never this model's stages: they run the iteration, before and after this one.
+        victims = self._victims(frozenset(k for k in self.stages if k[0] == model))
+        promised = self._promised()
+        if promised + need - budget > sum(self._need(v) for v in victims):
+            self.counters["kv_refused"] += 1
+            raise FlowmeshError(
+                Code.NO_SPACE,
+                f"{where}: {new} KV blocks ({need} bytes) do not fit: serving budget {budget}, "
+                f"{promised} in use by or promised to stages and KV that stay "
+                f"({held} of it this model's KV)",
+            )
+        while self._promised() + need > budget:
+            self._evict_for(victims.pop(0))
+        while True:  # by the budget it fits; the arena may still have no range for a block
+            try:
+                placed = self.memory.alloc_serving([kv.block_bytes] * new)
+                break
+            except OutOfSpace as exc:
+                if not victims:
+                    self.counters["kv_refused"] += 1
+                    raise FlowmeshError(
+                        Code.NO_SPACE, f"{where}: cannot place {new} KV blocks: {exc}"
+                    ) from None
+                self._evict_for(victims.pop(0))
+        return kv.grow(gen.seqs, placed), placed
+
+    def free_seqs(self, key: StageKey, seqs: list[int]) -> int:
+        """Drop the KV of `seqs` on stage `key` (those held); their ranges' next owner waits
+        for the stage's runs that may still read them. Returns the bytes freed."""
+        st = self.stages.get(key)
+        if st is None or st.kv is None:
+            return 0
+        with self._lock:
+            after = [m for m in st.users if not m.done()]
+        return st.kv.free(seqs, after)
+
+    def _run_gen(
+        self,
+        on_lane: Callable[[RunOutput], bool] | None,
+        st: Stage,
+        ready: list[Any],
+        x: torch.Tensor,
+        gen: GenStep,
+        seqs: list[SeqKV],
+        after: list[Any],
+        done: Any,
+        generation: int,
+    ) -> RunOutput:
+        """One iteration of generation through the stage (on a compute lane): the hidden
+        states of its tokens out, or on the last stage one sampled token per sequence
+        (`tokens`)."""
+        dev = self.device
+        marked = False
+        try:
+            with torch.inference_mode(), dev.compute(serving=True):
+                t0 = self.clock()
+                for m in after:  # the new blocks' last users, before we write them
+                    m.order_current()
+                packed = Packed([s.start for s in gen.seqs], [s.count for s in gen.seqs])
+                caches = [s.cache for s in seqs]
+                layer_of, n = [], 0
+                for block in st.blocks:
+                    layer_of.append(n)
+                    n += isinstance(block, RopeLayer)
+                blocks = st.blocks
+
+                def step(k: int, h: Any) -> Any:
+                    return block_step(blocks[k], h, packed, caches, layer_of[k])
+
+                try:
+                    out, wait_s = self._forward(
+                        st, ready, _on(x, dev.torch_device), generation, step
+                    )
+                    if isinstance(blocks[-1], NormHead):
+                        generators = []
+                        for s, seq in zip(gen.seqs, seqs, strict=True):
+                            if s.sampling.temperature > 0 and seq.generator is None:
+                                seq.generator = new_generator(s.sampling, out.device)
+                            generators.append(seq.generator)
+                        outputs = {
+                            "tokens": sample(out, [s.sampling for s in gen.seqs], generators)
+                        }
+                    else:
+                        outputs = {"": out}
+                finally:
+                    dev.mark_done(done)  # past it, the run reads no arena bytes
+                    marked = True
+                if dev.kind != "cpu":
+                    outputs = {n: t.to("cpu") for n, t in outputs.items()}
+                compute_s = self.clock() - t0 - wait_s
+                result = RunOutput([outputs], compute_s, wait_s, packed.total)
+        finally:
+            if not marked:
+                dev.mark_done(done)
+        if on_lane is not None:
+            try:
+                result.answered = on_lane(result)
+            except Exception:  # the loop answers instead
+                log.exception("answering a run from its compute lane")
+        return result
 
     def _off_arena(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Outputs that view the arena (a block returning a weight) are copied, on the compute
@@ -890,6 +1094,7 @@ class Executor:
         return sum(s.host.nbytes for s in self.stages.values() if s.state is not State.HOST)
 
     def stats(self) -> dict[str, Any]:
+        kvs = [s.kv for s in self.stages.values() if s.kv is not None]
         return {
             **self.counters,
             "budget_bytes": self.memory.serving_bytes,
@@ -907,6 +1112,11 @@ class Executor:
             "host_bytes": sum(s.host.nbytes for s in self.stages.values()),
             "inflight": sum(s.inflight for s in self.stages.values()),
             "stages": {f"{k[0]}/{k[1]}": s.state.value for k, s in self.stages.items()},
+            # Generation's KV cache: bytes and blocks held (in the serving budget, counted in
+            # resident_bytes too), and the sequences holding them, over all stages here.
+            "kv_bytes": sum(kv.nbytes for kv in kvs),
+            "kv_blocks": sum(kv.blocks for kv in kvs),
+            "kv_seqs": len({q for kv in kvs for q in kv.seqs}),
         }
 
     def close(self) -> None:
@@ -924,6 +1134,40 @@ def _rebound(st: Stage, lo: int, hi: int, generation: int) -> bool:
 
 def _evicted(st: Stage) -> FlowmeshError:
     return FlowmeshError(Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted")
+
+
+def _gen_input(st: Stage, parts: list[Mapping[str, Any]], gen: GenStep) -> torch.Tensor:
+    """A generation run's one tensor, checked against its iteration: stage 0's packed token
+    ids (int64 `[tokens]`, within the vocabulary), a later stage's hidden states
+    `[tokens, hidden]`."""
+    where = f"{st.key[0]!r}/{st.key[1]}"
+    if len(parts) != 1 or len(parts[0]) != 1:
+        raise FlowmeshError(
+            Code.BAD_REQUEST, f"{where}: a generation run takes one part with one tensor"
+        )
+    if not gen.seqs:
+        raise FlowmeshError(Code.BAD_REQUEST, f"{where}: a generation run needs sequences")
+    if len({s.seq for s in gen.seqs}) != len(gen.seqs):
+        raise FlowmeshError(Code.BAD_REQUEST, f"{where}: a sequence is twice in one iteration")
+    ((name, ref),) = parts[0].items()
+    x = _tensor(ref)
+    total = sum(s.count for s in gen.seqs)
+    if st.limits is not None:
+        if x.dim() != 1:
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"{where}: token ids must be 1-D, got shape {tuple(x.shape)}"
+            )
+        st.limits.check({name: x})
+    elif x.dim() != 2:
+        raise FlowmeshError(
+            Code.BAD_REQUEST, f"{where}: hidden states must be 2-D, got shape {tuple(x.shape)}"
+        )
+    if x.shape[0] != total:
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"{where}: {x.shape[0]} tokens in the run, its sequences have {total} new ones",
+        )
+    return x
 
 
 def _wait_all(markers: list[Any]) -> None:

@@ -34,6 +34,7 @@ from gpu_worker.core import (
     DropStage,
     Evaluate,
     EvictStage,
+    FreeKV,
     LoadStage,
     OpenJob,
     PrepareStage,
@@ -240,7 +241,8 @@ class WorkerHands:
         elif isinstance(work, RunChunk):
             msg = work.run.msg
             if msg.id in self.core.direct.runs:  # else failed meanwhile: nobody waits for it
-                self._feed(self.executor.run((msg.model, msg.stage), [work.tensors]), work)
+                fut = self.executor.run((msg.model, msg.stage), [work.tensors], gen=msg.gen)
+                self._feed(fut, work)
         elif isinstance(work, SendHop):
             self.send_hop(work)
             self.core.finished(work, None, self.clock())
@@ -254,10 +256,12 @@ class WorkerHands:
             self.executor.evict((work.msg.model, work.msg.stage))
         elif isinstance(work, DropStage):
             self.executor.drop_stage((work.msg.model, work.msg.stage))
+        elif isinstance(work, FreeKV):
+            self.executor.free_seqs((work.msg.model, work.msg.stage), work.msg.seqs)
         elif isinstance(work, PrepareStage):
             self._prepare(work)
         elif isinstance(work, AddStage):
-            self.executor.add_stage(work.key, work.blocks, work.host)
+            self.executor.add_stage(work.key, work.blocks, work.host, work.kv_share)
         elif isinstance(work, OpenJob):
             self._feed(loop.run_in_executor(self._deploys, self.open_job, work.msg), work)
         elif isinstance(work, CloseJob):
@@ -326,6 +330,7 @@ class WorkerHands:
             work.parts,
             separate=msg.separate,
             on_lane=lambda out: self.send_from_thread(run_result(msg, out)),
+            gen=msg.gen,
         )
         fut.add_done_callback(counted)
         self._feed(fut, work)

@@ -230,8 +230,8 @@ class WorkerService(MeshPeer):
             msg = p.decode(frames, self.limits)
         except Exception:  # the loop answers it with the reason
             return False
-        if not isinstance(msg, p.Run) or msg.ticket:
-            return False
+        if not isinstance(msg, p.Run) or msg.ticket or msg.gen is not None:
+            return False  # generation runs place KV blocks on the loop first
         self.last_heard = time.monotonic()
         answer: p.Message
         try:

@@ -1,0 +1,230 @@
+"""A stage's chain blocks run for generation: packed sequences, keys and values kept per sequence.
+
+One iteration of generation carries the new tokens of several sequences one after the other
+(`packed`): the whole prompt of a sequence joining (prefill), one token of each sequence already
+running (decode). Token ids go into the first block (1-D), hidden states `[tokens, hidden]`
+between blocks; the head returns the logits of each sequence's last new token only.
+
+The blocks are the Llama family's chain (`flowmesh.modelio.hf_adapters`: DecoderEmbed,
+RopeLayer, NormHead), run here through the layer's own submodules: norms, projections and MLP
+batched over every packed token, attention per sequence against its cached keys and values plus
+the new ones, under the causal mask offset by the tokens already cached (and the sliding window
+where the chain gives the layer one), with the eager attention's math (scores in the model's
+dtype, softmax in float32). So a sequence's logits match the model's own forward, and HF
+`generate` with its cache, within the tolerance rule, whatever else is in the batch.
+
+The keys and values live in blocks of `KV_BLOCK` tokens (`gpu_worker.kv_cache`): each block one
+tensor `[layers, 2, kv_heads, KV_BLOCK, head_dim]` holding all of a stage's attention layers, so
+one block is one allocation of the worker's arena. Which blocks a sequence has is its
+`SeqCache`; this module only reads and writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.hf_adapters import DecoderEmbed, NormHead, RopeLayer
+
+KV_BLOCK = 16  # tokens per block of the KV cache
+
+# What generation runs, by block class (the error names them).
+SUPPORTED = (DecoderEmbed, RopeLayer, NormHead)
+SUPPORTED_MODELS = "Llama, Qwen2 and Mistral"
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The keys and values a stage keeps per token: `layers` attention layers of `kv_heads` x
+    `head_dim`, in `dtype` (the layers' own)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, KV_BLOCK, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of `KV_BLOCK` tokens (0 for a stage without attention layers)."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return self.layers * 2 * self.kv_heads * KV_BLOCK * self.head_dim * item
+
+
+def kv_shape(blocks: list[nn.Module]) -> KVShape:
+    """The KV a stage of these blocks keeps per token; BAD_REQUEST for a block generation does
+    not run (naming them)."""
+    unsupported = sorted({type(b).__name__ for b in blocks if not isinstance(b, SUPPORTED)})
+    if unsupported:
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"generation supports {SUPPORTED_MODELS} models (blocks "
+            f"{', '.join(c.__name__ for c in SUPPORTED)}); this stage has: "
+            f"{', '.join(unsupported)}",
+        )
+    layers = [b for b in blocks if isinstance(b, RopeLayer)]
+    if not layers:
+        return KVShape(0, 0, 0, torch.float32)
+    attn = layers[0].layer.self_attn
+    kv_heads = attn.k_proj.out_features // attn.head_dim
+    return KVShape(len(layers), kv_heads, attn.head_dim, attn.k_proj.weight.dtype)
+
+
+@dataclass
+class SeqCache:
+    """One sequence's KV on one stage: its blocks (each `KVShape.block_shape`), enough for the
+    tokens it will have after this iteration."""
+
+    blocks: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where each sequence's new tokens are in a packed iteration: `start` (the tokens before
+    it are cached) and `count` per sequence, in order."""
+
+    starts: list[int]
+    counts: list[int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for c in self.counts:
+            out.append(o)
+            o += c
+        return out
+
+
+def gen_forward(
+    blocks: list[nn.Module], x: torch.Tensor, packed: Packed, caches: list[SeqCache]
+) -> torch.Tensor:
+    """`x` (token ids `[tokens]` into an embedding block, else hidden `[tokens, hidden]`)
+    through `blocks`, writing each attention layer's new keys and values into `caches` (one per
+    sequence, in `packed` order). Returns the hidden states, or after a head the logits of
+    each sequence's last new token `[sequences, vocab]`."""
+    layer = 0
+    for block in blocks:
+        x = block_step(block, x, packed, caches, layer)
+        if isinstance(block, RopeLayer):
+            layer += 1
+    return x
+
+
+def block_step(
+    block: nn.Module, x: torch.Tensor, packed: Packed, caches: list[SeqCache], layer: int
+) -> torch.Tensor:
+    """One block of `gen_forward`; `layer`: its index among the stage's attention layers."""
+    if isinstance(block, DecoderEmbed):
+        return block.embed_tokens(x.reshape(-1))
+    if isinstance(block, RopeLayer):
+        return _layer(block, x, packed, caches, layer)
+    if isinstance(block, NormHead):
+        last = torch.tensor(
+            [o + c - 1 for o, c in zip(packed.offsets(), packed.counts, strict=True)],
+            device=x.device,
+        )
+        return block.lm_head(block.norm(x.index_select(0, last)))
+    kv_shape([block])  # raises, naming it
+    raise AssertionError(type(block))
+
+
+def positions_of(packed: Packed, device: torch.device) -> torch.Tensor:
+    """Each packed token's position in its sequence."""
+    return torch.cat(
+        [
+            torch.arange(s, s + c, device=device)
+            for s, c in zip(packed.starts, packed.counts, strict=True)
+        ]
+    )
+
+
+def _layer(
+    block: RopeLayer, x: torch.Tensor, packed: Packed, caches: list[SeqCache], layer: int
+) -> torch.Tensor:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    decoder = block.layer
+    attn = decoder.self_attn
+    n, hd = x.shape[0], attn.head_dim
+    h = decoder.input_layernorm(x)
+    # [1, heads, tokens, head_dim], as the model's attention has them (a batch of one row).
+    q = attn.q_proj(h).view(1, n, -1, hd).transpose(1, 2)
+    k = attn.k_proj(h).view(1, n, -1, hd).transpose(1, 2)
+    v = attn.v_proj(h).view(1, n, -1, hd).transpose(1, 2)
+    positions = positions_of(packed, x.device).unsqueeze(0)
+    cos, sin = block.rope(h.unsqueeze(0), positions)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    window = block.config.sliding_window if block.sliding else None
+    outs = []
+    for o, start, count, cache in zip(
+        packed.offsets(), packed.starts, packed.counts, caches, strict=True
+    ):
+        _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
+        keys, values = _read(cache, layer, start + count)
+        outs.append(
+            _attend(attn, q[:, :, o : o + count], keys, values, start, window).reshape(count, -1)
+        )
+    out = attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+    hidden = x + out
+    return hidden + decoder.mlp(decoder.post_attention_layernorm(hidden))
+
+
+def _write(cache: SeqCache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Keys and values `[kv_heads, count, head_dim]` of positions start.. into the blocks."""
+    pos, done, count = start, 0, k.shape[1]
+    while done < count:
+        b, at = divmod(pos, KV_BLOCK)
+        take = min(KV_BLOCK - at, count - done)
+        block = cache.blocks[b]
+        block[layer, 0, :, at : at + take].copy_(k[:, done : done + take])
+        block[layer, 1, :, at : at + take].copy_(v[:, done : done + take])
+        pos, done = pos + take, done + take
+
+
+def _read(cache: SeqCache, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[1, kv_heads, length, head_dim]` of positions 0..length-1."""
+    used = cache.blocks[: -(-length // KV_BLOCK)]
+    if len(used) == 1:
+        kv = used[0][layer, :, :, :length]
+    else:
+        kv = torch.cat([b[layer] for b in used], dim=2)[:, :, :length]
+    return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+
+
+def _attend(
+    attn: nn.Module,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+) -> torch.Tensor:
+    """Eager attention of one sequence's new queries `[1, heads, count, head_dim]` over its
+    keys: the math of transformers' `eager_attention_forward`, mask offset by `start`.
+    Returns `[1, count, heads, head_dim]`."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    keys = repeat_kv(keys, attn.num_key_value_groups)
+    values = repeat_kv(values, attn.num_key_value_groups)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling
+    count, length = q.shape[2], keys.shape[2]
+    if count > 1 or window is not None:
+        qpos = torch.arange(start, start + count, device=q.device).unsqueeze(1)
+        kpos = torch.arange(length, device=q.device).unsqueeze(0)
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed = allowed & (kpos > qpos - window)
+        # The value the model's own masks add (its dtype's lowest), not -inf: the same scores.
+        mask = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device)
+        scores = scores + mask.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values).transpose(1, 2)

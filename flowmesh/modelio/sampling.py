@@ -1,0 +1,57 @@
+"""Picking each sequence's next token from its logits (the last stage of a generation).
+
+Temperature 0 takes the most likely token (greedy, all such sequences in one argmax). Otherwise
+the logits are divided by the temperature, cut to the `top_k` most likely (0: no cut), then to
+the smallest set of most likely tokens whose probability reaches `top_p` (always at least one),
+and one token is drawn from what is left with the sequence's own `torch.Generator`: seeded with
+`Sampling.seed`, or once from `os.urandom` when it has none, and kept from one iteration to the
+next, so that a sequence draws the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flowmesh.messages import Sampling
+
+
+def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator:
+    """A sequence's generator, on the logits' device."""
+    seed = sampling.seed
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample(
+    logits: torch.Tensor,
+    samplings: list[Sampling],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row of `logits` `[sequences, vocab]` (int64 `[sequences]`), row i by
+    `samplings[i]`, drawn with `generators[i]` (None only for a greedy row)."""
+    out = torch.argmax(logits, dim=-1)
+    for i, s in enumerate(samplings):
+        if s.temperature == 0:
+            continue
+        generator = generators[i]
+        assert generator is not None, "a sampled sequence needs its generator"
+        out[i] = draw(logits[i], s, generator)
+    return out
+
+
+def draw(logits: torch.Tensor, s: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """One token from one row of logits `[vocab]` (see the module docstring)."""
+    scaled = logits.float() / s.temperature
+    k = s.top_k if 0 < s.top_k < scaled.shape[-1] else scaled.shape[-1]
+    top, ids = torch.topk(scaled, k)  # sorted, most likely first
+    probs = torch.softmax(top, dim=-1)
+    if s.top_p < 1.0:
+        # Keep the prefix whose sum reaches top_p: a token stays if what comes before it is
+        # still short of top_p (the first one always does).
+        before = torch.cumsum(probs, dim=-1) - probs
+        probs = probs.masked_fill(before >= s.top_p, 0.0)
+    pick = torch.multinomial(probs, 1, generator=generator)
+    return ids[pick[0]]

@@ -1,0 +1,137 @@
+"""The KV cache of one stage on this worker: each live sequence's keys and values, in blocks.
+
+A block holds `KV_BLOCK` tokens of every attention layer of the stage (`flowmesh.modelio.decode`)
+and is one range of the worker's device arena, taken from `DeviceMemory` like a stage's weights:
+KV counts in the serving budget beside them, and the worker stays the one owner of its memory.
+Sequences of different lengths share the arena without fragmenting it (paged, as vLLM does): a
+sequence grows one block at a time and frees all of its blocks at once.
+
+Plain bookkeeping on the event loop (the executor's): `need` says how many blocks an iteration
+adds, `grow` takes the ranges the executor placed for them, `free` gives a sequence's ranges
+back, ordered after the runs that may still use them (their next owner waits on the markers,
+as any reuse of the arena does). The compute lane reads and writes the blocks' tensors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.messages import SeqStep
+from flowmesh.modelio.decode import KV_BLOCK, KVShape, SeqCache
+from gpu_worker.memory import DeviceMemory, Extent
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // KV_BLOCK)
+
+
+@dataclass
+class SeqKV:
+    """One sequence here: its ranges and their tensors, the tokens they are taken for, and (on
+    the last stage) its sampling generator, kept between iterations."""
+
+    extents: list[Extent] = field(default_factory=list)
+    cache: SeqCache = field(default_factory=lambda: SeqCache([]))
+    tokens: int = 0
+    generator: torch.Generator | None = None
+
+
+class StageKV:
+    """The KV cache of stage `where` (for messages), of `shape`, in `memory`'s arena
+    `arena` (the device's flat uint8 buffer)."""
+
+    def __init__(self, where: str, shape: KVShape, memory: DeviceMemory, arena: torch.Tensor):
+        self.where = where
+        self.shape = shape
+        self.memory = memory
+        self.arena = arena
+        self.seqs: dict[int, SeqKV] = {}
+        self.nbytes = 0  # arena bytes of the blocks held
+
+    @property
+    def block_bytes(self) -> int:
+        return self.shape.block_bytes
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(s.extents) for s in self.seqs.values())
+
+    def need(self, steps: list[SeqStep]) -> int:
+        """New blocks this iteration takes (0 for a stage without attention layers). Raises for
+        a step that does not follow what is cached: a decode of a sequence held nowhere here
+        (NOT_RESIDENT: freed, or its stage was evicted since) or one past its tokens."""
+        new = 0
+        for step in steps:
+            held = self.seqs.get(step.seq)
+            if step.start > 0:
+                if held is None:
+                    raise FlowmeshError(
+                        Code.NOT_RESIDENT,
+                        f"{self.where}: sequence {step.seq} has no KV cache here (freed, or the "
+                        f"stage was evicted since), its step starts at position {step.start}",
+                    )
+                if step.start > held.tokens:
+                    raise FlowmeshError(
+                        Code.BAD_REQUEST,
+                        f"{self.where}: sequence {step.seq}'s step starts at position "
+                        f"{step.start}, but only {held.tokens} of its tokens are cached here",
+                    )
+            have = len(held.extents) if held is not None else 0
+            if self.block_bytes:
+                new += max(0, blocks_for(step.start + step.count) - have)
+        return new
+
+    def grow(self, steps: list[SeqStep], extents: list[Extent]) -> list[SeqKV]:
+        """Take `extents` (`need(steps)` of them, in step order) for the iteration; returns each
+        step's sequence. A step at position 0 starts its sequence afresh (its generator too)."""
+        it = iter(extents)
+        out = []
+        for step in steps:
+            seq = self.seqs.setdefault(step.seq, SeqKV())
+            if step.start == 0:
+                seq.generator = None
+            want = blocks_for(step.start + step.count) if self.block_bytes else 0
+            while len(seq.extents) < want:
+                ext = next(it)
+                seq.extents.append(ext)
+                seq.cache.blocks.append(self._view(ext))
+                self.nbytes += ext.size
+            seq.tokens = step.start + step.count
+            out.append(seq)
+        assert next(it, None) is None, "more ranges than the iteration needs"
+        return out
+
+    def _view(self, ext: Extent) -> torch.Tensor:
+        n = self.block_bytes
+        return (
+            self.arena[ext.offset : ext.offset + n]
+            .view(self.shape.dtype)
+            .view(self.shape.block_shape)
+        )
+
+    def free(self, seqs: Iterable[int], after: list[Any]) -> int:
+        """Forget `seqs` (those held) and give their ranges back, their next owner ordered
+        after `after`; returns the bytes freed."""
+        freed = 0
+        for s in seqs:
+            seq = self.seqs.pop(s, None)
+            if seq is None:
+                continue
+            for ext in seq.extents:
+                freed += ext.size
+                self.memory.free(ext, after, "serving")
+        self.nbytes -= freed
+        return freed
+
+    def free_all(self, after: list[Any]) -> int:
+        return self.free(list(self.seqs), after)
+
+
+def new_blocks_after(extents: list[Extent]) -> list[Any]:
+    """The markers new blocks' writes must be ordered after (their ranges' last users)."""
+    return [m for ext in extents for m in ext.after]
