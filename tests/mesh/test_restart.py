@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 
 from client_sdk import errors
 from client_sdk.client import AsyncClient
+from client_sdk.connection import PendingCall
 from client_sdk.mesh import LocalMesh
+from flowmesh import protocol as p
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
@@ -43,6 +45,10 @@ def prepared(mesh: LocalMesh, c: Any) -> dict[str, int]:
         f"worker-{i}": fresh_stats(c, f"worker-{i}")["stages_prepared"]
         for i in range(mesh.n_workers)
     }
+
+
+def answered(call: PendingCall) -> bool:
+    return call.fut.done() and not call.fut.cancelled() and call.fut.exception() is None
 
 
 def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
@@ -84,6 +90,8 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
         restarted = asyncio.Event()
         clients: list[AsyncClient] = []
         training_started = asyncio.Event()
+        probes: list[asyncio.Future[p.BrokerStatus]] = []
+        in_flight: list[PendingCall] = []  # the calls sent and not answered at the kill
 
         async def infer_traffic(k: int) -> None:
             async with AsyncClient(mesh.frontend, timeout=INFER_TIMEOUT) as client:
@@ -121,11 +129,20 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
         async def killer() -> None:
             await asyncio.wait_for(training_started.wait(), 60)
             await until(lambda: len(outcomes) >= 20, "20 calls answered before the kill")
-            # Frozen first, so that every client has a call in flight when it dies.
+            # Frozen first, so that every client has a call in flight when it dies. A call
+            # pending at the freeze may still be answered (its answer may have left the broker
+            # before it froze, to be read after the connection is lost), but a call made after
+            # the freeze cannot be: one status call from each client is in flight for sure.
             mesh.child("broker").proc.send_signal(signal.SIGSTOP)
+            probes.extend(asyncio.ensure_future(cl.status()) for cl in clients)
             await until(
-                lambda: all(cl.connection._pending for cl in clients),
+                lambda: all(
+                    any(c.held is None for c in cl.connection._pending.values()) for cl in clients
+                ),
                 "a call in flight from every client at the frozen broker",
+            )
+            in_flight.extend(
+                c for cl in clients for c in cl.connection._pending.values() if c.held is None
             )
             await asyncio.to_thread(mesh.restart_broker, wait=False)
             restarted.set()
@@ -136,15 +153,20 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
             done = await asyncio.gather(
                 killer(), training(), *(infer_traffic(k) for k in range(3)), return_exceptions=True
             )
+            done += await asyncio.gather(*probes, return_exceptions=True)
             for outcome in done:
                 if isinstance(outcome, BaseException):
                     raise outcome
 
         asyncio.run(main())
 
-        # The four calls in flight at the kill (three inferences, one training step) were sent
-        # again once the clients had reconnected.
-        assert sum(cl.resent for cl in clients) >= 4, [cl.resent for cl in clients]
+        # Every call in flight at the kill ended with the answer the old broker had sent before
+        # it froze, or was sent again once its client had reconnected: none was lost. Each
+        # client's status call, made at the frozen broker, was sent again.
+        lost = [c.kind for c in in_flight if not (c.retried or answered(c))]
+        assert not lost, lost
+        assert all(cl.resent >= 1 for cl in clients), [cl.resent for cl in clients]
+        assert all(isinstance(pr.result(), p.BrokerStatus) for pr in probes)
         # Every call ended within its timeout (and the client's grace); every failure says why.
         slow = [o for o in outcomes if o[2] > INFER_TIMEOUT + 2.5]
         assert not slow, slow

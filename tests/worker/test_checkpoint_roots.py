@@ -34,7 +34,6 @@ MIB = 1 << 20
 CFG = TrainConfig({"name": "adam", "lr": 0.01}, seed=1)
 
 
-
 def make_job(name: str = "run") -> TrainingJob:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -42,7 +42,6 @@ from tests.support.waiting import until
 KIB = 1 << 10
 
 
-
 # -- the scheduler alone -----------------------------------------------------------------------
 
 

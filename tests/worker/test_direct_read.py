@@ -83,9 +83,7 @@ def case(request, tmp_path_factory):
 def stages(spec: ModelSpec, parts: int) -> tuple[Plan, list[tuple[list, HostStage]]]:
     plan = make_stage_plan(spec, parts)
     dev = CpuStandIn(64 * MIB)
-    return plan, [
-        prepare_stage(spec, plan, i, dev, DEFAULT_ALLOW) for i in range(plan.parts)
-    ]
+    return plan, [prepare_stage(spec, plan, i, dev, DEFAULT_ALLOW) for i in range(plan.parts)]
 
 
 def test_host_buffers_equal_the_old_paths_bit_for_bit(case) -> None:

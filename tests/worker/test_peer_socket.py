@@ -35,7 +35,6 @@ def lines() -> Iterator[Lines]:
         yield handler
 
 
-
 @pytest.fixture
 async def worker() -> Any:
     svc = WorkerService("w", "tcp://127.0.0.1:1", CpuStandIn(4 * MIB))

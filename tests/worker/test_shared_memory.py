@@ -28,7 +28,6 @@ from tests.support.waiting import until
 KIB = 1 << 10
 
 
-
 # -- DeviceMemory ------------------------------------------------------------------------------
 
 
@@ -115,7 +114,6 @@ def solo_losses(i: int, train_bytes: int) -> list[float]:
         job = open_job(f"t{i}", train_spec(i), CFG, dev, batch=8, target_bytes=train_bytes // 2)
         ex.open(job)
         return [f.result(120).loss for f in [ex.submit(job.name, x, y) for x, y in batches(i)]]
-
 
 
 async def test_a_serving_load_takes_back_what_training_borrowed_without_waiting_for_it() -> None:

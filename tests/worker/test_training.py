@@ -197,6 +197,7 @@ def data_for(kind: str, steps: int = STEPS, batch: int = 8, seed: int = 0) -> Da
 
 # -- the two runs compared -------------------------------------------------------------------
 
+
 def plain_step_loop(model: nn.Module, cfg: TrainConfig, data: Data) -> list[float]:
     """What a PyTorch user writes: zero_grad, N micro-batches of loss/N, clip, step
     (`flowmesh.reference.train`)."""
