@@ -16,7 +16,6 @@ finds them by one step on a small probe, at open, and refuses the others with th
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
-from flowmesh.spec import DEFAULT_ALLOW, FACTORY_RE, factory_allowed
+from flowmesh.spec import DEFAULT_ALLOW, FACTORY_RE, factory_allowed, import_callable
 
 # Options that choose an implementation, not the maths; a probe cannot take some of them
 # (fused kernels want a device), and drops them.
@@ -88,7 +87,7 @@ def optimizer_maker(optimizer: Mapping[str, Any], allow: Iterable[str] | None = 
     if not isinstance(factory, str) or not FACTORY_RE.match(factory):
         raise bad_request(f"optimizer factory {factory!r}: expected 'package.module:callable'")
     allowed = tuple(DEFAULT_ALLOW if allow is None else allow)
-    module_name, attr = factory.split(":", 1)
+    module_name = factory.split(":", 1)[0]
     # torch.optim's own classes are torch's code, not a user's: always allowed.
     if module_name != "torch.optim" and not factory_allowed(factory, allowed):
         raise FlowmeshError(
@@ -97,14 +96,7 @@ def optimizer_maker(optimizer: Mapping[str, Any], allow: Iterable[str] | None = 
             f"worker's allow-list ({', '.join(allowed) or 'empty'}); an optimizer factory is code "
             "the worker runs, so start workers with --allow for its module",
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise bad_request(f"could not import optimizer factory {factory!r}: {exc}") from None
-    maker = getattr(module, attr, None)
-    if not callable(maker):
-        raise bad_request(f"optimizer factory {factory!r} is not a callable")
-    return maker
+    return import_callable(factory, "optimizer factory")
 
 
 def make_optimizer(

@@ -9,7 +9,9 @@ The broker imports this without torch; `flowmesh.modelio.build` turns a spec int
 from __future__ import annotations
 
 import hashlib
+import importlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -247,6 +249,20 @@ def factory_allowed(factory: str | None, allow: tuple[str, ...] | list[str]) -> 
         return True
     module = factory.split(":", 1)[0]
     return any(module == p or module.startswith(p + ".") for p in allow)
+
+
+def import_callable(factory: str, what: str) -> Callable[..., Any]:
+    """The callable `factory` ('package.module:callable') names, imported (its allow-list
+    already checked by the caller); `what` names it in errors ("factory", "loss factory")."""
+    module_name, attr = factory.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise bad_request(f"could not import {what} {factory!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise bad_request(f"{what} {factory!r} is not a callable")
+    return fn
 
 
 def check_factory(

@@ -11,7 +11,6 @@ must not be one of them.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,7 +18,7 @@ from torch.nn import functional as F
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.optimizers import make_optimizer, state_slots
-from flowmesh.spec import DEFAULT_ALLOW, factory_allowed
+from flowmesh.spec import DEFAULT_ALLOW, factory_allowed, import_callable
 from flowmesh.train_spec import (
     LOSS_NAMES,
     LossSpec,
@@ -81,14 +80,7 @@ def resolve_loss(loss: LossSpec, allow: Iterable[str] | None = None) -> LossFn:
             f"allow-list ({', '.join(allowed)}); a loss factory is code the worker runs, so "
             "start workers with --allow for its module",
         )
-    module_name, attr = factory.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise bad_request(f"the worker could not import loss factory {factory!r}: {exc}") from None
-    make = getattr(module, attr, None)
-    if not callable(make):
-        raise bad_request(f"loss factory {factory!r} is not a callable on the worker")
+    make = import_callable(factory, "loss factory")
     try:
         fn = make(**kwargs)
     except Exception as exc:

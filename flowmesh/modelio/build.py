@@ -6,7 +6,6 @@ it here, so "the same model" means the same code path everywhere.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,20 +16,12 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio import hf_dir
 from flowmesh.modelio.dtypes import torch_dtype
 from flowmesh.modelio.weights import read_weights
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory, import_callable
 
 
 def resolve_factory(factory: str, allow: Iterable[str] = DEFAULT_ALLOW) -> Callable[..., Any]:
     check_factory(factory, tuple(allow))
-    module_name, attr = factory.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise FlowmeshError(Code.BAD_REQUEST, f"factory module {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise FlowmeshError(Code.BAD_REQUEST, f"factory {factory!r} is not a callable")
-    return fn
+    return import_callable(factory, "factory")
 
 
 def _call_factory(spec: ModelSpec, allow: Iterable[str]) -> nn.Module:
@@ -93,5 +84,3 @@ def build_reference(spec: ModelSpec, allow: Iterable[str] = DEFAULT_ALLOW) -> nn
     tensors = read_weights(spec.weights, names, expected=model.state_dict(keep_vars=True))
     model.load_state_dict(tensors, assign=True, strict=True)
     return model.eval()
-
-
