@@ -12,7 +12,9 @@ The work itself is done in rooms, each a plain class with exact-output tests of 
   restarts (`broker.restore`);
 - `broker.serving_router.ServingRouter`: request queues, batching, residency (loads, evictions),
   runs and their failover;
-- `broker.training_router.TrainingRouter`: training jobs, their placement, steps and calls.
+- `broker.training_router.TrainingRouter`: training jobs, their placement, steps and calls;
+- `broker.generation.GenerationRoom`: token generation (sequences, continuous batching), its
+  iterations run by the serving router as batches.
 
 They share one `broker.context.Context` (tables, ids, outbox, totals). This class only builds
 them, routes each message to the room that owns it, and orders the work of a tick.
@@ -29,10 +31,12 @@ from typing import Any
 from broker.checks import check_stats
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing, fail
+from broker.generation import GenerationRoom
+from broker.lm_files import LmFiles
 from broker.policy import heart_failed
 from broker.registry import Registry
 from broker.serving_router import ServingRouter
-from broker.state import Batch, Call, Model, Peer
+from broker.state import Batch, Call, Model, Peer, Replica
 from broker.status import model_status, peer_rows
 from broker.store import Snapshot, Store
 from broker.training_router import TrainingRouter
@@ -84,13 +88,13 @@ class BrokerCore:
         self.registry = Registry(
             self.ctx,
             on_change=lambda now: self.serving.pump(now),
-            on_replica_lost=lambda model, rep, lost, now: self.serving.fail_over(
-                model, rep, lost, now
-            ),
+            on_replica_lost=self._replica_lost,
             on_worker_lost=lambda name: self.training.worker_lost(name),
             on_worker_joined=lambda name, jobs, now: self.training.worker_joined(name, jobs, now),
         )
         self.serving = ServingRouter(self.ctx, self.registry)
+        self.generation = GenerationRoom(self.ctx, self.serving)
+        self.serving.gen = self.generation
         self.training = TrainingRouter(
             peers=self.ctx.peers,
             ids=self.ctx.ids,
@@ -103,6 +107,10 @@ class BrokerCore:
         self.jobs_restore_until: float | None = None
         if self.store is not None and snapshot is not None:
             self._restore(self.store, snapshot, self.started)
+
+    def _replica_lost(self, model: Model, rep: Replica, lost: str, now: float) -> None:
+        self.serving.fail_over(model, rep, lost, now)
+        self.generation.replica_lost(model, rep, lost, now)
 
     def close(self) -> None:
         """Release what the broker holds outside itself (its state store and its lock)."""
@@ -201,6 +209,9 @@ class BrokerCore:
             p.Undeploy: self.registry.undeploy,
             p.Status: self._status,
             p.PlanRequest: self.registry.plan_request,
+            p.Generate: self.generation.generate,
+            p.StopGenerate: self.generation.stop,
+            p.TokenizerInfo: self.generation.tokenizer_info,
         }.get(type(msg))
         if handler is None and isinstance(msg, TrainingRouter.CLIENT_TYPES):
             handler = self.training.on_client
@@ -292,6 +303,7 @@ class BrokerCore:
             self.serving.expire_queued(model, now)
             self.registry.deploy_overdue(model, now)
         self.serving.expire_running(now)
+        self.generation.tick(now)
         for cid, call in list(self.calls.items()):
             if call.deadline <= now and self.calls.get(cid) is call:
                 del self.calls[cid]
@@ -322,6 +334,16 @@ class BrokerCore:
         else:
             self.registry.call_expired(call, code, undelivered, now)
 
+    # ================================================================== model files
+
+    def drain_reads(self) -> list[tuple[str, str]]:
+        """(model, hf directory) to read on a thread (`broker.lm_files.start_reads`)."""
+        return self.generation.drain_reads()
+
+    def files_read(self, model: str, hf: str, files: LmFiles, now: float) -> None:
+        """A read asked for by `drain_reads` finished (on the loop again)."""
+        self.generation.files_read(model, hf, files, now)
+
     def peer_unreachable(self, addr: bytes, now: float) -> None:
         self.registry.peer_unreachable(addr, now)
 
@@ -344,7 +366,13 @@ class BrokerCore:
             workers=workers,
             partitioners=partitioners,
             models=[
-                model_status(m, self.peers, means.get(m.name), refused.get(m.name))
+                model_status(
+                    m,
+                    self.peers,
+                    means.get(m.name),
+                    refused.get(m.name),
+                    self.generation.figures(m.name),
+                )
                 for m in sorted(self.models.values(), key=lambda m: m.name)
             ],
             refused_unknown_model=refused.get("", {}),

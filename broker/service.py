@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
+from broker.lm_files import start_reads
 from flowmesh import protocol as p
 from flowmesh.auth import BACKEND_DOMAIN, FRONTEND_DOMAIN, KeyRing, MeshAuthenticator
 from flowmesh.errors import Code, FlowmeshError
@@ -74,7 +75,12 @@ class BrokerService:
 
         What goes to one client that takes bundles goes in bundles (the answers of a grouped
         run, say: one send and one read for all of them). Nothing to a worker is bundled: its
-        reader thread computes a quick run the moment it reads it, alone."""
+        reader thread computes a quick run the moment it reads it, alone.
+
+        Reads of model directories the core asked for start here too, on threads: their
+        results come back on the loop (`broker.lm_files.start_reads`), flushed in turn."""
+        if self.core.generation.reads:
+            start_reads(self.core, asyncio.get_running_loop(), time.monotonic, self._flush)
         now = time.monotonic()
         for _ in range(1000):  # send failures may queue answers of their own
             out = self.core.drain()

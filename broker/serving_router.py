@@ -68,6 +68,21 @@ class ReplicaKeeper(Protocol):
     def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None: ...
 
 
+class GenSink(Protocol):
+    """What the router needs from the generation room (`broker.generation.GenerationRoom`),
+    whose iterations it runs as batches (`Batch.gen`) with the machinery requests use."""
+
+    def pump(self, now: float) -> None: ...
+
+    def holds(self, model: Model, rep: Replica) -> bool: ...
+
+    def waits(self, model: Model) -> bool: ...
+
+    def iteration_done(self, batch: Batch, tensors: dict[str, Any], now: float) -> None: ...
+
+    def iteration_failed(self, batch: Batch, code: str, reason: str, now: float) -> None: ...
+
+
 class ServingRouter:
     def __init__(self, ctx: Context, registry: ReplicaKeeper) -> None:
         self.ctx = ctx
@@ -94,6 +109,9 @@ class ServingRouter:
         # Copy bandwidth seen per worker (bytes/s, smoothed), from its Loaded answers: the
         # cost of bringing a stage back, in `stage_value`.
         self.bandwidth: dict[str, float] = {}
+        # The generation room, once BrokerCore wires it: pumped with the queues, asked which
+        # stages hold live sequences (never evicted), told how its iterations end.
+        self.gen: GenSink | None = None
 
     # ================================================================== requests
 
@@ -228,6 +246,8 @@ class ServingRouter:
             waiting.sort(key=self._deadline)  # earliest deadline first
             if not any(self._dispatch(m, now) for m in waiting):
                 break
+        if self.gen is not None:
+            self.gen.pump(now)
         if self.cfg.prefetch and now >= self.next_prefetch:
             self.next_prefetch = now + PREFETCH_EVERY_S
             self._prefetch(now)
@@ -296,6 +316,21 @@ class ServingRouter:
                     return True
             return False
         starving = now - model.queue[0].arrived >= self.cfg.starvation_s
+        best = self._cheapest_load(model, live, starving, now)
+        if best is None:
+            if starving:
+                self._reserve(model, live)
+            return False
+        rep, victims = best
+        self._load_replica(model, rep, victims, now, starving=starving)
+        self._start_batch(model, rep, now)
+        return True
+
+    def _cheapest_load(
+        self, model: Model, live: list[Replica], starving: bool, now: float
+    ) -> tuple[Replica, dict[str, list[StageKey]]] | None:
+        """The replica to load: the one whose victims are worth least; among equals, fewest
+        bytes evicted. None: none can be loaded now."""
         best: tuple[tuple[float, int], Replica, dict[str, list[StageKey]]] | None = None
         for rep in live:
             if self._blocked(model, rep) and not starving:
@@ -303,7 +338,6 @@ class ServingRouter:
             victims = self._victims_for(model, rep, starving=starving, now=now)
             if victims is None:
                 continue
-            # The replica whose victims are worth least; among equals, fewest bytes evicted.
             evicted = [self.peers[w].resident[k] for w, ks in victims.items() for k in ks]
             cost = (
                 sum(self._value(self.peers[r_w], r, now) for r_w, r in self._owners(victims)),
@@ -311,14 +345,7 @@ class ServingRouter:
             )
             if best is None or cost < best[0]:
                 best = (cost, rep, victims)
-        if best is None:
-            if starving:
-                self._reserve(model, live)
-            return False
-        _, rep, victims = best
-        self._load_replica(model, rep, victims, now, starving=starving)
-        self._start_batch(model, rep, now)
-        return True
+        return None if best is None else (best[1], best[2])
 
     def _placed(self, model: Model, rep: Replica) -> bool:
         return all((model.name, s) in self.peers[w].resident for s, w in enumerate(rep.workers))
@@ -379,6 +406,20 @@ class ServingRouter:
         self.totals["batches"] += 1
         self.timings.batch_started(model.name, 1 if separate else len(requests))
         parts = [[r.tag, r.rows] for r in requests]
+        self._send_batch(model, batch, parts, tensors, rows, now)
+
+    def _send_batch(
+        self,
+        model: Model,
+        batch: Batch,
+        parts: list[list[int]],
+        tensors: dict[str, Any],
+        rows: int,
+        now: float,
+    ) -> None:
+        """Send a started batch's first Run(s): direct to every stage when it can, else to
+        stage 0 alone (the router relays it on, `_advance`)."""
+        rep = batch.replica
         ends = [self.peers[w].info.get("peer_endpoint") for w in rep.workers]
         # Never direct for a streamed replica: a direct batch announces every stage at once, and
         # a worker admits each run as it arrives, so all of its stages would be in flight at
@@ -402,9 +443,68 @@ class ServingRouter:
                 stage=0,
                 parts=parts,
                 tensors=tensors,
-                separate=separate,
+                separate=batch.separate,
+                gen=batch.gen.step if batch.gen is not None else None,
             ),
         )
+
+    def start_gen(
+        self, model: Model, rep: Replica, iteration: Any, ids: p.TensorRef, now: float
+    ) -> Batch:
+        """Run one generation iteration (`broker.generation.Iteration`, its `step` sent with
+        every stage's Run) on `rep`, whose stages `ensure_gen` made resident or loading: stage
+        0 gets the tokens `ids`, the batch is one part of every token, never cut."""
+        batch = Batch(
+            run_id=next(self.ctx.ids),
+            model=model.name,
+            replica=rep,
+            requests=[],
+            stage=0,
+            worker=rep.workers[0],
+            started=now,
+            gen=iteration,
+        )
+        total = ids.shape[0]
+        batch.parts = [[batch.run_id, total]]
+        rep.inflight += 1
+        self._send_batch(model, batch, batch.parts, {"0/ids": ids}, total, now)
+        return batch
+
+    def ensure_gen(self, model: Model, rep: Replica, now: float, *, starving: bool) -> bool:
+        """Whether a generation iteration may start on `rep` now, loading its stages first
+        when they are not resident (victims chosen as for a request's load; `starving`: also
+        stages of models with work waiting). False: not now (blocked, or no room yet)."""
+        if not rep.live or rep.streamed or not any(r is rep for r in model.replicas):
+            return False
+        if self._blocked(model, rep) and not starving:
+            return False
+        if self._placed(model, rep):
+            return True
+        victims = self._victims_for(model, rep, starving=starving, now=now)
+        if victims is None:
+            return False
+        self._load_replica(model, rep, victims, now, starving=starving)
+        return True
+
+    def pick_gen(
+        self, model: Model, taken: list[Replica], now: float, *, starving: bool
+    ) -> Replica | None:
+        """A replica of `model` (not in `taken`) for sequences that have none yet: a resident
+        one that may run now, else the cheapest to load (then loaded). None: none now."""
+        live = [
+            r
+            for r in model.replicas
+            if r.live and not r.streamed and not any(r is t for t in taken)
+        ]
+        for rep in live:
+            if self._placed(model, rep) and not self._blocked(model, rep):
+                return rep
+        best = self._cheapest_load(model, live, starving, now)
+        if best is None:
+            return None
+        rep, victims = best
+        self._load_replica(model, rep, victims, now, starving=starving)
+        return rep
 
     def _start_direct(
         self,
@@ -421,7 +521,9 @@ class ServingRouter:
         each learns the key of the worker it sends to and of the one it takes from."""
         stages = len(batch.replica.workers)
         chunks = 1
-        if model.spec.max_batch_size > 1:  # rows are independent: the batch may be cut
+        # Rows are independent: the batch may be cut (a generation iteration never is: its
+        # sequences' tokens are one packed part).
+        if model.spec.max_batch_size > 1 and batch.gen is None:
             want = self.cfg.micro_batches or min(stages, rows // self.cfg.micro_batch_rows)
             chunks = max(1, min(want, rows))
         ticket = secrets.randbits(63) or 1
@@ -445,6 +547,7 @@ class ServingRouter:
                     chunks=chunks,
                     next_key=keys[stage + 1] if stage + 1 < stages else "",
                     from_key=keys[stage - 1] if stage > 0 else "",
+                    gen=batch.gen.step if batch.gen is not None else None,
                 ),
             )
 
@@ -519,10 +622,14 @@ class ServingRouter:
             if (
                 res.key[1] < len(rep.workers)
                 and rep.workers[res.key[1]] == peer.name
-                and rep.inflight
+                and (rep.inflight or (self.gen is not None and self.gen.holds(model, rep)))
             ):
-                return False  # a batch is in this replica's pipeline; it will need this stage
-        return not model.queue or starving
+                # A batch is in this replica's pipeline and will need this stage, or live
+                # sequences of the model keep their KV cache beside it (not swapped out in
+                # this landing): never evicted.
+                return False
+        waiting = model.queue or (self.gen is not None and self.gen.waits(model))
+        return not waiting or starving
 
     def _reserve(self, model: Model, live: list[Replica]) -> None:
         """Stop new batches of other models on one replica's workers until this model fits."""
@@ -689,6 +796,9 @@ class ServingRouter:
                 f"run {msg.id} ({msg.model}/{msg.stage}) was not sent to {peer.name}",
             )
         last = batch.stage == len(batch.replica.workers) - 1
+        if batch.gen is not None:
+            self._gen_result(batch, msg, last, now)
+            return
         # Its info was checked as it was decoded (one refused there fails its batch at once,
         # through `BrokerCore.answer_refused`).
         seconds = {"compute_s": msg.info.compute_s, "wait_s": msg.info.wait_s}
@@ -748,6 +858,30 @@ class ServingRouter:
             self.totals["completed"] += 1
         self.pump(now)
 
+    def _gen_result(self, batch: Batch, msg: p.RunResult, last: bool, now: float) -> None:
+        """A stage answered a generation iteration: on to the next stage, or (the last) its
+        new tokens to the generation room."""
+        assert self.gen is not None
+        del self.batches[msg.id]
+        self._leave_stage(batch, now)
+        batch.info["compute_s"] = batch.info.get("compute_s", 0.0) + msg.info.compute_s
+        batch.info["wait_s"] = batch.info.get("wait_s", 0.0) + msg.info.wait_s
+        model = self.models.get(batch.model)
+        live = model is not None and any(r is batch.replica for r in model.replicas)
+        if not last and live:
+            assert model is not None
+            self._advance(model, batch, msg.tensors, now)
+            return
+        batch.replica.inflight -= 1
+        if not live:
+            why = "was undeployed" if model is None else "lost the replica it ran on"
+            self.gen.iteration_failed(
+                batch, str(Code.WORKER_LOST), f"{batch.model!r} {why} while generating", now
+            )
+        else:
+            self.gen.iteration_done(batch, msg.tensors, now)
+        self.pump(now)
+
     @staticmethod
     def _result_parts(
         batch: Batch, tensors: dict[str, p.TensorRef], last: bool
@@ -779,8 +913,9 @@ class ServingRouter:
                 id=batch.run_id,
                 model=model.name,
                 stage=batch.stage,
-                parts=[[r.tag, r.rows] for r in batch.requests],
+                parts=batch.parts or [[r.tag, r.rows] for r in batch.requests],
                 tensors=tensors,
+                gen=batch.gen.step if batch.gen is not None else None,
             ),
         )
 
@@ -817,14 +952,16 @@ class ServingRouter:
         batch.replica.inflight -= 1
         model = self.models.get(batch.model)
         live = [r for r in batch.requests if r.client is not None]
+        if batch.gen is not None and self.gen is not None:
+            if model is not None and code == Code.NOT_RESIDENT:
+                self._not_resident(batch, worker)
+            self.gen.iteration_failed(batch, code, reason, now)
+            self.pump(now)
+            return
         if model is not None and code == Code.NOT_RESIDENT:
             # Evicted mid-run, or the worker found no room to bring it back: not the client's
             # fault. Stop counting it resident there and run again (through a Load).
-            peer = self.peers.get(worker)
-            stage = batch.replica.workers.index(worker) if batch.direct else batch.stage
-            res = peer.resident.get((batch.model, stage)) if peer is not None else None
-            if peer is not None and res is not None and res.phase is Phase.RESIDENT:
-                del peer.resident[res.key]
+            self._not_resident(batch, worker)
             model.queue.extendleft(reversed(live))
             self.queued[model.name] = None
         elif model is not None and code in (Code.MODEL_ERROR, Code.BAD_REQUEST) and len(live) > 1:
@@ -838,6 +975,14 @@ class ServingRouter:
             for r in live:
                 self.ctx.answer_error(r, code, reason)
         self.pump(now)
+
+    def _not_resident(self, batch: Batch, worker: str) -> None:
+        """`worker` no longer holds `batch`'s stage: stop counting it resident there."""
+        peer = self.peers.get(worker)
+        stage = batch.replica.workers.index(worker) if batch.direct else batch.stage
+        res = peer.resident.get((batch.model, stage)) if peer is not None else None
+        if peer is not None and res is not None and res.phase is Phase.RESIDENT:
+            del peer.resident[res.key]
 
     def run_error(self, peer: Peer, msg: p.Error, now: float) -> bool:
         """An Error from `peer` answering one of its runs: fail that batch. False if it is not."""
@@ -877,6 +1022,8 @@ class ServingRouter:
         log.warning("run hung run=%d %s", batch.run_id, reason)
         for r in batch.requests:
             self.ctx.answer_error(r, Code.TIMEOUT, reason)
+        if batch.gen is not None and self.gen is not None:
+            self.gen.iteration_failed(batch, str(Code.TIMEOUT), reason, now)
         model = self.models.get(batch.model)
         if model is not None:
             self.registry.give_up_replica(model, batch.replica, batch.worker, reason)

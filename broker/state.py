@@ -129,6 +129,10 @@ class Batch:
     counted_on: list[tuple[Peer, Residency | None]] = field(default_factory=list)
     direct: bool = False  # announced to every stage at once; activations go worker to worker
     separate: bool = False  # requests computed one by one in one run (`Run.separate`)
+    # A generation iteration (`broker.generation.Iteration`: its `step`, the sequences in it)
+    # instead of requests; its `parts`, fixed at its first stage, go with it to the next ones.
+    gen: Any = None
+    parts: list[list[int]] | None = None
 
 
 @dataclass
@@ -184,6 +188,10 @@ class Model:
     last_scaled: float = float("-inf")
     scale_ups: int = 0
     scale_downs: int = 0
+    # A language model's files as the broker read them (`broker.lm_files.LmFiles`, read off
+    # the event loop once per deploy), and whether that read is under way.
+    lm: Any = None
+    lm_reading: bool = False
 
     @property
     def name(self) -> str:

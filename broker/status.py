@@ -166,9 +166,11 @@ def model_status(
     peers: Mapping[str, Peer],
     timing: Mapping[str, float] | None = None,
     refused: Mapping[str, int] | None = None,
+    gen: Any = None,
 ) -> ModelRow:
     """A model's row; `timing` is its entry of `Timings.model_means()`, `refused` its requests
-    refused at the door by code (`ServingRouter.refused`)."""
+    refused at the door by code (`ServingRouter.refused`), `gen` its generation figures
+    (`GenerationRoom.figures`)."""
     ranges = model.plan.ranges if model.plan is not None else ()
     names = model.plan.block_names if model.plan is not None else ()
     stages = []
@@ -225,6 +227,10 @@ def model_status(
         else None,
         rate_per_s=model.rate.value,
         prefetches=model.prefetches,
+        running_seqs=gen.running if gen is not None else 0,
+        waiting_seqs=gen.waiting if gen is not None else 0,
+        tokens_generated=gen.tokens if gen is not None else 0,
+        gen_iterations=gen.iterations if gen is not None else 0,
     )
 
 

@@ -1,10 +1,11 @@
-"""The `flowmesh` command: run the mesh, look at it, deploy, infer, plan, train, sweep and list
-jobs."""
+"""The `flowmesh` command: run the mesh, look at it, deploy, infer, generate, plan, train, sweep
+and list jobs."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import json
 import os
@@ -323,6 +324,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                 replicas=args.replicas,
                 inputs=_json_object("--inputs", args.inputs),
                 slo_ms=args.slo_ms,
+                max_context=args.max_context,
+                max_seqs=args.max_seqs,
+                kv_share=args.kv_share,
                 timeout=args.timeout,
             )
 
@@ -378,6 +382,74 @@ def cmd_infer(args: argparse.Namespace) -> int:
         from safetensors.torch import save_file
 
         save_file({k or "output": v.contiguous() for k, v in outs.items()}, args.output)
+    return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(
+            f"flowmesh generate: --ids takes integers separated by commas: {text!r}"
+        ) from None
+
+
+def _gen_prompt(args: argparse.Namespace) -> dict[str, Any]:
+    """The prompt argument of `generate`: text, --ids, or (--chat) one user message."""
+    if (args.prompt is None) == (args.ids is None):
+        raise SystemExit("flowmesh generate: give the prompt as text or as --ids, one of the two")
+    if args.ids is not None:
+        if args.chat:
+            raise SystemExit("flowmesh generate: --chat takes a text prompt, not --ids")
+        return {"ids": _token_ids(args.ids)}
+    if args.chat:
+        return {"messages": [{"role": "user", "content": args.prompt}]}
+    return {"prompt": args.prompt}
+
+
+def gen_summary(gen: Any) -> str:
+    """The line `flowmesh generate` prints on stderr: how the sequence ended and how fast, by the
+    broker's clock (from its receipt of the call to the first token, then token to token)."""
+    line = (
+        f"finish: {gen.finish_reason}, {gen.completion_tokens} token(s) after a prompt of "
+        f"{gen.prompt_tokens}, first token {gen.ttft_ms:.1f} ms"
+    )
+    between = sum(gen.token_ms)
+    if gen.token_ms and between > 0:
+        line += f", {len(gen.token_ms) / between * 1000:.1f} tokens/s after it"
+    return line
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    ask: dict[str, Any] = {
+        **_gen_prompt(args),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+        "timeout": args.timeout,
+    }
+    with connect(args) as c:
+        if args.json:
+            gen = c.generate(args.name, **ask)
+            print(json.dumps(dataclasses.asdict(gen)))
+            return 0
+        with c.generate_stream(args.name, **ask) as stream:
+            for chunk in stream:
+                # Text as it comes; a model without a tokenizer (--ids) streams its ids.
+                piece = (
+                    chunk.text if chunk.text is not None else "".join(f"{i} " for i in chunk.ids)
+                )
+                if piece:  # "" while a character or a possible stop string is incomplete
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            gens = stream.generations
+    print()
+    assert gens is not None  # the stream ran to its end
+    print(gen_summary(gens[0]), file=sys.stderr)
     return 0
 
 
@@ -889,6 +961,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--slo-ms", type=float, default=None, help="latency objective, milliseconds")
     p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="language models: the longest sequence, prompt + new tokens (default: the model's "
+        "own positions)",
+    )
+    p.add_argument(
+        "--max-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="language models: sequences each replica runs at once (default 16)",
+    )
+    p.add_argument(
+        "--kv-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="language models: the share (0, 1] of each worker's serving memory the KV cache of "
+        "its stage may take (default 0.5)",
+    )
+    p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -907,6 +1002,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=16, help="size of free dimensions")
     p.add_argument("--output", help="write the outputs to this safetensors file")
     p.set_defaults(fn=cmd_infer)
+
+    p = client_cmd("generate", "generate text with a language model, printed as it comes")
+    p.add_argument("name", help="a model deployed from a Hugging Face directory")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt's text (or --ids)")
+    p.add_argument(
+        "--ids", default=None, metavar="1,2,3", help="the prompt as token ids, instead of text"
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is one user message, written with the model's chat template",
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="the most new tokens (default 16)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0: the most likely token (greedy)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: no cut)")
+    p.add_argument("--top-k", type=int, default=0, help="the k most likely tokens (0: no cut)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="a stop string: the text ends before it (repeatable)",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result (text, ids, finish_reason, counts, timings) as JSON, once done",
+    )
+    p.set_defaults(fn=cmd_generate)
 
     # Any torch.optim optimizer by name: the worker (or partitioner) resolves it, and refuses
     # what it cannot run, saying why (flowmesh.optimizers); the CLI does not import torch.

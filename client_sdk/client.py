@@ -15,13 +15,21 @@ import contextlib
 import inspect
 import os
 import types
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
 import msgspec
 import torch
 
 from client_sdk.connection import CONNECT_TIMEOUT_S, Connection, client_keys, sendable
+from client_sdk.generation import (
+    AsyncGenStream,
+    Codecs,
+    GenAsk,
+    Generation,
+    blocking_stream,
+)
+from client_sdk.generation import generate as generate_async
 from client_sdk.jobs import AsyncJob, Job
 from client_sdk.loop_thread import LoopThread
 from client_sdk.sweep import sweep_async
@@ -64,6 +72,7 @@ class AsyncClient:
             limits=limits,
             curve=client_keys(keys),
         )
+        self.codecs = Codecs(self)  # language models' tokenizers, fetched once each
 
     # What the connection knows, read as the client's own attributes.
     @property
@@ -129,6 +138,9 @@ class AsyncClient:
         replicas: int | None = None,
         inputs: Mapping[str, Any] | None = None,
         slo_ms: float | None = None,
+        max_context: int | None = None,
+        max_seqs: int | None = None,
+        kv_share: float | None = None,
         timeout: float = 600.0,
     ) -> p.ModelRow:
         """Deploy model `name`; returns its row of the status (`flowmesh.reports.ModelRow`:
@@ -157,6 +169,9 @@ class AsyncClient:
             "inputs": dict(inputs) if inputs else None,
             "slo_ms": slo_ms,
         }
+        # Only when given: a broker that predates generation still takes the spec.
+        generation = {"max_context": max_context, "max_seqs": max_seqs, "kv_share": kv_share}
+        spec.update({k: v for k, v in generation.items() if v is not None})
         reply = await self.connection.call(
             p.Deploy(
                 id=self.connection.next_id(),
@@ -207,6 +222,64 @@ class AsyncClient:
         if list(out) == [""]:
             return out[""], info
         return out, info
+
+    async def generate(
+        self,
+        model: str,
+        prompt: str | Sequence[str] | None = None,
+        *,
+        ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        messages: Sequence[Any] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+    ) -> Generation | list[Generation]:
+        """Generate text with language model `model` (deployed from a Hugging Face directory):
+        a `Generation` (`.text`, `.ids`, `.finish_reason`, token counts, `.ttft_ms`,
+        `.token_ms`), or a list of them, one per prompt, for a batch of prompts.
+
+        The prompt, one of: `prompt`, text (or a list of texts), encoded with the model's
+        tokenizer as the model's own would (its bos and such); `ids`, token ids (or a list of
+        lists); `messages`, a chat ([{"role": ..., "content": ...}, ...], or a list of chats)
+        written with the model's chat template, ready for the assistant's answer.
+        Up to `max_tokens` new tokens each: the most likely token at `temperature` 0, else a
+        draw cut to the `top_k` most likely (0: no cut) and then to the smallest set whose
+        probability reaches `top_p`, from a generator seeded with `seed` (None: an unseeded
+        one). A sequence ends ("stop") at the model's end-of-sequence ids (unless
+        `ignore_eos`), at one of `stop_ids`, or at a `stop` string (its text ends before it),
+        else ("length") after `max_tokens`. `timeout`: for the whole call (the client's when
+        None)."""
+        return await generate_async(self, _gen_ask(locals()))
+
+    def generate_stream(
+        self,
+        model: str,
+        prompt: str | Sequence[str] | None = None,
+        *,
+        ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        messages: Sequence[Any] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+    ) -> AsyncGenStream:
+        """`generate`, its tokens as they come: an async iterator of chunks (`.index`, the
+        prompt's; `.ids`, new tokens; `.text`, their text; `.finish_reason` on a sequence's
+        last chunk), its `.generations` the results once it has ended. Use it with
+        `async with` (or `aclose()` it): closing it early stops its sequences on the broker,
+        which frees their memory at once."""
+        return AsyncGenStream(self, _gen_ask(locals()))
 
     async def status(self, timeout: float | None = None) -> p.BrokerStatus:
         """The broker's view of the mesh, a typed value (`flowmesh.reports.BrokerStatus`) read
@@ -342,6 +415,24 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the connection; calls still in flight fail with UNAVAILABLE."""
         await self.connection.close()
+
+
+def _gen_ask(args: dict[str, Any]) -> GenAsk:
+    """A generate method's arguments (its `locals()`) as one value."""
+    sampling = {
+        name: args[name] for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    }
+    sampling["stop_ids"] = list(args["stop_ids"] or [])
+    sampling["ignore_eos"] = args["ignore_eos"]
+    return GenAsk(
+        model=args["model"],
+        prompt=args["prompt"],
+        ids=args["ids"],
+        messages=args["messages"],
+        sampling=sampling,
+        stop=args["stop"],
+        timeout=args["timeout"],
+    )
 
 
 def _model_source(call: str, factory: str | None, hf: str | None) -> dict[str, Any]:
@@ -481,6 +572,9 @@ class Client:
     undeploy = _blocking(AsyncClient.undeploy)
     infer = _blocking(AsyncClient.infer)
     infer_with_info = _blocking(AsyncClient.infer_with_info)
+    generate = _blocking(AsyncClient.generate)
+    # A stream is read chunk by chunk, each under the call's `timeout` (`GenStream`).
+    generate_stream = blocking_stream(AsyncClient.generate_stream)
     status = _blocking(AsyncClient.status)
     plan = _blocking(AsyncClient.plan)
     train_open = _blocking(AsyncClient.train_open, wrap=Job)

@@ -47,7 +47,7 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,9 @@ CONNECT_TIMEOUT_S = 5.0
 
 # Calls that may be sent again after the connection was lost with them in flight (see above).
 RETRYABLE = (p.Infer, p.Status, p.Jobs, p.PlanRequest, p.TrainStep, p.TrainEval)
+# Messages that are part of a call's answer, not its end: a streamed Generate's chunks come
+# under its id before the one Generated that ends it (`call`'s `on_part`).
+PARTS = (p.GenChunk,)
 
 
 @dataclass
@@ -103,6 +106,8 @@ class PendingCall:
     retried: bool = False
     # Not sent yet: its frames wait for the broker's limits on this connection (`_welcomed`).
     held: list[Any] | None = None
+    # Takes the answer's parts (PARTS) as they come, on the loop, while the call waits on.
+    on_part: Callable[[p.Message], None] | None = None
 
 
 def client_keys(keys: Any) -> CurveKeys | None:
@@ -373,6 +378,11 @@ class Connection:
             else:
                 log.debug("ignored %s from the broker: it answers no call", msg.TYPE)
             return
+        if isinstance(msg, PARTS):
+            part_of = self._pending.get(ref)
+            if part_of is not None and part_of.on_part is not None and not part_of.fut.done():
+                part_of.on_part(msg)
+            return  # a part of an answer no call waits for any more
         call = self._pending.pop(ref, None)
         if call is None or call.fut.done():
             return  # answer to a call that already timed out
@@ -516,17 +526,24 @@ class Connection:
         verb = "not sent again (the connection was lost with it in flight)" if again else "not sent"
         raise TooLarge(Code.TOO_LARGE, f"{kind} {verb}: {why}")
 
-    async def call(self, msg: p.Message, timeout: float | None) -> p.Message:
+    async def call(
+        self,
+        msg: p.Message,
+        timeout: float | None,
+        *,
+        on_part: Callable[[p.Message], None] | None = None,
+    ) -> p.Message:
         """Send `msg` (its `id` from `next_id`) and return the broker's answer; an error answer
         raises its `ClientError`, and no answer within `timeout` (see `seconds`) and a grace
-        raises `Timeout`."""
+        raises `Timeout`. `on_part` takes the parts of the answer that come before it (PARTS:
+        a streamed Generate's chunks), in order, on the loop; the timeout covers the whole."""
         sock = self.connect()  # first: a fresh socket knows no broker's limits yet
         frames, nbytes = self._encode(msg)
         ref: int = msg.id  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[p.Message] = loop.create_future()
         limit = self.seconds(timeout)
-        pending = PendingCall(fut, nbytes, msg.TYPE, link=self._link)
+        pending = PendingCall(fut, nbytes, msg.TYPE, link=self._link, on_part=on_part)
         if isinstance(msg, RETRYABLE):
             pending.msg, pending.deadline = msg, loop.time() + limit
         self._pending[ref] = pending
@@ -573,6 +590,29 @@ class Connection:
             if first is not None:
                 first.cancel()
             self._pending.pop(ref, None)
+
+    def notify(self, msg: p.Message) -> bool:
+        """Send `msg`, a message the broker does not answer (StopGenerate), after the calls
+        already on their way; False when it cannot go now (no connection, or one whose broker
+        has not stated its limits yet): then what it refers to went out on a connection lost
+        since, or has not gone out at all, and the message would mean nothing."""
+        sock = self._sock
+        if sock is None or not self._known:
+            return False
+        try:
+            frames, _ = self._encode(msg)
+        except ClientError as exc:
+            log.warning("could not send %s: %s", msg.TYPE, exc.reason)
+            return False
+        if self._outbox is not None and self._outbox_sock is sock:
+            self._outbox.append((0, frames))  # behind this loop turn's calls (no call id is 0)
+            return True
+        try:
+            send_frames(sock, frames)
+        except (FlowmeshError, zmq.ZMQError) as exc:
+            log.info("could not send %s to %s: %s", msg.TYPE, self.address, exc)
+            return False
+        return True
 
     def _no_contact(self, ref: int, wait: float) -> None:
         """Call `ref`'s connect timeout: if it still waits for the first contact with a broker

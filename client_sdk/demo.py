@@ -1,5 +1,5 @@
-"""The main job: an embedded mesh serving a catalogue larger than all device memory, and training
-several models at the same time.
+"""The main job: an embedded mesh serving a catalogue larger than all device memory, generating
+text with a language model, and training several models at the same time.
 
 Starts broker, partitioner and CPU stand-in workers (or GPUs when present), deploys example
 models whose total size is several times the combined budget — one of them larger than any single
@@ -25,6 +25,10 @@ workers, a pruned trial's job closes at once; the demo prints the sweep's table 
 `trials.json` and `curves.png` (every trial's loss curve) in `demo-sweep/` of the working
 directory.
 
+Then a language model deployed from a Hugging Face directory in two pipeline stages generates
+for concurrent calls (a batch, single prompts, a chat, a stream), its tokens checked against
+Hugging Face's own `generate` (`client_sdk.demo_generation`).
+
 When anything fails (a wrong output, a job that failed, timed out or differs from PyTorch), the
 mesh's logs, one per process, are kept and their directory printed.
 """
@@ -45,6 +49,7 @@ from typing import Any
 
 import torch
 
+from client_sdk import demo_generation
 from client_sdk.client import AsyncClient
 from client_sdk.errors import Timeout
 from client_sdk.jobs import StepResult
@@ -122,6 +127,10 @@ SWEEP_SPACE: dict[str, dict[str, Any]] = {
     "width": {"type": "int", "low": 32, "high": 128, "step": 32},
 }
 SWEEP_KWARGS = {"depth": 2, "in_features": CONTEXT, "out_features": 256}
+
+# Where the generation part writes its language model's directory (under the working directory,
+# which the mesh's processes read from).
+LM_DIR = "demo-lm"
 
 
 def corpus() -> torch.Tensor:
@@ -435,6 +444,11 @@ def main(args: argparse.Namespace | None = None) -> int:
         f"of {TRAIN_STEPS} steps and a sweep of {SWEEP_TRIALS} trials at the same time\n",
         flush=True,
     )
+    lm_dir = None
+    if skip := demo_generation.available():
+        print(f"(generation skipped: {skip})\n")
+    else:
+        lm_dir = demo_generation.prepare(Path.cwd() / LM_DIR, seed=args.seed)
     t_start = time.perf_counter()
     with LocalMesh(
         cpu_workers=args.workers,
@@ -483,20 +497,40 @@ def main(args: argparse.Namespace | None = None) -> int:
             return await asyncio.gather(serving, training, sweeping)
 
         beside, trained, swept = asyncio.run(serve_and_train())
+        generated = generate_text(mesh.frontend, lm_dir)
         status = asyncio.run(fetch_status(mesh.frontend, after_s=3 * 0.5))
         t_ref = time.perf_counter()
         checked, expected = references(
             specs, alone.answers + beside.answers, train_specs, optimizers, data
+        )
+        lm_reference = (
+            demo_generation.expected(lm_dir)
+            if generated is not None and not generated.error
+            else None
         )
         ref_s = time.perf_counter() - t_ref
         # Judged before the mesh stops: what failed keeps the workers' logs to say why.
         code = report(status, alone, beside, checked, ref_s)
         code = max(code, report_training(status, train_specs, optimizers, trained, expected, ref_s))
         code = max(code, report_sweep(swept))
+        if generated is not None:
+            code = max(code, demo_generation.report(generated, lm_reference))
         if code:
             mesh.keep_logs()  # the mesh says where when it stops
     print(f"\ndemo done in {time.perf_counter() - t_start:.0f} s")
     return code
+
+
+def generate_text(address: str, lm_dir: Path | None) -> demo_generation.Generated | None:
+    """The generation part (`client_sdk.demo_generation`); None when skipped. A failure is
+    reported with the rest, not raised: the other parts' results still print."""
+    if lm_dir is None:
+        return None
+    print(f"generating text with {demo_generation.LM_NAME} in two pipeline stages...", flush=True)
+    try:
+        return asyncio.run(demo_generation.run(address, lm_dir))
+    except Exception as exc:
+        return demo_generation.Generated(error=f"{type(exc).__name__}: {exc}")
 
 
 async def deploy_all(address: str, specs: dict[str, ModelSpec]) -> dict[str, ModelRow]:
@@ -532,7 +566,8 @@ def report(
 ) -> int:
     """Serving: per model both runs' latencies side by side, then both runs overall."""
     rows, bad = [], 0
-    for m in sorted(status.models, key=lambda m: -m.requests):
+    served = [m for m in status.models if m.name in checked]  # not the language model
+    for m in sorted(served, key=lambda m: -m.requests):
         ta, tb = alone.tallies.get(m.name, Tally()), beside.tallies.get(m.name, Tally())
         c = checked[m.name]
         errors: dict[str, int] = {}
@@ -602,9 +637,7 @@ def report(
     )
     # The arena is the budget, so its peak cannot exceed it; the worker's high-water mark of the
     # stages it held (taken at every load) could, if its bookkeeping were wrong.
-    over = [
-        w for w in status.workers if int(w.stats.get("stage_bytes_peak") or 0) > w.budget_bytes
-    ]
+    over = [w for w in status.workers if int(w.stats.get("stage_bytes_peak") or 0) > w.budget_bytes]
     rtol, atol = forward_tolerance(torch.float32)
     print(
         f"\nevery output of both runs checked after the traffic ({ref_s:.1f} s, with the "

@@ -55,7 +55,9 @@ BACKEND_DOMAIN = "flowmesh-backend"
 PEERS_DOMAIN = "flowmesh-peers"
 # Client calls every client key may make; everything else (deploy, undeploy, train_*) needs the
 # operator role.
-READ_ONLY = frozenset({"infer", "status", "plan", "jobs"})
+READ_ONLY = frozenset(
+    {"infer", "status", "plan", "jobs", "generate", "stop_generate", "tokenizer_info"}
+)
 
 
 @dataclass(frozen=True)

@@ -284,8 +284,9 @@ class TokenizerInfo(Message, tag="tokenizer_info"):
 
 class TokenizerReply(Message, tag="tokenizer_reply"):
     """A model's tokenizer as its directory has it: `tokenizer.json` (the `tokenizers` library's
-    format), the chat template ("" when it has none), the ids that end a sequence, and the
-    longest sequence (prompt + new tokens) the deployment takes."""
+    format), the chat template ("" when it has none), the ids that end a sequence, the bos and
+    eos strings its chat template sees ("": those of the ids), and the longest sequence
+    (prompt + new tokens) the deployment takes."""
 
     id: Id
     model: str
@@ -294,6 +295,8 @@ class TokenizerReply(Message, tag="tokenizer_reply"):
     eos_ids: list[TokenId] = field(default_factory=list)
     bos_id: TokenId | None = None
     max_context: Count = 0
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 # -- training jobs, client <-> broker; the broker sends the same types on to the job's worker

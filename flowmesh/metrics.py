@@ -129,6 +129,14 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         f.counter("model_batches", "Batches started, by model", m.batches, model=name)
         f.gauge("model_bytes", "Device bytes of all of a model's stages", m.bytes, model=name)
         f.gauge("model_ready", "1 when the model serves, else 0", m.state == "ready", model=name)
+        f.gauge("running_sequences", "Sequences generating, by model", m.running_seqs, model=name)
+        f.gauge(
+            "waiting_sequences", "Sequences waiting to join a batch", m.waiting_seqs, model=name
+        )
+        f.counter("generated_tokens", "Tokens generated, by model", m.tokens_generated, model=name)
+        f.counter(
+            "generation_iterations", "Generation iterations run", m.gen_iterations, model=name
+        )
         f.gauge(
             "model_live_replicas",
             "Replicas with every stage deployed",

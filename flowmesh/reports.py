@@ -102,6 +102,12 @@ class ModelRow(_Row):
     within_slo: float | None
     rate_per_s: float  # decayed arrival rate as of the model's last request
     prefetches: Count
+    # Generation (language models): sequences running on replicas and waiting to join, new
+    # tokens generated, iterations run (each a Run through every stage).
+    running_seqs: Count = 0
+    waiting_seqs: Count = 0
+    tokens_generated: Count = 0
+    gen_iterations: Count = 0
 
 
 # -- peers

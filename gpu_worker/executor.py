@@ -60,9 +60,8 @@ from torch import nn
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.eviction import StageKey, eviction_order
 from flowmesh.messages import GenStep
+from flowmesh.modelio.decode import ATTENTION, HEADS, Packed, block_step, kv_shape
 from flowmesh.modelio.decode import KV_BLOCK as KV_TOKENS
-from flowmesh.modelio.decode import Packed, block_step, kv_shape
-from flowmesh.modelio.hf_adapters import NormHead, RopeLayer
 from flowmesh.modelio.inputs import call_model
 from flowmesh.modelio.sampling import new_generator, sample
 from flowmesh.modelio.token_limits import TokenLimits, limits_of
@@ -1031,7 +1030,7 @@ class Executor:
                 layer_of, n = [], 0
                 for block in st.blocks:
                     layer_of.append(n)
-                    n += isinstance(block, RopeLayer)
+                    n += isinstance(block, ATTENTION)
                 blocks = st.blocks
 
                 def step(k: int, h: Any) -> Any:
@@ -1041,7 +1040,7 @@ class Executor:
                     out, wait_s = self._forward(
                         st, ready, _on(x, dev.torch_device), generation, step
                     )
-                    if isinstance(blocks[-1], NormHead):
+                    if isinstance(blocks[-1], HEADS):
                         generators = []
                         for s, seq in zip(gen.seqs, seqs, strict=True):
                             if s.sampling.temperature > 0 and seq.generator is None:

@@ -6,11 +6,14 @@ running (decode). Token ids go into the first block (1-D), hidden states `[token
 between blocks; the head returns the logits of each sequence's last new token only.
 
 The blocks are the Llama family's chain (`flowmesh.modelio.hf_adapters`: DecoderEmbed,
-RopeLayer, NormHead), run here through the layer's own submodules: norms, projections and MLP
+RopeLayer, NormHead), GPT-2's (GPT2Embed with its learned positions, GPT2Layer, GPT2Head) or
+OPT's (OPTEmbed, OPTLayer, OPTHead),
+run here through the layer's own submodules: norms, projections and MLP
 batched over every packed token, attention per sequence against its cached keys and values plus
 the new ones, under the causal mask offset by the tokens already cached (and the sliding window
 where the chain gives the layer one), with the eager attention's math (scores in the model's
-dtype, softmax in float32). So a sequence's logits match the model's own forward, and HF
+dtype, softmax in float32 for the Llama family and OPT and in the scores' dtype for GPT-2, as each
+model's own eager attention does). So a sequence's logits match the model's own forward, and HF
 `generate` with its cache, within the tolerance rule, whatever else is in the batch.
 
 The keys and values live in blocks of `KV_BLOCK` tokens (`gpu_worker.kv_cache`): each block one
@@ -27,13 +30,35 @@ import torch
 from torch import nn
 
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.modelio.hf_adapters import DecoderEmbed, NormHead, RopeLayer
+from flowmesh.modelio.hf_adapters import (
+    DecoderEmbed,
+    GPT2Embed,
+    GPT2Head,
+    GPT2Layer,
+    NormHead,
+    OPTEmbed,
+    OPTHead,
+    OPTLayer,
+    RopeLayer,
+)
 
 KV_BLOCK = 16  # tokens per block of the KV cache
 
 # What generation runs, by block class (the error names them).
-SUPPORTED = (DecoderEmbed, RopeLayer, NormHead)
-SUPPORTED_MODELS = "Llama, Qwen2 and Mistral"
+SUPPORTED = (
+    DecoderEmbed,
+    RopeLayer,
+    NormHead,
+    GPT2Embed,
+    GPT2Layer,
+    GPT2Head,
+    OPTEmbed,
+    OPTLayer,
+    OPTHead,
+)
+SUPPORTED_MODELS = "Llama, Qwen2, Mistral, GPT-2 and OPT"
+ATTENTION = (RopeLayer, GPT2Layer, OPTLayer)  # the blocks that keep keys and values
+HEADS = (NormHead, GPT2Head, OPTHead)  # the blocks that end a chain in logits
 
 
 @dataclass(frozen=True)
@@ -68,10 +93,16 @@ def kv_shape(blocks: list[nn.Module]) -> KVShape:
             f"{', '.join(c.__name__ for c in SUPPORTED)}); this stage has: "
             f"{', '.join(unsupported)}",
         )
-    layers = [b for b in blocks if isinstance(b, RopeLayer)]
+    layers = [b for b in blocks if isinstance(b, ATTENTION)]
     if not layers:
         return KVShape(0, 0, 0, torch.float32)
-    attn = layers[0].layer.self_attn
+    first = layers[0]
+    if isinstance(first, GPT2Layer):
+        attn = first.layer.attn
+        return KVShape(len(layers), attn.num_heads, attn.head_dim, attn.c_attn.weight.dtype)
+    attn = first.layer.self_attn
+    if isinstance(first, OPTLayer):
+        return KVShape(len(layers), attn.num_heads, attn.head_dim, attn.k_proj.weight.dtype)
     kv_heads = attn.k_proj.out_features // attn.head_dim
     return KVShape(len(layers), kv_heads, attn.head_dim, attn.k_proj.weight.dtype)
 
@@ -114,7 +145,7 @@ def gen_forward(
     layer = 0
     for block in blocks:
         x = block_step(block, x, packed, caches, layer)
-        if isinstance(block, RopeLayer):
+        if isinstance(block, ATTENTION):
             layer += 1
     return x
 
@@ -128,13 +159,42 @@ def block_step(
     if isinstance(block, RopeLayer):
         return _layer(block, x, packed, caches, layer)
     if isinstance(block, NormHead):
-        last = torch.tensor(
-            [o + c - 1 for o, c in zip(packed.offsets(), packed.counts, strict=True)],
-            device=x.device,
-        )
-        return block.lm_head(block.norm(x.index_select(0, last)))
+        return block.lm_head(block.norm(_last_tokens(x, packed)))
+    if isinstance(block, GPT2Embed):
+        ids = x.reshape(-1)
+        return block.drop(block.wte(ids) + block.wpe(positions_of(packed, ids.device)))
+    if isinstance(block, GPT2Layer):
+        return _gpt2_layer(block, x, packed, caches, layer)
+    if isinstance(block, GPT2Head):
+        return block.lm_head(block.ln_f(_last_tokens(x, packed)))
+    if isinstance(block, OPTEmbed):
+        ids = x.reshape(-1)
+        embeds = block.embed_tokens(ids)
+        if block.project_in is not None:
+            embeds = block.project_in(embeds)
+        # OPT's learned positions (the table's own offset of 2 added by it).
+        positions = positions_of(packed, ids.device).unsqueeze(0)
+        return embeds + block.embed_positions(None, 0, position_ids=positions)[0]
+    if isinstance(block, OPTLayer):
+        return _opt_layer(block, x, packed, caches, layer)
+    if isinstance(block, OPTHead):
+        h = _last_tokens(x, packed)
+        if block.final_layer_norm is not None:
+            h = block.final_layer_norm(h)
+        if block.project_out is not None:
+            h = block.project_out(h)
+        return block.lm_head(h)
     kv_shape([block])  # raises, naming it
     raise AssertionError(type(block))
+
+
+def _last_tokens(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """The hidden states of each sequence's last new token `[sequences, hidden]`."""
+    last = torch.tensor(
+        [o + c - 1 for o, c in zip(packed.offsets(), packed.counts, strict=True)],
+        device=x.device,
+    )
+    return x.index_select(0, last)
 
 
 def positions_of(packed: Packed, device: torch.device) -> torch.Tensor:
@@ -150,7 +210,7 @@ def positions_of(packed: Packed, device: torch.device) -> torch.Tensor:
 def _layer(
     block: RopeLayer, x: torch.Tensor, packed: Packed, caches: list[SeqCache], layer: int
 ) -> torch.Tensor:
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
     decoder = block.layer
     attn = decoder.self_attn
@@ -170,12 +230,40 @@ def _layer(
     ):
         _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
         keys, values = _read(cache, layer, start + count)
-        outs.append(
-            _attend(attn, q[:, :, o : o + count], keys, values, start, window).reshape(count, -1)
+        att = _attend(
+            q[:, :, o : o + count],
+            repeat_kv(keys, attn.num_key_value_groups),
+            repeat_kv(values, attn.num_key_value_groups),
+            start,
+            attn.scaling,
+            window=window,
+            softmax_f32=True,
         )
+        outs.append(att.reshape(count, -1))
     out = attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
     hidden = x + out
     return hidden + decoder.mlp(decoder.post_attention_layernorm(hidden))
+
+
+def _gpt2_layer(
+    block: GPT2Layer, x: torch.Tensor, packed: Packed, caches: list[SeqCache], layer: int
+) -> torch.Tensor:
+    decoder = block.layer
+    attn = decoder.attn
+    n, hd = x.shape[0], attn.head_dim
+    h = decoder.ln_1(x)
+    q, k, v = attn.c_attn(h).split(attn.split_size, dim=-1)
+    q, k, v = (t.view(1, n, -1, hd).transpose(1, 2) for t in (q, k, v))
+    outs = []
+    for o, start, count, cache in zip(
+        packed.offsets(), packed.starts, packed.counts, caches, strict=True
+    ):
+        _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
+        keys, values = _read(cache, layer, start + count)
+        att = _attend(q[:, :, o : o + count], keys, values, start, attn.scaling)
+        outs.append(att.reshape(count, -1))
+    hidden = x + attn.c_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+    return hidden + decoder.mlp(decoder.ln_2(hidden))
 
 
 def _write(cache: SeqCache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -200,22 +288,49 @@ def _read(cache: SeqCache, layer: int, length: int) -> tuple[torch.Tensor, torch
     return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
 
 
+def _opt_layer(
+    block: OPTLayer, x: torch.Tensor, packed: Packed, caches: list[SeqCache], layer: int
+) -> torch.Tensor:
+    decoder = block.layer
+    attn = decoder.self_attn
+    before = decoder.do_layer_norm_before  # most OPTs; 350m normalises after
+    n, hd = x.shape[0], attn.head_dim
+    h = decoder.self_attn_layer_norm(x) if before else x
+    # The queries scaled before the product, as OPT's attention does.
+    q = (attn.q_proj(h) * attn.scaling).view(1, n, -1, hd).transpose(1, 2)
+    k = attn.k_proj(h).view(1, n, -1, hd).transpose(1, 2)
+    v = attn.v_proj(h).view(1, n, -1, hd).transpose(1, 2)
+    outs = []
+    for o, start, count, cache in zip(
+        packed.offsets(), packed.starts, packed.counts, caches, strict=True
+    ):
+        _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
+        keys, values = _read(cache, layer, start + count)
+        att = _attend(q[:, :, o : o + count], keys, values, start, 1.0, softmax_f32=True)
+        outs.append(att.reshape(count, -1))
+    hidden = x + attn.out_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+    if not before:
+        hidden = decoder.self_attn_layer_norm(hidden)
+    h = decoder.final_layer_norm(hidden) if before else hidden
+    hidden = hidden + decoder.fc2(decoder.activation_fn(decoder.fc1(h)))
+    return hidden if before else decoder.final_layer_norm(hidden)
+
+
 def _attend(
-    attn: nn.Module,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     start: int,
-    window: int | None,
+    scaling: float,
+    *,
+    window: int | None = None,
+    softmax_f32: bool = False,
 ) -> torch.Tensor:
     """Eager attention of one sequence's new queries `[1, heads, count, head_dim]` over its
-    keys: the math of transformers' `eager_attention_forward`, mask offset by `start`.
-    Returns `[1, count, heads, head_dim]`."""
-    from transformers.models.llama.modeling_llama import repeat_kv
-
-    keys = repeat_kv(keys, attn.num_key_value_groups)
-    values = repeat_kv(values, attn.num_key_value_groups)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling
+    keys (as many heads): the math of transformers' `eager_attention_forward`, mask offset by
+    `start`; `softmax_f32`: the softmax in float32 (the Llama family's), else in the scores'
+    dtype (GPT-2's). Returns `[1, count, heads, head_dim]`."""
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scaling
     count, length = q.shape[2], keys.shape[2]
     if count > 1 or window is not None:
         qpos = torch.arange(start, start + count, device=q.device).unsqueeze(1)
@@ -226,5 +341,8 @@ def _attend(
         # The value the model's own masks add (its dtype's lowest), not -inf: the same scores.
         mask = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device)
         scores = scores + mask.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if softmax_f32:
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        weights = nn.functional.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(weights, values).transpose(1, 2)

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.ext import Extension
@@ -29,6 +29,9 @@ from tokenizers import Tokenizer
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.roots import io_error
+
+if TYPE_CHECKING:
+    from flowmesh.messages import TokenizerReply
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -254,15 +257,15 @@ class TextCodec:
         )
 
     @classmethod
-    def from_reply(cls, reply: Any) -> TextCodec:
-        """From a `TokenizerReply` (its bos/eos strings when it carries them)."""
+    def from_reply(cls, reply: TokenizerReply) -> TextCodec:
+        """From a `TokenizerReply`."""
         return cls(
             reply.tokenizer_json,
             chat_template=reply.chat_template,
             eos_ids=list(reply.eos_ids),
             bos_id=reply.bos_id,
-            bos_token=getattr(reply, "bos_token", ""),
-            eos_token=getattr(reply, "eos_token", ""),
+            bos_token=reply.bos_token,
+            eos_token=reply.eos_token,
         )
 
     def _token(self, token_id: int | None) -> str:

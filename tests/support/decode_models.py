@@ -15,7 +15,7 @@ from flowmesh.messages import Sampling, SeqStep
 from flowmesh.spec import ModelSpec
 
 VOCAB = 97
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "gpt2", "opt")
 WINDOW = 6  # a sliding window shorter than the prompts, so that it matters
 
 
@@ -49,6 +49,32 @@ def tiny_lm(arch: str, seed: int = 0, *, layers: int = 3, hidden: int = 32) -> n
     elif arch == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=WINDOW)
         cls = tf.MistralForCausalLM
+    elif arch == "gpt2":
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=128,
+            initializer_range=0.2,
+            attn_implementation="eager",
+            # Layer-wise scaling on: its factor is in the attention's `scaling`, taken as is.
+            scale_attn_by_inverse_layer_idx=True,
+        )
+        cls = tf.GPT2LMHeadModel
+    elif arch == "opt":
+        cfg = tf.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            ffn_dim=2 * hidden,
+            word_embed_proj_dim=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            init_std=0.2,
+            attn_implementation="eager",
+        )
+        cls = tf.OPTForCausalLM
     else:
         raise AssertionError(arch)
     torch.manual_seed(seed)

@@ -3,7 +3,8 @@ against the models' own: packed prefills give the logits of the model's forward,
 loop through the KV cache, sequences of different lengths joining mid-way, gives the tokens and
 logits of HF `generate(do_sample=False)` for each prompt alone; in one stage and in two (the
 hidden states passed on, each stage its own cache). Tiny random Llama, Qwen2 (full then sliding
-layers) and Mistral (sliding) models, float32, eager attention."""
+layers), Mistral (sliding), GPT-2 (learned positions, attention scaled by layer) and OPT
+(learned positions with their offset) models, float32, eager attention."""
 
 from __future__ import annotations
 
@@ -112,16 +113,15 @@ def test_a_prompt_prefilled_in_pieces_gives_the_logits_of_one_prefill(arch: str)
 
 
 def test_a_block_generation_does_not_run_is_named() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16)
-    blocks = [b.module for b in chain_of(GPT2LMHeadModel(cfg))]
+    # A factory's own chain (not a language model the decode path knows).
+    blocks: list[nn.Module] = [nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)]
     with pytest.raises(FlowmeshError) as err:
         kv_shape(blocks)
     assert err.value.code == Code.BAD_REQUEST
     assert err.value.reason == (
-        "generation supports Llama, Qwen2 and Mistral models (blocks DecoderEmbed, RopeLayer, "
-        "NormHead); this stage has: GPT2Embed, GPT2Head, GPT2Layer"
+        "generation supports Llama, Qwen2, Mistral, GPT-2 and OPT models (blocks DecoderEmbed, "
+        "RopeLayer, NormHead, GPT2Embed, GPT2Layer, GPT2Head, OPTEmbed, OPTLayer, OPTHead); "
+        "this stage has: Embedding, Linear"
     )
 
 

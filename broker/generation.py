@@ -1,0 +1,723 @@
+"""The broker's generation room: sequences of `Generate` calls, continuous batching, iterations.
+
+A plain class, driven by `BrokerCore`; no sockets, no clock of its own. Per language model it
+keeps the sequences of every Generate call (one per prompt):
+
+- **At the door** (`generate`): the model is deployed from a Hugging Face directory of an
+  architecture the workers generate with (`broker.lm_files`, read off the event loop once per
+  deploy; a call that comes before the read is done waits for it), every prompt is non-empty,
+  its ids inside the vocabulary, and prompt + max_tokens within the model's context
+  (`spec.max_context`, else its config's `max_position_embeddings`). Refusals name the numbers.
+- **Waiting and running**: new sequences wait (FIFO; OVERLOADED only at the model's queue limit,
+  as for requests); each live replica runs up to `spec.max_seqs` of them. A sequence stays on
+  the replica it was prefilled on: its KV cache lives on that replica's workers.
+- **Iterations**: per replica, one iteration in flight at a time, holding every running
+  sequence: a prefill for each sequence that joined since the last one (its whole prompt), a
+  decode (its last token) for the others, packed in one `Run` (`GenStep`) that the serving
+  router sends exactly as it sends a batch of requests (residency, loads, keep lists, direct
+  runs, failover: `ServingRouter.start_gen`). The last stage answers one new token per
+  sequence. A sequence ends on an end-of-sequence id (unless `ignore_eos`) or one of its
+  `stop_ids` ("stop", the token kept), at `max_tokens` ("length"), or by `StopGenerate`
+  ("stop"); its stages' workers are told to free its KV blocks (`FreeSeqs`), never while an
+  iteration holding it runs. A streamed call gets a `GenChunk` per new token; every call gets
+  one `Generated` once all its sequences ended.
+- **Memory**: a stage that cannot place a prefill's KV blocks answers NO_SPACE; that
+  iteration's prefills wait again and no new prefill joins that replica until a sequence of the
+  model frees memory; the decodes run on. A prefill that fails alone could never fit: TOO_BIG.
+- **Failures**: a replica lost (its worker gone) fails the calls of its sequences with
+  WORKER_LOST (restarting them elsewhere is not in this landing), and so does a stage found
+  not resident under a decode (its KV went with it; its prefills run again, through a Load);
+  an iteration that hangs, fails on the worker or returns a malformed answer fails the calls in
+  it; a call past its timeout is answered TIMEOUT. Whatever happens, every call gets one answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy
+
+from broker.context import Context, fail
+from broker.lm_files import LmFiles, not_generative
+from broker.serving_router import ServingRouter
+from broker.state import Batch, Model, ModelState, Replica
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+
+log = logging.getLogger("broker.generation")
+
+MAX_INDEX = 1 << 31  # a token id the wire takes (`TokenId`)
+
+
+@dataclass(eq=False)
+class Call:
+    """One Generate: its client, its sequences, its deadline."""
+
+    gm: GenModel
+    client: bytes
+    client_id: int
+    model: str
+    sampling: p.Sampling
+    stream: bool
+    arrived: float
+    deadline: float
+    seqs: list[Seq] = field(default_factory=list)
+    answered: bool = False
+
+
+@dataclass(eq=False)
+class Seq:
+    """One prompt's sequence: its prompt, its new tokens, where it runs."""
+
+    id: int  # broker-wide (`ctx.ids`): the worker's name for its KV cache
+    call: Call
+    index: int
+    prompt: list[int]
+    stops: frozenset[int]
+    out: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # when each new token came
+    rep: GenRep | None = None  # the replica it runs on (None: waiting)
+    prefilled: bool = False  # its prompt is in its replica's KV cache
+    sent: bool = False  # some worker may hold KV blocks of it (FreeSeqs owed when it ends)
+    finish: str | None = None  # "stop" | "length" | "error": it ended
+
+
+@dataclass(eq=False)
+class Iteration:
+    """One Run of generation: the sequences in it, in token order, and its `GenStep`."""
+
+    step: p.GenStep
+    seqs: list[Seq]
+    prefill: list[bool]
+
+
+@dataclass(eq=False)
+class GenRep:
+    """A replica's share of a model's generation: its running sequences, its iteration."""
+
+    rep: Replica
+    running: list[Seq] = field(default_factory=list)
+    batch: Batch | None = None  # the iteration in flight
+    # A prefill found no KV room: none joins until a sequence of the model frees memory.
+    hold: bool = False
+    # Prefills failed together with nothing else running: they join one at a time.
+    solo: bool = False
+
+
+@dataclass(eq=False)
+class GenModel:
+    """A model's generation state and counters (kept while the model is deployed)."""
+
+    model: Model
+    waiting: deque[Seq] = field(default_factory=deque)
+    reps: list[GenRep] = field(default_factory=list)
+    calls: dict[tuple[bytes, int], Call] = field(default_factory=dict)
+    # Calls that came before the model's files were read: (addr, message, arrival).
+    held: list[tuple[bytes, p.Generate | p.TokenizerInfo, float]] = field(default_factory=list)
+    tokens: int = 0
+    iterations: int = 0
+
+    def running(self) -> int:
+        return sum(len(g.running) for g in self.reps)
+
+
+@dataclass(frozen=True)
+class GenFigures:
+    """What status shows of a model's generation."""
+
+    running: int = 0
+    waiting: int = 0
+    tokens: int = 0
+    iterations: int = 0
+
+
+class GenerationRoom:
+    def __init__(self, ctx: Context, router: ServingRouter) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.peers = ctx.peers
+        self.models = ctx.models
+        self.router = router
+        self.by_model: dict[str, GenModel] = {}
+        # Every call not answered yet, by (client, its id): what StopGenerate names.
+        self.calls: dict[tuple[bytes, int], Call] = {}
+        # Directory reads the shell is to run on a thread: (model, hf directory).
+        self.reads: list[tuple[str, str]] = []
+
+    # ================================================================== the door
+
+    def generate(
+        self, addr: bytes, msg: p.Generate, now: float, arrived: float | None = None
+    ) -> None:
+        """Check a Generate and queue its sequences (`arrived`: when it came, for one that
+        waited for the model's files)."""
+        model = self._model(msg.model)
+        gm = self._gen_model(model)
+        if model.lm is None:
+            self._hold(gm, addr, msg, now)
+            return
+        arrived = now if arrived is None else arrived
+        files = self._files(model)
+        limit = self.max_context(model)
+        if not msg.prompts:
+            raise fail(Code.BAD_REQUEST, "generate needs at least one prompt")
+        max_tokens = msg.sampling.max_tokens
+        for i, prompt in enumerate(msg.prompts):
+            if not prompt:
+                raise fail(Code.BAD_REQUEST, f"prompt {i} is empty: give at least one token id")
+            if files.vocab_size is not None and max(prompt) >= files.vocab_size:
+                raise fail(
+                    Code.BAD_REQUEST,
+                    f"prompt {i} holds token id {max(prompt)}, outside the vocabulary of "
+                    f"{model.name!r} ({files.vocab_size} ids)",
+                )
+            if limit is not None and len(prompt) + max_tokens > limit:
+                raise fail(
+                    Code.BAD_REQUEST,
+                    f"prompt {i} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                    f"{len(prompt) + max_tokens} is over the max_context of {model.name!r} "
+                    f"({limit})",
+                )
+        # (A replica on its way, being repaired, is not live yet: the call waits for it.)
+        if model.replicas and all(r.streamed for r in model.replicas):
+            raise fail(
+                Code.BAD_REQUEST,
+                f"{model.name!r} runs streamed (more stages than workers): generation needs "
+                "each stage on a worker of its own",
+            )
+        if len(gm.waiting) + len(msg.prompts) > self.cfg.max_queue:
+            raise fail(
+                Code.OVERLOADED,
+                f"{model.name!r} has {len(gm.waiting)} sequences waiting (limit "
+                f"{self.cfg.max_queue}); retry later",
+            )
+        mine = self.ctx.outstanding.get(addr, 0)
+        if mine >= self.cfg.max_client_inflight:
+            raise fail(
+                Code.OVERLOADED,
+                f"this client has {mine} requests queued or running (limit "
+                f"{self.cfg.max_client_inflight} per client); wait for answers, then retry",
+            )
+        if (addr, msg.id) in self.calls:
+            raise fail(Code.BAD_REQUEST, f"generate {msg.id} is already running")
+        timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.default_timeout_s
+        call = Call(
+            gm=gm,
+            client=addr,
+            client_id=msg.id,
+            model=model.name,
+            sampling=msg.sampling,
+            stream=msg.stream,
+            arrived=arrived,
+            deadline=arrived + timeout,
+        )
+        eos = frozenset() if msg.sampling.ignore_eos else frozenset(files.eos_ids)
+        stops = eos | frozenset(msg.sampling.stop_ids)
+        for i, prompt in enumerate(msg.prompts):
+            call.seqs.append(Seq(next(self.ctx.ids), call, i, list(prompt), stops))
+        gm.calls[(addr, msg.id)] = call
+        self.calls[(addr, msg.id)] = call
+        gm.waiting.extend(call.seqs)
+        self.ctx.outstanding[addr] = mine + 1
+        model.rate.add(now)
+        model.requests += 1
+        self.ctx.totals["requests"] += 1
+        self.pump(now)
+
+    def stop(self, addr: bytes, msg: p.StopGenerate, now: float) -> None:
+        """End sequences of a running call as "stop" (not answered itself; a late or unknown
+        one changes nothing)."""
+        call = self.calls.get((addr, msg.id))
+        if call is None:
+            return
+        wanted = range(len(call.seqs)) if msg.indexes is None else msg.indexes
+        for i in wanted:
+            if i < len(call.seqs) and call.seqs[i].finish is None:
+                seq = call.seqs[i]
+                seq.finish = "stop"
+                if call.stream:
+                    self.ctx.to_client(
+                        call.client, p.GenChunk(id=call.client_id, index=i, ids=[], finish="stop")
+                    )
+                self._drop(seq)
+        self._maybe_done(call, now)
+        self.pump(now)
+
+    def tokenizer_info(self, addr: bytes, msg: p.TokenizerInfo, now: float) -> None:
+        model = self._model(msg.model)
+        if model.lm is None:
+            self._hold(self._gen_model(model), addr, msg, now)
+            return
+        files = self._files(model)
+        if files.tokenizer_json is None:
+            why = f" ({files.tokenizer_error})" if files.tokenizer_error else ""
+            raise fail(
+                Code.BAD_REQUEST,
+                f"{model.name!r} has no tokenizer in its directory{why}; generate from token ids",
+            )
+        self.ctx.to_client(
+            addr,
+            p.TokenizerReply(
+                id=msg.id,
+                model=model.name,
+                tokenizer_json=files.tokenizer_json,
+                chat_template=files.chat_template,
+                eos_ids=list(files.eos_ids),
+                bos_id=files.bos_id,
+                max_context=self.max_context(model) or 0,
+                bos_token=files.bos_token,
+                eos_token=files.eos_token,
+            ),
+        )
+
+    def _model(self, name: str) -> Model:
+        model = self.models.get(name)
+        if model is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise fail(Code.MODEL_NOT_FOUND, f"no model {name!r} (deployed: {known})")
+        if model.spec.hf is None:
+            raise not_generative(f"{name!r} is not a language model (deployed from a factory)")
+        if model.state is ModelState.UNAVAILABLE:
+            raise fail(
+                Code.UNAVAILABLE, f"{name!r} has no live replica; waiting for workers to join"
+            )
+        if model.state is not ModelState.READY:
+            raise fail(Code.UNAVAILABLE, f"{name!r} is still {model.state.value}")
+        return model
+
+    @staticmethod
+    def _files(model: Model) -> LmFiles:
+        files: LmFiles = model.lm
+        if files.error is not None:
+            raise FlowmeshError(files.error.code, f"{model.name!r}: {files.error.reason}")
+        return files
+
+    @staticmethod
+    def max_context(model: Model) -> int | None:
+        """The longest sequence (prompt + new tokens) `model` takes; None: no limit known."""
+        files: LmFiles | None = model.lm
+        return model.spec.max_context or (files.max_positions if files is not None else None)
+
+    def _gen_model(self, model: Model) -> GenModel:
+        gm = self.by_model.get(model.name)
+        if gm is None or gm.model is not model:
+            gm = self.by_model[model.name] = GenModel(model)
+        return gm
+
+    # ================================================================== the model's files
+
+    def _hold(
+        self, gm: GenModel, addr: bytes, msg: p.Generate | p.TokenizerInfo, now: float
+    ) -> None:
+        """Keep a call until the model's files are read (asking for the read)."""
+        if len(gm.held) >= self.cfg.max_queue:
+            raise fail(Code.OVERLOADED, f"{gm.model.name!r}: its files are still being read; retry")
+        gm.held.append((addr, msg, now))
+        self.want_files(gm.model)
+
+    def want_files(self, model: Model) -> None:
+        """Ask the shell to read `model`'s directory, once per deploy."""
+        if model.spec.hf is not None and model.lm is None and not model.lm_reading:
+            model.lm_reading = True
+            self.reads.append((model.name, model.spec.hf))
+
+    def drain_reads(self) -> list[tuple[str, str]]:
+        reads, self.reads = self.reads, []
+        return reads
+
+    def files_read(self, name: str, hf: str, files: LmFiles, now: float) -> None:
+        """The shell read `hf` for model `name` (on a thread): keep it, then take the calls
+        that waited for it, as if they came now but with their own arrival times."""
+        model = self.models.get(name)
+        if model is None or model.spec.hf != hf or model.lm is not None:
+            return  # undeployed (or deployed again) meanwhile: that read is for nobody
+        model.lm, model.lm_reading = files, False
+        if files.error is not None:
+            log.info("model=%s does not generate: %s", name, files.error.reason)
+        gm = self.by_model.get(name)
+        if gm is None or gm.model is not model:
+            return
+        held, gm.held = gm.held, []
+        for addr, msg, arrived in held:
+            try:
+                if isinstance(msg, p.Generate):
+                    self.generate(addr, msg, now, arrived)
+                elif isinstance(msg, p.TokenizerInfo):
+                    self.tokenizer_info(addr, msg, now)
+            except FlowmeshError as exc:
+                self.ctx.to_client(addr, p.error_for(exc, msg.id))
+        self.pump(now)
+
+    def tick(self, now: float) -> None:
+        """Calls past their deadline are answered TIMEOUT; the files of every ready model from
+        a directory are read ahead of its first call."""
+        for model in self.models.values():
+            if model.state is ModelState.READY:
+                self.want_files(model)
+        for gm in list(self.by_model.values()):
+            late = [(a, m, t) for a, m, t in gm.held if t + self._timeout(m) <= now]
+            for item in late:
+                gm.held.remove(item)
+                addr, msg, arrived = item
+                reason = f"{gm.model.name!r}: its files were not read within {now - arrived:.1f} s"
+                self.ctx.to_client(addr, p.Error(id=msg.id, code=str(Code.TIMEOUT), reason=reason))
+            for call in [c for c in gm.calls.values() if c.deadline <= now]:
+                ended = sum(s.finish is not None for s in call.seqs)
+                self._fail_call(
+                    call,
+                    Code.TIMEOUT,
+                    f"generation not finished within {call.deadline - call.arrived:.1f} s "
+                    f"({ended} of {len(call.seqs)} sequences ended)",
+                )
+        self.pump(now)
+
+    def _timeout(self, msg: p.Generate | p.TokenizerInfo) -> float:
+        ms = getattr(msg, "timeout_ms", None)
+        return ms / 1000 if ms else self.cfg.default_timeout_s
+
+    # ================================================================== scheduling
+
+    def pump(self, now: float) -> None:
+        """Start an iteration on every replica that has sequences to run and none in flight."""
+        for name, gm in list(self.by_model.items()):
+            model = self.models.get(name)
+            if model is not gm.model:  # undeployed (perhaps deployed again)
+                del self.by_model[name]
+                for call in list(gm.calls.values()):
+                    self._fail_call(call, Code.MODEL_NOT_FOUND, f"{name!r} was undeployed")
+                # Calls still waiting for its files: nobody else would answer them (the read,
+                # when it ends, is for nobody; `tick` looks only at models still here).
+                held, gm.held = gm.held, []
+                for addr, msg, _ in held:
+                    reason = f"{name!r} was undeployed"
+                    self.ctx.to_client(
+                        addr, p.Error(id=msg.id, code=str(Code.MODEL_NOT_FOUND), reason=reason)
+                    )
+                continue
+            if not gm.calls:
+                continue
+            for g in [g for g in gm.reps if not self._usable(model, g)]:
+                # Its replica went (given up after a hang, scaled down): what ran there is lost.
+                gm.reps.remove(g)
+                for call in {id(s.call): s.call for s in g.running}.values():
+                    self._fail_call(
+                        call, Code.WORKER_LOST, f"the replica of {name!r} it ran on was removed"
+                    )
+                self._free(gm, g.rep, g.running)
+            starving = bool(gm.waiting) and (
+                now - gm.waiting[0].call.arrived >= self.cfg.starvation_s
+            )
+            for g in list(gm.reps):
+                self._iterate(gm, g, now, starving)
+            # Sequences that no replica in use has room for: open one more replica.
+            while gm.waiting and not any(self._has_room(gm, g) for g in gm.reps):
+                rep = self.router.pick_gen(model, [g.rep for g in gm.reps], now, starving=starving)
+                if rep is None:
+                    break
+                g = GenRep(rep)
+                gm.reps.append(g)
+                self._iterate(gm, g, now, starving, ensured=True)
+
+    @staticmethod
+    def _usable(model: Model, g: GenRep) -> bool:
+        return g.batch is not None or any(r is g.rep for r in model.replicas)
+
+    def _has_room(self, gm: GenModel, g: GenRep) -> bool:
+        return not g.hold and len(g.running) < gm.model.spec.max_seqs
+
+    def _iterate(
+        self, gm: GenModel, g: GenRep, now: float, starving: bool, ensured: bool = False
+    ) -> None:
+        if g.batch is not None:
+            return
+        model = gm.model
+        admit: list[Seq] = []
+        if not g.hold:
+            room = gm.model.spec.max_seqs - len(g.running)
+            if g.solo:
+                room = min(room, 1)
+            while gm.waiting and len(admit) < room:
+                admit.append(gm.waiting.popleft())
+        if not g.running and not admit:
+            gm.reps.remove(g)  # nothing on it: free for other models' stages
+            return
+        if not ensured and not self.router.ensure_gen(model, g.rep, now, starving=starving):
+            gm.waiting.extendleft(reversed(admit))
+            return
+        for s in admit:
+            s.rep = g
+        g.running.extend(admit)
+        steps, ids, prefill = [], [], []
+        for s in g.running:
+            if s.prefilled:
+                start, new = len(s.prompt) + len(s.out) - 1, [s.out[-1]]
+            else:
+                start, new = 0, s.prompt
+            steps.append(
+                p.SeqStep(
+                    seq=s.id,
+                    start=start,
+                    count=len(new),
+                    sampling=s.call.sampling,
+                    drawn=len(s.out),
+                )
+            )
+            ids.extend(new)
+            prefill.append(not s.prefilled)
+            s.sent = True
+        it = Iteration(p.GenStep(seqs=steps), list(g.running), prefill)
+        tensor = p.TensorRef("int64", (len(ids),), numpy.asarray(ids, dtype="<i8").tobytes())
+        g.batch = self.router.start_gen(model, g.rep, it, tensor, now)
+        gm.iterations += 1
+
+    # ================================================================== results
+
+    def holds(self, model: Model, rep: Replica) -> bool:
+        """Whether live sequences of `model` keep KV on `rep`'s workers."""
+        gm = self.by_model.get(model.name)
+        return gm is not None and any(g.rep is rep and g.running for g in gm.reps)
+
+    def waits(self, model: Model) -> bool:
+        gm = self.by_model.get(model.name)
+        return gm is not None and bool(gm.waiting)
+
+    def _owner(self, batch: Batch) -> tuple[GenModel, GenRep] | None:
+        gm = self.by_model.get(batch.model)
+        if gm is None:
+            return None
+        g = next((g for g in gm.reps if g.batch is batch), None)
+        return None if g is None else (gm, g)
+
+    def iteration_done(self, batch: Batch, tensors: dict[str, Any], now: float) -> None:
+        owner = self._owner(batch)
+        if owner is None:
+            return
+        gm, g = owner
+        it: Iteration = batch.gen
+        try:
+            tokens = self._tokens(tensors, len(it.seqs), gm.model)
+        except FlowmeshError as exc:
+            why = f"worker {batch.worker} answered generation badly: {exc.reason}"
+            log.warning("%s", why)
+            self.iteration_failed(batch, str(Code.INTERNAL), why, now)
+            return
+        g.batch = None
+        g.solo = False
+        ended: list[Seq] = []
+        for s, tok in zip(it.seqs, tokens, strict=True):
+            s.prefilled = True
+            if s.finish is not None:  # stopped, or its call failed, while this ran
+                ended.append(s)
+                continue
+            s.out.append(tok)
+            s.times.append(now)
+            gm.tokens += 1
+            if tok in s.stops:
+                s.finish = "stop"
+            elif len(s.out) >= s.call.sampling.max_tokens:
+                s.finish = "length"
+            if s.call.stream:
+                chunk = p.GenChunk(id=s.call.client_id, index=s.index, ids=[tok], finish=s.finish)
+                self.ctx.to_client(s.call.client, chunk)
+            if s.finish is not None:
+                ended.append(s)
+        if ended:
+            g.running = [s for s in g.running if s.finish is None]
+            self._free(gm, g.rep, ended)
+        for call in {id(s.call): s.call for s in ended}.values():
+            self._maybe_done(call, now)
+
+    @staticmethod
+    def _tokens(tensors: dict[str, Any], n: int, model: Model) -> list[int]:
+        """The last stage's new tokens: int64, one per sequence, inside the vocabulary."""
+        ref = tensors.get("tokens", tensors.get("0/tokens"))
+        if ref is None or len(tensors) != 1:
+            raise fail(Code.BAD_REQUEST, f"expected one tensor 'tokens', got {sorted(tensors)}")
+        if ref.dtype != "int64" or tuple(ref.shape) != (n,):
+            raise fail(
+                Code.BAD_REQUEST,
+                f"tokens: expected int64 [{n}], got {ref.dtype} {list(ref.shape)}",
+            )
+        buf = ref.frame.buffer if hasattr(ref.frame, "buffer") else memoryview(ref.frame)
+        values = [int(v) for v in numpy.frombuffer(buf, dtype="<i8", count=n)]
+        files: LmFiles | None = model.lm
+        top = files.vocab_size if files is not None and files.vocab_size else MAX_INDEX
+        bad = [v for v in values if not 0 <= v < top]
+        if bad:
+            raise fail(Code.BAD_REQUEST, f"token {bad[0]} is outside the vocabulary (0..{top - 1})")
+        return values
+
+    def iteration_failed(self, batch: Batch, code: str, reason: str, now: float) -> None:
+        owner = self._owner(batch)
+        if owner is None:
+            return
+        gm, g = owner
+        g.batch = None
+        it: Iteration = batch.gen
+        ended = [s for s in g.running if s.finish is not None]  # stopped while it ran
+        if ended:
+            g.running = [s for s in g.running if s.finish is None]
+            self._free(gm, g.rep, ended)
+        if code == Code.NOT_RESIDENT:
+            # The stage was evicted, or holds no KV of a sequence: the prefills run again as
+            # they were, through a Load (the next pump). A decode's earlier tokens were in that
+            # stage's KV cache, which went with it (a worker drops a stage's KV on eviction):
+            # run again it would fail the same way, again and again; its call fails.
+            lost = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if not pre]
+            for call in {id(s.call): s.call for s in lost if s.finish is None}.values():
+                self._fail_call(
+                    call,
+                    Code.WORKER_LOST,
+                    f"{reason} (the KV cache of its sequences went with it; restarting them is "
+                    "not supported yet)",
+                )
+            return
+        if code == Code.NO_SPACE:
+            self._no_space(gm, g, it, reason)
+            return
+        for call in {id(s.call): s.call for s in it.seqs}.values():
+            self._fail_call(call, code, reason)
+
+    def _no_space(self, gm: GenModel, g: GenRep, it: Iteration, reason: str) -> None:
+        """A stage could not place KV blocks for this iteration."""
+        prefills = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if pre]
+        others = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if not pre]
+        live = [s for s in prefills if s.finish is None]
+        if not prefills:
+            # Decodes alone: a sequence outgrew the memory. No preemption in this landing:
+            # the newest one fails (alone, it could never have fitted).
+            if len(g.running) < len(it.seqs):
+                return  # some of it ended while it ran: their memory is free, run again
+            s = g.running[-1]
+            code = Code.TOO_BIG if len(g.running) == 1 else Code.NO_SPACE
+            self._fail_call(s.call, code, self._too_big(gm, s, reason, alone=code is Code.TOO_BIG))
+            return
+        if len(prefills) == 1 and not others and live:
+            # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
+            s = prefills[0]
+            self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+            return
+        # The prefills wait again (their blocks freed on every stage); the decodes run on.
+        g.running = [s for s in g.running if s not in prefills]
+        self._free(gm, g.rep, prefills)
+        for s in reversed(live):
+            s.rep, s.prefilled = None, False
+            gm.waiting.appendleft(s)
+        if others:
+            g.hold = True
+        else:
+            g.solo = True
+
+    @staticmethod
+    def _too_big(gm: GenModel, s: Seq, reason: str, *, alone: bool) -> str:
+        n = len(s.prompt) + s.call.sampling.max_tokens
+        where = "even alone" if alone else "beside the other running sequences"
+        return (
+            f"a sequence of {len(s.prompt)} prompt tokens + {s.call.sampling.max_tokens} new "
+            f"({n}) does not fit the KV memory of {gm.model.name!r}'s stages {where}: {reason}"
+        )
+
+    def replica_lost(self, model: Model, rep: Replica, lost: str, now: float) -> None:
+        """`rep` lost worker `lost`: the calls of its sequences fail (their KV was there)."""
+        gm = self.by_model.get(model.name)
+        if gm is None:
+            return
+        for g in [g for g in gm.reps if g.rep is rep]:
+            gm.reps.remove(g)
+            g.batch = None
+            reason = (
+                f"worker {lost} was lost while generating (a sequence's KV cache lives on its "
+                "replica's workers; restarting it elsewhere is not supported yet)"
+            )
+            for call in {id(s.call): s.call for s in g.running}.values():
+                self._fail_call(call, Code.WORKER_LOST, reason)
+            self._free(gm, rep, g.running, skip=lost)
+            g.running = []
+        if not model.replicas:
+            for call in {id(s.call): s.call for s in gm.waiting}.values():
+                self._fail_call(call, Code.WORKER_LOST, f"{model.name!r} has no live replica")
+
+    # ================================================================== ending
+
+    def _drop(self, s: Seq) -> None:
+        """Take an ended sequence out of the model's tables; free its KV unless an iteration
+        holding it runs (its return frees it)."""
+        gm = s.call.gm
+        if s in gm.waiting:
+            gm.waiting.remove(s)
+            return
+        g = s.rep
+        if g is None or s not in g.running or g.batch is not None:
+            return
+        g.running.remove(s)
+        self._free(gm, g.rep, [s])
+
+    def _free(self, gm: GenModel, rep: Replica, seqs: list[Seq], skip: str = "") -> None:
+        """FreeSeqs for `seqs` to each stage's worker; a freed sequence lets waiting prefills
+        of the model try again."""
+        ids = [s.id for s in seqs if s.sent]
+        for s in seqs:
+            s.sent = False
+        if not ids:
+            return
+        for stage, w in enumerate(rep.workers):
+            if w != skip and w in self.peers:
+                self.ctx.to_peer(w, p.FreeSeqs(model=gm.model.name, stage=stage, seqs=ids))
+        for g in gm.reps:
+            g.hold = False
+
+    def _maybe_done(self, call: Call, now: float) -> None:
+        if call.answered or any(s.finish is None for s in call.seqs):
+            return
+        outputs = []
+        for s in call.seqs:
+            times = s.times
+            outputs.append(
+                p.GenOutput(
+                    ids=list(s.out),
+                    finish=s.finish or "stop",
+                    prompt_tokens=len(s.prompt),
+                    ttft_ms=(times[0] - call.arrived) * 1000 if times else 0.0,
+                    token_ms=[(b - a) * 1000 for a, b in itertools.pairwise(times)],
+                )
+            )
+        self._close(call)
+        self.ctx.to_client(call.client, p.Generated(id=call.client_id, outputs=outputs))
+        model = self.models.get(call.model)
+        if model is not None:
+            model.completed += 1
+        self.ctx.totals["completed"] += 1
+
+    def _fail_call(self, call: Call, code: Code | str, reason: str) -> None:
+        """Answer `call` with an error once; its sequences end and free their memory."""
+        if call.answered:
+            return
+        for s in call.seqs:
+            if s.finish is None:
+                s.finish = "error"
+            self._drop(s)
+        self._close(call)
+        self.ctx.to_client(call.client, p.Error(id=call.client_id, code=str(code), reason=reason))
+        model = self.models.get(call.model)
+        if model is not None:
+            model.errors += 1
+            model.errors_by_code[str(code)] = model.errors_by_code.get(str(code), 0) + 1
+        self.ctx.totals["errors"] += 1
+
+    def _close(self, call: Call) -> None:
+        call.answered = True
+        call.gm.calls.pop((call.client, call.client_id), None)
+        self.calls.pop((call.client, call.client_id), None)
+        self.ctx.client_done(call.client)
+
+    # ================================================================== status
+
+    def figures(self, name: str) -> GenFigures:
+        gm = self.by_model.get(name)
+        if gm is None or self.models.get(name) is not gm.model:
+            return GenFigures()
+        return GenFigures(gm.running(), len(gm.waiting), gm.tokens, gm.iterations)

@@ -1,0 +1,1173 @@
+"""The broker's generation room in process: a real Hugging Face directory read for real, two
+stages on two fake workers, a fake clock, and every message out asserted exactly (the Runs with
+their `GenStep`s, `GenChunk`, `Generated`, `FreeSeqs`, errors with their codes and reasons)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+
+from broker.core import BACKEND, CLIENT
+from broker.lm_files import LmFiles, read_lm_files
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from tests.support.broker import CLIENT_A, CLIENT_B, MIB, Harness, kinds, only, plan_of, ref
+from tests.support.lm import BOS, BOS_ID, CHAT_TEMPLATE, EOS, EOS_ID, tiny_lm_dir
+
+Out = list[tuple[str, bytes, p.Message]]
+VOCAB = 320  # the tiny tokenizer's (tests.support.lm.build_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_lm_dir(tmp_path_factory.mktemp("gen") / "tiny", layers=1, hidden=8)
+
+
+@pytest.fixture(scope="module")
+def files(lm_dir: Path) -> LmFiles:
+    got = read_lm_files(str(lm_dir))
+    assert got.error is None and got.vocab_size == VOCAB and got.max_positions == 64
+    return got
+
+
+def tokens(values: list[int], dtype: str = "int64") -> p.TensorRef:
+    """The last stage's answer: one new token per sequence."""
+    arr = numpy.asarray(values, dtype=numpy.dtype(dtype).newbyteorder("<"))
+    return p.TensorRef(dtype, (len(values),), arr.tobytes())
+
+
+def ids_of(run: p.Run) -> list[int]:
+    """The token ids stage 0 was sent (`0/ids`, int64)."""
+    (name,) = run.tensors
+    t = run.tensors[name]
+    assert name == "0/ids" and t.dtype == "int64" and tuple(t.shape) == (t.shape[0],)
+    return numpy.frombuffer(bytes(t.frame), dtype="<i8").tolist()
+
+
+def steps(run: p.Run) -> list[tuple[int, int, int, int]]:
+    """(seq, start, count, drawn) of each sequence of a generation Run."""
+    assert run.gen is not None
+    return [(s.seq, s.start, s.count, s.drawn) for s in run.gen.seqs]
+
+
+class Gen:
+    """A broker with language model "lm" deployed from `hf` in two stages (w0, w1), its files
+    read (unless `files` is None); records every message to a client (the one-answer rule)."""
+
+    def __init__(
+        self,
+        hf: Path,
+        files: LmFiles | None,
+        *,
+        max_seqs: int = 4,
+        max_context: int | None = None,
+        replicas: int = 1,
+        **cfg: Any,
+    ) -> None:
+        self.h = Harness(**cfg)
+        self.hf = str(hf)
+        self.told: list[tuple[bytes, p.Message]] = []
+        self.calls: list[tuple[bytes, int]] = []  # the Generates the door took (or held)
+        self.h.partitioner()
+        workers = [self.h.worker(f"w{i}") for i in range(2 * replicas)]
+        self.w0, self.w1 = workers[:2]
+        spec: dict[str, Any] = {"name": "lm", "hf": self.hf, "stages": 2, "replicas": replicas}
+        spec["max_seqs"] = max_seqs
+        if max_context is not None:
+            spec["max_context"] = max_context
+        ((_, part, job),) = self.h.client(CLIENT_A, p.Deploy(id=1, spec=spec))
+        out = self.h.backend(part, p.PlanReply(id=job.id, plan=plan_of([MIB, MIB])))
+        for _, addr, m in out:
+            self.h.backend(
+                addr, p.StageReady(id=m.id, model="lm", stage=m.stage, nbytes=MIB, seconds=0.1)
+            )
+        if files is not None:
+            assert self.read(files) == []
+
+    @property
+    def core(self) -> Any:
+        return self.h.core
+
+    def keep(self, out: Out) -> Out:
+        """`out` without heartbeats (a tick sends them), its client messages recorded."""
+        out = [o for o in out if not isinstance(o[2], p.Heartbeat)]
+        self.told += [(addr, m) for dest, addr, m in out if dest == CLIENT]
+        return out
+
+    def read(self, files: LmFiles) -> Out:
+        self.core.files_read("lm", self.hf, files, self.h.now)
+        return self.keep(self.h.out())
+
+    def client(self, msg: p.Message, addr: bytes = CLIENT_A) -> Out:
+        return self.keep(self.h.client(addr, msg))
+
+    def generate(
+        self,
+        rid: int,
+        prompts: list[list[int]],
+        *,
+        addr: bytes = CLIENT_A,
+        stream: bool = False,
+        timeout_ms: int | None = None,
+        **sampling: Any,
+    ) -> Out:
+        sampling.setdefault("ignore_eos", True)
+        msg = p.Generate(
+            id=rid,
+            model="lm",
+            prompts=prompts,
+            sampling=p.Sampling(**sampling),
+            stream=stream,
+            timeout_ms=timeout_ms,
+        )
+        out = self.client(msg, addr)
+        self.calls.append((addr, rid))
+        return out
+
+    def answered_once(self) -> None:
+        """Every Generate taken got exactly one final answer, and none is left open."""
+        assert [len(self.finals(rid, addr)) for addr, rid in self.calls] == [1] * len(self.calls)
+        assert self.core.generation.calls == {} and self.core.ctx.outstanding == {}
+
+    def first(self, out: Out, on: tuple[bytes, bytes] | None = None) -> p.Run:
+        """The replica's first iteration: both stages loaded (confirmed), stage 0's Run (`on`:
+        the replica's workers, by default w0 and w1)."""
+        w0, w1 = on or (self.w0, self.w1)
+        assert kinds(out) == [(w0, "load"), (w1, "load"), (w0, "run")]
+        for load in only(out, p.Load):
+            w = w0 if load.stage == 0 else w1
+            done = p.Loaded(id=load.id, model="lm", stage=load.stage, nbytes=MIB, seconds=0.1)
+            assert self.h.backend(w, done) == []
+        return run_of(out, w0)
+
+    def stage0(self, run: p.Run, on: tuple[bytes, bytes] | None = None) -> p.Run:
+        """Stage 0 answers `run` (the hidden states of its tokens): stage 1's Run, the same
+        iteration."""
+        w0, w1 = on or (self.w0, self.w1)
+        assert (run.stage, run.gen) != (0, None)
+        hidden = {"0/h": ref(len(ids_of(run)), 8)}
+        out = self.keep(
+            self.h.backend(w0, p.RunResult(id=run.id, model="lm", stage=0, tensors=hidden))
+        )
+        nxt = run_of(out, w1)
+        assert (nxt.stage, nxt.gen, nxt.parts[0][1], list(nxt.tensors)) == (
+            1,
+            run.gen,
+            len(ids_of(run)),
+            ["0/h"],
+        )
+        return nxt
+
+    def last(
+        self, run: p.Run, tensors: dict[str, p.TensorRef], on: tuple[bytes, bytes] | None = None
+    ) -> Out:
+        """Stage 1 answers `run` with `tensors`."""
+        msg = p.RunResult(id=run.id, model="lm", stage=1, tensors=tensors)
+        return self.keep(self.h.backend((on or (self.w0, self.w1))[1], msg))
+
+    def step(self, run: p.Run, new: list[int], on: tuple[bytes, bytes] | None = None) -> Out:
+        """One whole iteration: stage 0 then stage 1, which draws `new` (one per sequence)."""
+        return self.last(self.stage0(run, on), {"0/tokens": tokens(new)}, on)
+
+    def tick(self, now: float) -> Out:
+        self.h.now = now
+        self.core.tick(now)
+        return self.keep(self.h.out())
+
+    def finals(self, rid: int, addr: bytes = CLIENT_A) -> list[p.Message]:
+        """Every final answer (`Generated` or `Error`) `addr` got for call `rid`."""
+        return [
+            m
+            for a, m in self.told
+            if a == addr and isinstance(m, p.Generated | p.Error) and m.id == rid
+        ]
+
+    def figures(self) -> tuple[int, int, int, int]:
+        (row,) = [m for m in self.core.status(self.h.now).models if m.name == "lm"]
+        return row.running_seqs, row.waiting_seqs, row.tokens_generated, row.gen_iterations
+
+
+def run_of(out: Out, worker: bytes) -> p.Run:
+    (run,) = [m for _, a, m in out if isinstance(m, p.Run)]
+    assert [a for _, a, m in out if isinstance(m, p.Run)] == [worker]
+    return run
+
+
+def freed(*seqs: int) -> list[tuple[str, bytes, p.Message]]:
+    """The FreeSeqs every stage's worker gets for `seqs`."""
+    return [
+        (BACKEND, b"w0", p.FreeSeqs(model="lm", stage=0, seqs=list(seqs))),
+        (BACKEND, b"w1", p.FreeSeqs(model="lm", stage=1, seqs=list(seqs))),
+    ]
+
+
+def out_of(
+    new: list[int], finish: str, prompt: int, ttft_ms: float = 0.0, gaps: list[float] | None = None
+) -> p.GenOutput:
+    """A sequence's GenOutput (`gaps`: ms from each token to the next; all 0 by default)."""
+    token_ms = [0.0] * (len(new) - 1) if gaps is None else gaps
+    return p.GenOutput(
+        ids=new, finish=finish, prompt_tokens=prompt, ttft_ms=ttft_ms, token_ms=token_ms
+    )
+
+
+def refused(g: Gen, msg: p.Message) -> FlowmeshError:
+    with pytest.raises(FlowmeshError) as info:
+        g.client(msg)
+    return info.value
+
+
+# ====================================================================== the door
+
+
+def test_the_door_refuses_what_could_never_run(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+
+    def why(prompts: list[list[int]], max_tokens: int = 4) -> tuple[Code, str]:
+        err = refused(
+            g,
+            p.Generate(
+                id=9, model="lm", prompts=prompts, sampling=p.Sampling(max_tokens=max_tokens)
+            ),
+        )
+        return err.code, err.reason
+
+    assert why([]) == (Code.BAD_REQUEST, "generate needs at least one prompt")
+    assert why([[1, 2], []]) == (
+        Code.BAD_REQUEST,
+        "prompt 1 is empty: give at least one token id",
+    )
+    assert why([[1, VOCAB]]) == (
+        Code.BAD_REQUEST,
+        f"prompt 0 holds token id {VOCAB}, outside the vocabulary of 'lm' ({VOCAB} ids)",
+    )
+    # The config's max_position_embeddings (64) is the limit: 10 + 55 is one over.
+    assert why([[1] * 10], 55) == (
+        Code.BAD_REQUEST,
+        "prompt 0 has 10 tokens and max_tokens is 55: 65 is over the max_context of 'lm' (64)",
+    )
+    err = refused(g, p.Generate(id=9, model="nope", prompts=[[1]]))
+    assert (err.code, err.reason) == (Code.MODEL_NOT_FOUND, "no model 'nope' (deployed: lm)")
+    # Nothing was queued or sent by the refusals; the limit itself is taken.
+    assert g.h.out() == [] and g.figures() == (0, 0, 0, 0)
+    out = g.generate(10, [[1] * 10], max_tokens=54)
+    assert steps(g.first(out)) == [(steps(run_of(out, g.w0))[0][0], 0, 10, 0)]
+
+
+def test_the_specs_max_context_wins_over_the_config(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_context=16)
+    err = refused(
+        g, p.Generate(id=3, model="lm", prompts=[[1] * 10], sampling=p.Sampling(max_tokens=7))
+    )
+    assert (err.code, err.reason) == (
+        Code.BAD_REQUEST,
+        "prompt 0 has 10 tokens and max_tokens is 7: 17 is over the max_context of 'lm' (16)",
+    )
+    out = g.client(p.TokenizerInfo(id=4, model="lm"))
+    assert [m.max_context for m in only(out, p.TokenizerReply)] == [16]
+    assert only(g.generate(5, [[1] * 10], max_tokens=6), p.Run)
+
+
+def test_a_model_not_from_a_directory_does_not_generate(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    g.h.deploy("mlp", [MIB], replicas=1)
+    g.h.out()
+    for msg in (p.Generate(id=2, model="mlp", prompts=[[1]]), p.TokenizerInfo(id=3, model="mlp")):
+        err = refused(g, msg)
+        assert err.code is Code.BAD_REQUEST
+        assert err.reason.startswith("'mlp' is not a language model (deployed from a factory); ")
+        assert "LlamaForCausalLM" in err.reason
+
+
+def test_a_directory_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
+    g = Gen(tmp_path, read_lm_files(str(tmp_path)))
+    err = refused(g, p.Generate(id=2, model="lm", prompts=[[1]]))
+    assert err.code is Code.BAD_REQUEST
+    assert err.reason.startswith("'lm': its config.json names no architecture it supports; ")
+
+
+def test_tokenizer_info_answers_the_directorys_tokenizer(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    out = g.client(p.TokenizerInfo(id=4, model="lm"), CLIENT_B)
+    assert out == [
+        (
+            CLIENT,
+            CLIENT_B,
+            p.TokenizerReply(
+                id=4,
+                model="lm",
+                tokenizer_json=files.tokenizer_json or "",
+                chat_template=CHAT_TEMPLATE,
+                eos_ids=[EOS_ID],
+                bos_id=BOS_ID,
+                max_context=64,
+                bos_token=BOS,
+                eos_token=EOS,
+            ),
+        )
+    ]
+    assert json.loads(files.tokenizer_json or "") == json.loads(
+        (lm_dir / "tokenizer.json").read_text()
+    )
+
+
+def test_calls_before_the_files_are_read_wait_for_them(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, None)
+    assert g.generate(5, [[1, 7, 8]], max_tokens=2) == []
+    assert g.core.drain_reads() == [("lm", g.hf)]  # asked for once
+    assert g.client(p.TokenizerInfo(id=6, model="lm")) == []
+    assert g.generate(7, [[]]) == []  # checked once the files are known
+    assert g.core.drain_reads() == []
+    g.h.now = 0.25
+    out = g.read(files)
+    # Taken in their order of arrival.
+    assert kinds(out) == [
+        (g.w0, "load"),
+        (g.w1, "load"),
+        (g.w0, "run"),
+        (CLIENT_A, "tokenizer_reply"),
+        (CLIENT_A, "error"),
+    ]
+    assert only(out, p.Error) == [
+        p.Error(
+            id=7, code=str(Code.BAD_REQUEST), reason="prompt 0 is empty: give at least one token id"
+        )
+    ]
+    run = g.first([o for o in out if o[0] == BACKEND])
+    ((a, *_),) = steps(run)
+    assert steps(run) == [(a, 0, 3, 0)] and ids_of(run) == [1, 7, 8]
+    g.h.now = 0.5
+    run = run_of(g.step(run, [11]), g.w0)
+    assert steps(run) == [(a, 3, 1, 1)] and ids_of(run) == [11]
+    g.h.now = 0.75
+    # Timed from the call's own arrival (0), not from when its files were read.
+    assert g.step(run, [12]) == [
+        *freed(a),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(id=5, outputs=[out_of([11, 12], "length", 3, 500.0, [250.0])]),
+        ),
+    ]
+    g.answered_once()
+
+
+# ====================================================================== continuous batching
+
+
+def test_a_second_call_joins_the_running_one_midway(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_seqs=2)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    assert run.gen == p.GenStep(
+        seqs=[
+            p.SeqStep(seq=a, start=0, count=3, sampling=p.Sampling(max_tokens=3, ignore_eos=True))
+        ]
+    )
+    # One iteration in flight per replica: the new calls wait for it.
+    assert g.generate(2, [[1, 9, 9, 9]], max_tokens=2, addr=CLIENT_B) == []
+    assert g.generate(3, [[1, 4]], max_tokens=1) == []
+    assert g.figures() == (1, 2, 0, 1)
+    run = g.stage0(run)
+    assert g.figures() == (1, 2, 0, 1)
+    run = run_of(g.last(run, {"0/tokens": tokens([11])}), g.w0)
+    # The first call's decode and the second's prefill, packed in one Run; the third waits
+    # (max_seqs 2).
+    (_, (b, *_)) = steps(run)
+    assert steps(run) == [(a, 3, 1, 1), (b, 0, 4, 0)] and ids_of(run) == [11, 1, 9, 9, 9]
+    assert run.parts == [[run.id, 5]]
+    assert g.figures() == (2, 1, 1, 2)
+    run = run_of(g.step(run, [12, 21]), g.w0)
+    assert steps(run) == [(a, 4, 1, 2), (b, 4, 1, 1)] and ids_of(run) == [12, 21]
+    out = g.step(run, [13, 22])
+    # Both end (max_tokens): each call answered, both freed on every stage, and the third
+    # call's prefill starts.
+    run = run_of(out, g.w0)
+    ((c, *_),) = steps(run)
+    assert out == [
+        *freed(a, b),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([11, 12, 13], "length", 3)])),
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([21, 22], "length", 4)])),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(c, 0, 2, 0)] and ids_of(run) == [1, 4]
+    assert g.figures() == (1, 0, 5, 4)
+    out = g.step(run, [31])
+    assert out == [
+        *freed(c),
+        (CLIENT, CLIENT_A, p.Generated(id=3, outputs=[out_of([31], "length", 2)])),
+    ]
+    assert g.figures() == (0, 0, 6, 4)
+    g.answered_once()
+
+
+def test_one_call_of_many_prompts_runs_them_together(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_seqs=2)
+    run = g.first(g.generate(1, [[1, 5], [1, 6, 7], [1]], max_tokens=2))
+    (a, _, _, _), (b, _, _, _) = steps(run)
+    assert steps(run) == [(a, 0, 2, 0), (b, 0, 3, 0)] and ids_of(run) == [1, 5, 1, 6, 7]
+    run = run_of(g.step(run, [10, 20]), g.w0)
+    assert steps(run) == [(a, 2, 1, 1), (b, 3, 1, 1)]
+    out = g.step(run, [11, 21])
+    run = run_of(out, g.w0)
+    ((c, *_),) = steps(run)
+    assert out == [*freed(a, b), (BACKEND, g.w0, run)]  # the call waits for its third
+    assert steps(run) == [(c, 0, 1, 0)] and (a, b, c) == (a, a + 1, a + 2)
+    run = run_of(g.step(run, [30]), g.w0)
+    assert g.step(run, [31]) == [
+        *freed(c),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(
+                id=1,
+                outputs=[
+                    out_of([10, 11], "length", 2),
+                    out_of([20, 21], "length", 3),
+                    out_of([30, 31], "length", 1),
+                ],
+            ),
+        ),
+    ]
+    g.answered_once()
+
+
+# ====================================================================== how a sequence ends
+
+
+def test_eos_ends_a_sequence_unless_ignored(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], ignore_eos=False, max_tokens=8))
+    ((a, *_),) = steps(run)
+    assert g.generate(2, [[1, 6]], ignore_eos=True, max_tokens=2) == []
+    g.h.now = 0.5
+    run = run_of(g.step(run, [40]), g.w0)
+    (_, (b, *_)) = steps(run)
+    g.h.now = 1.0
+    # eos (the config's, 2) ends the first, the token kept; the second ignores it.
+    out = g.step(run, [EOS_ID, EOS_ID])
+    run = run_of(out, g.w0)
+    assert out == [
+        *freed(a),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(id=1, outputs=[out_of([40, EOS_ID], "stop", 2, 500.0, [500.0])]),
+        ),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(b, 2, 1, 1)] and ids_of(run) == [EOS_ID]
+    g.h.now = 1.25
+    assert g.step(run, [EOS_ID]) == [
+        *freed(b),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(id=2, outputs=[out_of([EOS_ID, EOS_ID], "length", 2, 1000.0, [250.0])]),
+        ),
+    ]
+    g.answered_once()
+
+
+def test_stop_ids_end_a_sequence_and_a_stream_gets_every_token(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5], [1, 6]], stream=True, stop_ids=[77], max_tokens=3))
+    (a, *_), (b, *_) = steps(run)
+
+    def chunk(index: int, new: int, finish: str | None = None) -> tuple[str, bytes, p.Message]:
+        return (CLIENT, CLIENT_A, p.GenChunk(id=1, index=index, ids=[new], finish=finish))
+
+    out = g.step(run, [10, 77])
+    run = run_of(out, g.w0)
+    assert out == [chunk(0, 10), chunk(1, 77, "stop"), *freed(b), (BACKEND, g.w0, run)]
+    assert steps(run) == [(a, 2, 1, 1)]
+    run = run_of(g.step(run, [11]), g.w0)
+    assert g.step(run, [12]) == [
+        chunk(0, 12, "length"),
+        *freed(a),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(
+                id=1,
+                outputs=[out_of([10, 11, 12], "length", 2), out_of([77], "stop", 2)],
+            ),
+        ),
+    ]
+    assert [m.ids for _, m in g.told if isinstance(m, p.GenChunk) and m.index == 0] == [
+        [10],
+        [11],
+        [12],
+    ]
+    g.answered_once()
+
+
+def test_stop_generate_mid_iteration_frees_after_its_result(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5], [1, 6]], stream=True, max_tokens=5))
+    (a, *_), (b, *_) = steps(run)
+    run = run_of(g.step(run, [10, 20]), g.w0)
+    stage1 = g.stage0(run)
+    # Stopped while the iteration holding it runs: its stream ends at once, its KV is freed
+    # only after the iteration's answer (a worker may still be writing it).
+    assert g.client(p.StopGenerate(id=1, indexes=[1])) == [
+        (CLIENT, CLIENT_A, p.GenChunk(id=1, index=1, ids=[], finish="stop"))
+    ]
+    out = g.last(stage1, {"0/tokens": tokens([11, 21])})
+    run = run_of(out, g.w0)
+    assert out == [
+        (CLIENT, CLIENT_A, p.GenChunk(id=1, index=0, ids=[11])),
+        *freed(b),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(a, 3, 1, 2)]
+    # The whole call stopped mid-iteration: answered at once with what it has, freed after.
+    stage1 = g.stage0(run)
+    assert g.client(p.StopGenerate(id=1)) == [
+        (CLIENT, CLIENT_A, p.GenChunk(id=1, index=0, ids=[], finish="stop")),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(
+                id=1,
+                outputs=[out_of([10, 11], "stop", 2), out_of([20], "stop", 2)],
+            ),
+        ),
+    ]
+    assert g.last(stage1, {"0/tokens": tokens([12])}) == freed(a)
+    # A late stop changes nothing.
+    assert g.client(p.StopGenerate(id=1)) == []
+    g.answered_once()
+    assert g.figures() == (0, 0, 3, 3)
+
+
+def test_stopping_a_waiting_sequence_sends_nothing_to_workers(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_seqs=1)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=2))
+    assert g.generate(2, [[1, 6]], max_tokens=2, addr=CLIENT_B) == []
+    assert g.client(p.StopGenerate(id=2), CLIENT_B) == [
+        (
+            CLIENT,
+            CLIENT_B,
+            p.Generated(id=2, outputs=[p.GenOutput(ids=[], finish="stop", prompt_tokens=2)]),
+        )
+    ]
+    assert g.figures() == (1, 0, 0, 1)
+    ((a, *_),) = steps(run)
+    run = run_of(g.step(run, [10]), g.w0)
+    assert steps(run) == [(a, 2, 1, 1)]
+
+
+# ====================================================================== KV memory
+
+
+def no_space(g: Gen, run: p.Run, worker: bytes) -> Out:
+    """`worker` could not place the KV blocks of `run`'s prefills."""
+    err = p.Error(id=run.id, code=str(Code.NO_SPACE), reason="no free KV blocks")
+    return g.keep(g.h.backend(worker, err))
+
+
+def test_no_space_puts_the_prefills_back_and_the_decodes_run_on(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    assert g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B) == []
+    run = run_of(g.step(run, [10]), g.w0)
+    (_, (b, *_)) = steps(run)
+    assert steps(run) == [(a, 2, 1, 1), (b, 0, 3, 0)]
+    # Stage 1 has no room for b's prompt: b is freed everywhere and waits again; a runs on
+    # alone, the very step it had, and nothing new joins until a sequence frees memory.
+    out = no_space(g, g.stage0(run), g.w1)
+    run = run_of(out, g.w0)
+    assert out == [*freed(b), (BACKEND, g.w0, run)]
+    assert steps(run) == [(a, 2, 1, 1)] and ids_of(run) == [10]
+    assert g.figures() == (1, 1, 1, 3)
+    assert g.generate(3, [[1, 8]], max_tokens=1) == []
+    run = run_of(g.step(run, [11]), g.w0)
+    assert steps(run) == [(a, 3, 1, 2)]
+    # a ends: b (first in line) and the third call's prefill join.
+    out = g.step(run, [12])
+    run = run_of(out, g.w0)
+    (b2, *_), (c, *_) = steps(run)
+    assert out == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12], "length", 2)])),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(b, 0, 3, 0), (c, 0, 2, 0)] and ids_of(run) == [1, 6, 7, 1, 8]
+    assert b2 == b and len(g.finals(2, CLIENT_B)) == 0
+
+
+def test_prefills_that_fail_together_join_one_at_a_time(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5], [1, 6, 7]], max_tokens=2))
+    (a, *_), (b, *_) = steps(run)
+    out = no_space(g, run, g.w0)
+    run = run_of(out, g.w0)
+    assert out == [*freed(a, b), (BACKEND, g.w0, run)]
+    assert steps(run) == [(a, 0, 2, 0)]
+    run = run_of(g.step(run, [10]), g.w0)
+    assert steps(run) == [(a, 2, 1, 1), (b, 0, 3, 0)]
+
+
+def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    reason = (
+        "a sequence of 3 prompt tokens + 4 new (7) does not fit the KV memory of 'lm''s stages "
+        "even alone: no free KV blocks"
+    )
+    assert no_space(g, g.stage0(run), g.w1) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TOO_BIG), reason=reason)),
+    ]
+    g.answered_once()
+    assert g.figures() == (0, 0, 0, 1)
+    # The model still generates.
+    assert steps(run_of(g.generate(2, [[1]], max_tokens=1), g.w0))[0][1:] == (0, 1, 0)
+
+
+# ====================================================================== failures
+
+
+def test_a_lost_worker_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_seqs=1)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    assert g.generate(2, [[1, 6]], max_tokens=2, addr=CLIENT_B) == []
+    g.stage0(run)
+    # w1 falls silent; w0 and the partitioner keep beating.
+    g.h.now = 2.5
+    g.h.backend(g.w0, p.Heartbeat(stats={}))
+    g.h.backend(b"part", p.Heartbeat(stats={}))
+    out = g.tick(4.0)
+    reason = (
+        "worker w1 was lost while generating (a sequence's KV cache lives on its replica's "
+        "workers; restarting it elsewhere is not supported yet)"
+    )
+    assert [o for o in out if isinstance(o[2], p.FreeSeqs | p.Error | p.Generated)] == [
+        (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[a])),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.WORKER_LOST), reason=reason)),
+        (
+            CLIENT,
+            CLIENT_B,
+            p.Error(id=2, code=str(Code.WORKER_LOST), reason="'lm' has no live replica"),
+        ),
+    ]
+    g.answered_once()
+    assert g.figures() == (0, 0, 0, 1)
+
+
+def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, run_timeout_s=5.0)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    for t in (1.5, 3.0, 4.5):  # everyone beats; stage 0 never answers
+        g.h.now = t
+        for w in (g.w0, g.w1, b"part"):
+            g.h.backend(w, p.Heartbeat(stats={}))
+    out = g.tick(5.0)
+    reason = "worker w0 did not finish stage 0 of 'lm' within 5 s; its replica is being re-created"
+    assert [o for o in out if isinstance(o[2], p.FreeSeqs | p.Error | p.Generated)] == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason)),
+    ]
+    # Its answer, late, changes nothing.
+    late = p.RunResult(id=run.id, model="lm", stage=0, tensors={"0/h": ref(2, 8)})
+    assert [o for o in g.keep(g.h.backend(g.w0, late)) if o[0] == CLIENT] == []
+    g.answered_once()
+    assert g.figures() == (0, 0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "why"),
+    [
+        ({"0/tokens": tokens([10, 20], "int32")}, "tokens: expected int64 [2], got int32 [2]"),
+        ({"0/tokens": tokens([10])}, "tokens: expected int64 [2], got int64 [1]"),
+        ({"0/tokens": tokens([10, 20, 30])}, "tokens: expected int64 [2], got int64 [3]"),
+        ({"0/logits": ref(2, VOCAB)}, "expected one tensor 'tokens', got ['0/logits']"),
+        (
+            {"0/tokens": tokens([10, 20]), "0/x": ref(1)},
+            "expected one tensor 'tokens', got ['0/tokens', '0/x']",
+        ),
+        ({"0/tokens": tokens([10, VOCAB])}, f"token {VOCAB} is outside the vocabulary (0..319)"),
+        ({"0/tokens": tokens([-1, 20])}, "token -1 is outside the vocabulary (0..319)"),
+    ],
+)
+def test_a_malformed_answer_fails_the_calls_never_hangs(
+    lm_dir: Path, files: LmFiles, tensors: dict[str, p.TensorRef], why: str
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    assert g.generate(2, [[1, 6]], max_tokens=3, addr=CLIENT_B) == []
+    run = run_of(g.step(run, [10]), g.w0)
+    (a, *_), (b, *_) = steps(run)
+    reason = f"worker w1 answered generation badly: {why}"
+    assert g.last(g.stage0(run), tensors) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.INTERNAL), reason=reason)),
+        *freed(b),
+        (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.INTERNAL), reason=reason)),
+    ]
+    g.answered_once()
+    assert g.figures() == (0, 0, 1, 2)
+
+
+def test_an_error_from_a_stage_fails_the_calls_in_it(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    err = p.Error(id=g.stage0(run).id, code=str(Code.MODEL_ERROR), reason="RuntimeError: boom")
+    assert g.keep(g.h.backend(g.w1, err)) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.MODEL_ERROR), reason="RuntimeError: boom")),
+    ]
+    g.answered_once()
+
+
+def test_a_call_past_its_deadline_is_answered_timeout(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=8, timeout_ms=1000, stream=True))
+    ((a, *_),) = steps(run)
+    g.h.now = 0.5
+    run = run_of(g.step(run, [10]), g.w0)
+    stage1 = g.stage0(run)
+    # Past its deadline while an iteration holds it: answered now, freed after that iteration.
+    reason = "generation not finished within 1.0 s (0 of 1 sequences ended)"
+    out = g.tick(1.0)
+    assert [o for o in out if o[2].TYPE != "heartbeat"] == [
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason))
+    ]
+    assert g.last(stage1, {"0/tokens": tokens([11])}) == freed(a)
+    g.answered_once()
+    assert g.figures() == (0, 0, 1, 2)
+
+
+def test_a_call_waiting_for_the_files_times_out(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, None)
+    assert g.generate(1, [[1, 5]], timeout_ms=1000) == []
+    assert g.client(p.TokenizerInfo(id=2, model="lm"), CLIENT_B) == []
+    g.h.now = 0.5
+    for w in (g.w0, g.w1, b"part"):
+        g.h.backend(w, p.Heartbeat(stats={}))
+    out = g.tick(1.0)
+    reason = "'lm': its files were not read within 1.0 s"
+    assert [o for o in out if o[0] == CLIENT] == [
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason))
+    ]
+    # Read at last: the call that still waits is answered; the timed-out one is not again.
+    out = g.read(files)
+    assert [m.TYPE for _, _, m in out] == ["tokenizer_reply"]
+    g.answered_once()
+
+
+def test_undeploying_answers_every_call(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    out = g.client(p.Undeploy(id=8, model="lm"), CLIENT_B)
+    assert [o for o in out if o[0] == CLIENT] == [
+        (CLIENT, CLIENT_B, p.Undeployed(id=8, model="lm")),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Error(id=1, code=str(Code.MODEL_NOT_FOUND), reason="'lm' was undeployed"),
+        ),
+    ]
+    g.answered_once()
+
+
+def test_undeploying_answers_calls_waiting_for_the_files(lm_dir: Path) -> None:
+    g = Gen(lm_dir, None)
+    assert g.generate(1, [[1, 5]]) == []
+    out = g.client(p.Undeploy(id=8, model="lm"), CLIENT_B)
+    assert [o for o in out if o[0] == CLIENT] == [
+        (CLIENT, CLIENT_B, p.Undeployed(id=8, model="lm")),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Error(id=1, code=str(Code.MODEL_NOT_FOUND), reason="'lm' was undeployed"),
+        ),
+    ]
+    g.answered_once()
+
+
+def test_an_answer_the_codec_refuses_fails_the_calls(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    short = p.TensorRef("int64", (1,), bytes(4))  # a frame shorter than its shape says
+    msg = p.RunResult(id=g.stage0(run).id, model="lm", stage=1, tensors={"0/tokens": short})
+    with pytest.raises(p.DecodeError):
+        g.h.backend(g.w1, msg)
+    reason = "worker w1's answer was refused: tensor '0/tokens': 4 bytes, but int64 x [1] needs 8"
+    assert g.keep(g.h.out()) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code="bad_tensor", reason=reason)),
+    ]
+    g.answered_once()
+
+
+def test_a_prefill_whose_stage_was_evicted_runs_again(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    err = p.Error(id=g.stage0(run).id, code=str(Code.NOT_RESIDENT), reason="evicted")
+    out = g.keep(g.h.backend(g.w1, err))
+    # Stage 1 loads again and the same iteration runs again from stage 0; nobody is answered.
+    assert kinds(out) == [(g.w1, "load"), (g.w0, "run")]
+    assert steps(run_of(out, g.w0)) == [(a, 0, 2, 0)] and g.told == []
+
+
+def test_a_decode_whose_stage_lost_its_kv_fails(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    assert g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B) == []
+    run = run_of(g.step(run, [10]), g.w0)
+    (a, *_), (b, *_) = steps(run)
+    why = f"'lm'/1 has no KV cache of sequence {a} here"
+    err = p.Error(id=g.stage0(run).id, code=str(Code.NOT_RESIDENT), reason=why)
+    out = g.keep(g.h.backend(g.w1, err))
+    # a's earlier tokens were in stage 1's KV cache: run again, it would fail for ever (it
+    # fails, freed everywhere); b, a prefill, runs again through a Load.
+    reason = (
+        f"{why} (the KV cache of its sequences went with it; restarting them is not supported yet)"
+    )
+    run = run_of(out, g.w0)
+    assert out == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.WORKER_LOST), reason=reason)),
+        (BACKEND, g.w1, only(out, p.Load)[0]),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(b, 0, 3, 0)]
+    assert g.figures() == (1, 0, 1, 3)
+
+
+def test_decodes_out_of_memory_fail_the_newest(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
+    assert g.generate(2, [[1, 6, 7]], max_tokens=4, addr=CLIENT_B) == []
+    run = run_of(g.step(run, [10]), g.w0)
+    run = run_of(g.step(run, [11, 20]), g.w0)
+    (a, *_), (b, *_) = steps(run)
+    reason = (
+        "a sequence of 3 prompt tokens + 4 new (7) does not fit the KV memory of 'lm''s stages "
+        "beside the other running sequences: no free KV blocks"
+    )
+    out = no_space(g, run, g.w0)
+    run = run_of(out, g.w0)
+    assert out == [
+        *freed(b),
+        (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.NO_SPACE), reason=reason)),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(a, 3, 1, 2)]
+    # Alone, it could never fit.
+    out = no_space(g, g.stage0(run), g.w1)
+    assert out[-1] == (
+        CLIENT,
+        CLIENT_A,
+        p.Error(
+            id=1,
+            code=str(Code.TOO_BIG),
+            reason=(
+                "a sequence of 2 prompt tokens + 4 new (6) does not fit the KV memory of 'lm''s "
+                "stages even alone: no free KV blocks"
+            ),
+        ),
+    )
+    assert out[:-1] == freed(a)
+    g.answered_once()
+
+
+def test_a_stopped_prefill_out_of_memory_is_no_verdict_on_the_call(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, max_seqs=1)
+    run = g.first(g.generate(1, [[1, 5], [1, 6]], max_tokens=2))
+    ((a, *_),) = steps(run)
+    g.client(p.StopGenerate(id=1, indexes=[0]))
+    # The lone prefill in that iteration was stopped: its NO_SPACE says nothing of the
+    # call's other sequence, which runs next.
+    out = no_space(g, run, g.w0)
+    run = run_of(out, g.w0)
+    assert out == [*freed(a), (BACKEND, g.w0, run)]
+    assert steps(run) == [(a + 1, 0, 2, 0)] and g.told == []
+
+
+def test_the_door_refuses_a_full_queue_and_a_running_id(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_seqs=1, max_queue=2)
+    g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    err = refused(g, p.Generate(id=1, model="lm", prompts=[[1]]))
+    assert (err.code, err.reason) == (Code.BAD_REQUEST, "generate 1 is already running")
+    assert g.generate(2, [[1], [1]]) == []
+    err = refused(g, p.Generate(id=3, model="lm", prompts=[[1]]))
+    assert (err.code, err.reason) == (
+        Code.OVERLOADED,
+        "'lm' has 2 sequences waiting (limit 2); retry later",
+    )
+    assert g.figures() == (1, 2, 0, 1)
+
+
+def test_a_ready_models_files_are_read_ahead_of_its_first_call(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, None)
+    g.tick(0.5)
+    assert g.core.drain_reads() == [("lm", g.hf)]
+    g.tick(1.0)
+    assert g.core.drain_reads() == []  # once per deploy
+    # A read for a directory the model no longer has is for nobody.
+    g.core.files_read("lm", "/elsewhere", files, 1.0)
+    assert g.core.models["lm"].lm is None
+    assert g.read(files) == [] and g.core.models["lm"].lm is files
+
+
+def test_decodes_out_of_memory_beside_a_stopped_one_run_again(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5], [1, 6]], max_tokens=4))
+    run = run_of(g.step(run, [10, 20]), g.w0)
+    (a, *_), (b, *_) = steps(run)
+    g.client(p.StopGenerate(id=1, indexes=[1]))
+    # b's memory is free once the failed iteration is over: a runs again, nobody fails.
+    out = no_space(g, run, g.w0)
+    run = run_of(out, g.w0)
+    assert out == [*freed(b), (BACKEND, g.w0, run)]
+    assert steps(run) == [(a, 2, 1, 1)] and g.finals(1) == []
+
+
+def test_the_door_refuses_a_client_over_its_limit(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_client_inflight=2)
+    g.first(g.generate(1, [[1]], max_tokens=2))
+    assert g.generate(2, [[1]], max_tokens=2) == []
+    err = refused(g, p.Generate(id=3, model="lm", prompts=[[1]]))
+    assert (err.code, err.reason) == (
+        Code.OVERLOADED,
+        "this client has 2 requests queued or running (limit 2 per client); wait for answers, "
+        "then retry",
+    )
+    assert g.generate(3, [[1]], max_tokens=2, addr=CLIENT_B) == []  # another client's own
+
+
+def test_calls_waiting_for_the_files_are_bounded(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, None, max_queue=1)
+    assert g.generate(1, [[1]]) == []
+    err = refused(g, p.TokenizerInfo(id=2, model="lm"))
+    assert (err.code, err.reason) == (
+        Code.OVERLOADED,
+        "'lm': its files are still being read; retry",
+    )
+
+
+# ====================================================================== the model's files
+
+
+def write_dir(path: Path, lm_dir: Path, **files: Any) -> Path:
+    """A directory with `lm_dir`'s config.json and `files` (name -> JSON, or text)."""
+    path.mkdir()
+    (path / "config.json").write_text((lm_dir / "config.json").read_text())
+    for name, value in files.items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        (path / name.replace("__", ".")).write_text(text)
+    return path
+
+
+def test_a_directory_without_a_tokenizer_generates_from_ids(tmp_path: Path, lm_dir: Path) -> None:
+    # generation_config.json's eos ids win over config.json's (2), as in Hugging Face's generate.
+    hf = write_dir(tmp_path / "bare", lm_dir, generation_config__json={"eos_token_id": [2, 7]})
+    got = read_lm_files(str(hf))
+    assert (got.error, got.tokenizer_json, got.eos_ids, got.bos_id, got.vocab_size) == (
+        None,
+        None,
+        (2, 7),
+        1,
+        VOCAB,
+    )
+    g = Gen(hf, got)
+    err = refused(g, p.TokenizerInfo(id=1, model="lm"))
+    assert (err.code, err.reason) == (
+        Code.BAD_REQUEST,
+        f"'lm' has no tokenizer in its directory (hf directory {str(hf)!r} has no tokenizer.json: "
+        "text needs the model's tokenizer (generation from token ids works without one)); "
+        "generate from token ids",
+    )
+    run = g.first(g.generate(2, [[1, 5]], ignore_eos=False))
+    ((a, *_),) = steps(run)
+    assert g.step(run, [7]) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=2, outputs=[out_of([7], "stop", 2)])),
+    ]
+    g.answered_once()
+
+
+@pytest.mark.parametrize(
+    ("files", "reason"),
+    [
+        ({}, "{hf!r} has no readable config.json"),
+        ({"config__json": "{not json"}, "{hf!r} has no readable config.json"),
+        ({"config__json": "[1, 2]"}, "{hf!r}: config.json is not a JSON object"),
+        (
+            {"config__json": {"architectures": "LlamaForCausalLM"}},
+            "its config.json names no architecture it supports",
+        ),
+    ],
+)
+def test_a_directory_generation_cannot_take_is_refused(
+    tmp_path: Path, files: dict[str, Any], reason: str
+) -> None:
+    hf = tmp_path / "d"
+    hf.mkdir()
+    for name, value in files.items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        (hf / name.replace("__", ".")).write_text(text)
+    got = read_lm_files(str(hf))
+    assert got.error is not None and got.error.code is Code.BAD_REQUEST
+    assert got.error.reason.startswith(reason.format(hf=str(hf)) + "; generation takes a model")
+
+
+def test_a_broken_generation_config_leaves_config_jsons_ids(tmp_path: Path, lm_dir: Path) -> None:
+    hf = write_dir(tmp_path / "b", lm_dir, generation_config__json="{oops")
+    got = read_lm_files(str(hf))
+    assert (got.error, got.eos_ids, got.bos_id, got.max_positions) == (None, (2,), 1, 64)
+
+
+def test_reads_run_on_a_thread_and_come_back_on_the_loop(lm_dir: Path, files: LmFiles) -> None:
+    import asyncio
+
+    from broker.lm_files import start_reads
+
+    g = Gen(lm_dir, None)
+    assert g.generate(1, [[1, 5]], max_tokens=1) == []
+
+    async def main() -> Out:
+        loop = asyncio.get_running_loop()
+        flushed = asyncio.Event()
+        start_reads(g.core, loop, lambda: 0.5, flushed.set)
+        await asyncio.wait_for(flushed.wait(), 30)
+        return g.keep(g.h.out())
+
+    out = asyncio.run(main())
+    assert g.core.models["lm"].lm == files
+    ((a, *_),) = steps(g.first(out))
+    assert g.step(run_of(out, g.w0), [9]) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([9], "length", 2, 0.0)])),
+    ]
+    g.answered_once()
+
+
+def test_a_direct_iteration_is_announced_to_every_stage(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    for i, w in enumerate(("w0", "w1")):
+        g.core.peers[w].info["peer_endpoint"] = f"tcp://127.0.0.1:{7000 + i}"
+    out = g.generate(1, [[1, 5, 6]], max_tokens=1)
+    assert kinds(out) == [(g.w0, "load"), (g.w1, "load"), (g.w0, "run"), (g.w1, "run")]
+    r0, r1 = only(out, p.Run)
+    ((a, *_),) = steps(r0)
+    # One packed part, never cut in micro-batches; stage 0 alone gets the ids.
+    assert (r0.id, r0.gen, r0.chunks, r0.next_peer, ids_of(r0)) == (
+        r1.id,
+        r1.gen,
+        1,
+        "tcp://127.0.0.1:7001",
+        [1, 5, 6],
+    )
+    assert (r1.stage, r1.from_peer, r1.tensors, r1.chunks) == (1, True, {}, 1)
+    assert g.last(r1, {"0/tokens": tokens([9])}) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([9], "length", 3)])),
+    ]
+    g.answered_once()
+
+
+def test_gpt2s_context_is_its_n_positions(tmp_path: Path) -> None:
+    config = {"architectures": ["GPT2LMHeadModel"], "n_positions": 48, "vocab_size": 50}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 9}))
+    got = read_lm_files(str(tmp_path))
+    assert (got.error, got.architecture, got.max_positions, got.vocab_size, got.eos_ids) == (
+        None,
+        "GPT2LMHeadModel",
+        48,
+        50,
+        (9,),
+    )
+
+
+def test_a_call_waits_for_a_replica_being_repaired(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    w2 = g.h.worker("w2")
+    g.h.now = 2.5
+    for w in (g.w0, w2, b"part"):
+        g.h.backend(w, p.Heartbeat(stats={}))
+    out = g.tick(4.0)  # w1 is lost: the replica is placed again, on w0 and w2
+    deploys = only(out, p.DeployStage)
+    assert [(m.stage, a) for _, a, m in out if isinstance(m, p.DeployStage)] == [(0, g.w0), (1, w2)]
+    assert g.generate(1, [[1, 5]], max_tokens=1) == []  # not refused: it waits
+    assert g.figures() == (0, 1, 0, 0)
+    out = []
+    for m, w in zip(deploys, (g.w0, w2), strict=True):
+        ready = p.StageReady(id=m.id, model="lm", stage=m.stage, nbytes=MIB, seconds=0.1)
+        out += g.keep(g.h.backend(w, ready))
+    run = run_of(out, g.w0)
+    ((a, *_),) = steps(run)
+    assert steps(run) == [(a, 0, 2, 0)]
+
+
+def test_a_replica_sharing_a_worker_does_not_generate(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files)
+    g.h.now = 2.5
+    for w in (g.w0, b"part"):
+        g.h.backend(w, p.Heartbeat(stats={}))
+    g.tick(4.0)  # w1 is lost: both stages placed again on w0
+    assert [r.workers for r in g.core.models["lm"].replicas] == [["w0", "w0"]]
+    err = refused(g, p.Generate(id=1, model="lm", prompts=[[1]]))
+    assert (err.code, err.reason) == (
+        Code.BAD_REQUEST,
+        "'lm' runs streamed (more stages than workers): generation needs each stage on a "
+        "worker of its own",
+    )
+
+
+def test_sequences_stay_on_the_replica_they_were_prefilled_on(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, max_seqs=1, replicas=2)
+    one, two = (g.w0, g.w1), (b"w2", b"w3")
+    assert [r.workers for r in g.core.models["lm"].replicas] == [["w0", "w1"], ["w2", "w3"]]
+    run1 = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    run2 = g.first(g.generate(2, [[1, 6]], max_tokens=2, addr=CLIENT_B), two)
+    assert g.generate(3, [[1, 7]], max_tokens=1) == []  # both replicas full (max_seqs 1)
+    ((a, *_),) = steps(run1)
+    ((b, *_),) = steps(run2)
+    run2 = run_of(g.step(run2, [20], two), b"w2")
+    assert steps(run2) == [(b, 2, 1, 1)]
+    run1 = run_of(g.step(run1, [10], one), g.w0)
+    assert steps(run1) == [(a, 2, 1, 1)]
+    # b ends: its replica's workers free it, and the waiting call takes its place there.
+    out = g.step(run2, [21], two)
+    run3 = run_of(out, b"w2")
+    ((c, *_),) = steps(run3)
+    assert out == [
+        (BACKEND, b"w2", p.FreeSeqs(model="lm", stage=0, seqs=[b])),
+        (BACKEND, b"w3", p.FreeSeqs(model="lm", stage=1, seqs=[b])),
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([20, 21], "length", 2)])),
+        (BACKEND, b"w2", run3),
+    ]
+    assert steps(run3) == [(c, 0, 2, 0)]
+    assert g.step(run3, [30], two)[-1] == (
+        CLIENT,
+        CLIENT_A,
+        p.Generated(id=3, outputs=[out_of([30], "length", 2)]),
+    )
+    run1 = run_of(g.step(run1, [11], one), g.w0)
+    assert steps(run1) == [(a, 3, 1, 2)]
+    assert g.step(run1, [12], one)[:2] == freed(a)
+    g.answered_once()

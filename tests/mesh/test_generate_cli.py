@@ -1,0 +1,91 @@
+"""`flowmesh generate` and the generation flags of `flowmesh deploy`, as a user runs them: the
+command a process of its own against a real mesh, its text the SDK's for the same request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from client_sdk.mesh import LocalMesh
+from flowmesh.modelio.tokenizer import TextCodec, read_tokenizer
+from tests.support.cli import flowmesh
+from tests.support.lm import tiny_lm_dir
+from tests.support.mesh import FAST, roots_at
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalMesh, Path]:
+    root = tmp_path_factory.mktemp("gen-cli")
+    model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=64)
+    with LocalMesh(cpu_workers=2, memory_budget="8MiB", **roots_at(root), **FAST) as mesh:
+        yield mesh, model_dir
+
+
+def test_deploy_flags_reach_the_spec(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, model_dir = lm
+    base = ["deploy", "lm", "--hf", str(model_dir), "--stages", "2", "--replicas", "1"]
+    base += ["--no-progress", "--broker", mesh.frontend]
+    # Out of range, each refused by the broker's check of the spec: the flag got there.
+    for flag, value, named in [("--max-seqs", "0", "max_seqs"), ("--kv-share", "1.5", "kv_share")]:
+        refused = flowmesh(*base, flag, value)
+        assert refused.returncode == 1 and named in refused.stderr, refused.stderr
+    done = flowmesh(*base, "--max-seqs", "4", "--kv-share", "0.5", "--max-context", "48")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("deployed lm: "), done.stdout
+    # The deployed context is 48, not the config's 64: 30 + 20 is past it.
+    past = flowmesh(
+        "generate", "lm", "--ids", ",".join(["3"] * 30), "--max-tokens", "20",
+        "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert past.returncode == 1 and "max_context" in past.stderr and "(48)" in past.stderr
+    assert past.stdout == ""
+
+
+def test_generate_prints_the_sdks_text_then_a_summary(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+    with mesh.client() as c:
+        want = c.generate("lm", PROMPT, max_tokens=10, ignore_eos=True)
+    run = flowmesh(
+        "generate", "lm", PROMPT, "--max-tokens", "10", "--ignore-eos",
+        "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert want.text and run.stdout == want.text + "\n"
+    summary = run.stderr.strip().splitlines()[-1]
+    assert summary.startswith("finish: length, 10 token(s) after a prompt of "), run.stderr
+    assert "first token" in summary and "tokens/s" in summary
+
+
+def test_generate_json_from_ids_and_from_a_chat(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, model_dir = lm
+    codec = TextCodec.from_files(read_tokenizer(model_dir))
+    ids = codec.encode(PROMPT)
+    chat = [{"role": "user", "content": PROMPT}]
+    with mesh.client() as c:
+        want = c.generate("lm", ids=ids, max_tokens=6, ignore_eos=True)
+        want_chat = c.generate("lm", messages=chat, max_tokens=6, ignore_eos=True)
+    run = flowmesh(
+        "generate", "lm", "--ids", ",".join(map(str, ids)), "--max-tokens", "6",
+        "--ignore-eos", "--json", "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["ids"] == want.ids and got["text"] == want.text
+    assert got["finish_reason"] == "length" and got["prompt_tokens"] == len(ids)
+    chatted = flowmesh(
+        "generate", "lm", PROMPT, "--chat", "--max-tokens", "6", "--ignore-eos", "--json",
+        "--broker", mesh.frontend,
+    )  # fmt: skip
+    assert chatted.returncode == 0, chatted.stderr
+    assert json.loads(chatted.stdout)["ids"] == want_chat.ids
+
+
+def test_generate_from_an_unknown_model_fails_on_stderr(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+    run = flowmesh("generate", "nope", "hi", "--broker", mesh.frontend)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.startswith("flowmesh generate: [model_not_found]"), run.stderr

@@ -1,0 +1,203 @@
+"""Generation through a real mesh: a tiny Llama saved with `save_pretrained` deployed in two
+stages on two workers, its greedy tokens through the paged KV cache equal to Hugging Face's own
+`generate`; streams that join to the call's result, stop strings, and the refusals at the door."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from client_sdk import demo_generation, errors
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh.modelio.tokenizer import TextCodec, read_tokenizer
+from tests.support.lm import EOS_ID, hf_generate, tiny_lm_dir
+from tests.support.mesh import FAST, roots_at
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalMesh, Path]:
+    root = tmp_path_factory.mktemp("gen")
+    model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=64)
+    with LocalMesh(cpu_workers=2, memory_budget="8MiB", **roots_at(root), **FAST) as mesh:
+        with mesh.client() as c:
+            c.deploy("lm", hf=str(model_dir), stages=2, replicas=1, max_seqs=4)
+        yield mesh, model_dir
+
+
+def test_greedy_generation_equals_hugging_face(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, model_dir = lm
+    codec = TextCodec.from_files(read_tokenizer(model_dir))
+    prompts_ids = [codec.encode(t) for t in PROMPTS]
+    expected = hf_generate(model_dir, prompts_ids, 12, ignore_eos=True)
+    with mesh.client() as c:
+        # One call, three prompts batched together in the replica's iterations.
+        outs = c.generate("lm", PROMPTS, max_tokens=12, ignore_eos=True)
+        assert [o.ids for o in outs] == expected
+        assert [o.finish_reason for o in outs] == ["length"] * 3
+        assert [o.text for o in outs] == [codec.decode(e) for e in expected]
+        assert [o.prompt_tokens for o in outs] == [len(i) for i in prompts_ids]
+        assert all(o.completion_tokens == 12 and len(o.token_ms) == 11 for o in outs)
+        # From ids, alone: the same tokens.
+        one = c.generate("lm", ids=prompts_ids[1], max_tokens=12, ignore_eos=True)
+        assert one.ids == expected[1]
+
+
+def test_a_stream_joins_to_the_result(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+    with mesh.client() as c:
+        whole = c.generate("lm", "Hello! How", max_tokens=10, ignore_eos=True)
+        with c.generate_stream("lm", "Hello! How", max_tokens=10, ignore_eos=True) as stream:
+            chunks = list(stream)
+        assert [t for ch in chunks for t in ch.ids] == whole.ids
+        assert "".join(ch.text or "" for ch in chunks) == whole.text
+        assert chunks[-1].finish_reason == "length"
+        assert all(ch.finish_reason is None for ch in chunks[:-1])
+
+
+def test_eos_and_stop_strings_end_a_sequence(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+    with mesh.client() as c:
+        free = c.generate("lm", "The quick brown fox", max_tokens=20, ignore_eos=True)
+        # A stop id: the sequence ends there, the token kept.
+        cut = free.ids[3]
+        stopped = c.generate("lm", "The quick brown fox", max_tokens=20, stop_ids=[cut])
+        k = free.ids.index(cut)
+        assert stopped.ids == free.ids[: k + 1] and stopped.finish_reason == "stop"
+        # A stop string: the text ends before it.
+        assert free.text
+        word = free.text[len(free.text) // 2 :][:3]
+        if word:
+            by_text = c.generate("lm", "The quick brown fox", max_tokens=20, stop=[word])
+            assert by_text.finish_reason == "stop"
+            assert by_text.text == free.text[: free.text.index(word)]
+    # The model's own eos ends it unless told otherwise, as Hugging Face's does.
+    codec = TextCodec.from_files(read_tokenizer(lm[1]))
+    texts = ["Hello!", "Numbers: 42", "Café", "A language model"]
+    expected = hf_generate(lm[1], [codec.encode(t) for t in texts], 30)
+    with mesh.client() as c:
+        outs = c.generate("lm", texts, max_tokens=30)
+    assert [o.ids for o in outs] == expected
+    for o in outs:
+        assert o.finish_reason == ("stop" if o.ids[-1] == EOS_ID else "length")
+
+
+def test_the_door_refuses_what_could_never_run(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+    with mesh.client() as c:
+        with pytest.raises(errors.BadRequest, match="max_context"):
+            c.generate("lm", ids=list(range(3, 60)), max_tokens=20)
+        with pytest.raises(errors.BadRequest, match="vocabulary"):
+            c.generate("lm", ids=[10**6], max_tokens=2)
+        with pytest.raises(errors.ModelNotFound):
+            c.generate("nope", "hi", max_tokens=2)
+        # The mesh still generates after the refusals.
+        assert len(c.generate("lm", "Hi", max_tokens=3, ignore_eos=True).ids) == 3
+
+
+def test_concurrent_calls_batch_and_each_gets_its_own(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, model_dir = lm
+    codec = TextCodec.from_files(read_tokenizer(model_dir))
+    texts = [f"{t} {k}" for k in range(3) for t in PROMPTS]
+    expected = hf_generate(model_dir, [codec.encode(t) for t in texts], 8, ignore_eos=True)
+
+    async def main() -> list[list[int]]:
+        async with AsyncClient(mesh.frontend, timeout=60) as c:
+            outs = await asyncio.gather(
+                *(c.generate("lm", t, max_tokens=8, ignore_eos=True) for t in texts)
+            )
+            status = await c.status()
+        row = next(m for m in status.models if m.name == "lm")
+        assert row.tokens_generated >= 8 * len(texts) and row.running_seqs == 0
+        return [o.ids for o in outs]
+
+    assert asyncio.run(main()) == expected
+
+
+def test_chat_messages_go_through_the_chat_template(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, model_dir = lm
+    codec = TextCodec.from_files(read_tokenizer(model_dir))
+    chat = [{"role": "user", "content": "Hello! How are you today?"}]
+    expected = hf_generate(model_dir, [codec.encode_chat(chat)], 6, ignore_eos=True)
+    with mesh.client() as c:
+        out = c.generate("lm", messages=chat, max_tokens=6, ignore_eos=True)
+    assert out.ids == expected[0]
+    assert out.prompt_tokens == len(codec.encode_chat(chat))
+
+
+def test_a_stream_closed_early_stops_its_sequence(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+
+    async def main() -> None:
+        async with AsyncClient(mesh.frontend, timeout=60) as c:
+            before = await c.status()
+            start = next(m for m in before.models if m.name == "lm").tokens_generated
+            stream = c.generate_stream("lm", "Once upon", max_tokens=40, ignore_eos=True)
+            async with stream:
+                got = []
+                async for chunk in stream:
+                    got.append(chunk)
+                    if len(got) == 2:
+                        break
+            assert len(got) == 2 and stream.generations is None
+
+            async def stopped() -> int:
+                row = next(m for m in (await c.status()).models if m.name == "lm")
+                return -1 if row.running_seqs or row.waiting_seqs else row.tokens_generated
+
+            for _ in range(200):
+                made = await stopped()
+                if made >= 0:
+                    break
+                await asyncio.sleep(0.05)
+            # Freed on the broker well before its 40 tokens (a few were on their way).
+            assert 0 <= made - start < 40
+            # And the model generates on.
+            assert len((await c.generate("lm", "Hi", max_tokens=3, ignore_eos=True)).ids) == 3
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_gpt2_and_opt_directories_generate_too(lm: tuple[LocalMesh, Path], arch: str) -> None:
+    mesh, llama_dir = lm
+    # Under the mesh's data root (the module's directory), beside the Llama.
+    model_dir = tiny_lm_dir(llama_dir.parent / f"tiny-{arch}", arch, seed=6, max_positions=48)
+    codec = TextCodec.from_files(read_tokenizer(model_dir))
+    prompts_ids = [codec.encode(t) for t in PROMPTS[:2]]
+    expected = hf_generate(model_dir, prompts_ids, 10, ignore_eos=True)
+    with mesh.client() as c:
+        c.deploy(arch, hf=str(model_dir), stages=2, replicas=1)
+        try:
+            outs = c.generate(arch, PROMPTS[:2], max_tokens=10, ignore_eos=True)
+            assert [o.ids for o in outs] == expected
+            # Its context is config.json's (n_positions: GPT-2's name for it).
+            with pytest.raises(errors.BadRequest, match="max_context"):
+                c.generate(arch, ids=[3] * 40, max_tokens=9)
+        finally:
+            c.undeploy(arch)
+
+
+def test_the_demos_generation_part_checks_every_token(
+    lm: tuple[LocalMesh, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    mesh, llama_dir = lm
+    model_dir = demo_generation.prepare(llama_dir.parent / "demo")
+    try:
+        got = asyncio.run(demo_generation.run(mesh.frontend, model_dir))
+        reference = demo_generation.expected(model_dir)
+        assert demo_generation.report(got, reference) == 0
+        assert "OK: every sequence's tokens equal" in capsys.readouterr().out
+        assert len(got.outputs) == len(got.prompts) == len(reference)
+        assert got.stream_chunks == got.outputs[-1].completion_tokens
+        # A sequence that differs is reported as a failure.
+        reference[2] = [*reference[2][:-1], (reference[2][-1] + 1) % 300]
+        assert demo_generation.report(got, reference) == 1
+        assert "FAILED: 1 sequences differ" in capsys.readouterr().out
+    finally:
+        with mesh.client() as c:
+            c.undeploy(demo_generation.LM_NAME)
