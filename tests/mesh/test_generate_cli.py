@@ -1,13 +1,18 @@
-"""`flowmesh generate` and the generation flags of `flowmesh deploy`, as a user runs them: the
-command a process of its own against a real mesh, its text the SDK's for the same request."""
+"""`flowmesh generate` and the generation flags of `flowmesh deploy`, as a user runs them against
+a real mesh, its text the SDK's for the same request. The streamed text runs the command as a
+process of its own (what reaches a terminal, flushed as it comes); the other cases call the same
+entry point in this process (`client_sdk.cli.main`, its output captured), which spares each a
+Python start and a torch import."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from client_sdk.cli import main
 from client_sdk.mesh import LocalMesh
 from flowmesh.modelio.tokenizer import TextCodec, read_tokenizer
 from tests.support.cli import flowmesh
@@ -15,6 +20,21 @@ from tests.support.lm import tiny_lm_dir
 from tests.support.mesh import FAST, roots_at
 
 PROMPT = "The quick brown fox"
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> Ran:
+    """`flowmesh ARGS...` through its entry point, in this process."""
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return Ran(code, out.out, out.err)
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +45,22 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalMesh, Path]:
         yield mesh, model_dir
 
 
-def test_deploy_flags_reach_the_spec(lm: tuple[LocalMesh, Path]) -> None:
+def test_deploy_flags_reach_the_spec(
+    lm: tuple[LocalMesh, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     mesh, model_dir = lm
     base = ["deploy", "lm", "--hf", str(model_dir), "--stages", "2", "--replicas", "1"]
     base += ["--no-progress", "--broker", mesh.frontend]
     # Out of range, each refused by the broker's check of the spec: the flag got there.
     for flag, value, named in [("--max-seqs", "0", "max_seqs"), ("--kv-share", "1.5", "kv_share")]:
-        refused = flowmesh(*base, flag, value)
+        refused = cli(capsys, *base, flag, value)
         assert refused.returncode == 1 and named in refused.stderr, refused.stderr
-    done = flowmesh(*base, "--max-seqs", "4", "--kv-share", "0.5", "--max-context", "48")
+    done = cli(capsys, *base, "--max-seqs", "4", "--kv-share", "0.5", "--max-context", "48")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("deployed lm: "), done.stdout
     # The deployed context is 48, not the config's 64: 30 + 20 is past it.
-    past = flowmesh(
-        "generate", "lm", "--ids", ",".join(["3"] * 30), "--max-tokens", "20",
+    past = cli(
+        capsys, "generate", "lm", "--ids", ",".join(["3"] * 30), "--max-tokens", "20",
         "--broker", mesh.frontend,
     )  # fmt: skip
     assert past.returncode == 1 and "max_context" in past.stderr and "(48)" in past.stderr
@@ -60,7 +82,9 @@ def test_generate_prints_the_sdks_text_then_a_summary(lm: tuple[LocalMesh, Path]
     assert "first token" in summary and "tokens/s" in summary
 
 
-def test_generate_json_from_ids_and_from_a_chat(lm: tuple[LocalMesh, Path]) -> None:
+def test_generate_json_from_ids_and_from_a_chat(
+    lm: tuple[LocalMesh, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     mesh, model_dir = lm
     codec = TextCodec.from_files(read_tokenizer(model_dir))
     ids = codec.encode(PROMPT)
@@ -68,24 +92,26 @@ def test_generate_json_from_ids_and_from_a_chat(lm: tuple[LocalMesh, Path]) -> N
     with mesh.client() as c:
         want = c.generate("lm", ids=ids, max_tokens=6, ignore_eos=True)
         want_chat = c.generate("lm", messages=chat, max_tokens=6, ignore_eos=True)
-    run = flowmesh(
-        "generate", "lm", "--ids", ",".join(map(str, ids)), "--max-tokens", "6",
+    run = cli(
+        capsys, "generate", "lm", "--ids", ",".join(map(str, ids)), "--max-tokens", "6",
         "--ignore-eos", "--json", "--broker", mesh.frontend,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert got["ids"] == want.ids and got["text"] == want.text
     assert got["finish_reason"] == "length" and got["prompt_tokens"] == len(ids)
-    chatted = flowmesh(
-        "generate", "lm", PROMPT, "--chat", "--max-tokens", "6", "--ignore-eos", "--json",
+    chatted = cli(
+        capsys, "generate", "lm", PROMPT, "--chat", "--max-tokens", "6", "--ignore-eos", "--json",
         "--broker", mesh.frontend,
     )  # fmt: skip
     assert chatted.returncode == 0, chatted.stderr
     assert json.loads(chatted.stdout)["ids"] == want_chat.ids
 
 
-def test_generate_from_an_unknown_model_fails_on_stderr(lm: tuple[LocalMesh, Path]) -> None:
+def test_generate_from_an_unknown_model_fails_on_stderr(
+    lm: tuple[LocalMesh, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     mesh, _ = lm
-    run = flowmesh("generate", "nope", "hi", "--broker", mesh.frontend)
+    run = cli(capsys, "generate", "nope", "hi", "--broker", mesh.frontend)
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.startswith("flowmesh generate: [model_not_found]"), run.stderr
