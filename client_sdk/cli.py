@@ -39,6 +39,8 @@ from flowmesh.auth import ROLES, KeyRing, add_key, init_keys
 from flowmesh.errors import FlowmeshError
 from flowmesh.reports import BrokerStatus
 from flowmesh.units import parse_size
+from gateway.__main__ import add_options as gateway_options
+from gateway.__main__ import serve as gateway_serve
 
 
 def _json_object(flag: str, text: str | None) -> dict[str, Any]:
@@ -737,6 +739,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    return gateway_serve(args)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, stricter: no abbreviated flags (`--batc` is not `--batch`; a flag added later
     must not change what an old command line means), and an unknown argument is refused by the
@@ -1101,9 +1107,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_sweep, timeout=600.0)
 
-    p = add(sub, "demo", "the main job: embedded mesh serving and training")
+    p = add(sub, "demo", "the main job: embedded mesh serving, generating and training")
     demo.add_options(p)
     p.set_defaults(fn=cmd_demo)
+
+    p = add(sub, "gateway", "HTTP gateway: OpenAI-compatible and KServe v2 routes to the mesh")
+    gateway_options(p)
+    p.set_defaults(fn=cmd_gateway)
     return ap
 
 

@@ -23,8 +23,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The project's own code: its packages, its tests and its scripts.
-TOP = ("flowmesh", "broker", "gpu_worker", "partitioner", "client_sdk", "tests", "scripts")
-ABOVE_FLOWMESH = ("broker", "gpu_worker", "partitioner", "client_sdk")
+TOP = (
+    "flowmesh",
+    "broker",
+    "gpu_worker",
+    "partitioner",
+    "client_sdk",
+    "gateway",
+    "tests",
+    "scripts",
+)
+ABOVE_FLOWMESH = ("broker", "gpu_worker", "partitioner", "client_sdk", "gateway")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,4 @@
+"""The HTTP front door: a stateless process speaking the OpenAI API (`/v1`, for language
+models) and the KServe v2 / Open Inference Protocol (`/v2`, for every model) to HTTP clients,
+and the SDK (`client_sdk.client.AsyncClient`) to the broker. It keeps nothing of its own, so
+several can stand behind one load balancer. `python -m gateway --broker ADDRESS --port N`."""

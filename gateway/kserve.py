@@ -1,0 +1,154 @@
+"""The KServe v2 / Open Inference Protocol: health, model metadata and readiness, and infer with
+JSON tensors or the binary tensor data extension (`Inference-Header-Content-Length`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from client_sdk import errors
+from client_sdk.client import AsyncClient
+from flowmesh import protocol as p
+from flowmesh.errors import Code
+from gateway.tensors import V2_BY_NAME, bad, binary_size, from_bytes, from_json, to_bytes, to_json
+
+router = APIRouter(prefix="/v2")
+
+HEADER_LENGTH = "inference-header-content-length"
+PLATFORM = "flowmesh"
+# What a model's single unnamed output (the SDK's plain tensor) is called on the wire.
+OUTPUT = "output0"
+# Seconds a readiness probe waits for the broker: probes come often and want a quick "no".
+READY_TIMEOUT_S = 2.0
+
+
+def client_of(request: Request) -> AsyncClient:
+    return request.app.state.client
+
+
+async def _row(client: AsyncClient, model: str) -> p.ModelRow:
+    for row in (await client.status()).models:
+        if row.name == model:
+            return row
+    raise errors.ModelNotFound(Code.MODEL_NOT_FOUND, f"no model {model!r} is deployed")
+
+
+@router.get("/health/live")
+async def live() -> dict[str, bool]:
+    """The process answers: nothing else is asked of it."""
+    return {"live": True}
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> JSONResponse:
+    """A broker answers and at least one worker is registered with it."""
+    try:
+        status = await client_of(request).status(timeout=READY_TIMEOUT_S)
+    except errors.ClientError as exc:
+        return JSONResponse({"ready": False, "error": exc.reason}, status_code=503)
+    up = any(w.ready for w in status.workers)
+    return JSONResponse({"ready": up}, status_code=200 if up else 503)
+
+
+@router.get("/models/{model}")
+async def metadata(request: Request, model: str) -> dict[str, Any]:
+    """Its inputs from the model's declared inputs (-1: a free dimension, as in v2)."""
+    row = await _row(client_of(request), model)
+    inputs = [
+        {
+            "name": name,
+            "datatype": V2_BY_NAME.get(spec.dtype, spec.dtype),
+            "shape": list(spec.shape),
+        }
+        for name, spec in row.inputs.items()
+    ]
+    # Outputs are not declared to flowmesh: v2 lets a server leave them out.
+    return {"name": model, "versions": ["1"], "platform": PLATFORM, "inputs": inputs, "outputs": []}
+
+
+@router.get("/models/{model}/ready")
+async def model_ready(request: Request, model: str) -> JSONResponse:
+    row = await _row(client_of(request), model)
+    up = row.state == "ready"
+    return JSONResponse({"name": model, "ready": up}, status_code=200 if up else 503)
+
+
+def _parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
+    """The request's JSON header and the bytes after it (the binary extension's tensors)."""
+    split = len(body)
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise bad(f"{HEADER_LENGTH} {header_length!r} is not a length within the body")
+        split = int(header_length)
+    try:
+        head = json.loads(body[:split])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"the request is not JSON: {exc}") from None
+    if not isinstance(head, dict) or not isinstance(head.get("inputs"), list) or not head["inputs"]:
+        raise bad("the request needs a non-empty list of inputs")
+    return head, memoryview(body)[split:]
+
+
+def _inputs(head: dict[str, Any], rest: memoryview) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    at = 0
+    for k, item in enumerate(head["inputs"]):
+        where = f"inputs[{k}]"
+        size = binary_size(item) if isinstance(item, dict) else None
+        if size is None:
+            name, tensor = from_json(item, where)
+        else:
+            if at + size > len(rest):
+                raise bad(f"{where}: binary_data_size {size} runs past the body's end")
+            name, tensor = from_bytes(item, rest[at : at + size], where)
+            at += size
+        if name in tensors:
+            raise bad(f"input {name!r} given twice")
+        tensors[name] = tensor
+    if at != len(rest):
+        raise bad(f"{len(rest) - at} bytes after the inputs' binary data")
+    return tensors
+
+
+def _wanted(head: dict[str, Any], outputs: dict[str, torch.Tensor]) -> list[tuple[str, bool]]:
+    """(name, in binary) of each output to answer: those asked for, else all."""
+    default = bool((head.get("parameters") or {}).get("binary_data_output", False))
+    asked = head.get("outputs")
+    if not asked:
+        return [(name, default) for name in outputs]
+    out = []
+    for item in asked:
+        name = item.get("name") if isinstance(item, dict) else None
+        if name not in outputs:
+            raise bad(f"output {name!r} is not one of the model's: {', '.join(outputs)}")
+        out.append((name, bool((item.get("parameters") or {}).get("binary_data", default))))
+    return out
+
+
+@router.post("/models/{model}/infer")
+async def infer(request: Request, model: str) -> Response:
+    head, rest = _parse(await request.body(), request.headers.get(HEADER_LENGTH))
+    tensors = _inputs(head, rest)
+    answer = await client_of(request).infer(model, tensors)
+    outputs = {OUTPUT: answer} if isinstance(answer, torch.Tensor) else dict(answer)
+    reply: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
+    if "id" in head:
+        reply["id"] = head["id"]
+    blobs = []
+    for name, binary in _wanted(head, outputs):
+        if binary:
+            meta, raw = to_bytes(name, outputs[name])
+            reply["outputs"].append(meta)
+            blobs.append(raw)
+        else:
+            reply["outputs"].append(to_json(name, outputs[name]))
+    text = json.dumps(reply, separators=(",", ":")).encode()
+    if not blobs:
+        return Response(text, media_type="application/json")
+    headers = {"Inference-Header-Content-Length": str(len(text))}
+    body = b"".join([text, *blobs])
+    return Response(body, media_type="application/octet-stream", headers=headers)

@@ -1,0 +1,54 @@
+"""Server-sent events whose source is closed the moment the client goes away.
+
+Starlette's `StreamingResponse`, under an ASGI 2.4 server, notices a gone client only at its
+next write, and leaves the body's generator to the garbage collector. A token stream must stop
+its sequence on the broker at once (its KV memory is freed then), so this one watches for the
+disconnect while it streams, cancels the stream when it comes, and always closes the source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(data: Any) -> bytes:
+    """One server-sent event carrying `data` as JSON."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """`text/event-stream` from an async generator of encoded events (`event`, `DONE`)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, source: AsyncIterator[bytes]) -> None:
+        # No proxy buffering: each event is worth sending as it comes.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(source, headers=headers)
+        self._source = source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-write
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self._source, "aclose", None)
+            if aclose is not None:
+                await aclose()

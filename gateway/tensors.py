@@ -1,0 +1,125 @@
+"""KServe v2 tensors to torch and back: datatypes mapped both ways, JSON data and the binary
+tensor data extension, shapes and sizes checked before anything is forwarded."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowmesh.errors import Code, FlowmeshError
+
+# v2 datatype -> torch dtype: those flowmesh's tensors carry (`flowmesh.spec.TENSOR_DTYPES`).
+TORCH_BY_V2: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "UINT8": torch.uint8,
+    "INT8": torch.int8,
+    "INT16": torch.int16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+    "FP32": torch.float32,
+    "FP64": torch.float64,
+}
+V2_BY_TORCH = {t: name for name, t in TORCH_BY_V2.items()}
+# A declared input's dtype (flowmesh's name) -> its v2 datatype, for a model's metadata.
+V2_BY_NAME = {str(t).removeprefix("torch."): name for name, t in TORCH_BY_V2.items()}
+
+# JSON numbers each datatype takes (numpy's kinds of the parsed list): a float given for an
+# integer tensor, or a number for a bool one, is refused rather than silently cast.
+_KINDS = {torch.bool: "b", **{t: "iu" for t in (torch.uint8, torch.int8, torch.int16)}}
+_KINDS |= {torch.int32: "iu", torch.int64: "iu"}
+_FLOAT_KINDS = "iuf"
+
+
+def bad(reason: str) -> FlowmeshError:
+    return FlowmeshError(Code.BAD_REQUEST, reason)
+
+
+def _header(item: Any, where: str) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    if not isinstance(item, Mapping):
+        raise bad(f"{where}: an object with name, shape, datatype and data expected")
+    name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}: name must be a non-empty string")
+    if datatype not in TORCH_BY_V2:
+        raise bad(f"input {name!r}: datatype {datatype!r} not one of {', '.join(TORCH_BY_V2)}")
+    if (
+        not isinstance(shape, list)
+        or not shape
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise bad(f"input {name!r}: shape must be a list of sizes >= 0")
+    return name, TORCH_BY_V2[datatype], tuple(shape)
+
+
+def binary_size(item: Mapping[str, Any]) -> int | None:
+    """The byte count of an input sent in the binary extension (None: its data is JSON)."""
+    size = (item.get("parameters") or {}).get("binary_data_size")
+    if size is None:
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad(f"input {item.get('name')!r}: binary_data_size must be a size >= 0")
+    return size
+
+
+def from_json(item: Any, where: str) -> tuple[str, torch.Tensor]:
+    """One request input with its data in JSON (flat, or nested as the shape)."""
+    name, dtype, shape = _header(item, where)
+    count = math.prod(shape)
+    try:
+        raw = np.asarray(item.get("data"))
+    except (ValueError, TypeError):
+        raise bad(f"input {name!r}: data must be a list of numbers") from None
+    if raw.size != count or (count and raw.dtype.kind not in _KINDS.get(dtype, _FLOAT_KINDS)):
+        got = f"{raw.size} {raw.dtype.kind!r}-kind values"
+        raise bad(
+            f"input {name!r}: shape {list(shape)} takes {count} {V2_BY_TORCH[dtype]}, got {got}"
+        )
+    if raw.dtype.kind in "iu" and dtype in _KINDS and dtype is not torch.bool:
+        info = torch.iinfo(dtype)
+        if count and (raw.min() < info.min or raw.max() > info.max):
+            raise bad(f"input {name!r}: a value out of {V2_BY_TORCH[dtype]}'s range")
+    # Cast by torch, not numpy: bfloat16 has no numpy dtype.
+    return name, torch.from_numpy(raw.reshape(shape).copy()).to(dtype)
+
+
+def from_bytes(
+    item: Mapping[str, Any], data: bytes | memoryview, where: str
+) -> tuple[str, torch.Tensor]:
+    """One request input sent in the binary extension: `data` its raw little-endian bytes."""
+    name, dtype, shape = _header(item, where)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if len(data) != math.prod(shape) * itemsize:
+        raise bad(
+            f"input {name!r}: shape {list(shape)} of {V2_BY_TORCH[dtype]} takes "
+            f"{math.prod(shape) * itemsize} bytes, got {len(data)}"
+        )
+    if not data:
+        return name, torch.empty(shape, dtype=dtype)
+    # A copy: the request's buffer is read-only, and a tensor on it would be too.
+    return name, torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+def to_json(name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """One response output with its data in JSON (flat, row-major)."""
+    flat = tensor.detach().cpu().reshape(-1)
+    if flat.dtype is torch.bfloat16:
+        flat = flat.float()
+    return {"name": name, **_meta(tensor), "data": flat.tolist()}
+
+
+def to_bytes(name: str, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    """One response output in the binary extension: its JSON header and its raw bytes."""
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"name": name, **_meta(tensor), "parameters": {"binary_data_size": len(raw)}}, raw
+
+
+def _meta(tensor: torch.Tensor) -> dict[str, Any]:
+    if tensor.dtype not in V2_BY_TORCH:
+        raise FlowmeshError(Code.INTERNAL, f"an output of dtype {tensor.dtype} has no v2 datatype")
+    return {"datatype": V2_BY_TORCH[tensor.dtype], "shape": list(tensor.shape)}

@@ -1,0 +1,77 @@
+"""A real gateway for the tests here: `python -m gateway` (or `flowmesh gateway`) as its own
+process on a free loopback port, in front of a module's real mesh (`start_gateway`). Keys on
+with FLOWMESH_TEST_KEYS=1, as for tests/mesh/ (the gateway takes the session's operator key
+from FLOWMESH_KEYS)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.mesh import _test_keys
+
+__all__ = ["_test_keys"]  # registered for tests/gateway/
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _gateway(broker: str, log: Path, cli: bool) -> Iterator[str]:
+    port = _free_port()
+    # `python -m gateway`, or the same through `flowmesh gateway` (its CLI hook).
+    command = [sys.executable, "-m", *(["client_sdk.cli", "gateway"] if cli else ["gateway"])]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*command, "--broker", broker, "--port", str(port)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the gateway exited {proc.returncode}: {log.read_text()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"the gateway did not answer within 60 s: {log.read_text()}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def start_gateway(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., AbstractContextManager[str]]:
+    """`with start_gateway(mesh.frontend) as url:` a gateway process serving at `url`
+    (`cli=True`: started as `flowmesh gateway`)."""
+
+    def start(broker: str, cli: bool = False) -> AbstractContextManager[str]:
+        return _gateway(broker, tmp_path_factory.mktemp("gateway") / "gateway.log", cli)
+
+    return start

@@ -1,0 +1,190 @@
+"""The OpenAI API through a real gateway in front of a real mesh, spoken by the official `openai`
+client: completions and chat equal the SDK's `generate` for the same request, streams join to
+the blocking answer, refusals come back with OpenAI's statuses and error body, and a client that
+goes away mid-stream stops its sequence on the broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+import httpx
+import openai
+import pytest
+
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from tests.support.lm import tiny_lm_dir
+from tests.support.mesh import FAST, roots_at
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+# Tokens a stream is asked for, and its model's context room for them: many more than are made
+# while a disconnect reaches the broker, however loaded the machine.
+ENOUGH = 240
+CHAT = [{"role": "user", "content": "Hello! How are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory,
+    start_gateway: Callable[..., AbstractContextManager[str]],
+) -> Iterator[tuple[LocalMesh, str]]:
+    root = tmp_path_factory.mktemp("gateway-lm")
+    model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=256)
+    with LocalMesh(cpu_workers=2, memory_budget="8MiB", **roots_at(root), **FAST) as mesh:
+        with mesh.client() as c:
+            c.deploy("lm", hf=str(model_dir), stages=2, replicas=1, max_seqs=4)
+        with start_gateway(mesh.frontend) as url:
+            yield mesh, url
+
+
+@pytest.fixture(scope="module")
+def api(served: tuple[LocalMesh, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served[1]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_deployed(api: openai.OpenAI) -> None:
+    assert [m.id for m in api.models.list()] == ["lm"]
+
+
+def test_completions_equal_the_sdk_and_stream_to_the_same(
+    served: tuple[LocalMesh, str], api: openai.OpenAI
+) -> None:
+    mesh, _ = served
+    with mesh.client() as c:
+        sdk = c.generate("lm", PROMPT, max_tokens=10, temperature=0.0)
+        sdk_stop = c.generate("lm", PROMPT, max_tokens=10, temperature=0.0, stop=[sdk.text[3:6]])
+    got = api.completions.create(model="lm", prompt=PROMPT, max_tokens=10, temperature=0)
+    (choice,) = got.choices
+    assert (choice.text, choice.finish_reason) == (sdk.text, sdk.finish_reason)
+    assert got.usage is not None
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+        sdk.prompt_tokens,
+        sdk.completion_tokens,
+    )
+    # With a stop string: the text ends before it, as the SDK's does.
+    stopped = api.completions.create(
+        model="lm", prompt=PROMPT, max_tokens=10, temperature=0, stop=[sdk.text[3:6]]
+    )
+    assert stopped.choices[0].text == sdk_stop.text
+    assert stopped.choices[0].finish_reason == sdk_stop.finish_reason == "stop"
+    # Streamed: the events join to the same text, the last one says why it ended.
+    events = list(
+        api.completions.create(
+            model="lm",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [e.choices[0].text for e in events if e.choices]
+    assert "".join(texts) == sdk.text and len(texts) > 1
+    finishes = [e.choices[0].finish_reason for e in events if e.choices]
+    assert finishes[-1] == sdk.finish_reason and not any(finishes[:-1])
+    assert events[-1].usage is not None
+    assert events[-1].usage.completion_tokens == sdk.completion_tokens
+
+
+def test_chat_equals_the_sdk_through_the_chat_template(
+    served: tuple[LocalMesh, str], api: openai.OpenAI
+) -> None:
+    mesh, _ = served
+    with mesh.client() as c:
+        sdk = c.generate("lm", messages=CHAT, max_tokens=8, temperature=0.0)
+    got = api.chat.completions.create(
+        model="lm",
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    (choice,) = got.choices
+    assert choice.message.role == "assistant"
+    assert (choice.message.content, choice.finish_reason) == (sdk.text, sdk.finish_reason)
+    assert got.usage is not None and got.usage.prompt_tokens == sdk.prompt_tokens
+    chunks = list(
+        api.chat.completions.create(
+            model="lm",
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == sdk.text
+    assert chunks[-1].choices[0].finish_reason == sdk.finish_reason
+
+
+def test_refusals_answer_openai_statuses_and_bodies(
+    served: tuple[LocalMesh, str], api: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.NotFoundError) as lost:
+        api.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert lost.value.status_code == 404
+    assert lost.value.code == "model_not_found" and "nope" in lost.value.message
+    # Streamed, the refusal still comes as the status, before any event.
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(
+            model="nope",
+            messages=CHAT,
+            max_tokens=2,
+            stream=True,  # type: ignore[arg-type]
+        )
+    # The broker's refusal (a prompt past the model's context) and the gateway's own checks.
+    with pytest.raises(openai.BadRequestError, match="max_context") as long:
+        api.completions.create(model="lm", prompt=[3] * 250, max_tokens=20)
+    assert long.value.code == "bad_request"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.completions.create(model="lm", prompt="hi", temperature=5)
+    with pytest.raises(openai.BadRequestError, match="n: only 1"):
+        api.completions.create(model="lm", prompt="hi", n=2)
+    # A body that is not JSON at all: OpenAI's error body too.
+    answer = httpx.post(f"{served[1]}/v1/completions", content=b"{", timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, str]) -> None:
+    mesh, url = served
+    ask = {
+        "model": "lm",
+        "prompt": "Once upon",
+        "max_tokens": ENOUGH,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def main() -> None:
+        async with AsyncClient(mesh.frontend, timeout=60) as c:
+
+            async def row() -> tuple[int, int]:
+                m = next(m for m in (await c.status()).models if m.name == "lm")
+                return m.running_seqs + m.waiting_seqs, m.tokens_generated
+
+            _, start = await row()
+            async with (
+                httpx.AsyncClient(timeout=30) as http,
+                http.stream("POST", f"{url}/v1/completions", json=ask) as answer,
+            ):
+                assert answer.status_code == 200
+                seen = 0
+                async for line in answer.aiter_lines():
+                    if line.startswith("data: {"):
+                        assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+                        seen += 1
+                        if seen == 2:
+                            break  # leaving the block closes the connection
+            for _ in range(200):
+                running, made = await row()
+                if not running:
+                    break
+                await asyncio.sleep(0.05)
+            # Freed on the broker well before its tokens were all made (a few were on their way).
+            assert running == 0 and 0 < made - start < ENOUGH
+
+    asyncio.run(main())
