@@ -140,6 +140,14 @@ def format_status(st: BrokerStatus) -> str:
             ],
         )
     )
+    generating = [m for m in st.models if m.gen_iterations or m.running_seqs or m.waiting_seqs]
+    if generating:
+        out.append("")
+    for m in generating:
+        out.append(
+            f"{m.name} generation: {m.running_seqs} sequences running, {m.waiting_seqs} "
+            f"waiting, {m.tokens_generated} tokens in {m.gen_iterations} iterations"
+        )
     if st.jobs:
         out += ["", format_jobs(st.jobs)]
     return "\n".join(out)

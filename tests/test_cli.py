@@ -39,6 +39,31 @@ def test_status_says_how_activations_travelled_only_when_some_did() -> None:
     assert line == "stages over several workers: 5 batches direct, 3.0 MiB of activations relayed"
 
 
+def test_status_shows_generation_only_for_models_that_generate() -> None:
+    from client_sdk.cli import format_status
+
+    llm = model_row("llm", running_seqs=3, waiting_seqs=1, tokens_generated=40, gen_iterations=12)
+    st = broker_status(models=[model_row("mlp"), llm])
+    lines = [ln for ln in format_status(st).splitlines() if "generation:" in ln]
+    assert lines == ["llm generation: 3 sequences running, 1 waiting, 40 tokens in 12 iterations"]
+
+
+def test_metrics_carry_the_same_generation_figures() -> None:
+    from flowmesh import metrics
+
+    llm = model_row("llm", running_seqs=3, waiting_seqs=1, tokens_generated=40, gen_iterations=12)
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in metrics.broker_families(broker_status(models=[llm]))
+        for s in f.samples
+    }
+    llm_label = (("model", "llm"),)
+    assert got[("flowmesh_broker_running_sequences", llm_label)] == 3
+    assert got[("flowmesh_broker_waiting_sequences", llm_label)] == 1
+    assert got[("flowmesh_broker_generated_tokens_total", llm_label)] == 40
+    assert got[("flowmesh_broker_generation_iterations_total", llm_label)] == 12
+
+
 def test_version_is_the_installed_package_s() -> None:
     run = flowmesh("--version")
     assert run.returncode == 0, run.stderr
