@@ -110,6 +110,13 @@ OPTIONS = Options(
             "most queued requests of a model taking one request per forward (max_batch_size 1) "
             "sent in one run, each computed on its own (1: a run each)",
         ),
+        Option(
+            "--gen-groups",
+            INT,
+            1,
+            "generation iterations in flight per replica of a language model, each at its own "
+            "stage (0: one per stage)",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batches=args.micro_batches,
         micro_batch_rows=args.micro_batch_rows,
         group_runs=args.group_runs,
+        gen_groups=args.gen_groups,
         default_replicas=args.replicas,
         starvation_s=args.starvation,
         state_dir=args.state_dir,

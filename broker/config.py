@@ -55,6 +55,12 @@ class BrokerConfig:
     # queued is spread over the runs its worker may take, so that a short queue still runs on
     # every lane. 1: one run per request.
     group_runs: int = 8
+    # Iterations of a language model's generation in flight at once per replica: its running
+    # sequences split into that many groups, each group's iteration at its own stage while
+    # the others are at theirs (0: one per stage; never more than its stages). 1 by default:
+    # where the stages' workers share a few cores the groups only add work per token
+    # (BENCHMARKS.md, "Generation"); a worker per device is where they can overlap.
+    gen_groups: int = 1
     # Where the broker keeps what it promised (deployed models, training jobs, the allow-list),
     # in an SQLite database (`broker.store`); None: nothing is kept across a restart.
     state_dir: str | None = None

@@ -11,24 +11,33 @@ keeps the sequences of every Generate call (one per prompt):
 - **Waiting and running**: new sequences wait (FIFO; OVERLOADED only at the model's queue limit,
   as for requests); each live replica runs up to `spec.max_seqs` of them. A sequence stays on
   the replica it was prefilled on: its KV cache lives on that replica's workers.
-- **Iterations**: per replica, one iteration in flight at a time, holding every running
-  sequence: a prefill for each sequence that joined since the last one (its whole prompt), a
-  decode (its last token) for the others, packed in one `Run` (`GenStep`) that the serving
-  router sends exactly as it sends a batch of requests (residency, loads, keep lists, direct
-  runs, failover: `ServingRouter.start_gen`). The last stage answers one new token per
-  sequence. A sequence ends on an end-of-sequence id (unless `ignore_eos`) or one of its
-  `stop_ids` ("stop", the token kept), at `max_tokens` ("length"), or by `StopGenerate`
-  ("stop"); its stages' workers are told to free its KV blocks (`FreeSeqs`), never while an
-  iteration holding it runs. A streamed call gets a `GenChunk` per new token; every call gets
-  one `Generated` once all its sequences ended.
+- **Iterations**: a replica of P stages splits its running sequences into up to P groups
+  (`BrokerConfig.gen_groups`, 1 by default: one iteration holding them all), each with one
+  iteration in flight at a time, so that while one group's iteration is at a
+  stage the others' are at other stages and no stage waits for the rest (a model of one stage:
+  one group). A new sequence joins the group with the fewest running sequences (the first of
+  equals) whose iteration is not in flight, or waits for one; it stays in that group (its KV
+  is its own: groups share nothing but the replica). `spec.max_seqs` counts the whole replica.
+  An iteration holds every running sequence of its group: a prefill for each sequence that
+  joined since the last one (its whole prompt), a decode (its last token) for the others,
+  packed in one `Run` (`GenStep`) that the serving router sends exactly as it sends a batch of
+  requests (residency, loads, keep lists, direct runs, failover: `ServingRouter.start_gen`).
+  The last stage answers one new token per sequence. A sequence ends on an end-of-sequence id
+  (unless `ignore_eos`) or one of its `stop_ids` ("stop", the token kept), at `max_tokens`
+  ("length"), or by `StopGenerate` ("stop"); its stages' workers are told to free its KV
+  blocks (`FreeSeqs`), never while an iteration holding it (its group's) runs. A streamed call
+  gets a `GenChunk` per new token; every call gets one `Generated` once all its sequences
+  ended.
 - **Memory**: a stage that cannot place a prefill's KV blocks answers NO_SPACE; that
   iteration's prefills wait again and no new prefill joins that replica until a sequence of the
-  model frees memory; the decodes run on. A prefill that fails alone could never fit: TOO_BIG.
+  model frees memory; the decodes run on. A prefill that fails alone (nothing else running on
+  its replica, in any group) could never fit: TOO_BIG.
 - **Failures**: a replica lost (its worker gone) fails the calls of its sequences with
   WORKER_LOST (restarting them elsewhere is not in this landing), and so does a stage found
   not resident under a decode (its KV went with it; its prefills run again, through a Load);
   an iteration that hangs, fails on the worker or returns a malformed answer fails the calls in
-  it; a call past its timeout is answered TIMEOUT. Whatever happens, every call gets one answer.
+  it (the other groups' calls run on); a call past its timeout is answered TIMEOUT. Whatever
+  happens, every call gets one answer.
 """
 
 from __future__ import annotations
@@ -81,6 +90,7 @@ class Seq:
     out: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each new token came
     rep: GenRep | None = None  # the replica it runs on (None: waiting)
+    group: Group | None = None  # the group of that replica it runs in, for good
     prefilled: bool = False  # its prompt is in its replica's KV cache
     sent: bool = False  # some worker may hold KV blocks of it (FreeSeqs owed when it ends)
     finish: str | None = None  # "stop" | "length" | "error": it ended
@@ -96,16 +106,33 @@ class Iteration:
 
 
 @dataclass(eq=False)
-class GenRep:
-    """A replica's share of a model's generation: its running sequences, its iteration."""
+class Group:
+    """Running sequences of a replica that iterate together: one iteration of them in flight."""
 
-    rep: Replica
     running: list[Seq] = field(default_factory=list)
     batch: Batch | None = None  # the iteration in flight
+
+
+@dataclass(eq=False)
+class GenRep:
+    """A replica's share of a model's generation: its groups of running sequences (one per
+    stage, so that each stage can work on one group's iteration while the others are at
+    other stages)."""
+
+    rep: Replica
+    groups: list[Group]
     # A prefill found no KV room: none joins until a sequence of the model frees memory.
     hold: bool = False
     # Prefills failed together with nothing else running: they join one at a time.
     solo: bool = False
+
+    def running(self) -> list[Seq]:
+        """Every running sequence of the replica, group by group."""
+        return [s for k in self.groups for s in k.running]
+
+    def busy(self) -> bool:
+        """Whether an iteration of it is in flight."""
+        return any(k.batch is not None for k in self.groups)
 
 
 @dataclass(eq=False)
@@ -122,7 +149,7 @@ class GenModel:
     iterations: int = 0
 
     def running(self) -> int:
-        return sum(len(g.running) for g in self.reps)
+        return sum(len(k.running) for g in self.reps for k in g.groups)
 
 
 @dataclass(frozen=True)
@@ -403,11 +430,11 @@ class GenerationRoom:
             for g in [g for g in gm.reps if not self._usable(model, g)]:
                 # Its replica went (given up after a hang, scaled down): what ran there is lost.
                 gm.reps.remove(g)
-                for call in {id(s.call): s.call for s in g.running}.values():
+                for call in {id(s.call): s.call for s in g.running()}.values():
                     self._fail_call(
                         call, Code.WORKER_LOST, f"the replica of {name!r} it ran on was removed"
                     )
-                self._free(gm, g.rep, g.running)
+                self._free(gm, g.rep, g.running())
             starving = bool(gm.waiting) and (
                 now - gm.waiting[0].call.arrived >= self.cfg.starvation_s
             )
@@ -418,41 +445,64 @@ class GenerationRoom:
                 rep = self.router.pick_gen(model, [g.rep for g in gm.reps], now, starving=starving)
                 if rep is None:
                     break
-                g = GenRep(rep)
+                stages = len(rep.workers)
+                n = min(stages, self.cfg.gen_groups or stages)
+                g = GenRep(rep, [Group() for _ in range(max(1, n))])
                 gm.reps.append(g)
                 self._iterate(gm, g, now, starving, ensured=True)
 
     @staticmethod
     def _usable(model: Model, g: GenRep) -> bool:
-        return g.batch is not None or any(r is g.rep for r in model.replicas)
+        return g.busy() or any(r is g.rep for r in model.replicas)
 
     def _has_room(self, gm: GenModel, g: GenRep) -> bool:
-        return not g.hold and len(g.running) < gm.model.spec.max_seqs
+        return not g.hold and len(g.running()) < gm.model.spec.max_seqs
 
     def _iterate(
         self, gm: GenModel, g: GenRep, now: float, starving: bool, ensured: bool = False
     ) -> None:
-        if g.batch is not None:
+        """Start an iteration for every group of `g` that has sequences to run and none in
+        flight, waiting sequences joining the idle groups first."""
+        idle = [k for k in g.groups if k.batch is None]
+        if not idle:
             return
         model = gm.model
-        admit: list[Seq] = []
+        admit: list[tuple[Seq, Group]] = []
         if not g.hold:
-            room = gm.model.spec.max_seqs - len(g.running)
+            room = model.spec.max_seqs - len(g.running())
             if g.solo:
-                room = min(room, 1)
+                # Alone: nothing else may be in flight beside it (it is the verdict on it).
+                room = 0 if g.busy() else min(room, 1)
+            sizes = {id(k): len(k.running) for k in idle}
             while gm.waiting and len(admit) < room:
-                admit.append(gm.waiting.popleft())
-        if not g.running and not admit:
-            gm.reps.remove(g)  # nothing on it: free for other models' stages
+                # The smallest idle group (the first of equals: `min` keeps the first).
+                k = min(idle, key=lambda k: sizes[id(k)])
+                admit.append((gm.waiting.popleft(), k))
+                sizes[id(k)] += 1
+        ready = [k for k in idle if k.running or any(j is k for _, j in admit)]
+        if not ready:
+            if not g.busy() and not g.running():
+                gm.reps.remove(g)  # nothing on it: free for other models' stages
             return
-        if not ensured and not self.router.ensure_gen(model, g.rep, now, starving=starving):
-            gm.waiting.extendleft(reversed(admit))
-            return
-        for s in admit:
-            s.rep = g
-        g.running.extend(admit)
+        for n, k in enumerate(ready):
+            # Each group's iteration is a run of its own on the replica's workers: it may
+            # start only when the replica may take one more (`ensured`: the first may).
+            if not (ensured and n == 0) and not self.router.ensure_gen(
+                model, g.rep, now, starving=starving
+            ):
+                # Not now: the sequences of the groups left wait again, in their order.
+                gm.waiting.extendleft(reversed([s for s, j in admit if j in ready[n:]]))
+                return
+            for s, j in admit:
+                if j is k:
+                    s.rep, s.group = g, k
+                    k.running.append(s)
+            self._start(gm, g, k, now)
+
+    def _start(self, gm: GenModel, g: GenRep, k: Group, now: float) -> None:
+        """Send group `k`'s next iteration: every running sequence of it, packed in one Run."""
         steps, ids, prefill = [], [], []
-        for s in g.running:
+        for s in k.running:
             if s.prefilled:
                 start, new = len(s.prompt) + len(s.out) - 1, [s.out[-1]]
             else:
@@ -469,9 +519,9 @@ class GenerationRoom:
             ids.extend(new)
             prefill.append(not s.prefilled)
             s.sent = True
-        it = Iteration(p.GenStep(seqs=steps), list(g.running), prefill)
+        it = Iteration(p.GenStep(seqs=steps), list(k.running), prefill)
         tensor = p.TensorRef("int64", (len(ids),), numpy.asarray(ids, dtype="<i8").tobytes())
-        g.batch = self.router.start_gen(model, g.rep, it, tensor, now)
+        k.batch = self.router.start_gen(gm.model, g.rep, it, tensor, now)
         gm.iterations += 1
 
     # ================================================================== results
@@ -479,24 +529,25 @@ class GenerationRoom:
     def holds(self, model: Model, rep: Replica) -> bool:
         """Whether live sequences of `model` keep KV on `rep`'s workers."""
         gm = self.by_model.get(model.name)
-        return gm is not None and any(g.rep is rep and g.running for g in gm.reps)
+        return gm is not None and any(g.rep is rep and g.running() for g in gm.reps)
 
     def waits(self, model: Model) -> bool:
         gm = self.by_model.get(model.name)
         return gm is not None and bool(gm.waiting)
 
-    def _owner(self, batch: Batch) -> tuple[GenModel, GenRep] | None:
+    def _owner(self, batch: Batch) -> tuple[GenModel, GenRep, Group] | None:
         gm = self.by_model.get(batch.model)
         if gm is None:
             return None
-        g = next((g for g in gm.reps if g.batch is batch), None)
-        return None if g is None else (gm, g)
+        found = ((g, k) for g in gm.reps for k in g.groups if k.batch is batch)
+        g, k = next(found, (None, None))
+        return None if g is None or k is None else (gm, g, k)
 
     def iteration_done(self, batch: Batch, tensors: dict[str, Any], now: float) -> None:
         owner = self._owner(batch)
         if owner is None:
             return
-        gm, g = owner
+        gm, g, k = owner
         it: Iteration = batch.gen
         try:
             tokens = self._tokens(tensors, len(it.seqs), gm.model)
@@ -505,7 +556,7 @@ class GenerationRoom:
             log.warning("%s", why)
             self.iteration_failed(batch, str(Code.INTERNAL), why, now)
             return
-        g.batch = None
+        k.batch = None
         g.solo = False
         ended: list[Seq] = []
         for s, tok in zip(it.seqs, tokens, strict=True):
@@ -526,7 +577,7 @@ class GenerationRoom:
             if s.finish is not None:
                 ended.append(s)
         if ended:
-            g.running = [s for s in g.running if s.finish is None]
+            k.running = [s for s in k.running if s.finish is None]
             self._free(gm, g.rep, ended)
         for call in {id(s.call): s.call for s in ended}.values():
             self._maybe_done(call, now)
@@ -555,12 +606,12 @@ class GenerationRoom:
         owner = self._owner(batch)
         if owner is None:
             return
-        gm, g = owner
-        g.batch = None
+        gm, g, k = owner
+        k.batch = None
         it: Iteration = batch.gen
-        ended = [s for s in g.running if s.finish is not None]  # stopped while it ran
+        ended = [s for s in k.running if s.finish is not None]  # stopped while it ran
         if ended:
-            g.running = [s for s in g.running if s.finish is None]
+            k.running = [s for s in k.running if s.finish is None]
             self._free(gm, g.rep, ended)
         if code == Code.NOT_RESIDENT:
             # The stage was evicted, or holds no KV of a sequence: the prefills run again as
@@ -577,37 +628,40 @@ class GenerationRoom:
                 )
             return
         if code == Code.NO_SPACE:
-            self._no_space(gm, g, it, reason)
+            self._no_space(gm, g, k, it, reason)
             return
+        # Only this group's calls: the other groups' iterations are runs of their own.
         for call in {id(s.call): s.call for s in it.seqs}.values():
             self._fail_call(call, code, reason)
 
-    def _no_space(self, gm: GenModel, g: GenRep, it: Iteration, reason: str) -> None:
-        """A stage could not place KV blocks for this iteration."""
+    def _no_space(self, gm: GenModel, g: GenRep, k: Group, it: Iteration, reason: str) -> None:
+        """A stage could not place KV blocks for group `k`'s iteration (the other groups'
+        sequences hold KV on the same workers: they count as running beside it)."""
         prefills = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if pre]
         others = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if not pre]
+        beside = [s for j in g.groups if j is not k for s in j.running]
         live = [s for s in prefills if s.finish is None]
         if not prefills:
             # Decodes alone: a sequence outgrew the memory. No preemption in this landing:
-            # the newest one fails (alone, it could never have fitted).
-            if len(g.running) < len(it.seqs):
+            # the group's newest one fails (alone, it could never have fitted).
+            if len(k.running) < len(it.seqs):
                 return  # some of it ended while it ran: their memory is free, run again
-            s = g.running[-1]
-            code = Code.TOO_BIG if len(g.running) == 1 else Code.NO_SPACE
+            s = k.running[-1]
+            code = Code.TOO_BIG if len(k.running) == 1 and not beside else Code.NO_SPACE
             self._fail_call(s.call, code, self._too_big(gm, s, reason, alone=code is Code.TOO_BIG))
             return
-        if len(prefills) == 1 and not others and live:
+        if len(prefills) == 1 and not others and not beside and live:
             # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
             s = prefills[0]
             self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
             return
         # The prefills wait again (their blocks freed on every stage); the decodes run on.
-        g.running = [s for s in g.running if s not in prefills]
+        k.running = [s for s in k.running if s not in prefills]
         self._free(gm, g.rep, prefills)
         for s in reversed(live):
-            s.rep, s.prefilled = None, False
+            s.rep, s.group, s.prefilled = None, None, False
             gm.waiting.appendleft(s)
-        if others:
+        if others or beside:
             g.hold = True
         else:
             g.solo = True
@@ -627,16 +681,20 @@ class GenerationRoom:
         if gm is None:
             return
         for g in [g for g in gm.reps if g.rep is rep]:
+            # Every group of it: their KV was on the same workers.
             gm.reps.remove(g)
-            g.batch = None
+            running = g.running()
+            for k in g.groups:
+                k.batch = None
             reason = (
                 f"worker {lost} was lost while generating (a sequence's KV cache lives on its "
                 "replica's workers; restarting it elsewhere is not supported yet)"
             )
-            for call in {id(s.call): s.call for s in g.running}.values():
+            for call in {id(s.call): s.call for s in running}.values():
                 self._fail_call(call, Code.WORKER_LOST, reason)
-            self._free(gm, rep, g.running, skip=lost)
-            g.running = []
+            self._free(gm, rep, running, skip=lost)
+            for k in g.groups:
+                k.running = []
         if not model.replicas:
             for call in {id(s.call): s.call for s in gm.waiting}.values():
                 self._fail_call(call, Code.WORKER_LOST, f"{model.name!r} has no live replica")
@@ -650,10 +708,10 @@ class GenerationRoom:
         if s in gm.waiting:
             gm.waiting.remove(s)
             return
-        g = s.rep
-        if g is None or s not in g.running or g.batch is not None:
+        g, k = s.rep, s.group
+        if g is None or k is None or s not in k.running or k.batch is not None:
             return
-        g.running.remove(s)
+        k.running.remove(s)
         self._free(gm, g.rep, [s])
 
     def _free(self, gm: GenModel, rep: Replica, seqs: list[Seq], skip: str = "") -> None:

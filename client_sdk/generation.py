@@ -297,9 +297,13 @@ class GenRun:
             items.append(self._parts.get_nowait())
         parts = [(c.index, list(c.ids), c.finish) for c in items if c is not None]
         reply = self._reply() if None in items else None
-        if reply is not None:
-            parts += self._rest(reply)
         chunks = await self._text(parts) if parts else []
+        if reply is not None:
+            # What the answer adds to the chunks taken (those just above included): were it
+            # reckoned before them, a sequence's last chunk read with the answer would count
+            # twice.
+            rest = self._rest(reply)
+            chunks += await self._text(rest) if rest else []
         self._ready.extend(c for c in chunks if c is not None)
         if reply is not None:
             outs = zip(self.seqs, reply.outputs, strict=True)

@@ -68,7 +68,8 @@ class Gen:
         replicas: int = 1,
         **cfg: Any,
     ) -> None:
-        self.h = Harness(**cfg)
+        # One group per stage unless a test says otherwise (the default is one group).
+        self.h = Harness(**{"gen_groups": 0, **cfg})
         self.hf = str(hf)
         self.told: list[tuple[bytes, p.Message]] = []
         self.calls: list[tuple[bytes, int]] = []  # the Generates the door took (or held)
@@ -143,6 +144,16 @@ class Gen:
             done = p.Loaded(id=load.id, model="lm", stage=load.stage, nbytes=MIB, seconds=0.1)
             assert self.h.backend(w, done) == []
         return run_of(out, w0)
+
+    def firsts(self, out: Out, n: int = 2) -> list[p.Run]:
+        """The replica's first iterations, one per group: both stages loaded (confirmed), `n`
+        Runs to stage 0 (w0), in group order."""
+        assert kinds(out) == [(self.w0, "load"), (self.w1, "load")] + [(self.w0, "run")] * n
+        for load in only(out, p.Load):
+            w = self.w0 if load.stage == 0 else self.w1
+            done = p.Loaded(id=load.id, model="lm", stage=load.stage, nbytes=MIB, seconds=0.1)
+            assert self.h.backend(w, done) == []
+        return only(out, p.Run)
 
     def stage0(self, run: p.Run, on: tuple[bytes, bytes] | None = None) -> p.Run:
         """Stage 0 answers `run` (the hidden states of its tokens): stage 1's Run, the same
@@ -361,7 +372,7 @@ def test_calls_before_the_files_are_read_wait_for_them(lm_dir: Path, files: LmFi
 
 
 def test_a_second_call_joins_the_running_one_midway(lm_dir: Path, files: LmFiles) -> None:
-    g = Gen(lm_dir, files, max_seqs=2)
+    g = Gen(lm_dir, files, max_seqs=3)
     run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=3))
     ((a, *_),) = steps(run)
     assert run.gen == p.GenStep(
@@ -369,58 +380,74 @@ def test_a_second_call_joins_the_running_one_midway(lm_dir: Path, files: LmFiles
             p.SeqStep(seq=a, start=0, count=3, sampling=p.Sampling(max_tokens=3, ignore_eos=True))
         ]
     )
-    # One iteration in flight per replica: the new calls wait for it.
-    assert g.generate(2, [[1, 9, 9, 9]], max_tokens=2, addr=CLIENT_B) == []
-    assert g.generate(3, [[1, 4]], max_tokens=1) == []
-    assert g.figures() == (1, 2, 0, 1)
+    # Two stages, two groups: the second call's prefill goes out at once, in the other one.
+    other = run_of(g.generate(2, [[1, 9, 9, 9]], max_tokens=2, addr=CLIENT_B), g.w0)
+    ((b, *_),) = steps(other)
+    assert steps(other) == [(b, 0, 4, 0)] and ids_of(other) == [1, 9, 9, 9]
+    # Both groups' iterations in flight: the next calls wait for one.
+    assert g.generate(3, [[1, 4]], max_tokens=2) == []
+    assert g.generate(4, [[1, 3]], max_tokens=1, addr=CLIENT_B) == []
+    assert g.figures() == (2, 2, 0, 2)
     run = g.stage0(run)
-    assert g.figures() == (1, 2, 0, 1)
+    assert g.figures() == (2, 2, 0, 2)
     run = run_of(g.last(run, {"0/tokens": tokens([11])}), g.w0)
-    # The first call's decode and the second's prefill, packed in one Run; the third waits
-    # (max_seqs 2).
-    (_, (b, *_)) = steps(run)
-    assert steps(run) == [(a, 3, 1, 1), (b, 0, 4, 0)] and ids_of(run) == [11, 1, 9, 9, 9]
-    assert run.parts == [[run.id, 5]]
-    assert g.figures() == (2, 1, 1, 2)
-    run = run_of(g.step(run, [12, 21]), g.w0)
-    assert steps(run) == [(a, 4, 1, 2), (b, 4, 1, 1)] and ids_of(run) == [12, 21]
-    out = g.step(run, [13, 22])
-    # Both end (max_tokens): each call answered, both freed on every stage, and the third
-    # call's prefill starts.
-    run = run_of(out, g.w0)
-    ((c, *_),) = steps(run)
+    # The first call's decode and the third's prefill, packed in one Run; the fourth waits
+    # (max_seqs 3 for the whole replica).
+    (_, (c, *_)) = steps(run)
+    assert steps(run) == [(a, 3, 1, 1), (c, 0, 2, 0)] and ids_of(run) == [11, 1, 4]
+    assert run.parts == [[run.id, 3]]
+    assert g.figures() == (3, 1, 1, 3)
+    other = run_of(g.step(other, [21]), g.w0)
+    assert steps(other) == [(b, 4, 1, 1)] and ids_of(other) == [21]
+    run = run_of(g.step(run, [12, 31]), g.w0)
+    assert steps(run) == [(a, 4, 1, 2), (c, 2, 1, 1)] and ids_of(run) == [12, 31]
+    # b ends (max_tokens): its call is answered, it is freed on every stage, and the fourth
+    # call's prefill takes its place in its group.
+    out = g.step(other, [22])
+    other = run_of(out, g.w0)
+    ((d, *_),) = steps(other)
     assert out == [
-        *freed(a, b),
-        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([11, 12, 13], "length", 3)])),
+        *freed(b),
         (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([21, 22], "length", 4)])),
-        (BACKEND, g.w0, run),
+        (BACKEND, g.w0, other),
     ]
-    assert steps(run) == [(c, 0, 2, 0)] and ids_of(run) == [1, 4]
-    assert g.figures() == (1, 0, 5, 4)
-    out = g.step(run, [31])
-    assert out == [
-        *freed(c),
-        (CLIENT, CLIENT_A, p.Generated(id=3, outputs=[out_of([31], "length", 2)])),
+    assert steps(other) == [(d, 0, 2, 0)] and ids_of(other) == [1, 3]
+    assert g.figures() == (3, 0, 5, 6)
+    assert g.step(run, [13, 32]) == [
+        *freed(a, c),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([11, 12, 13], "length", 3)])),
+        (CLIENT, CLIENT_A, p.Generated(id=3, outputs=[out_of([31, 32], "length", 2)])),
     ]
-    assert g.figures() == (0, 0, 6, 4)
+    assert g.step(other, [41]) == [
+        *freed(d),
+        (CLIENT, CLIENT_B, p.Generated(id=4, outputs=[out_of([41], "length", 2)])),
+    ]
+    assert g.figures() == (0, 0, 8, 6)
     g.answered_once()
 
 
 def test_one_call_of_many_prompts_runs_them_together(lm_dir: Path, files: LmFiles) -> None:
-    g = Gen(lm_dir, files, max_seqs=2)
-    run = g.first(g.generate(1, [[1, 5], [1, 6, 7], [1]], max_tokens=2))
-    (a, _, _, _), (b, _, _, _) = steps(run)
-    assert steps(run) == [(a, 0, 2, 0), (b, 0, 3, 0)] and ids_of(run) == [1, 5, 1, 6, 7]
-    run = run_of(g.step(run, [10, 20]), g.w0)
-    assert steps(run) == [(a, 2, 1, 1), (b, 3, 1, 1)]
-    out = g.step(run, [11, 21])
+    g = Gen(lm_dir, files, max_seqs=3)
+    run, other = g.firsts(g.generate(1, [[1, 5], [1, 6, 7], [1], [1, 8]], max_tokens=2))
+    # Spread over the groups (each to the one with fewer, the first of equals): the first and
+    # third packed in one Run, the second in the other; the fourth waits (max_seqs 3).
+    (a, *_), (c, *_) = steps(run)
+    ((b, *_),) = steps(other)
+    assert (a, b, c) == (a, a + 1, a + 2)
+    assert steps(run) == [(a, 0, 2, 0), (c, 0, 1, 0)] and ids_of(run) == [1, 5, 1]
+    assert steps(other) == [(b, 0, 3, 0)] and ids_of(other) == [1, 6, 7]
+    run = run_of(g.step(run, [10, 30]), g.w0)
+    assert steps(run) == [(a, 2, 1, 1), (c, 1, 1, 1)]
+    other = run_of(g.step(other, [20]), g.w0)
+    assert steps(other) == [(b, 3, 1, 1)]
+    out = g.step(run, [11, 31])
     run = run_of(out, g.w0)
-    ((c, *_),) = steps(run)
-    assert out == [*freed(a, b), (BACKEND, g.w0, run)]  # the call waits for its third
-    assert steps(run) == [(c, 0, 1, 0)] and (a, b, c) == (a, a + 1, a + 2)
-    run = run_of(g.step(run, [30]), g.w0)
-    assert g.step(run, [31]) == [
-        *freed(c),
+    assert out == [*freed(a, c), (BACKEND, g.w0, run)]  # the call waits for its fourth
+    assert steps(run) == [(a + 3, 0, 2, 0)]
+    assert g.step(other, [21]) == freed(b)
+    run = run_of(g.step(run, [40]), g.w0)
+    assert g.step(run, [41]) == [
+        *freed(a + 3),
         (
             CLIENT,
             CLIENT_A,
@@ -430,11 +457,122 @@ def test_one_call_of_many_prompts_runs_them_together(lm_dir: Path, files: LmFile
                     out_of([10, 11], "length", 2),
                     out_of([20, 21], "length", 3),
                     out_of([30, 31], "length", 1),
+                    out_of([40, 41], "length", 2),
                 ],
             ),
         ),
     ]
     g.answered_once()
+
+
+# ====================================================================== iterations in flight
+
+
+def test_a_two_stage_replica_keeps_an_iteration_in_flight_per_stage(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    first = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(first)
+    at1 = g.stage0(first)  # the first group's iteration is at stage 1 (w1)
+    # The second call's prefill goes out at once, in the second group: stage 0 works on it
+    # while stage 1 works on the first.
+    out = g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B)
+    second = run_of(out, g.w0)
+    ((b, *_),) = steps(second)
+    assert out == [(BACKEND, g.w0, second)] and b != a
+    assert steps(second) == [(b, 0, 3, 0)] and ids_of(second) == [1, 6, 7]
+    assert second.id != at1.id and g.core.models["lm"].replicas[0].inflight == 2
+    assert g.figures() == (2, 0, 0, 2)
+    at1b = g.stage0(second)  # on to stage 1, and nothing else starts
+    # Each group's next Run follows its own result only, the other's still in flight.
+    out = g.last(at1, {"0/tokens": tokens([10])})
+    first = run_of(out, g.w0)
+    assert out == [(BACKEND, g.w0, first)] and steps(first) == [(a, 2, 1, 1)]
+    at1 = g.stage0(first)
+    out = g.last(at1b, {"0/tokens": tokens([20])})
+    second = run_of(out, g.w0)
+    assert out == [(BACKEND, g.w0, second)] and steps(second) == [(b, 3, 1, 1)]
+    out = g.last(at1, {"0/tokens": tokens([11])})
+    first = run_of(out, g.w0)
+    assert out == [(BACKEND, g.w0, first)] and steps(first) == [(a, 3, 1, 2)]
+    assert g.step(second, [21]) == [
+        *freed(b),
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([20, 21], "length", 3)])),
+    ]
+    assert g.step(first, [12]) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12], "length", 2)])),
+    ]
+    g.answered_once()
+    assert g.figures() == (0, 0, 5, 5)
+
+
+def test_by_default_one_iteration_holds_every_sequence_of_a_replica(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, gen_groups=1)
+    first = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(first)
+    at1 = g.stage0(first)
+    # The second call waits for the iteration in flight, then joins it: one Run for both.
+    assert g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B) == []
+    assert g.core.models["lm"].replicas[0].inflight == 1
+    out = g.last(at1, {"0/tokens": tokens([10])})
+    both = run_of(out, g.w0)
+    ((_, *_), (b, *_)) = steps(both)
+    assert out == [(BACKEND, g.w0, both)]
+    assert steps(both) == [(a, 2, 1, 1), (b, 0, 3, 0)] and ids_of(both) == [10, 1, 6, 7]
+
+
+def test_direct_iterations_of_two_groups_are_in_flight_at_once(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    for i, w in enumerate(("w0", "w1")):
+        g.core.peers[w].info["peer_endpoint"] = f"tcp://127.0.0.1:{7000 + i}"
+    out = g.generate(1, [[1, 5], [1, 6, 7]], max_tokens=1)
+    # One iteration per group, each announced to both stages (a run of its own each).
+    assert kinds(out) == [
+        (g.w0, "load"),
+        (g.w1, "load"),
+        (g.w0, "run"),
+        (g.w1, "run"),
+        (g.w0, "run"),
+        (g.w1, "run"),
+    ]
+    r0, r1, r2, r3 = only(out, p.Run)
+    ((a, *_),) = steps(r0)
+    assert (r0.id, r2.id, steps(r2)) == (r1.id, r3.id, [(a + 1, 0, 3, 0)])
+    assert r0.id != r2.id and r0.ticket != r2.ticket and ids_of(r2) == [1, 6, 7]
+    assert [g.core.peers[w].inflight_runs for w in ("w0", "w1")] == [2, 2]
+    # The second group's answer comes first: the call waits for its first sequence.
+    assert g.last(r3, {"0/tokens": tokens([20])}) == freed(a + 1)
+    assert g.last(r1, {"0/tokens": tokens([10])}) == [
+        *freed(a),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(id=1, outputs=[out_of([10], "length", 2), out_of([20], "length", 3)]),
+        ),
+    ]
+    g.answered_once()
+
+
+def test_a_prefill_alone_in_its_group_beside_another_is_not_too_big(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    other = run_of(g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B), g.w0)
+    ((b, *_),) = steps(other)
+    # b's prefill alone in its group, but a holds KV on the same workers: no verdict, it
+    # waits again (first in line) and no prefill joins until memory is freed.
+    assert no_space(g, g.stage0(other), g.w1) == freed(b)
+    assert g.figures() == (1, 1, 0, 2) and g.told == []
+    run = run_of(g.step(run, [10]), g.w0)
+    assert steps(run) == [(a, 2, 1, 1)]
 
 
 # ====================================================================== how a sequence ends
@@ -444,31 +582,30 @@ def test_eos_ends_a_sequence_unless_ignored(lm_dir: Path, files: LmFiles) -> Non
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], ignore_eos=False, max_tokens=8))
     ((a, *_),) = steps(run)
-    assert g.generate(2, [[1, 6]], ignore_eos=True, max_tokens=2) == []
+    other = run_of(g.generate(2, [[1, 6]], ignore_eos=True, max_tokens=2), g.w0)
+    ((b, *_),) = steps(other)
     g.h.now = 0.5
     run = run_of(g.step(run, [40]), g.w0)
-    (_, (b, *_)) = steps(run)
+    # The second ignores eos (the config's, 2): it runs on.
+    other = run_of(g.step(other, [EOS_ID]), g.w0)
+    assert steps(other) == [(b, 2, 1, 1)] and ids_of(other) == [EOS_ID]
     g.h.now = 1.0
-    # eos (the config's, 2) ends the first, the token kept; the second ignores it.
-    out = g.step(run, [EOS_ID, EOS_ID])
-    run = run_of(out, g.w0)
-    assert out == [
+    # eos ends the first, the token kept.
+    assert g.step(run, [EOS_ID]) == [
         *freed(a),
         (
             CLIENT,
             CLIENT_A,
             p.Generated(id=1, outputs=[out_of([40, EOS_ID], "stop", 2, 500.0, [500.0])]),
         ),
-        (BACKEND, g.w0, run),
     ]
-    assert steps(run) == [(b, 2, 1, 1)] and ids_of(run) == [EOS_ID]
     g.h.now = 1.25
-    assert g.step(run, [EOS_ID]) == [
+    assert g.step(other, [EOS_ID]) == [
         *freed(b),
         (
             CLIENT,
             CLIENT_A,
-            p.Generated(id=2, outputs=[out_of([EOS_ID, EOS_ID], "length", 2, 1000.0, [250.0])]),
+            p.Generated(id=2, outputs=[out_of([EOS_ID, EOS_ID], "length", 2, 500.0, [750.0])]),
         ),
     ]
     g.answered_once()
@@ -478,16 +615,18 @@ def test_stop_ids_end_a_sequence_and_a_stream_gets_every_token(
     lm_dir: Path, files: LmFiles
 ) -> None:
     g = Gen(lm_dir, files)
-    run = g.first(g.generate(1, [[1, 5], [1, 6]], stream=True, stop_ids=[77], max_tokens=3))
-    (a, *_), (b, *_) = steps(run)
+    run, other = g.firsts(g.generate(1, [[1, 5], [1, 6]], stream=True, stop_ids=[77], max_tokens=3))
+    ((a, *_),) = steps(run)
+    ((b, *_),) = steps(other)
 
     def chunk(index: int, new: int, finish: str | None = None) -> tuple[str, bytes, p.Message]:
         return (CLIENT, CLIENT_A, p.GenChunk(id=1, index=index, ids=[new], finish=finish))
 
-    out = g.step(run, [10, 77])
+    out = g.step(run, [10])
     run = run_of(out, g.w0)
-    assert out == [chunk(0, 10), chunk(1, 77, "stop"), *freed(b), (BACKEND, g.w0, run)]
+    assert out == [chunk(0, 10), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 2, 1, 1)]
+    assert g.step(other, [77]) == [chunk(1, 77, "stop"), *freed(b)]
     run = run_of(g.step(run, [11]), g.w0)
     assert g.step(run, [12]) == [
         chunk(0, 12, "length"),
@@ -511,23 +650,23 @@ def test_stop_ids_end_a_sequence_and_a_stream_gets_every_token(
 
 def test_stop_generate_mid_iteration_frees_after_its_result(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
-    run = g.first(g.generate(1, [[1, 5], [1, 6]], stream=True, max_tokens=5))
-    (a, *_), (b, *_) = steps(run)
-    run = run_of(g.step(run, [10, 20]), g.w0)
-    stage1 = g.stage0(run)
-    # Stopped while the iteration holding it runs: its stream ends at once, its KV is freed
-    # only after the iteration's answer (a worker may still be writing it).
+    run, other = g.firsts(g.generate(1, [[1, 5], [1, 6]], stream=True, max_tokens=5))
+    ((a, *_),) = steps(run)
+    ((b, *_),) = steps(other)
+    run = run_of(g.step(run, [10]), g.w0)
+    other = run_of(g.step(other, [20]), g.w0)
+    stage1 = g.stage0(other)
+    # Stopped while the iteration holding it (its group's) runs: its stream ends at once, its
+    # KV is freed only after that iteration's answer (a worker may still be writing it).
     assert g.client(p.StopGenerate(id=1, indexes=[1])) == [
         (CLIENT, CLIENT_A, p.GenChunk(id=1, index=1, ids=[], finish="stop"))
     ]
-    out = g.last(stage1, {"0/tokens": tokens([11, 21])})
+    # The other group's answer is not that one: it frees nothing.
+    out = g.step(run, [11])
     run = run_of(out, g.w0)
-    assert out == [
-        (CLIENT, CLIENT_A, p.GenChunk(id=1, index=0, ids=[11])),
-        *freed(b),
-        (BACKEND, g.w0, run),
-    ]
+    assert out == [(CLIENT, CLIENT_A, p.GenChunk(id=1, index=0, ids=[11])), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 3, 1, 2)]
+    assert g.last(stage1, {"0/tokens": tokens([21])}) == freed(b)
     # The whole call stopped mid-iteration: answered at once with what it has, freed after.
     stage1 = g.stage0(run)
     assert g.client(p.StopGenerate(id=1)) == [
@@ -545,7 +684,7 @@ def test_stop_generate_mid_iteration_frees_after_its_result(lm_dir: Path, files:
     # A late stop changes nothing.
     assert g.client(p.StopGenerate(id=1)) == []
     g.answered_once()
-    assert g.figures() == (0, 0, 3, 3)
+    assert g.figures() == (0, 0, 3, 5)
 
 
 def test_stopping_a_waiting_sequence_sends_nothing_to_workers(lm_dir: Path, files: LmFiles) -> None:
@@ -580,6 +719,9 @@ def test_no_space_puts_the_prefills_back_and_the_decodes_run_on(
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     ((a, *_),) = steps(run)
+    # A long call in the other group, and one that waits for an idle group.
+    other = run_of(g.generate(4, [[1, 9]], max_tokens=8, addr=CLIENT_B), g.w0)
+    ((z, *_),) = steps(other)
     assert g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B) == []
     run = run_of(g.step(run, [10]), g.w0)
     (_, (b, *_)) = steps(run)
@@ -590,11 +732,14 @@ def test_no_space_puts_the_prefills_back_and_the_decodes_run_on(
     run = run_of(out, g.w0)
     assert out == [*freed(b), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 2, 1, 1)] and ids_of(run) == [10]
-    assert g.figures() == (1, 1, 1, 3)
+    assert g.figures() == (2, 1, 1, 4)
     assert g.generate(3, [[1, 8]], max_tokens=1) == []
+    # Nor in the other group (the memory is the replica's).
+    other = run_of(g.step(other, [90]), g.w0)
+    assert steps(other) == [(z, 2, 1, 1)]
     run = run_of(g.step(run, [11]), g.w0)
     assert steps(run) == [(a, 3, 1, 2)]
-    # a ends: b (first in line) and the third call's prefill join.
+    # a ends: b (first in line) and the third call's prefill join its group, the idle one.
     out = g.step(run, [12])
     run = run_of(out, g.w0)
     (b2, *_), (c, *_) = steps(run)
@@ -609,14 +754,35 @@ def test_no_space_puts_the_prefills_back_and_the_decodes_run_on(
 
 def test_prefills_that_fail_together_join_one_at_a_time(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
-    run = g.first(g.generate(1, [[1, 5], [1, 6, 7]], max_tokens=2))
+    run = g.first(g.generate(1, [[1, 4]], max_tokens=1))
+    other = run_of(g.generate(2, [[1, 3]], max_tokens=1, addr=CLIENT_B), g.w0)
+    ((z, *_),) = steps(run)
+    ((x, *_),) = steps(other)
+    # Both groups in flight: the call waits, then both its prompts join the first idle group.
+    assert g.generate(3, [[1, 5], [1, 6, 7]], max_tokens=2) == []
+    out = g.step(run, [40])
+    run = run_of(out, g.w0)
     (a, *_), (b, *_) = steps(run)
+    assert out == [
+        *freed(z),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([40], "length", 2)])),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(a, 0, 2, 0), (b, 0, 3, 0)]
+    assert g.step(other, [30]) == [
+        *freed(x),
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([30], "length", 2)])),
+    ]
+    # Nothing else runs on the replica: the two prefills try again one at a time, the second
+    # only once the first is back (then in the other group, the smaller).
     out = no_space(g, run, g.w0)
     run = run_of(out, g.w0)
     assert out == [*freed(a, b), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 0, 2, 0)]
-    run = run_of(g.step(run, [10]), g.w0)
-    assert steps(run) == [(a, 2, 1, 1), (b, 0, 3, 0)]
+    out = g.step(run, [10])
+    run, other = only(out, p.Run)
+    assert kinds(out) == [(g.w0, "run"), (g.w0, "run")]
+    assert steps(run) == [(a, 2, 1, 1)] and steps(other) == [(b, 0, 3, 0)]
 
 
 def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> None:
@@ -641,10 +807,12 @@ def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> 
 
 
 def test_a_lost_worker_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
-    g = Gen(lm_dir, files, max_seqs=1)
+    g = Gen(lm_dir, files, max_seqs=2)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     ((a, *_),) = steps(run)
-    assert g.generate(2, [[1, 6]], max_tokens=2, addr=CLIENT_B) == []
+    other = run_of(g.generate(2, [[1, 6]], max_tokens=2, addr=CLIENT_B), g.w0)
+    ((b, *_),) = steps(other)
+    assert g.generate(3, [[1, 7]], max_tokens=2, addr=CLIENT_B) == []
     g.stage0(run)
     # w1 falls silent; w0 and the partitioner keep beating.
     g.h.now = 2.5
@@ -655,17 +823,20 @@ def test_a_lost_worker_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
         "worker w1 was lost while generating (a sequence's KV cache lives on its replica's "
         "workers; restarting it elsewhere is not supported yet)"
     )
+    # Every group's calls: their KV was on the same workers.
     assert [o for o in out if isinstance(o[2], p.FreeSeqs | p.Error | p.Generated)] == [
         (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[a])),
         (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.WORKER_LOST), reason=reason)),
+        (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[b])),
+        (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.WORKER_LOST), reason=reason)),
         (
             CLIENT,
             CLIENT_B,
-            p.Error(id=2, code=str(Code.WORKER_LOST), reason="'lm' has no live replica"),
+            p.Error(id=3, code=str(Code.WORKER_LOST), reason="'lm' has no live replica"),
         ),
     ]
     g.answered_once()
-    assert g.figures() == (0, 0, 0, 1)
+    assert g.figures() == (0, 0, 0, 2)
 
 
 def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
@@ -709,18 +880,28 @@ def test_a_malformed_answer_fails_the_calls_never_hangs(
 ) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
-    assert g.generate(2, [[1, 6]], max_tokens=3, addr=CLIENT_B) == []
+    other = run_of(g.generate(2, [[1, 6]], max_tokens=3, addr=CLIENT_B), g.w0)
+    ((b, *_),) = steps(other)
+    assert g.generate(3, [[1, 7]], max_tokens=3) == []
     run = run_of(g.step(run, [10]), g.w0)
-    (a, *_), (b, *_) = steps(run)
+    (a, *_), (c, *_) = steps(run)
     reason = f"worker w1 answered generation badly: {why}"
+    # The calls of that iteration fail; the other group's call runs on, to its end.
     assert g.last(g.stage0(run), tensors) == [
         *freed(a),
         (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.INTERNAL), reason=reason)),
+        *freed(c),
+        (CLIENT, CLIENT_A, p.Error(id=3, code=str(Code.INTERNAL), reason=reason)),
+    ]
+    other = run_of(g.step(other, [20]), g.w0)
+    assert steps(other) == [(b, 2, 1, 1)]
+    other = run_of(g.step(other, [21]), g.w0)
+    assert g.step(other, [22]) == [
         *freed(b),
-        (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.INTERNAL), reason=reason)),
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([20, 21, 22], "length", 2)])),
     ]
     g.answered_once()
-    assert g.figures() == (0, 0, 1, 2)
+    assert g.figures() == (0, 0, 4, 5)
 
 
 def test_an_error_from_a_stage_fails_the_calls_in_it(lm_dir: Path, files: LmFiles) -> None:
@@ -831,7 +1012,8 @@ def test_a_prefill_whose_stage_was_evicted_runs_again(lm_dir: Path, files: LmFil
 def test_a_decode_whose_stage_lost_its_kv_fails(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
-    assert g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B) == []
+    assert only(g.generate(2, [[1, 9]], max_tokens=3, addr=CLIENT_B), p.Run)  # the other group
+    assert g.generate(3, [[1, 6, 7]], max_tokens=2) == []
     run = run_of(g.step(run, [10]), g.w0)
     (a, *_), (b, *_) = steps(run)
     why = f"'lm'/1 has no KV cache of sequence {a} here"
@@ -850,14 +1032,20 @@ def test_a_decode_whose_stage_lost_its_kv_fails(lm_dir: Path, files: LmFiles) ->
         (BACKEND, g.w0, run),
     ]
     assert steps(run) == [(b, 0, 3, 0)]
-    assert g.figures() == (1, 0, 1, 3)
+    assert g.figures() == (2, 0, 1, 4)
 
 
 def test_decodes_out_of_memory_fail_the_newest(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
+    other = run_of(g.generate(3, [[1, 9]], max_tokens=1, addr=CLIENT_B), g.w0)
+    ((z, *_),) = steps(other)
     assert g.generate(2, [[1, 6, 7]], max_tokens=4, addr=CLIENT_B) == []
-    run = run_of(g.step(run, [10]), g.w0)
+    run = run_of(g.step(run, [10]), g.w0)  # b joins a's group
+    assert g.step(other, [90]) == [
+        *freed(z),
+        (CLIENT, CLIENT_B, p.Generated(id=3, outputs=[out_of([90], "length", 2)])),
+    ]
     run = run_of(g.step(run, [11, 20]), g.w0)
     (a, *_), (b, *_) = steps(run)
     reason = (
@@ -872,7 +1060,7 @@ def test_decodes_out_of_memory_fail_the_newest(lm_dir: Path, files: LmFiles) -> 
         (BACKEND, g.w0, run),
     ]
     assert steps(run) == [(a, 3, 1, 2)]
-    # Alone, it could never fit.
+    # Alone (on the whole replica), it could never fit.
     out = no_space(g, g.stage0(run), g.w1)
     assert out[-1] == (
         CLIENT,
@@ -935,21 +1123,21 @@ def test_a_ready_models_files_are_read_ahead_of_its_first_call(
 
 def test_decodes_out_of_memory_beside_a_stopped_one_run_again(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
-    run = g.first(g.generate(1, [[1, 5], [1, 6]], max_tokens=4))
-    run = run_of(g.step(run, [10, 20]), g.w0)
-    (a, *_), (b, *_) = steps(run)
-    g.client(p.StopGenerate(id=1, indexes=[1]))
-    # b's memory is free once the failed iteration is over: a runs again, nobody fails.
+    run, _ = g.firsts(g.generate(1, [[1, 5], [1, 6], [1, 7], [1, 8]], max_tokens=4))
+    (a, *_), (c, *_) = steps(run)  # the first and third prompts share the first group
+    run = run_of(g.step(run, [10, 30]), g.w0)
+    g.client(p.StopGenerate(id=1, indexes=[2]))
+    # c's memory is free once the failed iteration is over: a runs again, nobody fails.
     out = no_space(g, run, g.w0)
     run = run_of(out, g.w0)
-    assert out == [*freed(b), (BACKEND, g.w0, run)]
+    assert out == [*freed(c), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 2, 1, 1)] and g.finals(1) == []
 
 
 def test_the_door_refuses_a_client_over_its_limit(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files, max_client_inflight=2)
     g.first(g.generate(1, [[1]], max_tokens=2))
-    assert g.generate(2, [[1]], max_tokens=2) == []
+    assert only(g.generate(2, [[1]], max_tokens=2), p.Run)  # in the other group
     err = refused(g, p.Generate(id=3, model="lm", prompts=[[1]]))
     assert (err.code, err.reason) == (
         Code.OVERLOADED,

@@ -1,6 +1,7 @@
 """Generation through a real mesh: a tiny Llama saved with `save_pretrained` deployed in two
-stages on two workers, its greedy tokens through the paged KV cache equal to Hugging Face's own
-`generate`; streams that join to the call's result, stop strings, and the refusals at the door."""
+stages on two workers (an iteration in flight per stage), its greedy tokens through the paged KV
+cache equal to Hugging Face's own `generate`; GPT-2 and OPT directories too; streams that join
+to the call's result, stop strings, chats, the refusals at the door, and the demo's part."""
 
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1 2 3"]
 def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalMesh, Path]:
     root = tmp_path_factory.mktemp("gen")
     model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=64)
-    with LocalMesh(cpu_workers=2, memory_budget="8MiB", **roots_at(root), **FAST) as mesh:
+    # Two iterations in flight per replica, one per stage (the broker's default is one: the
+    # CLI, gateway and demo tests run that): the tokens are the same either way.
+    with LocalMesh(
+        cpu_workers=2,
+        memory_budget="8MiB",
+        broker_args=["--gen-groups", "0"],
+        **roots_at(root),
+        **FAST,
+    ) as mesh:
         with mesh.client() as c:
             c.deploy("lm", hf=str(model_dir), stages=2, replicas=1, max_seqs=4)
         yield mesh, model_dir

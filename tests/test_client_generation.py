@@ -1,0 +1,98 @@
+"""The SDK's side of a Generate (`client_sdk.generation.GenRun`) fed the broker's own messages in
+process: the chunks of a stream, then its answer, in the order and groupings a connection hands
+them over (a sequence's last chunk may be read together with the answer), and stop strings
+watched for in the decoded text."""
+
+from __future__ import annotations
+
+import asyncio
+
+from client_sdk.generation import Chunk, GenAsk, GenRun, _SeqText
+from flowmesh import protocol as p
+from flowmesh.modelio.tokenizer import TextCodec
+from tests.support.lm import build_tokenizer
+
+
+class Told:
+    """What the run tells the broker (StopGenerate), as its connection would send it."""
+
+    def __init__(self) -> None:
+        self.sent: list[p.Message] = []
+
+    def notify(self, msg: p.Message) -> bool:
+        self.sent.append(msg)
+        return True
+
+
+class Client:
+    def __init__(self) -> None:
+        self.connection = Told()
+
+
+def fed(
+    codec: TextCodec | None,
+    parts: list[list[p.GenChunk | None]],
+    answer: p.Generated,
+    stops: list[str] | None = None,
+) -> tuple[list[Chunk], GenRun]:
+    """Run a one-prompt stream whose connection hands over `parts`, each list at once (None:
+    the answer has come), the answer being `answer`."""
+
+    async def main() -> tuple[list[Chunk], GenRun]:
+        run = GenRun(Client(), GenAsk(model="m"), stream=True)
+        run.seqs = [_SeqText(0, codec, stops or [])]
+        run.msg = p.Generate(id=7, model="m", prompts=[[1]], sampling=p.Sampling(), stream=True)
+        done: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
+        done.set_result(answer)
+        run._task = asyncio.ensure_future(done)
+        await run._task
+        got: list[Chunk] = []
+        for batch in parts:  # each as one read of the connection hands it over
+            for item in batch:
+                run._parts.put_nowait(item)
+            await run._step()
+            got += run._ready
+            run._ready.clear()
+        assert run.ended
+        return got, run
+
+    return asyncio.run(main())
+
+
+def generated(ids: list[int], finish: str = "length") -> p.Generated:
+    return p.Generated(id=7, outputs=[p.GenOutput(ids=ids, finish=finish, prompt_tokens=1)])
+
+
+def test_a_last_chunk_read_with_the_answer_counts_once() -> None:
+    chunks, run = fed(
+        None,
+        [
+            [p.GenChunk(id=7, index=0, ids=[5])],
+            [p.GenChunk(id=7, index=0, ids=[6], finish="length"), None],
+        ],
+        generated([5, 6]),
+    )
+    assert [c.ids for c in chunks] == [[5], [6]]
+    assert chunks[-1].finish_reason == "length"
+    assert run.generations is not None and run.generations[0].ids == [5, 6]
+    assert run.generations[0].completion_tokens == 2
+
+
+def test_tokens_only_in_the_answer_come_as_a_last_chunk() -> None:
+    chunks, run = fed(None, [[p.GenChunk(id=7, index=0, ids=[5]), None]], generated([5, 6, 8]))
+    assert [c.ids for c in chunks] == [[5], [6, 8]] and chunks[-1].finish_reason == "length"
+    assert run.generations is not None and run.generations[0].ids == [5, 6, 8]
+
+
+def test_a_stop_string_ends_the_text_before_it_and_stops_the_sequence() -> None:
+    tok = build_tokenizer()
+    codec = TextCodec(tok.to_str())
+    ids = codec.encode("Hello! How are you", special=False)
+    stream = [[p.GenChunk(id=7, index=0, ids=[t])] for t in ids]
+    chunks, run = fed(codec, [*stream, [None]], generated(ids, "stop"), stops=[" are"])
+    assert "".join(c.text or "" for c in chunks) == "Hello! How"
+    assert chunks[-1].finish_reason == "stop"
+    assert run.generations is not None and run.generations[0].text == "Hello! How"
+    # The broker was told to stop it once, as soon as the stop string showed.
+    told = run.client.connection.sent
+    assert told == [p.StopGenerate(id=7, indexes=[0])]
