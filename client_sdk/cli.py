@@ -35,7 +35,7 @@ from client_sdk.views import (
     table,
     watch_text,
 )
-from flowmesh.auth import ROLES, KeyRing, add_key, init_keys
+from flowmesh.auth import ROLES, KeyRing, add_api_key, add_key, init_keys
 from flowmesh.errors import FlowmeshError
 from flowmesh.reports import BrokerStatus
 from flowmesh.units import parse_size
@@ -720,6 +720,16 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
         raise SystemExit(
             "flowmesh keys add: --dir DIR (or FLOWMESH_KEY_DIR) names the key directory"
         )
+    if args.api:
+        path, api_key = add_api_key(d, args.name, args.role)
+        # The key is shown this once: only its hash is kept.
+        print(api_key)
+        print(
+            f"{args.role} API key {args.name!r} added to {path} (shown once: only its hash is "
+            "kept); send it as 'Authorization: Bearer KEY' to a gateway given that file",
+            file=sys.stderr,
+        )
+        return 0
     secret = add_key(d, args.name, args.role)
     print(
         f"{args.role} key {args.name!r}: {secret} (give it, with broker.key, to "
@@ -908,6 +918,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("name", help="the name it is allowed (a worker's or partitioner's --name)")
     k.add_argument("--role", required=True, choices=ROLES)
     k.add_argument("--dir", default=None, help="the key directory (env FLOWMESH_KEY_DIR)")
+    k.add_argument(
+        "--api",
+        action="store_true",
+        help="an API key for the HTTP gateway (role client or operator) in DIR/api_keys.json, "
+        "printed once on stdout, instead of a CURVE key pair",
+    )
     k.set_defaults(fn=cmd_keys_add)
     k = add(keys_sub, "list", "the keys a key directory allows")
     k.add_argument("dir")

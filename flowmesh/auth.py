@@ -7,6 +7,7 @@ zmq.auth certificates, each with its `name` and `role` in the certificate's meta
     DIR/broker.key_secret     the broker's secret key: the broker only
     DIR/NAME.key              NAME's public key: its presence in DIR is what allows NAME in
     DIR/NAME.key_secret       NAME's secret key: give it to NAME only
+    DIR/api_keys.json         the HTTP gateway's API keys (`keys add NAME --api`), hashed
 
 With `--keys DIR` the broker's two ROUTERs are CURVE servers and a ZAP handler (`MeshAuthenticator`,
 on the broker's event loop) lets in only the public keys of DIR: worker and partitioner keys on the
@@ -26,8 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +201,59 @@ def load_keys(keys: Any, name: str | None = None) -> CurveKeys:
         raise FlowmeshError(Code.UNAUTHORIZED, f"{path} holds no secret key (a .key_secret file)")
     server, _, _ = read_cert(path.parent / f"{BROKER}.key")
     return CurveKeys(public, secret, server, meta.get("name", ""))
+
+
+# ---------------------------------------------------------------------- HTTP API keys
+
+# The gateway's bearer tokens, kept next to the CURVE keys: one JSON file of {name, role, sha256}
+# rows. Only the hash is stored, so the file lets keys in without holding any of them.
+API_KEYS = "api_keys.json"
+API_KEY_PREFIX = "fm-"
+
+
+def api_key_hash(secret: str) -> str:
+    """What `api_keys.json` stores of API key `secret` (hex sha256)."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def read_api_keys(path: str | os.PathLike[str]) -> dict[str, Identity]:
+    """The API keys a key file allows: each key's hash to whose it is (`public` is empty)."""
+    try:
+        rows = json.loads(Path(path).read_text(encoding="utf-8"))["keys"]
+        out = {}
+        for row in rows:
+            out[str(row["sha256"])] = Identity(str(row["name"]), str(row["role"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FlowmeshError(Code.UNAUTHORIZED, f"{path} is not an API key file: {exc!r}") from None
+    return out
+
+
+def add_api_key(directory: str | os.PathLike[str], name: str, role: str) -> tuple[Path, str]:
+    """A new API key for NAME (role client or operator) in DIR/api_keys.json: (the file, the key).
+    The key is returned once and stored only hashed; DIR needs no broker key (a gateway may
+    stand in front of a mesh without CURVE)."""
+    if role not in CLIENT_ROLES:
+        raise FlowmeshError(Code.BAD_REQUEST, f"API key role {role!r}: one of client, operator")
+    if not name or name != name.strip() or any(c in name for c in "\n\r\t"):
+        raise FlowmeshError(Code.BAD_REQUEST, f"bad key name {name!r}")
+    d = Path(directory)
+    if not d.exists():
+        d.mkdir(parents=True)
+        os.chmod(d, 0o700)
+    path = d / API_KEYS
+    known = read_api_keys(path) if path.exists() else {}
+    if any(i.name == name for i in known.values()):
+        raise FlowmeshError(Code.BAD_REQUEST, f"{path} already holds an API key named {name!r}")
+    secret = API_KEY_PREFIX + secrets.token_urlsafe(32)
+    known[api_key_hash(secret)] = Identity(name, role)
+    rows = [{"name": i.name, "role": i.role, "sha256": h} for h, i in known.items()]
+    # Written whole then renamed, so that a gateway reading it never sees half a file.
+    tmp = path.with_name(f".{API_KEYS}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        json.dump({"keys": rows}, out, indent=1)
+    os.replace(tmp, path)
+    return path, secret
 
 
 # ---------------------------------------------------------------------- sockets

@@ -2,3 +2,7 @@
 models) and the KServe v2 / Open Inference Protocol (`/v2`, for every model) to HTTP clients,
 and the SDK (`client_sdk.client.AsyncClient`) to the broker. It keeps nothing of its own, so
 several can stand behind one load balancer. `python -m gateway --broker ADDRESS --port N`."""
+
+# Limits' defaults, here so that the CLI (gateway.__main__) and the app share them cheaply.
+MAX_BODY = 64 * 2**20  # bytes of a request body: 413 beyond
+MAX_STREAMS_PER_KEY = 16  # event streams one API key holds open at once: 429 beyond

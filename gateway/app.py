@@ -1,25 +1,43 @@
 """The gateway's ASGI application: one `AsyncClient` to the broker for the app's lifetime, the
-OpenAI and KServe v2 routes, and errors answered in each protocol's body."""
+OpenAI and KServe v2 routes, errors answered in each protocol's body, `/metrics`, and the door
+in front of it all (`gateway.guard`: API keys, loopback only without them, body and stream
+limits, the requests' counts)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client_sdk.client import AsyncClient
 from flowmesh.errors import FlowmeshError
-from gateway import kserve, openai_api
+from gateway import MAX_BODY, MAX_STREAMS_PER_KEY, kserve, openai_api
 from gateway.errors import on_flowmesh_error, on_invalid_body
+from gateway.guard import ApiKeys, Guard, Streams
+from gateway.metrics import GatewayMetrics
 
 
-def create_app(broker: str, *, keys: Any = None, timeout: float = 60.0) -> FastAPI:
+def create_app(
+    broker: str,
+    *,
+    keys: Any = None,
+    timeout: float = 60.0,
+    api_keys: Path | None = None,
+    insecure_open: bool = False,
+    max_body: int = MAX_BODY,
+    max_streams_per_key: int = MAX_STREAMS_PER_KEY,
+) -> FastAPI:
     """The gateway for the broker at `broker` (its frontend address). `keys`: the SDK's CURVE
     keys (`client_sdk.connection.client_keys`: None reads FLOWMESH_KEYS); `timeout`: seconds
-    each call to the broker may take."""
+    each call to the broker may take (504 past it); `api_keys`: the API key file callers'
+    bearer tokens must be in (None: loopback callers only, or anyone with `insecure_open`);
+    `max_body`: bytes a request body may have (413 beyond); `max_streams_per_key`: event
+    streams each key may hold open at once (429 beyond)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -33,4 +51,22 @@ def create_app(broker: str, *, keys: Any = None, timeout: float = 60.0) -> FastA
     app.include_router(kserve.router)
     app.add_exception_handler(FlowmeshError, on_flowmesh_error)
     app.add_exception_handler(RequestValidationError, on_invalid_body)
+    metrics = GatewayMetrics()
+    app.state.streams = Streams(max_streams_per_key, metrics)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape() -> Response:
+        """Open, like the probes: scrapers carry no key, and it tells counts and model names,
+        no data (the mesh's processes serve theirs unauthenticated on --metrics-port too)."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(
+        Guard,
+        keys=ApiKeys(api_keys) if api_keys is not None else None,
+        insecure_open=insecure_open,
+        max_body=max_body,
+        metrics=metrics,
+        # The routers' own routes: the app's wraps them in FastAPI's included-router objects.
+        routes=[*openai_api.router.routes, *kserve.router.routes],
+    )
     return app

@@ -20,6 +20,7 @@ from client_sdk.client import AsyncClient
 from client_sdk.generation import AsyncGenStream, Chunk, Generation
 from flowmesh.errors import FlowmeshError
 from gateway.errors import openai_body
+from gateway.guard import MODEL
 from gateway.sse import DONE, EventStream, event
 from gateway.tensors import bad
 
@@ -141,6 +142,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.post("/completions", response_model=None)
 async def completions(request: Request, body: CompletionRequest) -> dict[str, Any] | EventStream:
+    request.scope[MODEL] = body.model
     body.refuse_unsupported()
     if body.echo or body.suffix or (body.best_of or 1) > 1:
         raise bad("echo, suffix and best_of are not supported")
@@ -148,7 +150,7 @@ async def completions(request: Request, body: CompletionRequest) -> dict[str, An
     args = {**_prompt_args(body.prompt), **body.sdk_args(body.max_tokens)}
     head = {**_head("cmpl", body.model), "object": "text_completion"}
     if body.stream:
-        return await _stream(client, body, args, head, chat=False)
+        return await _stream(request, body, args, head, chat=False)
     outs = await client.generate(body.model, **args)
     assert isinstance(outs, list)
     choices = [
@@ -160,13 +162,14 @@ async def completions(request: Request, body: CompletionRequest) -> dict[str, An
 
 @router.post("/chat/completions", response_model=None)
 async def chat(request: Request, body: ChatRequest) -> dict[str, Any] | EventStream:
+    request.scope[MODEL] = body.model
     body.refuse_unsupported()
     client = client_of(request)
     messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
     args = {"messages": [messages], **body.sdk_args(body.max_completion_tokens or body.max_tokens)}
     head = {**_head("chatcmpl", body.model), "object": "chat.completion"}
     if body.stream:
-        return await _stream(client, body, args, head, chat=True)
+        return await _stream(request, body, args, head, chat=True)
     outs = await client.generate(body.model, **args)
     assert isinstance(outs, list)
     (out,) = outs
@@ -176,12 +179,18 @@ async def chat(request: Request, body: ChatRequest) -> dict[str, Any] | EventStr
 
 
 async def _stream(
-    client: AsyncClient, body: _Sampling, args: dict[str, Any], head: dict[str, Any], *, chat: bool
+    request: Request, body: _Sampling, args: dict[str, Any], head: dict[str, Any], *, chat: bool
 ) -> EventStream:
     """The generation's chunks as events. The first read happens here, before the response
     starts, so that a refusal at the door (an unknown model, a prompt too long) is answered
-    with its status and body, not as an event inside a 200."""
-    stream = client.generate_stream(body.model, **args)
+    with its status and body, not as an event inside a 200. A slot of the caller's key's
+    streams is held from before the stream starts until it is over (429 if none is free)."""
+    release = request.app.state.streams.acquire(request)
+    try:
+        stream = client_of(request).generate_stream(body.model, **args)
+    except BaseException:
+        release()
+        raise
     kind: Literal["chat.completion.chunk", "text_completion"] = (
         "chat.completion.chunk" if chat else "text_completion"
     )
@@ -191,6 +200,7 @@ async def _stream(
     except StopAsyncIteration:
         first = None
     except BaseException:
+        release()
         await stream.aclose()
         raise
 
@@ -225,7 +235,7 @@ async def _stream(
                 yield event(openai_body(exc.code, exc.reason))
         yield DONE
 
-    return EventStream(events())
+    return EventStream(events(), on_close=release)
 
 
 async def _chain(first: Chunk | None, rest: AsyncGenStream) -> AsyncIterator[Chunk]:

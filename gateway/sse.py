@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -30,11 +30,16 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, source: AsyncIterator[bytes]) -> None:
+    def __init__(
+        self, source: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+    ) -> None:
         # No proxy buffering: each event is worth sending as it comes.
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(source, headers=headers)
         self._source = source
+        # Called once the stream is over, however it ended (a generator never started does
+        # not run its own `finally` when closed, so this cannot live in the source).
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -49,6 +54,10 @@ class EventStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            aclose = getattr(self._source, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self._source, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()

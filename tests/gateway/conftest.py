@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -31,13 +31,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _gateway(broker: str, log: Path, cli: bool) -> Iterator[str]:
+def _gateway(broker: str, log: Path, cli: bool, args: Sequence[str]) -> Iterator[str]:
     port = _free_port()
     # `python -m gateway`, or the same through `flowmesh gateway` (its CLI hook).
     command = [sys.executable, "-m", *(["client_sdk.cli", "gateway"] if cli else ["gateway"])]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*command, "--broker", broker, "--port", str(port)],
+            [*command, "--broker", broker, "--port", str(port), *args],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -69,9 +69,11 @@ def start_gateway(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[..., AbstractContextManager[str]]:
     """`with start_gateway(mesh.frontend) as url:` a gateway process serving at `url`
-    (`cli=True`: started as `flowmesh gateway`)."""
+    (`cli=True`: started as `flowmesh gateway`; `args`: more of its options)."""
 
-    def start(broker: str, cli: bool = False) -> AbstractContextManager[str]:
-        return _gateway(broker, tmp_path_factory.mktemp("gateway") / "gateway.log", cli)
+    def start(
+        broker: str, cli: bool = False, args: Sequence[str] = ()
+    ) -> AbstractContextManager[str]:
+        return _gateway(broker, tmp_path_factory.mktemp("gateway") / "gateway.log", cli, args)
 
     return start

@@ -4,6 +4,7 @@ infer equal to the SDK's, with JSON tensors and with the binary tensor data exte
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -109,3 +110,21 @@ def test_refusals_answer_v2_statuses(
     wide = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]}
     answer = httpx.post(url, json=wide, timeout=10)
     assert answer.status_code == 400, answer.text
+
+
+def test_a_call_past_the_timeout_answers_504(
+    served: tuple[LocalMesh, str], start_gateway: Callable[..., AbstractContextManager[str]]
+) -> None:
+    # Last in the module: the broker is frozen for a moment. Frozen, it answers nothing, so the
+    # gateway's call runs past --timeout whatever the machine's speed.
+    mesh, _ = served
+    broker = mesh.child("broker").proc
+    given = {"inputs": [{"name": "x", "shape": [1, WIDTH], "datatype": "FP32", "data": [0.0] * 8}]}
+    with start_gateway(mesh.frontend, args=["--timeout", "1"]) as url:
+        assert httpx.post(f"{url}/v2/models/mlp/infer", json=given, timeout=30).status_code == 200
+        broker.send_signal(signal.SIGSTOP)
+        try:
+            answer = httpx.post(f"{url}/v2/models/mlp/infer", json=given, timeout=30)
+        finally:
+            broker.send_signal(signal.SIGCONT)
+    assert answer.status_code == 504 and "within 1.0 s" in answer.json()["error"]

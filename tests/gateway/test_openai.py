@@ -1,21 +1,30 @@
 """The OpenAI API through a real gateway in front of a real mesh, spoken by the official `openai`
 client: completions and chat equal the SDK's `generate` for the same request, streams join to
 the blocking answer, refusals come back with OpenAI's statuses and error body, and a client that
-goes away mid-stream stops its sequence on the broker."""
+goes away mid-stream stops its sequence on the broker. A second gateway in front of the same
+mesh has API keys: only their bearers get in, each key holds at most its streams, and /metrics
+counts what was answered."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import httpx
 import openai
 import pytest
+import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
 
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
+from flowmesh.auth import add_api_key
 from tests.support.lm import tiny_lm_dir
 from tests.support.mesh import FAST, roots_at
 
@@ -188,3 +197,131 @@ def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, st
             assert running == 0 and 0 < made - start < ENOUGH
 
     asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def keyed(
+    served: tuple[LocalMesh, str],
+    tmp_path_factory: pytest.TempPathFactory,
+    start_gateway: Callable[..., AbstractContextManager[str]],
+) -> Iterator[tuple[str, str, str]]:
+    """A second gateway in front of the same mesh, with API keys (two client keys, as
+    `flowmesh keys add --api` writes them) and one stream per key: (url, key a, key b)."""
+    keys = tmp_path_factory.mktemp("api-keys")
+    (_, a), (_, b) = (add_api_key(keys, name, "client") for name in ("a", "b"))
+    args = ["--api-keys", str(keys / "api_keys.json"), "--max-streams-per-key", "1"]
+    with start_gateway(served[0].frontend, args=args) as url:
+        yield url, a, b
+
+
+def _api(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def test_api_keys_let_in_only_their_bearers(keyed: tuple[str, str, str]) -> None:
+    url, a, _ = keyed
+    got = _api(url, a).completions.create(model="lm", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert got.choices[0].finish_reason == "length"
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        _api(url, a + "x").models.list()
+    assert wrong.value.status_code == 401 and wrong.value.code == "unauthorized"
+    bare = httpx.get(f"{url}/v1/models", timeout=30)  # no Authorization at all
+    assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+    assert bare.json()["error"]["type"] == "authentication_error"
+    # KServe v2 the same, in its own error body; the probes stay open.
+    v2 = triton.InferenceServerClient(url.removeprefix("http://"))
+    with pytest.raises(InferenceServerException) as refused:
+        v2.get_model_metadata("lm")
+    assert refused.value.status() == "401"
+    assert v2.get_model_metadata("lm", headers={"Authorization": f"Bearer {a}"})["name"] == "lm"
+    assert v2.is_server_live() and v2.is_server_ready()
+
+
+def _open_streams(url: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if family.name == "flowmesh_gateway_open_streams":
+            return family.samples[0].value
+    raise AssertionError("no open streams gauge")
+
+
+@contextlib.contextmanager
+def _held_stream(url: str, key: str) -> Iterator[None]:
+    """A stream of key's that stays open: asked for four sequences' worth of events over a
+    socket with a tiny receive buffer, read up to its first event and no further, so that the
+    gateway's writes stall (TCP's flow control) long before the events are all sent."""
+    host, port = url.removeprefix("http://").split(":")
+    ask = json.dumps(
+        {"model": "lm", "prompt": ["Once upon"] * 4, "max_tokens": ENOUGH, "stream": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(ask)}\r\n\r\n"
+    ).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: the window
+        sock.connect((host, int(port)))
+        sock.sendall(head + ask)
+        seen = b""
+        while b"data: {" not in seen:
+            got = sock.recv(256)
+            assert got, seen
+            seen += got
+        assert seen.startswith(b"HTTP/1.1 200"), seen
+        yield
+
+
+def test_streams_past_the_per_key_limit_get_429_while_others_run(
+    keyed: tuple[str, str, str],
+) -> None:
+    url, a, b = keyed
+    with _held_stream(url, a):
+        assert _open_streams(url) == 1
+        with pytest.raises(openai.RateLimitError) as over:  # a's one stream is open
+            _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2, stream=True)
+        assert over.value.status_code == 429 and "1 streams" in over.value.message
+        # Another key's stream, and a's own blocking call, run meanwhile.
+        events = list(
+            _api(url, b).completions.create(model="lm", prompt="hi", max_tokens=3, stream=True)
+        )
+        assert events and events[-1].choices[0].finish_reason == "length"
+        assert _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2).choices
+        assert _open_streams(url) == 1  # still held: the 429 was no accident of timing
+    # Gone: its slot is given back once the gateway sees it go.
+    for _ in range(400):
+        if _open_streams(url) == 0:
+            break
+        time.sleep(0.05)
+    events = list(
+        _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2, stream=True)
+    )
+    assert events[-1].choices[0].finish_reason == "length"
+
+
+def test_metrics_count_requests_first_bytes_and_streams(keyed: tuple[str, str, str]) -> None:
+    url, a, _ = keyed
+    api = _api(url, a)
+    api.completions.create(model="lm", prompt="hi", max_tokens=2)
+    list(api.completions.create(model="lm", prompt="hi", max_tokens=2, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="nope", prompt="hi", max_tokens=2)
+    httpx.get(f"{url}/v1/models", timeout=30)  # no key: 401
+    scraped = httpx.get(f"{url}/metrics", timeout=30)  # open, like the probes
+    assert scraped.status_code == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scraped.text)
+        for s in family.samples
+    }
+
+    def requests(route: str, status: str, model: str) -> float:
+        labels = (("model", model), ("route", route), ("status", status))
+        return samples.get(("flowmesh_gateway_requests_total", labels), 0.0)
+
+    assert requests("/v1/completions", "200", "lm") >= 2
+    # An unknown model's name, or a refused caller's, is no label value (any name would be).
+    assert requests("/v1/completions", "404", "") >= 1
+    assert requests("/v1/models", "401", "") >= 1
+    assert not any("nope" in str(key) for key in samples)
+    first = ("flowmesh_gateway_first_byte_seconds_count", (("route", "/v1/completions"),))
+    assert samples[first] >= 3
+    assert ("flowmesh_gateway_open_streams", ()) in samples

@@ -1,0 +1,109 @@
+"""The gateway's door without a mesh behind it (every answer here is the gateway's own, before
+the broker is asked): API keys written by `flowmesh keys add --api`, loopback callers only
+without keys unless `--insecure-open`, no non-loopback bind without keys, and bodies over
+`--max-body` refused with 413. Keys with a mesh, stream limits and metrics: test_openai.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from client_sdk import cli
+from flowmesh.auth import api_key_hash, read_api_keys
+from gateway.app import create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+# A body the gateway refuses itself (no inputs), so an answer of 400 means "let in".
+NO_INPUTS = {"inputs": []}
+
+
+@pytest.fixture(scope="module")
+def nobody() -> str:
+    """A broker address nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_keys_add_api_prints_the_key_once_and_stores_its_hash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "keys"
+    assert cli.main(["keys", "add", "app", "--role", "client", "--api", "--dir", str(keys)]) == 0
+    secret = capsys.readouterr().out.strip()
+    assert cli.main(["keys", "add", "ops", "--role", "operator", "--api", "--dir", str(keys)]) == 0
+    other = capsys.readouterr().out.strip()
+    text = (keys / "api_keys.json").read_text()
+    assert secret not in text and other not in text  # only hashes are kept
+    known = read_api_keys(keys / "api_keys.json")
+    assert {(i.name, i.role) for i in known.values()} == {("app", "client"), ("ops", "operator")}
+    assert known[api_key_hash(secret)].name == "app"
+    # A name given twice, and a role that is not a caller's, are refused.
+    assert cli.main(["keys", "add", "app", "--role", "client", "--api", "--dir", str(keys)]) != 0
+    assert cli.main(["keys", "add", "w", "--role", "worker", "--api", "--dir", str(keys)]) != 0
+    assert len(read_api_keys(keys / "api_keys.json")) == 2
+
+
+def test_without_keys_only_loopback_callers_unless_insecure_open(nobody: str) -> None:
+    # In process, where the caller's address is Starlette's test client's ("testclient"):
+    # the one way to be a non-loopback caller of a gateway that binds loopback only.
+    shut = TestClient(create_app(nobody))
+    refused = shut.post("/v2/models/m/infer", json=NO_INPUTS)
+    assert refused.status_code == 403 and "loopback" in refused.json()["error"]
+    assert shut.get("/v1/models").json()["error"]["type"] == "permission_error"
+    assert shut.get("/v2/health/live").status_code == 200  # probes stay open
+    open_ = TestClient(create_app(nobody, insecure_open=True))
+    assert open_.post("/v2/models/m/infer", json=NO_INPUTS).status_code == 400
+
+
+def test_a_non_loopback_bind_without_keys_refuses_to_start(nobody: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "--broker", nobody, "--host", "0.0.0.0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "refusing to bind 0.0.0.0 without API keys" in done.stderr
+    assert "--insecure-open" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def small(nobody: str, start_gateway: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+    with start_gateway(nobody, args=["--max-body", "1KiB"]) as url:
+        yield url
+
+
+def test_a_body_over_max_body_is_refused_with_413(small: str) -> None:
+    url = f"{small}/v2/models/m/infer"
+    big = json.dumps({"inputs": [], "pad": "x" * 2048}).encode()
+    answer = httpx.post(url, content=big, timeout=30)
+    assert answer.status_code == 413 and "1024 bytes" in answer.json()["error"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted while read
+        yield big[:512]
+        yield big[512:]
+
+    answer = httpx.post(url, content=chunks(), timeout=30)
+    assert answer.status_code == 413
+    # Refused from the header alone: the answer comes with none of the body sent.
+    host, port = small.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v2/models/m/infer HTTP/1.1\r\nHost: {host}\r\n"
+            "Content-Length: 100000\r\n\r\n".encode()
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 413")
+    assert httpx.post(url, json=NO_INPUTS, timeout=30).status_code == 400  # under: let in
+    opened = httpx.post(f"{small}/v1/completions", content=big, timeout=30)
+    assert opened.status_code == 413 and opened.json()["error"]["code"] == "too_large"
