@@ -168,6 +168,9 @@ def _generate(path: Path, prompts_ids: list[list[int]], max_new_tokens: int, ign
     from transformers import GenerationConfig
 
     model = _load(path)
+    if ignore_eos:
+        # An eos of None in the call's config is filled in from the model's own: clear that.
+        model.generation_config.eos_token_id = None
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
