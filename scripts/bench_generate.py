@@ -261,6 +261,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--fit", type=int, default=2, help="models whose weights the budget holds")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--gpus", type=int, default=0, help="CUDA workers, one per device (0: CPU stand-ins)"
+    )
     ap.add_argument("--stages", type=int, default=1, help="pipeline stages of each model")
     ap.add_argument(
         "--gen-groups", type=int, default=1, help="the broker's --gen-groups (0: one per stage)"
@@ -276,6 +279,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    if args.gpus:  # one worker per device 0..N-1
+        args.workers = args.gpus
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     names = [f"lm{i}" for i in range(args.models)]
@@ -313,6 +318,8 @@ def main() -> int:
     with LocalMesh(
         cpu_workers=args.workers,
         memory_budget=str(budget),
+        gpus=list(range(args.gpus)) or None,
+        gpu_budget=str(budget) if args.gpus else None,
         data_roots=[str(tmp)],
         threads_per_worker=max(1, args.threads // args.workers),
         heartbeat_s=0.5,
