@@ -147,6 +147,7 @@ class GenModel:
     held: list[tuple[bytes, p.Generate | p.TokenizerInfo, float]] = field(default_factory=list)
     tokens: int = 0
     iterations: int = 0
+    preemptions: int = 0  # sequences taken off a replica for memory, to run again later
 
     def running(self) -> int:
         return sum(len(k.running) for g in self.reps for k in g.groups)
@@ -160,6 +161,7 @@ class GenFigures:
     waiting: int = 0
     tokens: int = 0
     iterations: int = 0
+    preemptions: int = 0
 
 
 class GenerationRoom:
@@ -506,7 +508,9 @@ class GenerationRoom:
             if s.prefilled:
                 start, new = len(s.prompt) + len(s.out) - 1, [s.out[-1]]
             else:
-                start, new = 0, s.prompt
+                # Its whole prompt, and after a preemption the tokens it had drawn too: their
+                # keys and values recomputed, its next token drawn from the last of them.
+                start, new = 0, s.prompt + s.out
             steps.append(
                 p.SeqStep(
                     seq=s.id,
@@ -642,13 +646,24 @@ class GenerationRoom:
         beside = [s for j in g.groups if j is not k for s in j.running]
         live = [s for s in prefills if s.finish is None]
         if not prefills:
-            # Decodes alone: a sequence outgrew the memory. No preemption in this landing:
-            # the group's newest one fails (alone, it could never have fitted).
+            # Decodes alone: the sequences outgrew the memory. The group's newest one is
+            # preempted: its blocks freed, it waits at the head of the queue with the tokens
+            # it has, and joins again when memory frees, its KV recomputed from them (as
+            # vLLM's recompute preemption). Alone on the replica it could never fit: TOO_BIG.
             if len(k.running) < len(it.seqs):
                 return  # some of it ended while it ran: their memory is free, run again
             s = k.running[-1]
-            code = Code.TOO_BIG if len(k.running) == 1 and not beside else Code.NO_SPACE
-            self._fail_call(s.call, code, self._too_big(gm, s, reason, alone=code is Code.TOO_BIG))
+            if len(k.running) == 1 and not beside:
+                self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+                return
+            k.running.remove(s)
+            self._free(gm, g.rep, [s])
+            s.rep, s.group, s.prefilled = None, None, False
+            gm.waiting.appendleft(s)
+            gm.preemptions += 1
+            g.hold = True
+            log.info("model=%s seq=%d preempted after %d tokens: %s", gm.model.name, s.id,
+                     len(s.out), reason)  # fmt: skip
             return
         if len(prefills) == 1 and not others and not beside and live:
             # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
@@ -778,4 +793,4 @@ class GenerationRoom:
         gm = self.by_model.get(name)
         if gm is None or self.models.get(name) is not gm.model:
             return GenFigures()
-        return GenFigures(gm.running(), len(gm.waiting), gm.tokens, gm.iterations)
+        return GenFigures(gm.running(), len(gm.waiting), gm.tokens, gm.iterations, gm.preemptions)

@@ -231,6 +231,7 @@ def model_status(
         waiting_seqs=gen.waiting if gen is not None else 0,
         tokens_generated=gen.tokens if gen is not None else 0,
         gen_iterations=gen.iterations if gen is not None else 0,
+        preemptions=gen.preemptions if gen is not None else 0,
     )
 
 

@@ -147,6 +147,7 @@ def format_status(st: BrokerStatus) -> str:
         out.append(
             f"{m.name} generation: {m.running_seqs} sequences running, {m.waiting_seqs} "
             f"waiting, {m.tokens_generated} tokens in {m.gen_iterations} iterations"
+            + (f", {m.preemptions} preemptions" if m.preemptions else "")
         )
     if st.jobs:
         out += ["", format_jobs(st.jobs)]

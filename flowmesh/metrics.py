@@ -137,6 +137,10 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         f.counter(
             "generation_iterations", "Generation iterations run", m.gen_iterations, model=name
         )
+        f.counter(
+            "preemptions", "Sequences preempted for memory (resumed later)", m.preemptions,
+            model=name,
+        )  # fmt: skip
         f.gauge(
             "model_live_replicas",
             "Replicas with every stage deployed",

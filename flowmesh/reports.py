@@ -108,6 +108,7 @@ class ModelRow(_Row):
     waiting_seqs: Count = 0
     tokens_generated: Count = 0
     gen_iterations: Count = 0
+    preemptions: Count = 0  # sequences taken off for memory and run again later
 
 
 # -- peers

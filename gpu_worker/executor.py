@@ -63,7 +63,7 @@ from flowmesh.messages import GenStep
 from flowmesh.modelio.decode import ATTENTION, HEADS, Packed, block_step, kv_shape
 from flowmesh.modelio.decode import KV_BLOCK as KV_TOKENS
 from flowmesh.modelio.inputs import call_model
-from flowmesh.modelio.sampling import new_generator, sample
+from flowmesh.modelio.sampling import at_draw, new_generator, sample
 from flowmesh.modelio.token_limits import TokenLimits, limits_of
 from flowmesh.threads import TorchLanes, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
@@ -1043,8 +1043,11 @@ class Executor:
                     if isinstance(blocks[-1], HEADS):
                         generators = []
                         for s, seq in zip(gen.seqs, seqs, strict=True):
-                            if s.sampling.temperature > 0 and seq.generator is None:
-                                seq.generator = new_generator(s.sampling, out.device)
+                            if s.sampling.temperature > 0:
+                                if seq.generator is None:
+                                    seq.generator = new_generator(s.sampling, out.device)
+                                    seq.seed = seq.generator.initial_seed()
+                                at_draw(seq.generator, seq.seed, s.drawn)
                             generators.append(seq.generator)
                         outputs = {
                             "tokens": sample(out, [s.sampling for s in gen.seqs], generators)

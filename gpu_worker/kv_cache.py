@@ -33,12 +33,14 @@ def blocks_for(tokens: int) -> int:
 @dataclass
 class SeqKV:
     """One sequence here: its ranges and their tensors, the tokens they are taken for, and (on
-    the last stage) its sampling generator, kept between iterations."""
+    the last stage) its sampling generator and the seed each draw's is derived from
+    (`flowmesh.modelio.sampling.at_draw`)."""
 
     extents: list[Extent] = field(default_factory=list)
     cache: SeqCache = field(default_factory=lambda: SeqCache([]))
     tokens: int = 0
     generator: torch.Generator | None = None
+    seed: int = 0
 
 
 class StageKV:

@@ -4,8 +4,10 @@ Temperature 0 takes the most likely token (greedy, all such sequences in one arg
 the logits are divided by the temperature, cut to the `top_k` most likely (0: no cut), then to
 the smallest set of most likely tokens whose probability reaches `top_p` (always at least one),
 and one token is drawn from what is left with the sequence's own `torch.Generator`: seeded with
-`Sampling.seed`, or once from `os.urandom` when it has none, and kept from one iteration to the
-next, so that a sequence draws the same tokens whatever else is in the batch.
+`Sampling.seed`, or once from `os.urandom` when it has none. Before each draw the worker seeds
+it again from that seed and the number of tokens the sequence has drawn (`at_draw`), so that a
+sequence's k-th token depends on its seed, its logits and k only: the same whatever else is in
+the batch, and the same after a preemption, when the sequence resumes on a fresh generator.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator:
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def at_draw(generator: torch.Generator, base: int, drawn: int) -> torch.Generator:
+    """`generator` seeded for a sequence's draw number `drawn` from its seed `base` (a
+    splitmix64 step of the two, so that nearby seeds and positions give unrelated streams)."""
+    z = (base + (drawn + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return generator.manual_seed((z ^ (z >> 31)) & ((1 << 63) - 1))
 
 
 def sample(

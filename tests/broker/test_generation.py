@@ -1035,7 +1035,9 @@ def test_a_decode_whose_stage_lost_its_kv_fails(lm_dir: Path, files: LmFiles) ->
     assert g.figures() == (2, 0, 1, 4)
 
 
-def test_decodes_out_of_memory_fail_the_newest(lm_dir: Path, files: LmFiles) -> None:
+def test_decodes_out_of_memory_preempt_the_newest_which_resumes_from_its_tokens(
+    lm_dir: Path, files: LmFiles
+) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
     other = run_of(g.generate(3, [[1, 9]], max_tokens=1, addr=CLIENT_B), g.w0)
@@ -1048,33 +1050,44 @@ def test_decodes_out_of_memory_fail_the_newest(lm_dir: Path, files: LmFiles) -> 
     ]
     run = run_of(g.step(run, [11, 20]), g.w0)
     (a, *_), (b, *_) = steps(run)
-    reason = (
-        "a sequence of 3 prompt tokens + 4 new (7) does not fit the KV memory of 'lm''s stages "
-        "beside the other running sequences: no free KV blocks"
-    )
+    # No room for the decodes' next blocks: b, the newest, is preempted (its blocks freed, it
+    # waits with its token), a runs on alone.
     out = no_space(g, run, g.w0)
     run = run_of(out, g.w0)
+    assert out == [*freed(b), (BACKEND, g.w0, run)]
+    assert steps(run) == [(a, 3, 1, 2)]
+    assert g.figures() == (1, 1, 4, 5) and g.core.status(g.h.now).models[0].preemptions == 1
+    # Held until a sequence of the model frees memory: a's next decode goes alone.
+    run = run_of(g.step(run, [12]), g.w0)
+    assert steps(run) == [(a, 4, 1, 3)]
+    out = g.step(run, [13])
+    run = run_of(out, g.w0)
     assert out == [
-        *freed(b),
-        (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.NO_SPACE), reason=reason)),
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12, 13], "length", 2)])),
         (BACKEND, g.w0, run),
     ]
-    assert steps(run) == [(a, 3, 1, 2)]
-    # Alone (on the whole replica), it could never fit.
+    # b again: its prompt and its token prefilled (their KV recomputed), its next one drawn.
+    assert steps(run) == [(b, 0, 4, 1)] and ids_of(run) == [1, 6, 7, 20]
+    run = run_of(g.step(run, [21]), g.w0)
+    assert steps(run) == [(b, 4, 1, 2)]
+    # Alone on the replica, a sequence that cannot grow could never fit: TOO_BIG.
     out = no_space(g, g.stage0(run), g.w1)
-    assert out[-1] == (
-        CLIENT,
-        CLIENT_A,
-        p.Error(
-            id=1,
-            code=str(Code.TOO_BIG),
-            reason=(
-                "a sequence of 2 prompt tokens + 4 new (6) does not fit the KV memory of 'lm''s "
-                "stages even alone: no free KV blocks"
+    assert out == [
+        *freed(b),
+        (
+            CLIENT,
+            CLIENT_B,
+            p.Error(
+                id=2,
+                code=str(Code.TOO_BIG),
+                reason=(
+                    "a sequence of 3 prompt tokens + 4 new (7) does not fit the KV memory of "
+                    "'lm''s stages even alone: no free KV blocks"
+                ),
             ),
         ),
-    )
-    assert out[:-1] == freed(a)
+    ]
     g.answered_once()
 
 

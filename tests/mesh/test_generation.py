@@ -210,3 +210,21 @@ def test_the_demos_generation_part_checks_every_token(
     finally:
         with mesh.client() as c:
             c.undeploy(demo_generation.LM_NAME)
+
+
+def test_a_seeded_draw_is_the_same_alone_and_batched(lm: tuple[LocalMesh, Path]) -> None:
+    mesh, _ = lm
+    kw = {"max_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": 11, "ignore_eos": True}
+
+    async def main() -> tuple[list[int], list[list[int]], list[int]]:
+        async with AsyncClient(mesh.frontend, timeout=60) as c:
+            alone = await c.generate("lm", "Once upon a time", **kw)
+            crowd = await asyncio.gather(
+                c.generate("lm", "Once upon a time", **kw),
+                *(c.generate("lm", t, max_tokens=12, ignore_eos=True) for t in PROMPTS),
+            )
+            other = await c.generate("lm", "Once upon a time", **{**kw, "seed": 12})
+        return alone.ids, [o.ids for o in crowd], other.ids
+
+    alone, crowd, other = asyncio.run(main())
+    assert crowd[0] == alone and other != alone

@@ -18,7 +18,7 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.messages import Sampling, SeqStep
 from flowmesh.modelio.chain import chain_of
 from flowmesh.modelio.decode import KV_BLOCK, Packed, SeqCache, gen_forward, kv_shape
-from flowmesh.modelio.sampling import new_generator, sample
+from flowmesh.modelio.sampling import at_draw, new_generator, sample
 from flowmesh.testing import assert_forward_close
 from tests.support.decode_models import (
     ARCHS,
@@ -167,6 +167,24 @@ def test_a_seeded_sequence_draws_the_same_tokens_whatever_the_batch() -> None:
     # top_k: never outside the k most likely
     top = set(torch.topk(logits[0], 20).indices.tolist())
     assert set(alone) <= top
+
+
+def test_a_seeded_draw_depends_on_its_position_only_so_a_resumed_sequence_draws_the_same() -> None:
+    logits = _logits(rows=1)
+    s = Sampling(temperature=1.0, top_k=40, seed=42)
+
+    def draws(start: int, stop: int) -> list[int]:
+        gen = new_generator(s, logits.device)  # a fresh generator, as after a preemption
+        base = gen.initial_seed()
+        return [int(sample(logits, [s], [at_draw(gen, base, k)])[0]) for k in range(start, stop)]
+
+    whole = draws(0, 30)
+    assert draws(12, 30) == whole[12:]
+    assert len(set(whole)) > 3  # draws, not one token again and again
+    other = Sampling(temperature=1.0, top_k=40, seed=43)
+    gen = new_generator(other, logits.device)
+    base = gen.initial_seed()
+    assert [int(sample(logits, [other], [at_draw(gen, base, k)])[0]) for k in range(30)] != whole
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_it() -> None:
