@@ -654,7 +654,7 @@ class GenerationRoom:
                 return  # some of it ended while it ran: their memory is free, run again
             s = k.running[-1]
             if len(k.running) == 1 and not beside:
-                self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+                self._refuse_alone(gm, g, s, reason)
                 return
             k.running.remove(s)
             self._free(gm, g.rep, [s])
@@ -667,8 +667,7 @@ class GenerationRoom:
             return
         if len(prefills) == 1 and not others and not beside and live:
             # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
-            s = prefills[0]
-            self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+            self._refuse_alone(gm, g, prefills[0], reason)
             return
         # The prefills wait again (their blocks freed on every stage); the decodes run on.
         k.running = [s for s in k.running if s not in prefills]
@@ -680,6 +679,31 @@ class GenerationRoom:
             g.hold = True
         else:
             g.solo = True
+
+    def _refuse_alone(self, gm: GenModel, g: GenRep, s: Seq, reason: str) -> None:
+        """`s` found no KV room with nothing else of its model running: TOO_BIG when nothing but
+        this model is resident on the replica's workers (it could never fit), else NO_SPACE
+        (other models' stages and sequences hold the memory now: retry later)."""
+        others = sorted(
+            {
+                key[0]
+                for w in g.rep.workers
+                if (peer := self.peers.get(w)) is not None
+                for key in peer.resident
+                if key[0] != gm.model.name
+            }
+        )
+        if not others:
+            self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+            return
+        n = len(s.prompt) + s.call.sampling.max_tokens
+        self._fail_call(
+            s.call,
+            Code.NO_SPACE,
+            f"a sequence of {len(s.prompt)} prompt tokens + {s.call.sampling.max_tokens} new "
+            f"({n}) does not fit the KV memory of {gm.model.name!r}'s stages now, beside "
+            f"{', '.join(map(repr, others))} on the same workers: {reason}; retry later",
+        )
 
     @staticmethod
     def _too_big(gm: GenModel, s: Seq, reason: str, *, alone: bool) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from broker.core import BACKEND, CLIENT
 from broker.lm_files import LmFiles, read_lm_files
+from broker.state import Phase, Residency
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from tests.support.broker import CLIENT_A, CLIENT_B, MIB, Harness, kinds, only, plan_of, ref
@@ -783,6 +784,26 @@ def test_prefills_that_fail_together_join_one_at_a_time(lm_dir: Path, files: LmF
     run, other = only(out, p.Run)
     assert kinds(out) == [(g.w0, "run"), (g.w0, "run")]
     assert steps(run) == [(a, 2, 1, 1)] and steps(other) == [(b, 0, 3, 0)]
+
+
+def test_a_prefill_alone_beside_another_models_stages_is_no_space_not_too_big(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    # Another model's stage holds memory on the last stage's worker: room may come later.
+    key = ("ranker", 0)
+    g.core.peers["w1"].resident[key] = Residency(key, 1 << 20, Phase.RESIDENT, 0.0)
+    reason = (
+        "a sequence of 3 prompt tokens + 4 new (7) does not fit the KV memory of 'lm''s stages "
+        "now, beside 'ranker' on the same workers: no free KV blocks; retry later"
+    )
+    assert no_space(g, g.stage0(run), g.w1) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.NO_SPACE), reason=reason)),
+    ]
+    g.answered_once()
 
 
 def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> None:
