@@ -32,9 +32,10 @@ keeps the sequences of every Generate call (one per prompt):
   iteration's prefills wait again and no new prefill joins that replica until a sequence of the
   model frees memory; the decodes run on. A prefill that fails alone (nothing else running on
   its replica, in any group) could never fit: TOO_BIG.
-- **Failures**: a replica lost (its worker gone) fails the calls of its sequences with
-  WORKER_LOST (restarting them elsewhere is not in this landing), and so does a stage found
-  not resident under a decode (its KV went with it; its prefills run again, through a Load);
+- **Failures**: the sequences of a replica lost (its worker gone) start again from their
+  tokens on another replica, as preempted ones do; with no live replica left their calls
+  fail WORKER_LOST. A stage found not resident under a decode (its KV went with it) starts
+  its sequences again the same way (its prefills run again, through a Load);
   an iteration that hangs, fails on the worker or returns a malformed answer fails the calls in
   it (the other groups' calls run on); a call past its timeout is answered TIMEOUT. Whatever
   happens, every call gets one answer.
@@ -148,6 +149,7 @@ class GenModel:
     tokens: int = 0
     iterations: int = 0
     preemptions: int = 0  # sequences taken off a replica for memory, to run again later
+    restarts: int = 0  # sequences started again elsewhere after their replica was lost
 
     def running(self) -> int:
         return sum(len(k.running) for g in self.reps for k in g.groups)
@@ -621,15 +623,18 @@ class GenerationRoom:
             # The stage was evicted, or holds no KV of a sequence: the prefills run again as
             # they were, through a Load (the next pump). A decode's earlier tokens were in that
             # stage's KV cache, which went with it (a worker drops a stage's KV on eviction):
-            # run again it would fail the same way, again and again; its call fails.
-            lost = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if not pre]
-            for call in {id(s.call): s.call for s in lost if s.finish is None}.values():
-                self._fail_call(
-                    call,
-                    Code.WORKER_LOST,
-                    f"{reason} (the KV cache of its sequences went with it; restarting them is "
-                    "not supported yet)",
-                )
+            # it starts again from its tokens, as a preempted sequence does.
+            lost = [
+                s
+                for s, pre in zip(it.seqs, it.prefill, strict=True)
+                if not pre and s.finish is None
+            ]
+            k.running = [s for s in k.running if s not in lost]
+            self._free(gm, g.rep, lost)
+            for s in reversed(lost):
+                s.rep, s.group, s.prefilled = None, None, False
+                gm.waiting.appendleft(s)
+            gm.restarts += len(lost)
             return
         if code == Code.NO_SPACE:
             self._no_space(gm, g, k, it, reason)
@@ -715,7 +720,9 @@ class GenerationRoom:
         )
 
     def replica_lost(self, model: Model, rep: Replica, lost: str, now: float) -> None:
-        """`rep` lost worker `lost`: the calls of its sequences fail (their KV was there)."""
+        """`rep` lost worker `lost`: its sequences' KV went with it. They start again, from
+        their tokens, on another replica (waiting at the head of the queue, as a preempted
+        sequence does); with no live replica left, their calls fail WORKER_LOST."""
         gm = self.by_model.get(model.name)
         if gm is None:
             return
@@ -724,19 +731,22 @@ class GenerationRoom:
             gm.reps.remove(g)
             running = g.running()
             for k in g.groups:
-                k.batch = None
-            reason = (
-                f"worker {lost} was lost while generating (a sequence's KV cache lives on its "
-                "replica's workers; restarting it elsewhere is not supported yet)"
-            )
-            for call in {id(s.call): s.call for s in running}.values():
-                self._fail_call(call, Code.WORKER_LOST, reason)
+                k.batch, k.running = None, []
             self._free(gm, rep, running, skip=lost)
-            for k in g.groups:
-                k.running = []
+            again = [s for s in running if s.finish is None]
+            for s in reversed(again):
+                s.rep, s.group, s.prefilled = None, None, False
+                gm.waiting.appendleft(s)
+            gm.restarts += len(again)
+            if again:
+                log.info(
+                    "model=%s worker=%s lost: %d sequences start again elsewhere",
+                    model.name, lost, len(again),
+                )  # fmt: skip
         if not model.replicas:
+            reason = f"worker {lost} was lost and {model.name!r} has no live replica left"
             for call in {id(s.call): s.call for s in gm.waiting}.values():
-                self._fail_call(call, Code.WORKER_LOST, f"{model.name!r} has no live replica")
+                self._fail_call(call, Code.WORKER_LOST, reason)
 
     # ================================================================== ending
 

@@ -76,6 +76,7 @@ class Gen:
         self.calls: list[tuple[bytes, int]] = []  # the Generates the door took (or held)
         self.h.partitioner()
         workers = [self.h.worker(f"w{i}") for i in range(2 * replicas)]
+        self.workers = workers
         self.w0, self.w1 = workers[:2]
         spec: dict[str, Any] = {"name": "lm", "hf": self.hf, "stages": 2, "replicas": replicas}
         spec["max_seqs"] = max_seqs
@@ -827,7 +828,7 @@ def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> 
 # ====================================================================== failures
 
 
-def test_a_lost_worker_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
+def test_a_lost_worker_with_no_other_replica_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files, max_seqs=2)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     ((a, *_),) = steps(run)
@@ -840,24 +841,38 @@ def test_a_lost_worker_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
     g.h.backend(g.w0, p.Heartbeat(stats={}))
     g.h.backend(b"part", p.Heartbeat(stats={}))
     out = g.tick(4.0)
-    reason = (
-        "worker w1 was lost while generating (a sequence's KV cache lives on its replica's "
-        "workers; restarting it elsewhere is not supported yet)"
-    )
-    # Every group's calls: their KV was on the same workers.
+    reason = "worker w1 was lost and 'lm' has no live replica left"
+    # Every group's sequences: their KV was on the same workers (freed on the one left).
     assert [o for o in out if isinstance(o[2], p.FreeSeqs | p.Error | p.Generated)] == [
-        (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[a])),
+        (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[a, b])),
         (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.WORKER_LOST), reason=reason)),
-        (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[b])),
         (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.WORKER_LOST), reason=reason)),
-        (
-            CLIENT,
-            CLIENT_B,
-            p.Error(id=3, code=str(Code.WORKER_LOST), reason="'lm' has no live replica"),
-        ),
+        (CLIENT, CLIENT_B, p.Error(id=3, code=str(Code.WORKER_LOST), reason=reason)),
     ]
     g.answered_once()
     assert g.figures() == (0, 0, 0, 2)
+
+
+def test_sequences_of_a_lost_replica_start_again_on_another_from_their_tokens(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, replicas=2, gen_groups=1)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    run = run_of(g.step(run, [10]), g.w0)
+    assert steps(run) == [(a, 2, 1, 1)]
+    g.stage0(run)
+    # w1 falls silent mid-iteration; the others keep beating.
+    g.h.now = 2.5
+    for w in [g.w0, b"part", *[x for x in g.workers if x not in (g.w0, g.w1)]]:
+        g.h.backend(w, p.Heartbeat(stats={}))
+    out = g.tick(4.0)
+    assert (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[a])) in out
+    assert not [o for o in out if isinstance(o[2], p.Error | p.Generated)]
+    # On the other replica: its prompt and its token prefilled again, its next one drawn.
+    (again,) = [m for _, w, m in out if isinstance(m, p.Run) and w not in (g.w0, g.w1)]
+    assert steps(again) == [(a, 0, 3, 1)] and ids_of(again) == [1, 5, 10]
+    assert g.core.status(g.h.now).models[0].running_seqs == 1
 
 
 def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
@@ -1030,7 +1045,9 @@ def test_a_prefill_whose_stage_was_evicted_runs_again(lm_dir: Path, files: LmFil
     assert steps(run_of(out, g.w0)) == [(a, 0, 2, 0)] and g.told == []
 
 
-def test_a_decode_whose_stage_lost_its_kv_fails(lm_dir: Path, files: LmFiles) -> None:
+def test_a_decode_whose_stage_lost_its_kv_starts_again_from_its_tokens(
+    lm_dir: Path, files: LmFiles
+) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     assert only(g.generate(2, [[1, 9]], max_tokens=3, addr=CLIENT_B), p.Run)  # the other group
@@ -1040,20 +1057,12 @@ def test_a_decode_whose_stage_lost_its_kv_fails(lm_dir: Path, files: LmFiles) ->
     why = f"'lm'/1 has no KV cache of sequence {a} here"
     err = p.Error(id=g.stage0(run).id, code=str(Code.NOT_RESIDENT), reason=why)
     out = g.keep(g.h.backend(g.w1, err))
-    # a's earlier tokens were in stage 1's KV cache: run again, it would fail for ever (it
-    # fails, freed everywhere); b, a prefill, runs again through a Load.
-    reason = (
-        f"{why} (the KV cache of its sequences went with it; restarting them is not supported yet)"
-    )
+    # a's earlier tokens were in stage 1's KV cache: it is freed everywhere and starts again
+    # from them (no call fails); b, a prefill, runs again, through a Load, beside it.
     run = run_of(out, g.w0)
-    assert out == [
-        *freed(a),
-        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.WORKER_LOST), reason=reason)),
-        (BACKEND, g.w1, only(out, p.Load)[0]),
-        (BACKEND, g.w0, run),
-    ]
-    assert steps(run) == [(b, 0, 3, 0)]
-    assert g.figures() == (2, 0, 1, 4)
+    assert out == [*freed(a), (BACKEND, g.w1, only(out, p.Load)[0]), (BACKEND, g.w0, run)]
+    assert sorted(steps(run)) == sorted([(b, 0, 3, 0), (a, 0, 3, 1)])
+    assert g.figures() == (3, 0, 1, 4) and g.told == []
 
 
 def test_decodes_out_of_memory_preempt_the_newest_which_resumes_from_its_tokens(
