@@ -164,6 +164,7 @@ class GenFigures:
     tokens: int = 0
     iterations: int = 0
     preemptions: int = 0
+    restarts: int = 0
 
 
 class GenerationRoom:
@@ -827,4 +828,6 @@ class GenerationRoom:
         gm = self.by_model.get(name)
         if gm is None or self.models.get(name) is not gm.model:
             return GenFigures()
-        return GenFigures(gm.running(), len(gm.waiting), gm.tokens, gm.iterations, gm.preemptions)
+        return GenFigures(
+            gm.running(), len(gm.waiting), gm.tokens, gm.iterations, gm.preemptions, gm.restarts
+        )

@@ -232,6 +232,7 @@ def model_status(
         tokens_generated=gen.tokens if gen is not None else 0,
         gen_iterations=gen.iterations if gen is not None else 0,
         preemptions=gen.preemptions if gen is not None else 0,
+        restarts=gen.restarts if gen is not None else 0,
     )
 
 

@@ -109,6 +109,7 @@ class ModelRow(_Row):
     tokens_generated: Count = 0
     gen_iterations: Count = 0
     preemptions: Count = 0  # sequences taken off for memory and run again later
+    restarts: Count = 0  # sequences started again elsewhere after their worker was lost
 
 
 # -- peers
@@ -150,6 +151,31 @@ class WorkerRow(PeerRow):
     # Where the previous stage of a direct run sends it activations ("": relayed).
     peer_endpoint: str
     stats: Stats  # its latest heartbeat's figures
+
+    # Generation's KV cache here, from its heartbeat figures (counted in resident_bytes there):
+    # bytes and blocks held, the sequences holding them, and what its models' KV may take
+    # together (`gpu_worker.kv_cache.kv_limit_bytes`). Byte counts checked on receipt
+    # (`broker.checks.check_stats`); 0 from a worker that reports none.
+    @property
+    def kv_bytes(self) -> int:
+        return _count(self.stats.get("kv_bytes"))
+
+    @property
+    def kv_blocks(self) -> int:
+        return _count(self.stats.get("kv_blocks"))
+
+    @property
+    def kv_seqs(self) -> int:
+        return _count(self.stats.get("kv_seqs"))
+
+    @property
+    def kv_limit_bytes(self) -> int:
+        return _count(self.stats.get("kv_limit_bytes"))
+
+
+def _count(value: object) -> int:
+    """A heartbeat figure as a count: 0 for one missing or not a count."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 # -- training jobs

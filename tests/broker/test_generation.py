@@ -872,7 +872,8 @@ def test_sequences_of_a_lost_replica_start_again_on_another_from_their_tokens(
     # On the other replica: its prompt and its token prefilled again, its next one drawn.
     (again,) = [m for _, w, m in out if isinstance(m, p.Run) and w not in (g.w0, g.w1)]
     assert steps(again) == [(a, 0, 3, 1)] and ids_of(again) == [1, 5, 10]
-    assert g.core.status(g.h.now).models[0].running_seqs == 1
+    row = g.core.status(g.h.now).models[0]
+    assert (row.running_seqs, row.restarts) == (1, 1)
 
 
 def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:
