@@ -31,9 +31,8 @@ def check_stats(stats: p.Stats) -> p.Stats:
                 count += 1 + (len(item) if isinstance(item, list | dict) else 0)
     if count > MAX_STATS_ITEMS:
         raise fail(Code.BAD_REQUEST, f"heartbeat stats: more than {MAX_STATS_ITEMS} values")
-    for key in ("peak_bytes", "host_bytes"):
+    for key in ("peak_bytes", "host_bytes", "kv_bytes", "kv_blocks", "kv_seqs", "kv_limit_bytes"):
         v = stats.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise fail(Code.BAD_REQUEST, f"heartbeat stats {key}: expected a byte count")
     return stats
-

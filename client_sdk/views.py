@@ -88,6 +88,11 @@ def format_status(st: BrokerStatus) -> str:
                 f"{fmt_bytes(t['train_budget_bytes'])}, tasks {t.get('train_tasks', 0)}, "
                 f"job switches {t.get('train_job_switches', 0)}"
             )
+        if w.kv_limit_bytes:  # a worker with a language model's stages
+            out.append(
+                f"{w.name} KV cache: {fmt_bytes(w.kv_bytes)} of {fmt_bytes(w.kv_limit_bytes)} "
+                f"({w.kv_blocks} blocks, {w.kv_seqs} sequences)"
+            )
     out += ["", f"partitioners: {parts}", ""]
     rows = []
     for m in st.models:

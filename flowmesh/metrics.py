@@ -166,6 +166,12 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         f.counter("worker_loads", "Stage loads, by worker", w.loads, worker=name)
         f.counter("worker_evictions", "Stage evictions, by worker", w.evictions, worker=name)
         f.gauge("worker_inflight_runs", "Runs sent, not answered", w.inflight, worker=name)
+        # Generation's KV cache, part of the resident bytes above.
+        doc = "Bytes of generation's KV cache on a worker's device"
+        f.gauge("worker_kv_bytes", doc, w.kv_bytes, worker=name)
+        f.gauge("worker_kv_blocks", "KV cache blocks held on a worker", w.kv_blocks, worker=name)
+        doc = "Most bytes the KV of a worker's models may take together"
+        f.gauge("worker_kv_limit_bytes", doc, w.kv_limit_bytes, worker=name)
     peers: list[tuple[str, PeerRow]] = [("worker", w) for w in st.workers]
     peers += [("partitioner", p) for p in st.partitioners]
     for role, peer in peers:
@@ -233,6 +239,11 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("host_bytes", "host_bytes", "gauge", "Host bytes of deployed stages"),
     ("largest_free", "largest_free_bytes", "gauge", "Largest free range of the device arena"),
     ("inflight", "inflight_runs", "gauge", "Runs in progress"),
+    ("kv_bytes", "kv_bytes", "gauge", "Device bytes of generation's KV cache"),
+    ("kv_blocks", "kv_blocks", "gauge", "KV cache blocks held"),
+    ("kv_seqs", "kv_sequences", "gauge", "Sequences holding KV cache blocks"),
+    ("kv_limit_bytes", "kv_limit_bytes", "gauge", "Most KV bytes this worker's models may take"),
+    ("kv_refused", "kv_refused", "counter", "Iterations whose KV blocks could not be placed"),
     ("arena_bytes", "arena_bytes", "gauge", "Device arena (serving and training)"),
     ("arena_in_use", "arena_in_use_bytes", "gauge", "Device arena bytes in use"),
     ("host_tier_bytes", "host_tier_budget_bytes", "gauge", "Pinned host tier (CUDA; 0 on CPU)"),

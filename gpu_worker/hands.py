@@ -51,6 +51,7 @@ from gpu_worker.core import (
 from gpu_worker.device import Device
 from gpu_worker.executor import Executor, RunOutput
 from gpu_worker.host_tier import ALIGN
+from gpu_worker.kv_cache import kv_limit_bytes
 from gpu_worker.memory import DeviceMemory
 from gpu_worker.stage_loader import prepare_stage
 from gpu_worker.train_executor import TrainingExecutor, start_job
@@ -173,6 +174,10 @@ class WorkerHands:
         """What the worker's heartbeats report of its executors and memory."""
         out = {**self.executor.stats(), **self.device.info(), **self.memory.stats()}
         out["stages_prepared"] = self.stages_prepared
+        # Beside the executor's kv_bytes and kv_blocks: what its models' KV may take together.
+        stages = self.executor.stages
+        shares = ((key[0], st.kv_share) for key, st in stages.items())
+        out["kv_limit_bytes"] = kv_limit_bytes(shares, self.memory.serving_bytes)
         out["lane_answers"] = self.lane_answers
         out["preparing"] = {k: list(v) for k, v in list(self.preparing.items())}
         direct = self.core.direct

@@ -134,6 +134,15 @@ class StageKV:
         return self.free(list(self.seqs), after)
 
 
+def kv_limit_bytes(shares: Iterable[tuple[str, float]], budget: int) -> int:
+    """The most KV bytes the models with stages here may hold together: each model's share of
+    the serving budget (`ModelSpec.kv_share`, `shares` as (model, share) per stage, a model
+    counted once), at most the budget. What `flowmesh status` shows KV bytes against; the
+    weights resident beside them may leave less room than this."""
+    per_model = {model: share for model, share in shares}
+    return min(budget, sum(int(share * budget) for share in per_model.values()))
+
+
 def new_blocks_after(extents: list[Extent]) -> list[Any]:
     """The markers new blocks' writes must be ordered after (their ranges' last users)."""
     return [m for ext in extents for m in ext.after]
