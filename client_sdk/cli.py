@@ -107,8 +107,25 @@ def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
         ],
         partitioner_args=config,
         worker_args=config,
+        http_port=gateway_port(args),
+        gateway_args=config,
         run_dir=Path(args.log_dir).resolve() if args.log_dir else None,
     )
+
+
+def gateway_port(args: argparse.Namespace) -> int:
+    """The port of the gateway `flowmesh up` runs: --http-port, else the config file's
+    `[gateway]` port if it has that table (8000 if the table names none); 0: no gateway."""
+    if args.http_port is not None:
+        return args.http_port
+    if not args.config:
+        return 0
+    from flowmesh.config import load_section
+    from gateway.__main__ import OPTIONS as GATEWAY
+
+    if not load_section(args.config, "gateway"):
+        return 0
+    return int(GATEWAY.read(args.config).get("port", 8000))
 
 
 def check_config(path: str) -> None:
@@ -116,10 +133,11 @@ def check_config(path: str) -> None:
     wrong key stops `up` with one line before anything starts."""
     from broker.__main__ import OPTIONS as BROKER
     from flowmesh.config import ConfigError
+    from gateway.__main__ import OPTIONS as GATEWAY
     from gpu_worker.__main__ import OPTIONS as WORKER
     from partitioner.__main__ import OPTIONS as PARTITIONER
 
-    for options in (BROKER, PARTITIONER, WORKER):
+    for options in (BROKER, PARTITIONER, WORKER, GATEWAY):
         try:
             options.read(path)
         except ConfigError as exc:
@@ -165,6 +183,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise SystemExit(port_in_use(host, port))
     if args.config:
         check_config(args.config)
+    http_port = gateway_port(args)
+    if http_port and busy("127.0.0.1", http_port):
+        raise SystemExit(
+            f"flowmesh up: port {http_port} (--http-port) is already in use; choose another"
+        )
     gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
     mesh = up_mesh(args, gpus)
     stop = threading.Event()
@@ -197,6 +220,12 @@ def run_up(mesh: Any, gpus: list[int], stop: threading.Event) -> list[str]:
             f"partitioner; logs in {mesh.run_dir}. Ctrl-C stops everything.",
             flush=True,
         )
+        if mesh.http_url:
+            print(
+                f"flowmesh up: HTTP gateway on port {mesh.http_port} ({mesh.http_url}/v1/models, "
+                f"{mesh.http_url}/v2/health/ready)",
+                flush=True,
+            )
         if mesh.metrics_port:
             where = ", ".join(f"{n} :{port}" for n, port in mesh.metrics_ports().items())
             print(f"flowmesh up: Prometheus /metrics on {where}", flush=True)
@@ -891,6 +920,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add a replica of a model its replicas cannot keep up with, and remove it once the "
         "model cools (never below the deployed count; default: off)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also run the HTTP gateway (OpenAI and KServe v2 routes) on this port, bound on "
+        "127.0.0.1 unless the config's [gateway] table says host = ...; a config file with a "
+        "[gateway] table starts it on that table's port (default 8000) without this flag",
     )
     p.add_argument(
         "--config",

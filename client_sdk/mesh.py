@@ -10,6 +10,10 @@ left the mesh, or the caller asked (`keep_logs`: something failed that only it c
 `keys`: CURVE on every socket (`flowmesh.auth`). True makes a fresh key directory in the run
 directory; a path uses that one (made with `flowmesh keys init`). Either way the mesh adds the
 keys its own processes need (worker-i, partitioner-0, and `local-operator` for its own clients).
+
+`http_port`: the HTTP gateway (`python -m gateway`, OpenAI and KServe v2 routes) as one more
+child, started once the workers are ready, a client of the broker under the mesh's operator key;
+`http_url` is where it answers. It stops first, with the others.
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ class LocalMesh:
     metrics_port: int = 0
     # CURVE keys: True (a fresh key directory), a key directory, or None (off).
     keys: bool | str | Path | None = None
+    # The HTTP gateway's port (0: no gateway) and more of its options (`--config FILE`, ...).
+    http_port: int = 0
+    gateway_args: list[str] = field(default_factory=list)
     run_dir: Path | None = None
     ready_timeout_s: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
@@ -118,6 +125,7 @@ class LocalMesh:
         self.children: list[Child] = []
         self.frontend = ""
         self.backend = ""
+        self.http_url = ""
         # The run directory made here (no `run_dir` given): removed at stop unless kept.
         self._tmp: Path | None = None
         self._keep = False
@@ -231,6 +239,30 @@ class LocalMesh:
                 args += ["--threads", str(self.threads_per_worker)]
             self._spawn(f"worker-{i}", "gpu_worker", args)
         self.wait_ready()
+        if self.http_port:
+            self._start_gateway()
+
+    def _start_gateway(self) -> None:
+        """The gateway, once the mesh is ready (so that its readiness probe says ready at
+        once); returns when it answers /v2/health/live."""
+        import urllib.request
+
+        args = ["--broker", self.frontend, "--port", str(self.http_port), *self.gateway_args]
+        if self.client_keys is not None:
+            # Its own CURVE key: the mesh's operator one (API keys, if any, say who calls it);
+            # an api_keys.json in the key directory is found next to it.
+            args += ["--keys", str(self.client_keys)]
+        gateway = self._spawn("gateway", "gateway", args)
+        url = f"http://127.0.0.1:{self.http_port}"
+
+        def live() -> bool | None:
+            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=2.0) as answer:
+                return True if answer.status == 200 else None
+
+        self.wait_until(
+            live, f"the HTTP gateway to answer on port {self.http_port}", watch=[gateway]
+        )
+        self.http_url = url
 
     def _devices(self) -> list[tuple[str, str | None]]:
         if self.gpus:

@@ -32,7 +32,7 @@ from typing import Any
 from flowmesh.units import parse_size
 
 # The tables a config file may hold: one per service that reads it.
-SECTIONS = ("broker", "partitioner", "worker")
+SECTIONS = ("broker", "partitioner", "worker", "gateway")
 
 
 class ConfigError(ValueError):
@@ -124,6 +124,16 @@ SIZE = Kind("a size", "sizes", _size_flag, _size_toml)  # '2GiB', '512MB', a byt
 LOG_LEVEL = Kind("a log level", "log levels", _level_flag, _level_toml)
 
 
+def _bool_toml(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"expected true or false, got {_show(value)}")
+    return value
+
+
+# A switch: a flag without a value (`--insecure-open`) on the command line, true/false in the file.
+BOOL = Kind("true or false", "booleans", bool, _bool_toml)
+
+
 @dataclass(frozen=True)
 class Option:
     """One option of a process: its flag and its key in the process's table of the config file.
@@ -144,7 +154,9 @@ class Option:
 
     def add_to(self, ap: argparse.ArgumentParser, *, defaults: bool = True) -> None:
         kw: dict[str, Any] = {"type": self.kind.flag, "help": self.help}
-        if self.repeat:
+        if self.kind is BOOL:
+            kw = {"action": "store_true", "help": self.help}
+        elif self.repeat:
             kw["action"] = "append"
         kw["default"] = self.default if defaults else argparse.SUPPRESS
         ap.add_argument(self.flag, **kw)

@@ -3,69 +3,110 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import os
 import sys
+from typing import Any
 
+from flowmesh.config import BOOL, FLOAT, INT, SIZE, TEXT, Option, Options
 from flowmesh.errors import FlowmeshError
-from flowmesh.units import parse_size
 from gateway import MAX_BODY, MAX_STREAMS_PER_KEY
+
+# Declared once: they make the flags of `python -m gateway` and `flowmesh gateway`, and read the
+# `[gateway]` table of the config file (flowmesh.config), as the other services' do.
+OPTIONS = Options(
+    section="gateway",
+    prog="python -m gateway",
+    description=__doc__ or "",
+    options=[
+        Option(
+            "--broker",
+            TEXT,
+            os.environ.get("FLOWMESH_BROKER", "tcp://127.0.0.1:5555"),
+            "the broker's frontend address (default: FLOWMESH_BROKER, else tcp://127.0.0.1:5555)",
+        ),
+        # Loopback unless told: without API keys anyone who reaches the port may call the mesh.
+        Option(
+            "--host",
+            TEXT,
+            "127.0.0.1",
+            "address to bind (127.0.0.1; another needs API keys, or --insecure-open)",
+        ),
+        Option("--port", INT, 8000, "port to bind (8000)"),
+        Option("--keys", TEXT, None, "client key file (default: FLOWMESH_KEYS)"),
+        Option("--timeout", FLOAT, 60.0, "seconds a call to the broker may take (60)"),
+        Option(
+            "--api-keys",
+            TEXT,
+            os.environ.get("FLOWMESH_API_KEYS"),
+            "API key file (flowmesh keys add NAME --role ROLE --api --dir DIR writes "
+            "DIR/api_keys.json): callers need 'Authorization: Bearer KEY' (default: "
+            "FLOWMESH_API_KEYS, else api_keys.json next to --keys if there is one)",
+        ),
+        Option(
+            "--insecure-open",
+            BOOL,
+            False,
+            "without API keys, serve every caller (not only loopback ones) and allow a "
+            "non-loopback --host: anyone who reaches the port may call the mesh",
+        ),
+        Option(
+            "--max-body",
+            SIZE,
+            MAX_BODY,
+            "largest request body (bytes, or 64MiB and the like; default 64MiB): 413 beyond",
+        ),
+        Option(
+            "--max-streams-per-key",
+            INT,
+            MAX_STREAMS_PER_KEY,
+            f"event streams one API key may hold open at once ({MAX_STREAMS_PER_KEY}): 429 beyond",
+        ),
+        Option("--ssl-certfile", TEXT, None, "TLS certificate (uvicorn's)"),
+        Option("--ssl-keyfile", TEXT, None, "TLS private key (uvicorn's)"),
+        Option("--log-level", TEXT, "warning", "uvicorn's (warning)"),
+    ],
+)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """The gateway's options, on `python -m gateway` and `flowmesh gateway` alike (cheap to
-    import: FastAPI and uvicorn load only when it serves)."""
+    """The gateway's options on `flowmesh gateway`'s parser (cheap to import: FastAPI and
+    uvicorn load only when it serves). Only flags given land in the namespace: `resolve` then
+    takes the rest from the `--config` file, else the declared defaults."""
+    for option in OPTIONS.options:
+        option.add_to(parser, defaults=False)
     parser.add_argument(
-        "--broker",
-        default=os.environ.get("FLOWMESH_BROKER", "tcp://127.0.0.1:5555"),
-        help="the broker's frontend address (default: FLOWMESH_BROKER, else %(default)s)",
-    )
-    # Loopback unless told: without API keys anyone who reaches the port may call the mesh.
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (%(default)s; another needs API keys, or --insecure-open)",
-    )
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (%(default)s)")
-    parser.add_argument("--keys", default=None, help="client key file (default: FLOWMESH_KEYS)")
-    parser.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds a call to the broker may take"
-    )
-    parser.add_argument(
-        "--api-keys",
-        default=os.environ.get("FLOWMESH_API_KEYS"),
+        "--config",
         metavar="FILE",
-        help="API key file (flowmesh keys add NAME --role ROLE --api --dir DIR writes "
-        "DIR/api_keys.json): callers need 'Authorization: Bearer KEY' (default: "
-        "FLOWMESH_API_KEYS, else api_keys.json next to --keys if there is one)",
+        default=None,
+        help="TOML file; its [gateway] table sets defaults (flags win)",
     )
-    parser.add_argument(
-        "--insecure-open",
-        action="store_true",
-        help="without API keys, serve every caller (not only loopback ones) and allow a "
-        "non-loopback --host: anyone who reaches the port may call the mesh",
-    )
-    parser.add_argument(
-        "--max-body",
-        type=parse_size,
-        default=MAX_BODY,
-        metavar="SIZE",
-        help="largest request body (bytes, or 64MiB and the like; default 64MiB): 413 beyond",
-    )
-    parser.add_argument(
-        "--max-streams-per-key",
-        type=int,
-        default=MAX_STREAMS_PER_KEY,
-        metavar="N",
-        help="event streams one API key may hold open at once (%(default)s): 429 beyond",
-    )
-    parser.add_argument("--ssl-certfile", default=None, help="TLS certificate (uvicorn's)")
-    parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (uvicorn's)")
-    parser.add_argument("--log-level", default="warning", help="uvicorn's (%(default)s)")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` (from `add_options`' flags) completed: a flag given wins, then the `--config`
+    file's `[gateway]` table, then the declared default."""
+    from flowmesh.config import ConfigError
+
+    given = vars(args)
+    try:
+        values = OPTIONS.read(given["config"]) if given.get("config") else {}
+    except ConfigError as exc:
+        raise SystemExit(f"flowmesh gateway: {exc}") from None
+    for option in OPTIONS.options:
+        if option.dest in given:
+            continue
+        default = option.default
+        if isinstance(default, str) and option.kind is not TEXT:  # as argparse converts them
+            default = option.kind.flag(default)
+        setattr(args, option.dest, values.get(option.dest, default))
+    return args
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until stopped (SIGINT, SIGTERM)."""
+    """Serve until stopped (SIGINT, SIGTERM); `args` from `add_options` (resolved here)."""
+    args = resolve(args)
     import uvicorn
 
     from gateway.app import create_app
@@ -93,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     except FlowmeshError as exc:  # an API key file that does not read
         raise SystemExit(f"flowmesh gateway: {exc.reason}") from None
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -101,7 +142,44 @@ def serve(args: argparse.Namespace) -> int:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
     )
+    _server_class()(config).run()  # uvicorn.run's, with systemd's notify protocol
     return 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    from flowmesh.lifecycle import _watchdog, stop_with_parent
+    from flowmesh.sdnotify import notify, watchdog_interval
+
+    class Server(uvicorn.Server):
+        """uvicorn's, speaking systemd's `Type=notify` as the other services do: READY=1 once
+        the socket is bound and the app started, WATCHDOG=1 while serving, STOPPING=1 on the
+        way out; and stopping by itself when the launcher in $FLOWMESH_PARENT_PID is gone
+        (`flowmesh up` killed without its chance to stop its children)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if not self.started:  # the bind or the app's startup failed: uvicorn exits
+                return
+            self._tasks = [asyncio.create_task(stop_with_parent(self._stop))]
+            if (interval := watchdog_interval()) is not None:
+                self._tasks.append(asyncio.create_task(_watchdog(interval)))
+            notify("READY=1")
+
+        def _stop(self) -> None:
+            self.should_exit = True
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            notify("STOPPING=1")
+            for task in getattr(self, "_tasks", []):
+                task.cancel()
+            await super().shutdown(sockets)
+            # uvicorn raises the SIGTERM/SIGINT it caught again once done, for a program that
+            # embeds it; this process is the program: a stop asked for exits 0, as the others.
+            self._captured_signals.clear()
+
+    return Server
 
 
 def _loopback(host: str) -> bool:
@@ -114,7 +192,7 @@ def _loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog=OPTIONS.prog, description=OPTIONS.description)
     add_options(parser)
     return serve(parser.parse_args(argv))
 

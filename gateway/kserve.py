@@ -1,5 +1,6 @@
 """The KServe v2 / Open Inference Protocol: health, model metadata and readiness, and infer with
-JSON tensors or the binary tensor data extension (`Inference-Header-Content-Length`)."""
+JSON tensors or the binary tensor data extension (`Inference-Header-Content-Length`), and the
+model repository extension's `load` / `unload` as deploy / undeploy (operator keys only)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fastapi.responses import JSONResponse
 from client_sdk import errors
 from client_sdk.client import AsyncClient
 from flowmesh import protocol as p
-from flowmesh.errors import Code
+from flowmesh.errors import Code, FlowmeshError
+from gateway.guard import IDENTITY
 from gateway.tensors import V2_BY_NAME, bad, binary_size, from_bytes, from_json, to_bytes, to_json
 
 router = APIRouter(prefix="/v2")
@@ -152,3 +154,103 @@ async def infer(request: Request, model: str) -> Response:
     headers = {"Inference-Header-Content-Length": str(len(text))}
     body = b"".join([text, *blobs])
     return Response(body, media_type="application/octet-stream", headers=headers)
+
+
+# The repository extension's `load` parameters that make a deploy: AsyncClient.deploy's own
+# keywords, each with the JSON types it takes (checked here, so that a wrong one is a 400 naming
+# it, not a failure deep in the SDK).
+_NUMBER = (int, float)
+DEPLOY_PARAMETERS: dict[str, tuple[type, ...]] = {
+    "factory": (str,),
+    "hf": (str,),
+    "kwargs": (dict,),
+    "weights": (str,),
+    "seed": (int,),
+    "dtype": (str,),
+    "stages": (int,),
+    "max_batch_size": (int,),
+    "replicas": (int,),
+    "inputs": (dict,),
+    "slo_ms": _NUMBER,
+    "max_context": (int,),
+    "max_seqs": (int,),
+    "kv_share": _NUMBER,
+    "timeout": _NUMBER,
+}
+
+
+def _operator_only(request: Request, what: str) -> None:
+    """Deploy and undeploy are an operator key's, as over CURVE. Without API keys there is no
+    identity: the door already let in only loopback callers (or anyone, told --insecure-open)."""
+    identity = request.scope.get(IDENTITY)
+    if identity is not None and identity.role != "operator":
+        raise FlowmeshError(
+            Code.FORBIDDEN,
+            f"{what} needs an operator API key; {identity.name!r} is a {identity.role} key",
+        )
+
+
+def _deploy_spec(body: bytes) -> dict[str, Any]:
+    """The deploy keywords in a load request's `parameters` ({} without any). Triton's clients
+    send the model's configuration as a JSON string in `parameters.config`: read as more of
+    them."""
+    if not body.strip():
+        return {}
+    try:
+        head = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"the request is not JSON: {exc}") from None
+    params = head.get("parameters") if isinstance(head, dict) else None
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise bad("parameters must be an object")
+    params = dict(params)
+    config = params.pop("config", None)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise bad(f"parameters.config is not JSON: {exc}") from None
+    if config is not None:
+        if not isinstance(config, dict):
+            raise bad("parameters.config must be an object (or a JSON string of one)")
+        params = {**config, **params}
+    for key, value in params.items():
+        kinds = DEPLOY_PARAMETERS.get(key)
+        if kinds is None:
+            known = ", ".join(DEPLOY_PARAMETERS)
+            raise bad(f"parameters.{key} is not a deploy parameter (known: {known})")
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise bad(f"parameters.{key} must be {' or '.join(k.__name__ for k in kinds)}")
+    return params
+
+
+@router.post("/repository/models/{model}/load")
+async def load(request: Request, model: str) -> Response:
+    """Deploy `model` from the flowmesh deploy spec in `parameters` (factory or hf, kwargs,
+    stages, ...: AsyncClient.deploy's keywords); without one, a model already deployed is
+    loaded (200), another is a 400. Operator keys only."""
+    _operator_only(request, "loading a model")
+    spec = _deploy_spec(await request.body())
+    client = client_of(request)
+    if "factory" not in spec and "hf" not in spec:
+        try:
+            await _row(client, model)
+        except errors.ModelNotFound:
+            raise bad(
+                f"no model {model!r} is deployed: give its deploy spec in parameters "
+                '(e.g. {"parameters": {"factory": "flowmesh.examples:mlp"}})'
+            ) from None
+        return Response(status_code=200)
+    name = spec.pop("factory", None)
+    await client.deploy(model, name, **spec)
+    return Response(status_code=200)
+
+
+@router.post("/repository/models/{model}/unload")
+async def unload(request: Request, model: str) -> Response:
+    """Undeploy `model`. Operator keys only."""
+    _operator_only(request, "unloading a model")
+    await client_of(request).undeploy(model)
+    return Response(status_code=200)

@@ -29,8 +29,18 @@ from flowmesh.lifecycle import PARENT_ENV
 from flowmesh.sdnotify import notify, watchdog_interval
 
 UNITS = Path(__file__).parents[1] / "scripts" / "systemd"
-SERVICES = ("flowmesh-broker.service", "flowmesh-partitioner.service", "flowmesh-worker@.service")
-MODULE_SECTIONS = {"broker": "broker", "partitioner": "partitioner", "gpu_worker": "worker"}
+SERVICES = (
+    "flowmesh-broker.service",
+    "flowmesh-partitioner.service",
+    "flowmesh-worker@.service",
+    "flowmesh-gateway.service",
+)
+MODULE_SECTIONS = {
+    "broker": "broker",
+    "partitioner": "partitioner",
+    "gpu_worker": "worker",
+    "gateway": "gateway",
+}
 WATCHDOG_USEC = 200_000  # pings every 0.1 s
 START_S = 90.0  # a loaded machine: imports (torch for the worker) take a while
 
@@ -85,6 +95,8 @@ def test_units_are_notify_services_whose_command_lines_parse(name: str) -> None:
     args = options.parse(flags)
     if module == "gpu_worker":
         assert (args.device, args.name) == ("cuda:0", "host-gpu0")
+    if module == "gateway":  # no [gateway] table in the example: the defaults
+        assert (args.host, args.port, args.max_body) == ("127.0.0.1", 8000, 64 << 20)
 
 
 # --- the notify protocol --------------------------------------------------------------------
@@ -256,6 +268,30 @@ def test_worker_is_ready_only_once_registered_and_pings_the_watchdog_before(
         worker.close()
         if broker is not None:
             broker.close()
+
+
+def test_gateway_reports_ready_once_serving_pings_the_watchdog_and_stopping(
+    short_dir: Path,
+) -> None:
+    """No broker behind it: the gateway serves (and is live) without one, as its unit needs."""
+    import httpx
+
+    port = free_port()
+    gateway = Process(
+        "gateway",
+        ["--broker", f"tcp://127.0.0.1:{free_port()}", "--port", str(port)],
+        short_dir,
+        "gateway",
+    )
+    try:
+        assert gateway.ready() == ["READY=1"]
+        # READY=1 comes once the port answers.
+        assert httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=10).status_code == 200
+        assert watchdog_pings(gateway.notify.collect(1.0)) >= 4
+        assert gateway.stop() == 0
+        gateway.check_senders()
+    finally:
+        gateway.close()
 
 
 # --- sdnotify.py on its own -----------------------------------------------------------------

@@ -6,9 +6,12 @@ and a log directory of its own."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,3 +93,59 @@ def test_up_hands_its_config_to_the_processes_and_keeps_the_logs_in_log_dir(
     assert " INFO " in (logs / "broker.log").read_text()  # the broker's table is empty
     worker = (logs / "worker-0.log").read_text()
     assert " INFO " not in worker and " WARNING " not in worker, worker
+
+
+def test_up_with_http_port_runs_the_gateway_as_one_of_its_processes(tmp_path: Path) -> None:
+    """`flowmesh up --http-port`: the gateway answers readiness and lists a deployed model, reads
+    its `[gateway]` table of the config file, logs beside the others and stops with them."""
+    import httpx
+
+    from client_sdk.client import Client
+
+    with socket.socket() as s:  # a free port, for the gateway to bind
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "flowmesh.toml"
+    config.write_text("[gateway]\nmax_body = 1000\n")  # seen below: a larger body is refused
+    logs = tmp_path / "logs"
+    argv = ["up", "--cpu-workers", "1", "--memory-budget", "64MiB", "--listen", "127.0.0.1:0"]
+    argv += ["--heartbeat", "0.2", "--http-port", str(port), "--config", str(config)]
+    argv += ["--log-dir", str(logs)]
+    up = subprocess.Popen(
+        [*COMMAND, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert up.stdout is not None
+        # Read aside: a line that never comes fails the test instead of blocking it for good.
+        lines: queue.Queue[str] = queue.Queue()
+        stdout = up.stdout
+        threading.Thread(target=lambda: [lines.put(x) for x in stdout], daemon=True).start()
+        said = lines.get(timeout=180)
+        frontend = re.search(r"broker (tcp://\S+) ", said)
+        assert frontend is not None, said
+        said = lines.get(timeout=180)
+        assert said.startswith(f"flowmesh up: HTTP gateway on port {port} "), said
+        assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 200
+        with Client(frontend.group(1), timeout=120) as c:
+            c.deploy("mlp", "flowmesh.examples:mlp", kwargs={"width": 8, "depth": 2}, seed=1)
+        models = httpx.get(f"{url}/v1/models", timeout=30)
+        assert models.status_code == 200, models.text
+        assert [m["id"] for m in models.json()["data"]] == ["mlp"]
+        big = httpx.post(f"{url}/v2/models/mlp/infer", content=b"x" * 2000, timeout=30)
+        assert big.status_code == 413, big.text
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        out = "".join(iter(lambda: lines.get(timeout=10), "flowmesh stopped\n"))
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+    assert out == "", out  # nothing between the gateway's line and "flowmesh stopped"
+    assert "gateway.log" in {p.name for p in logs.glob("*.log")}
+    with pytest.raises(httpx.TransportError):  # stopped with the mesh
+        httpx.get(f"{url}/v2/health/live", timeout=5)

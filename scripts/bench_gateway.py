@@ -1,0 +1,227 @@
+"""The same requests through the HTTP gateway and through the SDK directly, in one run.
+
+One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as `flowmesh up
+--http-port` starts it: `LocalMesh(http_port=...)`), serving a small MLP and a tiny causal LM
+(`flowmesh.lm_examples.tiny_lm_dir`):
+
+- **infer**: `--requests` small-tensor infers (`--rows` x `--width` FP32) from `--clients`
+  concurrent clients, first through one `AsyncClient` (the SDK over ZeroMQ), then as KServe v2
+  JSON `POST /v2/models/mlp/infer` through `httpx.AsyncClient` (one connection pool, as a
+  service in front of the gateway would hold). Latency p50/p99 and requests/s, and the ratios
+  gateway / SDK (issue 25's targets: p50 within 1.3x, throughput at least 0.7x). Every gateway
+  answer is checked against the SDK's for the same input.
+- **stream**: `--prompts` greedy completions of `--max-tokens` tokens, one after the other,
+  through the SDK's `generate_stream` and through the gateway's `/v1/completions` with
+  `stream=True` (the official `openai` client). Greedy, so both make the same tokens (checked):
+  tokens/s of each, and the ratio, and the time to the first chunk.
+
+    python scripts/bench_gateway.py [--requests 400] [--clients 8] [--rows 1] [--width 64]
+        [--prompts 8] [--max-tokens 32] [--out bench-out]
+
+Writes `gateway.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import torch
+
+from client_sdk.client import AsyncClient
+from client_sdk.mesh import LocalMesh
+from flowmesh.lm_examples import tiny_lm_dir
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant land", "Hello there"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def closed_loop(n: int, clients: int, one: Any) -> tuple[list[float], float]:
+    """`n` calls of `one(k)` from `clients` concurrent loops: (latencies in s, wall seconds)."""
+    latencies: list[float] = []
+    counter = iter(range(n))
+
+    async def loop() -> None:
+        for k in counter:
+            start = time.perf_counter()
+            await one(k)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(clients)))
+    return latencies, time.perf_counter() - start
+
+
+def summary(latencies: list[float], wall: float) -> dict[str, float]:
+    return {
+        "p50_ms": pct(latencies, 0.50) * 1e3,
+        "p99_ms": pct(latencies, 0.99) * 1e3,
+        "mean_ms": statistics.fmean(latencies) * 1e3,
+        "requests_per_s": len(latencies) / wall,
+    }
+
+
+async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(args.rows, args.width, generator=gen) for _ in range(args.requests)]
+    async with AsyncClient(mesh.frontend, timeout=60.0) as c:
+        expected = [await c.infer("mlp", x) for x in xs[: args.clients]]  # and warm up
+
+        async def sdk(k: int) -> None:
+            await c.infer("mlp", xs[k])
+
+        sdk_lat, sdk_wall = await closed_loop(args.requests, args.clients, sdk)
+
+    url = f"{mesh.http_url}/v2/models/mlp/infer"
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(limits=limits, timeout=60.0) as http:
+
+        def body(x: torch.Tensor) -> dict[str, Any]:
+            flat = x.flatten().tolist()
+            return {
+                "inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": flat}]
+            }
+
+        for x, want in zip(xs[: args.clients], expected, strict=True):  # checked, and warm up
+            got = (await http.post(url, json=body(x))).json()["outputs"][0]
+            out = torch.tensor(got["data"]).reshape(got["shape"])
+            assert isinstance(want, torch.Tensor)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+        async def gateway(k: int) -> None:
+            answer = await http.post(url, json=body(xs[k]))
+            answer.raise_for_status()
+
+        gw_lat, gw_wall = await closed_loop(args.requests, args.clients, gateway)
+    sdk_s, gw_s = summary(sdk_lat, sdk_wall), summary(gw_lat, gw_wall)
+    ratios = {
+        "p50": gw_s["p50_ms"] / sdk_s["p50_ms"],
+        "p99": gw_s["p99_ms"] / sdk_s["p99_ms"],
+        "requests_per_s": gw_s["requests_per_s"] / sdk_s["requests_per_s"],
+    }
+    return {"sdk": sdk_s, "gateway": gw_s, "ratio_gateway_over_sdk": ratios}
+
+
+async def bench_stream(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
+    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.prompts)]
+    ask = {"max_tokens": args.max_tokens, "temperature": 0.0}
+    sdk_text: list[str] = []
+    tokens = 0
+    sdk_first: list[float] = []
+    async with AsyncClient(mesh.frontend, timeout=120.0) as c:
+        await c.generate("lm", prompts[0], **ask)  # warm up
+        start = time.perf_counter()
+        for prompt in prompts:
+            began = time.perf_counter()
+            parts: list[str] = []
+            async with c.generate_stream("lm", prompt, **ask) as stream:
+                async for chunk in stream:
+                    if not parts:
+                        sdk_first.append(time.perf_counter() - began)
+                    parts.append(chunk.text)
+                    tokens += len(chunk.ids)
+            sdk_text.append("".join(parts))
+        sdk_wall = time.perf_counter() - start
+    api = openai.AsyncOpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", max_retries=0)
+    gw_text: list[str] = []
+    gw_first: list[float] = []
+    await api.completions.create(model="lm", prompt=prompts[0], **ask)  # warm up
+    start = time.perf_counter()
+    for prompt in prompts:
+        began = time.perf_counter()
+        parts = []
+        stream = await api.completions.create(model="lm", prompt=prompt, stream=True, **ask)
+        async for event in stream:
+            if not parts:
+                gw_first.append(time.perf_counter() - began)
+            parts.append("".join(choice.text for choice in event.choices))
+        gw_text.append("".join(parts))
+    gw_wall = time.perf_counter() - start
+    await api.close()
+    assert gw_text == sdk_text, (gw_text, sdk_text)  # greedy: the same tokens both ways
+    return {
+        "tokens": tokens,
+        "sdk": {"tokens_per_s": tokens / sdk_wall, "first_chunk_p50_ms": pct(sdk_first, 0.5) * 1e3},
+        "gateway": {
+            "tokens_per_s": tokens / gw_wall,
+            "first_chunk_p50_ms": pct(gw_first, 0.5) * 1e3,
+        },
+        "ratio_gateway_over_sdk": {"tokens_per_s": sdk_wall / gw_wall},
+    }
+
+
+async def bench(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
+    return {"infer": await bench_infer(mesh, args), "stream": await bench_stream(mesh, args)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-gw-") as tmp:
+        model_dir = tiny_lm_dir(Path(tmp) / "tiny-llama", "llama", seed=5, max_positions=256)
+        mesh = LocalMesh(
+            cpu_workers=2,
+            memory_budget="64MiB",
+            threads_per_worker=args.threads,
+            data_roots=[tmp],
+            http_port=free_port(),
+        )
+        with mesh:
+            with mesh.client(timeout=300) as c:
+                c.deploy("mlp", "flowmesh.examples:mlp", kwargs={"width": args.width, "depth": 2})
+                c.deploy("lm", hf=str(model_dir), stages=1, replicas=1, max_seqs=4)
+            result = asyncio.run(bench(mesh, args))
+    result["args"] = vars(args)
+    infer, stream = result["infer"], result["stream"]
+    r = infer["ratio_gateway_over_sdk"]
+    print(
+        f"infer ({args.requests} requests, {args.clients} clients, {args.rows}x{args.width} FP32): "
+        f"SDK p50 {infer['sdk']['p50_ms']:.2f} ms p99 {infer['sdk']['p99_ms']:.2f} ms "
+        f"{infer['sdk']['requests_per_s']:.0f} req/s; gateway p50 {infer['gateway']['p50_ms']:.2f} "
+        f"ms p99 {infer['gateway']['p99_ms']:.2f} ms {infer['gateway']['requests_per_s']:.0f} "
+        f"req/s"
+    )
+    print(
+        f"infer gateway/SDK: p50 {r['p50']:.2f}x  p99 {r['p99']:.2f}x  "
+        f"requests/s {r['requests_per_s']:.2f}x"
+    )
+    print(
+        f"stream ({args.prompts} prompts x {args.max_tokens} tokens): SDK "
+        f"{stream['sdk']['tokens_per_s']:.0f} tokens/s, gateway "
+        f"{stream['gateway']['tokens_per_s']:.0f} tokens/s: gateway/SDK "
+        f"{stream['ratio_gateway_over_sdk']['tokens_per_s']:.2f}x"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gateway.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
