@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from broker.config import BrokerConfig
-from broker.state import Call, Model, Peer, Request, StageKey
+from broker.state import Call, Model, ModelState, Peer, Request, StageKey
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 
@@ -54,6 +54,38 @@ class Context:
             "direct_batches": 0,  # multi-stage batches whose activations went worker to worker
             "activation_bytes_relayed": 0,  # activations forwarded by the broker between stages
         }
+
+    # -- the checks every call that runs a model makes at the door (Infer, Generate)
+
+    def deployed(self, name: str) -> Model:
+        """Model `name`; MODEL_NOT_FOUND naming those deployed."""
+        model = self.models.get(name)
+        if model is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise fail(Code.MODEL_NOT_FOUND, f"no model {name!r} (deployed: {known})")
+        return model
+
+    @staticmethod
+    def check_ready(model: Model) -> None:
+        """UNAVAILABLE unless `model` serves now."""
+        if model.state is ModelState.UNAVAILABLE:
+            raise fail(
+                Code.UNAVAILABLE,
+                f"{model.name!r} has no live replica; waiting for workers to join",
+            )
+        if model.state is not ModelState.READY:
+            raise fail(Code.UNAVAILABLE, f"{model.name!r} is still {model.state.value}")
+
+    def client_room(self, addr: bytes) -> int:
+        """`addr`'s calls queued or running; OVERLOADED at the per-client limit."""
+        mine = self.outstanding.get(addr, 0)
+        if mine >= self.cfg.max_client_inflight:
+            raise fail(
+                Code.OVERLOADED,
+                f"this client has {mine} requests queued or running (limit "
+                f"{self.cfg.max_client_inflight} per client); wait for answers, then retry",
+            )
+        return mine
 
     def client_done(self, addr: bytes) -> None:
         """One of `addr`'s requests was answered."""

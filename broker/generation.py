@@ -227,13 +227,7 @@ class GenerationRoom:
                 f"{model.name!r} has {len(gm.waiting)} sequences waiting (limit "
                 f"{self.cfg.max_queue}); retry later",
             )
-        mine = self.ctx.outstanding.get(addr, 0)
-        if mine >= self.cfg.max_client_inflight:
-            raise fail(
-                Code.OVERLOADED,
-                f"this client has {mine} requests queued or running (limit "
-                f"{self.cfg.max_client_inflight} per client); wait for answers, then retry",
-            )
+        mine = self.ctx.client_room(addr)
         if (addr, msg.id) in self.calls:
             raise fail(Code.BAD_REQUEST, f"generate {msg.id} is already running")
         timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.default_timeout_s
@@ -307,18 +301,10 @@ class GenerationRoom:
         )
 
     def _model(self, name: str) -> Model:
-        model = self.models.get(name)
-        if model is None:
-            known = ", ".join(sorted(self.models)) or "none"
-            raise fail(Code.MODEL_NOT_FOUND, f"no model {name!r} (deployed: {known})")
+        model = self.ctx.deployed(name)
         if model.spec.hf is None:
             raise not_generative(f"{name!r} is not a language model (deployed from a factory)")
-        if model.state is ModelState.UNAVAILABLE:
-            raise fail(
-                Code.UNAVAILABLE, f"{name!r} has no live replica; waiting for workers to join"
-            )
-        if model.state is not ModelState.READY:
-            raise fail(Code.UNAVAILABLE, f"{name!r} is still {model.state.value}")
+        self.ctx.check_ready(model)
         return model
 
     @staticmethod

@@ -124,16 +124,8 @@ class ServingRouter:
             raise
 
     def _accept(self, addr: bytes, msg: p.Infer, now: float) -> None:
-        model = self.models.get(msg.model)
-        if model is None:
-            known = ", ".join(sorted(self.models)) or "none"
-            raise fail(Code.MODEL_NOT_FOUND, f"no model {msg.model!r} (deployed: {known})")
-        if model.state is ModelState.UNAVAILABLE:
-            raise fail(
-                Code.UNAVAILABLE, f"{msg.model!r} has no live replica; waiting for workers to join"
-            )
-        if model.state is not ModelState.READY:
-            raise fail(Code.UNAVAILABLE, f"{msg.model!r} is still {model.state.value}")
+        model = self.ctx.deployed(msg.model)
+        self.ctx.check_ready(model)
         rows, signature = self._check_inputs(model, msg.tensors)
         if len(model.queue) >= self.cfg.max_queue:
             raise fail(
@@ -141,13 +133,7 @@ class ServingRouter:
                 f"{msg.model!r} has {len(model.queue)} queued requests "
                 f"(limit {self.cfg.max_queue}); retry later",
             )
-        mine = self.ctx.outstanding.get(addr, 0)
-        if mine >= self.cfg.max_client_inflight:
-            raise fail(
-                Code.OVERLOADED,
-                f"this client has {mine} requests queued or running (limit "
-                f"{self.cfg.max_client_inflight} per client); wait for answers, then retry",
-            )
+        mine = self.ctx.client_room(addr)
         timeout = (msg.timeout_ms / 1000) if msg.timeout_ms else self.cfg.default_timeout_s
         req = Request(
             tag=next(self.ctx.ids),

@@ -210,7 +210,7 @@ def positions_of(packed: Packed, device: torch.device) -> torch.Tensor:
 def _layer(
     block: RopeLayer, x: torch.Tensor, packed: Packed, caches: list[SeqCache], layer: int
 ) -> torch.Tensor:
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     decoder = block.layer
     attn = decoder.self_attn
@@ -224,23 +224,19 @@ def _layer(
     cos, sin = block.rope(h.unsqueeze(0), positions)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     window = block.config.sliding_window if block.sliding else None
-    outs = []
-    for o, start, count, cache in zip(
-        packed.offsets(), packed.starts, packed.counts, caches, strict=True
-    ):
-        _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
-        keys, values = _read(cache, layer, start + count)
-        att = _attend(
-            q[:, :, o : o + count],
-            repeat_kv(keys, attn.num_key_value_groups),
-            repeat_kv(values, attn.num_key_value_groups),
-            start,
-            attn.scaling,
-            window=window,
-            softmax_f32=True,
-        )
-        outs.append(att.reshape(count, -1))
-    out = attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+    att = _cached_attention(
+        q,
+        k,
+        v,
+        packed,
+        caches,
+        layer,
+        attn.scaling,
+        groups=attn.num_key_value_groups,
+        window=window,
+        softmax_f32=True,
+    )
+    out = attn.o_proj(att)
     hidden = x + out
     return hidden + decoder.mlp(decoder.post_attention_layernorm(hidden))
 
@@ -254,16 +250,44 @@ def _gpt2_layer(
     h = decoder.ln_1(x)
     q, k, v = attn.c_attn(h).split(attn.split_size, dim=-1)
     q, k, v = (t.view(1, n, -1, hd).transpose(1, 2) for t in (q, k, v))
+    att = _cached_attention(q, k, v, packed, caches, layer, attn.scaling)
+    hidden = x + attn.c_proj(att)
+    return hidden + decoder.mlp(decoder.ln_2(hidden))
+
+
+def _cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: Packed,
+    caches: list[SeqCache],
+    layer: int,
+    scaling: float,
+    *,
+    groups: int = 1,
+    window: int | None = None,
+    softmax_f32: bool = False,
+) -> torch.Tensor:
+    """Each packed sequence's new keys and values `k`, `v` (`[1, kv_heads, tokens, head_dim]`)
+    written into its cache at `layer`, and its new queries `q` attended over all of its keys
+    (`_attend`; each kv head shared by `groups` query heads). Returns `[tokens, heads x
+    head_dim]` in packed order."""
+    if groups > 1:
+        from transformers.models.llama.modeling_llama import repeat_kv
     outs = []
     for o, start, count, cache in zip(
         packed.offsets(), packed.starts, packed.counts, caches, strict=True
     ):
         _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
         keys, values = _read(cache, layer, start + count)
-        att = _attend(q[:, :, o : o + count], keys, values, start, attn.scaling)
+        if groups > 1:
+            keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+        att = _attend(
+            q[:, :, o : o + count], keys, values, start, scaling, window=window,
+            softmax_f32=softmax_f32,
+        )  # fmt: skip
         outs.append(att.reshape(count, -1))
-    hidden = x + attn.c_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
-    return hidden + decoder.mlp(decoder.ln_2(hidden))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _write(cache: SeqCache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -300,15 +324,8 @@ def _opt_layer(
     q = (attn.q_proj(h) * attn.scaling).view(1, n, -1, hd).transpose(1, 2)
     k = attn.k_proj(h).view(1, n, -1, hd).transpose(1, 2)
     v = attn.v_proj(h).view(1, n, -1, hd).transpose(1, 2)
-    outs = []
-    for o, start, count, cache in zip(
-        packed.offsets(), packed.starts, packed.counts, caches, strict=True
-    ):
-        _write(cache, layer, start, k[0, :, o : o + count], v[0, :, o : o + count])
-        keys, values = _read(cache, layer, start + count)
-        att = _attend(q[:, :, o : o + count], keys, values, start, 1.0, softmax_f32=True)
-        outs.append(att.reshape(count, -1))
-    hidden = x + attn.out_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+    att = _cached_attention(q, k, v, packed, caches, layer, 1.0, softmax_f32=True)
+    hidden = x + attn.out_proj(att)
     if not before:
         hidden = decoder.self_attn_layer_norm(hidden)
     h = decoder.final_layer_norm(hidden) if before else hidden
