@@ -108,9 +108,25 @@ def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
         partitioner_args=config,
         worker_args=config,
         http_port=gateway_port(args),
-        gateway_args=config,
+        http_host=gateway_host(args),
+        # Open to every caller, as --insecure opens the broker's ports without keys.
+        gateway_args=[*config, *(["--insecure-open"] if args.insecure else [])],
         run_dir=Path(args.log_dir).resolve() if args.log_dir else None,
     )
+
+
+def gateway_host(args: argparse.Namespace) -> str:
+    """The address the gateway `flowmesh up` runs binds: --http-host, else the config file's
+    `[gateway]` host, else 127.0.0.1."""
+    if args.http_host is not None:
+        return str(args.http_host)
+    if args.config:
+        from flowmesh.config import load_section
+        from gateway.__main__ import OPTIONS as GATEWAY
+
+        if load_section(args.config, "gateway"):
+            return str(GATEWAY.read(args.config).get("host", "127.0.0.1"))
+    return "127.0.0.1"
 
 
 def gateway_port(args: argparse.Namespace) -> int:
@@ -183,8 +199,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise SystemExit(port_in_use(host, port))
     if args.config:
         check_config(args.config)
-    http_port = gateway_port(args)
-    if http_port and busy("127.0.0.1", http_port):
+    http_port, http_host = gateway_port(args), gateway_host(args)
+    if http_port and busy(http_host, http_port):
         raise SystemExit(
             f"flowmesh up: port {http_port} (--http-port) is already in use; choose another"
         )
@@ -929,6 +945,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the HTTP gateway (OpenAI and KServe v2 routes) on this port, bound on "
         "127.0.0.1 unless the config's [gateway] table says host = ...; a config file with a "
         "[gateway] table starts it on that table's port (default 8000) without this flag",
+    )
+    p.add_argument(
+        "--http-host",
+        default=None,
+        metavar="ADDRESS",
+        help="the address the gateway binds (default: the config's [gateway] host, else "
+        "127.0.0.1); any other than loopback needs API keys (flowmesh keys add NAME --role "
+        "client --api, in the --keys directory) or --insecure",
     )
     p.add_argument(
         "--config",

@@ -13,7 +13,8 @@ keys its own processes need (worker-i, partitioner-0, and `local-operator` for i
 
 `http_port`: the HTTP gateway (`python -m gateway`, OpenAI and KServe v2 routes) as one more
 child, started once the workers are ready, a client of the broker under the mesh's operator key;
-`http_url` is where it answers. It stops first, with the others.
+`http_url` is where it answers. It binds `http_host` (127.0.0.1; another address needs API keys,
+or `--insecure-open` in `gateway_args`). It stops first, with the others.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class LocalMesh:
     keys: bool | str | Path | None = None
     # The HTTP gateway's port (0: no gateway) and more of its options (`--config FILE`, ...).
     http_port: int = 0
+    http_host: str = "127.0.0.1"
     gateway_args: list[str] = field(default_factory=list)
     run_dir: Path | None = None
     ready_timeout_s: float = 60.0
@@ -247,13 +249,14 @@ class LocalMesh:
         once); returns when it answers /v2/health/live."""
         import urllib.request
 
-        args = ["--broker", self.frontend, "--port", str(self.http_port), *self.gateway_args]
+        args = ["--broker", self.frontend, "--host", self.http_host, "--port", str(self.http_port)]
+        args += self.gateway_args
         if self.client_keys is not None:
             # Its own CURVE key: the mesh's operator one (API keys, if any, say who calls it);
             # an api_keys.json in the key directory is found next to it.
             args += ["--keys", str(self.client_keys)]
         gateway = self._spawn("gateway", "gateway", args)
-        url = f"http://127.0.0.1:{self.http_port}"
+        url = f"http://{reachable(self.http_host)}:{self.http_port}"
 
         def live() -> bool | None:
             with urllib.request.urlopen(f"{url}/v2/health/live", timeout=2.0) as answer:
@@ -410,3 +413,12 @@ class LocalMesh:
         exception, keeps it anyway."""
         self._keep = True
         return self.run_dir
+
+
+def reachable(host: str) -> str:
+    """An address that reaches a server bound on `host`: loopback for the wildcard ones."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -8,6 +8,7 @@ import io
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -194,3 +195,29 @@ def test_the_watch_view_fits_80_columns_on_a_terminal_and_as_text() -> None:
             assert title in text
         assert "chat-large-3" in text and "train-12345-1" in text and "gpu-worker-2" in text
     assert "\x1b" not in plain
+
+
+def test_up_binds_the_gateway_where_told_and_opens_it_only_with_insecure(tmp_path: Path) -> None:
+    """--http-host, else the config's [gateway] host, else loopback; `up --insecure` opens the
+    gateway to every caller too (the gateway itself refuses a non-loopback bind without keys
+    or --insecure-open: tests/gateway/test_guard.py)."""
+    from client_sdk.mesh import reachable
+
+    def mesh(*argv: str) -> Any:
+        return up_mesh(build_parser().parse_args(["up", "--http-port", "8000", *argv]), gpus=[])
+
+    plain = mesh()
+    assert (plain.http_port, plain.http_host, plain.gateway_args) == (8000, "127.0.0.1", [])
+    wide = mesh("--http-host", "0.0.0.0", "--insecure")
+    assert (wide.http_host, wide.gateway_args) == ("0.0.0.0", ["--insecure-open"])
+    config = tmp_path / "flowmesh.toml"
+    config.write_text('[gateway]\nhost = "::"\nport = 8100\n')
+    from_file = up_mesh(build_parser().parse_args(["up", "--config", str(config)]), gpus=[])
+    assert (from_file.http_port, from_file.http_host) == (8100, "::")
+    assert mesh("--config", str(config), "--http-host", "::1").http_host == "::1"  # flag wins
+    assert [reachable(h) for h in ("0.0.0.0", "::", "10.1.2.3", "::1")] == [
+        "127.0.0.1",
+        "[::1]",
+        "10.1.2.3",
+        "[::1]",
+    ]

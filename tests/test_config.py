@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flowmesh.config import FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
+from flowmesh.config import BOOL, FLOAT, INT, LOG_LEVEL, SIZE, TEXT, Option, Options
 
 EXAMPLE = Path(__file__).parents[1] / "scripts" / "systemd" / "flowmesh.toml"
 
@@ -32,10 +32,11 @@ TEST = Options(
 
 def services() -> dict[str, Options]:
     from broker.__main__ import OPTIONS as broker
+    from gateway.__main__ import OPTIONS as gateway
     from gpu_worker.__main__ import OPTIONS as worker
     from partitioner.__main__ import OPTIONS as partitioner
 
-    return {o.section: o for o in (broker, partitioner, worker)}
+    return {o.section: o for o in (broker, partitioner, worker, gateway)}
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -150,11 +151,15 @@ def test_every_option_of_every_service_reads_the_same_from_the_file_as_from_its_
 ) -> None:
     for section, options in services().items():
         for option in options.options:
-            value, text = SAMPLES[option.kind.what]
-            toml = f"[{toml_value(value)}]" if option.repeat else toml_value(value)
+            if option.kind is BOOL:  # a switch: no value after the flag
+                toml, flag = "true", [option.flag]
+            else:
+                value, text = SAMPLES[option.kind.what]
+                toml = f"[{toml_value(value)}]" if option.repeat else toml_value(value)
+                flag = [option.flag, text]
             cfg = write(tmp_path, f"[{section}]\n{option.dest} = {toml}\n")
             from_file = getattr(options.parse(["--config", cfg]), option.dest)
-            from_flag = getattr(options.parse([option.flag, text]), option.dest)
+            from_flag = getattr(options.parse(flag), option.dest)
             assert from_file == from_flag != option.default, (section, option.flag)
             assert getattr(options.parse([]), option.dest) != from_flag
 
@@ -169,6 +174,9 @@ def test_the_shipped_example_config_is_accepted_by_every_service() -> None:
     assert args.broker == "tcp://127.0.0.1:5556"
     args = by_section["worker"].parse(["--config", example, "--device", "cpu"])
     assert (args.compute_lanes, args.device) == (2, "cpu")
+    args = by_section["gateway"].parse(["--config", example])
+    assert (args.host, args.port, args.broker) == ("127.0.0.1", 8000, "tcp://127.0.0.1:5555")
+    assert args.api_keys == "/etc/flowmesh/keys/api_keys.json"
     assert set(tomllib.loads(EXAMPLE.read_text())) == set(by_section)
 
 

@@ -1,0 +1,83 @@
+"""HTTPS through uvicorn's own TLS options (`--ssl-certfile`, `--ssl-keyfile`, or the [gateway]
+table's `ssl_certfile`/`ssl_keyfile`): a real gateway process with a certificate from a test
+authority (trustme), called by a client that trusts only that authority."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trustme
+
+from tests.gateway.conftest import ROOT, _free_port
+
+
+@contextlib.contextmanager
+def tls_gateway(tmp_path: Path, ca: trustme.CA) -> Iterator[int]:
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile = tmp_path / "gateway.crt", tmp_path / "gateway.key"
+    cert.cert_chain_pems[0].write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    # The config file's table, as the systemd unit gives it (flags and table read the same).
+    config = tmp_path / "flowmesh.toml"
+    config.write_text(f'[gateway]\nssl_certfile = "{certfile}"\nssl_keyfile = "{keyfile}"\n')
+    port = _free_port()
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            # No broker listens there: liveness needs none, readiness says so.
+            [
+                *(sys.executable, "-m", "gateway"),
+                *("--broker", f"tcp://127.0.0.1:{_free_port()}"),
+                *("--port", str(port), "--config", str(config)),
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the gateway exited {proc.returncode}: {log.read_text()}")
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"the gateway did not listen within 60 s: {log.read_text()}")
+            time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_gateway_serves_https_with_the_configured_certificate(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+    with tls_gateway(tmp_path, ca) as port:
+        url = f"https://127.0.0.1:{port}"
+        live = httpx.get(f"{url}/v2/health/live", verify=trusting, timeout=10)
+        assert (live.status_code, live.json()) == (200, {"live": True})
+        assert live.http_version == "HTTP/1.1"
+        ready = httpx.get(f"{url}/v2/health/ready", verify=trusting, timeout=30)
+        assert ready.status_code == 503
+        # A client that does not trust the test authority refuses the certificate, and plain
+        # HTTP to the TLS port gets no answer.
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{url}/v2/health/live", timeout=10)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=10)
