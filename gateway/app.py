@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from client_sdk.client import AsyncClient
 from flowmesh.errors import FlowmeshError
 from gateway import MAX_BODY, MAX_STREAMS_PER_KEY, kserve, openai_api
+from gateway.disconnect import ClientGone, on_client_gone
 from gateway.errors import on_flowmesh_error, on_invalid_body
 from gateway.guard import ApiKeys, Guard, Streams
 from gateway.metrics import GatewayMetrics
@@ -51,6 +52,7 @@ def create_app(
     app.include_router(kserve.router)
     app.add_exception_handler(FlowmeshError, on_flowmesh_error)
     app.add_exception_handler(RequestValidationError, on_invalid_body)
+    app.add_exception_handler(ClientGone, on_client_gone)
     metrics = GatewayMetrics()
     app.state.streams = Streams(max_streams_per_key, metrics)
 

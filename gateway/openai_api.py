@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from client_sdk.client import AsyncClient
 from client_sdk.generation import AsyncGenStream, Chunk, Generation
 from flowmesh.errors import FlowmeshError
+from gateway.disconnect import unless_gone
 from gateway.errors import openai_body
 from gateway.guard import MODEL
 from gateway.sse import DONE, EventStream, event
@@ -151,7 +152,7 @@ async def completions(request: Request, body: CompletionRequest) -> dict[str, An
     head = {**_head("cmpl", body.model), "object": "text_completion"}
     if body.stream:
         return await _stream(request, body, args, head, chat=False)
-    outs = await client.generate(body.model, **args)
+    outs = await unless_gone(request, client.generate(body.model, **args))
     assert isinstance(outs, list)
     choices = [
         {"index": k, "text": o.text or "", "logprobs": None, "finish_reason": o.finish_reason}
@@ -170,7 +171,7 @@ async def chat(request: Request, body: ChatRequest) -> dict[str, Any] | EventStr
     head = {**_head("chatcmpl", body.model), "object": "chat.completion"}
     if body.stream:
         return await _stream(request, body, args, head, chat=True)
-    outs = await client.generate(body.model, **args)
+    outs = await unless_gone(request, client.generate(body.model, **args))
     assert isinstance(outs, list)
     (out,) = outs
     message = {"role": "assistant", "content": out.text or ""}

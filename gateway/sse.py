@@ -9,11 +9,11 @@ disconnect while it streams, cancels the stream when it comes, and always closes
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -22,7 +22,7 @@ DONE = b"data: [DONE]\n\n"
 
 def event(data: Any) -> bytes:
     """One server-sent event carrying `data` as JSON."""
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
 class EventStream(StreamingResponse):

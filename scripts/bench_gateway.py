@@ -6,17 +6,23 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
 
 - **infer**: `--requests` small-tensor infers (`--rows` x `--width` FP32) from `--clients`
   concurrent clients, first through one `AsyncClient` (the SDK over ZeroMQ), then as KServe v2
-  JSON `POST /v2/models/mlp/infer` through `httpx.AsyncClient` (one connection pool, as a
-  service in front of the gateway would hold). Latency p50/p99 and requests/s, and the ratios
+  JSON `POST /v2/models/mlp/infer` through one pool of `--clients` keep-alive connections, as a
+  service in front of the gateway would hold. Latency p50/p99 and requests/s, and the ratios
   gateway / SDK (issue 25's targets: p50 within 1.3x, throughput at least 0.7x). Every gateway
   answer is checked against the SDK's for the same input.
+  The HTTP client (`--http-client`) is `aiohttp` by default: the bench's client shares the
+  machine's cores with the gateway and the mesh, and `httpx` spends several times aiohttp's CPU
+  per request (pure-Python h11 parsing, its pool's bookkeeping), so that on a small machine it
+  measures the client as much as the gateway. The SDK side pays only for its own lean client;
+  `--http-client httpx` is there to see the difference. Each side encodes its request inside
+  the timed call, as a real caller does (the SDK its frames, the HTTP side its JSON body).
 - **stream**: `--prompts` greedy completions of `--max-tokens` tokens, one after the other,
   through the SDK's `generate_stream` and through the gateway's `/v1/completions` with
   `stream=True` (the official `openai` client). Greedy, so both make the same tokens (checked):
   tokens/s of each, and the ratio, and the time to the first chunk.
 
     python scripts/bench_gateway.py [--requests 400] [--clients 8] [--rows 1] [--width 64]
-        [--prompts 8] [--max-tokens 32] [--out bench-out]
+        [--prompts 8] [--max-tokens 32] [--http-client aiohttp|httpx] [--out bench-out]
 
 Writes `gateway.json` under `--out`.
 """
@@ -30,9 +36,12 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import openai
 import torch
@@ -80,6 +89,37 @@ def summary(latencies: list[float], wall: float) -> dict[str, float]:
     }
 
 
+Post = Callable[[str, bytes], Awaitable[bytes]]
+
+
+@asynccontextmanager
+async def _http_client(kind: str, connections: int) -> AsyncIterator[Post]:
+    """`post(url, body)`: the answer's body (an error status raises), over a pool of
+    `connections` keep-alive connections of client `kind`."""
+    headers = {"Content-Type": "application/json"}
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        async with httpx.AsyncClient(limits=limits, timeout=60.0) as http:
+
+            async def post_httpx(url: str, data: bytes) -> bytes:
+                answer = await http.post(url, content=data, headers=headers)
+                answer.raise_for_status()
+                return answer.content
+
+            yield post_httpx
+        return
+    connector = aiohttp.TCPConnector(limit=connections)
+    timeout = aiohttp.ClientTimeout(total=60.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def post_aiohttp(url: str, data: bytes) -> bytes:
+            async with session.post(url, data=data, headers=headers) as answer:
+                answer.raise_for_status()
+                return await answer.read()
+
+        yield post_aiohttp
+
+
 async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(args.rows, args.width, generator=gen) for _ in range(args.requests)]
@@ -92,24 +132,21 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
         sdk_lat, sdk_wall = await closed_loop(args.requests, args.clients, sdk)
 
     url = f"{mesh.http_url}/v2/models/mlp/infer"
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(limits=limits, timeout=60.0) as http:
 
-        def body(x: torch.Tensor) -> dict[str, Any]:
-            flat = x.flatten().tolist()
-            return {
-                "inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": flat}]
-            }
+    def body(x: torch.Tensor) -> bytes:
+        flat = x.flatten().tolist()
+        item = {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": flat}
+        return json.dumps({"inputs": [item]}).encode()
 
+    async with _http_client(args.http_client, args.clients) as post:
         for x, want in zip(xs[: args.clients], expected, strict=True):  # checked, and warm up
-            got = (await http.post(url, json=body(x))).json()["outputs"][0]
+            got = json.loads(await post(url, body(x)))["outputs"][0]
             out = torch.tensor(got["data"]).reshape(got["shape"])
             assert isinstance(want, torch.Tensor)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
         async def gateway(k: int) -> None:
-            answer = await http.post(url, json=body(xs[k]))
-            answer.raise_for_status()
+            await post(url, body(xs[k]))
 
         gw_lat, gw_wall = await closed_loop(args.requests, args.clients, gateway)
     sdk_s, gw_s = summary(sdk_lat, sdk_wall), summary(gw_lat, gw_wall)
@@ -181,6 +218,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--http-client",
+        choices=["aiohttp", "httpx"],
+        default="aiohttp",
+        help="the infer bench's HTTP client (aiohttp: see above)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
@@ -202,7 +245,8 @@ def main() -> None:
     infer, stream = result["infer"], result["stream"]
     r = infer["ratio_gateway_over_sdk"]
     print(
-        f"infer ({args.requests} requests, {args.clients} clients, {args.rows}x{args.width} FP32): "
+        f"infer ({args.requests} requests, {args.clients} clients, {args.rows}x{args.width} FP32, "
+        f"{args.http_client}): "
         f"SDK p50 {infer['sdk']['p50_ms']:.2f} ms p99 {infer['sdk']['p99_ms']:.2f} ms "
         f"{infer['sdk']['requests_per_s']:.0f} req/s; gateway p50 {infer['gateway']['p50_ms']:.2f} "
         f"ms p99 {infer['gateway']['p99_ms']:.2f} ms {infer['gateway']['requests_per_s']:.0f} "

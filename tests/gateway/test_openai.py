@@ -1,9 +1,9 @@
 """The OpenAI API through a real gateway in front of a real mesh, spoken by the official `openai`
 client: completions and chat equal the SDK's `generate` for the same request, streams join to
 the blocking answer, refusals come back with OpenAI's statuses and error body, and a client that
-goes away mid-stream stops its sequence on the broker. A second gateway in front of the same
-mesh has API keys: only their bearers get in, each key holds at most its streams, and /metrics
-counts what was answered."""
+goes away mid-stream, or before a blocking answer, stops its sequence on the broker. A second
+gateway in front of the same mesh has API keys: only their bearers get in, each key holds at
+most its streams, and /metrics counts what was answered."""
 
 from __future__ import annotations
 
@@ -194,6 +194,41 @@ def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, st
                     break
                 await asyncio.sleep(0.05)
             # Freed on the broker well before its tokens were all made (a few were on their way).
+            assert running == 0 and 0 < made - start < ENOUGH
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_before_a_blocking_answer_stops_its_sequence(
+    served: tuple[LocalMesh, str],
+) -> None:
+    mesh, url = served
+    ask = {"model": "lm", "prompt": "Once upon", "max_tokens": ENOUGH, "temperature": 0}
+
+    async def main() -> None:
+        async with AsyncClient(mesh.frontend, timeout=60) as c:
+
+            async def row() -> tuple[int, int]:
+                m = next(m for m in (await c.status()).models if m.name == "lm")
+                return m.running_seqs + m.waiting_seqs, m.tokens_generated
+
+            _, start = await row()
+            async with httpx.AsyncClient(timeout=30) as http:
+                call = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=ask))
+                for _ in range(400):  # until the sequence is on the broker
+                    running, made = await row()
+                    if running and made > start:
+                        break
+                    await asyncio.sleep(0.02)
+                assert running and not call.done()
+                call.cancel()  # the client gives up: its connection closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+            for _ in range(200):
+                running, made = await row()
+                if not running:
+                    break
+                await asyncio.sleep(0.05)
             assert running == 0 and 0 < made - start < ENOUGH
 
     asyncio.run(main())
