@@ -646,7 +646,10 @@ the built-in synthetic dataset: samples (default 512), seq (16), seed (0); holdo
 the rows held out for evaluation when there is no eval_file, default 0.2); [space.<param>]
 type = "float" | "int" | "categorical" with low, high, log, step or choices. A <param> named
 optimizer, lr, weight_decay, momentum or optim.<key> sets the optimizer; any other name is a
-factory keyword argument. Relative paths are relative to the TOML file's directory."""
+factory keyword argument. Relative paths are relative to the TOML file's directory.
+With --storage, several drivers (on one mesh or several) given the same name share one study:
+trials counts its finished trials, whoever ran them, and a dead driver's running trials are
+failed and retried by the others (heartbeats every --heartbeat s, --grace s of silence)."""
 
 
 def load_sweep_config(path: str) -> dict[str, Any]:
@@ -729,6 +732,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 out_dir=out,
                 show=not (args.quiet or args.json),
                 timeout=args.timeout,
+                storage=args.storage,
+                heartbeat_interval=args.heartbeat,
+                grace_period=args.grace,
             )
         except ValueError as exc:
             raise SystemExit(f"flowmesh sweep: {args.config}: {exc}") from None
@@ -742,12 +748,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if best is not None:
         params = ", ".join(f"{k}={v!r}" for k, v in best.params.items())
         print(f"best: trial {best.number}, {result.objective} {best.value:.4f} ({params})")
+    elif (shared := result.study_best) is not None:  # run by another driver of the study
+        params = ", ".join(f"{k}={v!r}" for k, v in shared.params.items())
+        print(f"best: trial {shared.number}, {result.objective} {shared.value:.4f} ({params})")
     else:  # say why, also under --quiet (which hides the trials' table)
         failed = [t for t in result.trials if t.state == "FAIL" and t.reason]
         for reason in dict.fromkeys(t.reason for t in failed):
             print(f"flowmesh sweep: a trial failed: {reason}", file=sys.stderr)
     print(f"saved {result.json_path} and {result.png_path}")
-    return 0 if best is not None else 1
+    return 0 if best is not None or result.study_best is not None else 1
 
 
 def cmd_keys_init(args: argparse.Namespace) -> int:
@@ -1182,6 +1191,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no live table, no results table")
     p.add_argument(
         "--json", action="store_true", help="print the trials as JSON on stdout (and no tables)"
+    )
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna storage shared by every driver of the study 'name': sqlite:///PATH, "
+        "postgresql+psycopg://USER@HOST/DB or journal:PATH (default: in memory, this driver only)",
+    )
+    p.add_argument(
+        "--heartbeat", type=int, default=5, help="seconds between a driver's heartbeats (RDB)"
+    )
+    p.add_argument(
+        "--grace",
+        type=int,
+        default=None,
+        help="seconds without a heartbeat before a trial is failed and retried (default 2x)",
     )
     p.set_defaults(fn=cmd_sweep, timeout=600.0)
 

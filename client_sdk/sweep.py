@@ -23,6 +23,17 @@ A trial whose training loss turns non-finite (a diverged learning rate) is prune
 mesh that takes no training jobs (no worker started with `--train-bytes`) refuses the sweep at
 once: the broker's answer to the first job opening is raised, before any trial trains, and
 nothing is saved.
+Several drivers, on one mesh or on several, can work on one study: give each the same `name`
+and a `storage` (`open_storage`): an SQLAlchemy URL (`sqlite:///sweep.db` for one host,
+`postgresql+psycopg://user@host/db` for many) or `journal:PATH` (Optuna's journal file). The
+study's storage is then the shared state: `trials` counts the finished trials (complete, pruned
+or failed) of the whole study, whichever driver ran them. An RDB storage carries heartbeats:
+each driver beats for its running trials every `heartbeat_interval` seconds; a trial whose
+driver died (no beat for `grace_period` seconds) is marked FAIL by the next driver that looks and
+enqueued again (Optuna's `RetryFailedTrialCallback`) as a new trial with the same parameters,
+which the next free driver runs. A trial number is taken once, from the storage, and its mesh
+job is `<name>-t<number>`: no trial runs twice. The journal storage has no heartbeat: a dead
+driver's trials stay RUNNING there and are not retried.
 Results go to `out_dir`: `trials.json` (every trial's parameters, state, value, per-step training
 losses and evaluations) and `curves.png` (every trial's curves; pruned trials dashed and marked
 where they stopped, a trial far above the others clipped off the axis: `client_sdk.sweep_plot`).
@@ -35,8 +46,10 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import sys
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +64,12 @@ from flowmesh.errors import Code, FlowmeshError
 
 if TYPE_CHECKING:  # the data's type only: reading data files is no part of the SDK's import
     from client_sdk.train_data import Dataset
+
+# Heartbeats and their retries are marked experimental, and heartbeats outside `optimize` draw a
+# warning, though ask-and-tell with our own beats is what they are for here: one warning per
+# driver is noise on the CLI's stderr.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", "Heartbeat of storage is supposed", UserWarning)
 
 
 class Trains(Protocol):
@@ -103,7 +122,17 @@ class SweepResult:
         """The best completed trial (Optuna's `best_trial`), or None when none completed."""
         if not self.completed:
             return None
-        return self.trials[self.study.best_trial.number]
+        # With shared storage the study's best may be a trial another driver ran.
+        number = self.study.best_trial.number
+        return next((t for t in self.trials if t.number == number), None)
+
+    @property
+    def study_best(self) -> optuna.trial.FrozenTrial | None:
+        """The study's best trial, whichever driver ran it, or None when none completed."""
+        try:
+            return self.study.best_trial
+        except ValueError:
+            return None
 
     @property
     def json_path(self) -> Path | None:
@@ -287,6 +316,65 @@ class _Display:
 
 
 Callback = Callable[[TrialRecord], Awaitable[None] | None]
+JOURNAL_PREFIX = "journal:"
+FINISHED = (
+    optuna.trial.TrialState.COMPLETE,
+    optuna.trial.TrialState.PRUNED,
+    optuna.trial.TrialState.FAIL,
+)
+
+
+def open_storage(
+    url: str, *, heartbeat_interval: int = 5, grace_period: int | None = None, retries: int = 3
+) -> optuna.storages.BaseStorage:
+    """The Optuna storage named by `url`: `journal:PATH` is a journal file (JournalFileBackend),
+    anything else an SQLAlchemy URL (RDBStorage) with heartbeats every `heartbeat_interval`
+    seconds, a trial with no beat for `grace_period` seconds (default twice the interval) failed
+    and retried up to `retries` times. A bad URL or an unreachable database raises ValueError
+    naming it, after at most 10 s of connecting."""
+    if url.startswith(JOURNAL_PREFIX):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = url.removeprefix(JOURNAL_PREFIX)
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(path))
+        except OSError as exc:
+            raise ValueError(f"storage {url!r}: {exc}") from None
+    import sqlalchemy.exc
+
+    try:
+        dialect = sqlalchemy.engine.make_url(url).get_backend_name()
+    except sqlalchemy.exc.ArgumentError:
+        raise ValueError(
+            f"storage {url!r}: not an SQLAlchemy URL (sqlite:///PATH, "
+            "postgresql+psycopg://USER@HOST/DB) nor journal:PATH"
+        ) from None
+    # Bounded connects: an unreachable server is an error in seconds, never a hang.
+    connect = {"postgresql": {"connect_timeout": 10}, "sqlite": {"timeout": 10}}.get(dialect, {})
+    for attempt in range(2):
+        try:
+            return optuna.storages.RDBStorage(
+                url,
+                engine_kwargs={"connect_args": connect},
+                heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                    max_retry=retries
+                ),
+            )
+        except (sqlalchemy.exc.SQLAlchemyError, ImportError) as exc:
+            # Drivers started together race to create the tables: the loser finds them made.
+            if attempt == 0 and "already exists" in str(exc):
+                continue
+            raise ValueError(f"storage {url!r}: {str(exc).splitlines()[0]}") from None
+    raise AssertionError("unreachable")
+
+
+def _finished(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """Finished trials of the study, less the failed ones enqueued again (their retry counts)."""
+    retry = optuna.storages.RetryHeartbeatStaleTrialCallback
+    retried = {retry.retried_trial_number(t) for t in trials}
+    return sum(t.state in FINISHED and t.number not in retried for t in trials)
 
 
 async def sweep_async(
@@ -316,6 +404,10 @@ async def sweep_async(
     show: bool = True,
     on_trial_end: Callback | None = None,
     timeout: float = 600.0,
+    storage: str | None = None,
+    heartbeat_interval: int = 5,
+    grace_period: int | None = None,
+    retries: int = 3,
 ) -> SweepResult:
     """A hyper-parameter sweep of `factory` through the mesh with Optuna (ask-and-tell) and its
     pruners: `trials` trials of `steps` steps of `batch` rows of `data`, `concurrency` at a time,
@@ -333,7 +425,12 @@ async def sweep_async(
     `out_dir` receives trials.json and curves.png; `show` draws the live table on stderr.
     `timeout` bounds each call of a trial, not the sweep. `on_trial_end(record)` runs after a
     trial's job is closed, on the client's event loop (the blocking `Client`'s loop thread: it
-    must not call that `Client`)."""
+    must not call that `Client`).
+
+    `storage` (see `open_storage`) shares the study `name` with every driver given the same
+    storage: `trials` then counts the study's finished trials, whoever ran them, and this
+    driver's result holds the trials it ran. `heartbeat_interval`, `grace_period` and `retries`
+    set how a dead driver's running trials are found, failed and retried (RDB storages)."""
     if trials < 1 or steps < 1 or not 1 <= eval_every <= steps or concurrency < 1:
         raise ValueError("trials, steps, concurrency need >= 1 and eval_every in 1..steps")
     dists = {k: distribution(k, v) for k, v in space.items()}
@@ -343,12 +440,28 @@ async def sweep_async(
     direction = direction or ("maximize" if objective == "accuracy" else "minimize")
     if eval_data is None:
         data, eval_data = holdout(data, holdout_fraction)
+    store = (
+        None
+        if storage is None
+        else open_storage(
+            storage,
+            heartbeat_interval=heartbeat_interval,
+            grace_period=grace_period,
+            retries=retries,
+        )
+    )
+    beats = isinstance(store, optuna.storages.RDBStorage)
     study = optuna.create_study(
+        storage=store,
         study_name=name,
         direction=direction,
-        sampler=optuna.samplers.TPESampler(seed=seed),
+        load_if_exists=store is not None,
+        # Drivers sharing a study each draw their own parameters: one seed would have them all
+        # sample the same points.
+        sampler=optuna.samplers.TPESampler(seed=seed if store is None else seed + os.getpid()),
         pruner=make_pruner(pruner, eval_every, steps, reduction_factor),
     )
+    running: set[int] = set()  # this driver's trials' ids in the storage, for heartbeats
     fixed_opt = dict(optimizer or {"name": "adamw", "lr": 1e-3})
     records: list[TrialRecord] = []
     display = _Display(records, objective, show)
@@ -360,6 +473,38 @@ async def sweep_async(
     refused: list[FlowmeshError] = []
     opened = False
 
+    def next_move() -> str:
+        """What a free slot does: ask a trial, wait for others' running trials (one may die and
+        be retried), or stop, the study having its `trials` finished."""
+        if beats:
+            optuna.storages.fail_stale_trials(study)
+        all_trials = study.get_trials(deepcopy=False)
+        done = _finished(all_trials)
+        waiting = sum(t.state == optuna.trial.TrialState.WAITING for t in all_trials)
+        live = sum(t.state == optuna.trial.TrialState.RUNNING for t in all_trials)
+        if done >= trials:
+            return "stop"
+        if waiting or done + live < trials:
+            return "ask"
+        # Without heartbeats a dead driver's trial never ends: do not wait on others then.
+        return "wait" if beats and live > len(running) else "stop"
+
+    async def heartbeat() -> None:
+        while True:
+            await asyncio.sleep(heartbeat_interval)
+            for trial_id in list(running):
+                store.record_heartbeat(trial_id)  # type: ignore[union-attr]
+
+    async def driver() -> None:
+        while not (refused and not opened):
+            move = next_move()
+            if move == "stop":
+                return
+            if move == "wait":
+                await asyncio.sleep(heartbeat_interval)
+                continue
+            await run_trial()
+
     async def run_trial() -> None:
         nonlocal opened
         async with gate:
@@ -367,6 +512,9 @@ async def sweep_async(
                 return
             # Asked only once a slot is free, so the sampler sees every trial told before.
             trial = study.ask(dists)
+            running.add(trial._trial_id)
+            if beats:
+                store.record_heartbeat(trial._trial_id)  # type: ignore[union-attr]
             rec = TrialRecord(trial.number, dict(trial.params), f"{name}-t{trial.number}")
             records.append(rec)
             records.sort(key=lambda r: r.number)
@@ -407,6 +555,7 @@ async def sweep_async(
             rec.state = state.name
             rec.seconds = time.perf_counter() - t0
             study.tell(trial, value, state=state)
+            running.discard(trial._trial_id)
             display.update(rec)
         if on_trial_end is not None:
             res = on_trial_end(rec)
@@ -444,9 +593,15 @@ async def sweep_async(
                     return optuna.trial.TrialState.PRUNED, None
         return optuna.trial.TrialState.COMPLETE, value
 
+    beating = asyncio.create_task(heartbeat()) if beats else None
     try:
-        await asyncio.gather(*(run_trial() for _ in range(trials)))
+        if store is None:  # alone on its study: exactly `trials` trials
+            await asyncio.gather(*(run_trial() for _ in range(trials)))
+        else:
+            await asyncio.gather(*(driver() for _ in range(min(concurrency, trials))))
     finally:
+        if beating is not None:
+            beating.cancel()
         display.close()
     if refused and not opened:
         raise refused[0]

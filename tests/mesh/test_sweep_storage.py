@@ -1,0 +1,154 @@
+"""Several sweep drivers on one study (`flowmesh sweep --storage URL`) over one real mesh: each
+driver a `flowmesh sweep` process, the study in SQLite or in a real PostgreSQL server the test
+starts itself (pgserver's embedded server). No trial runs twice: every trial number is taken
+once from the storage, and its mesh job (`<name>-t<number>`) belongs to one driver's results.
+A driver SIGKILLed mid-trial leaves that trial RUNNING; the survivor fails it when its
+heartbeat is stale and runs its retry (same parameters, new number)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from safetensors.torch import save_file
+
+from client_sdk.mesh import LocalMesh
+from client_sdk.sweep import _finished
+from tests.support.mesh import mesh_options
+from tests.support.training import teacher
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = mesh_options(cpu_workers=1, train_bytes="256KiB")
+TRIALS = 6
+
+TOML = """
+name = "shared"
+factory = "flowmesh.examples:mlp"
+trials = {trials}
+steps = {steps}
+eval_every = 3
+concurrency = 1
+pruner = "none"
+batch = 16
+out = "{out}"
+
+[kwargs]
+width = 16
+depth = 2
+in_features = 8
+out_features = 4
+
+[data]
+file = "data.safetensors"
+
+[space.lr]
+type = "float"
+low = 1e-4
+high = 0.1
+log = true
+"""
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'study.db'}"
+        return
+    pgserver = pytest.importorskip("pgserver")
+    pytest.importorskip("psycopg")
+    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="delete")
+    try:
+        yield server.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+    finally:
+        server.cleanup()
+
+
+def driver(
+    mesh: LocalMesh, tmp_path: Path, storage: str, tag: str, steps: int
+) -> subprocess.Popen[str]:
+    if not (tmp_path / "data.safetensors").exists():
+        data = teacher()
+        save_file(
+            {"inputs": data.inputs[""], "targets": data.targets}, str(tmp_path / "data.safetensors")
+        )
+    config = tmp_path / f"{tag}.toml"
+    config.write_text(TOML.format(trials=TRIALS, steps=steps, out=f"out-{tag}"))
+    cmd = [sys.executable, "-m", "client_sdk.cli", "sweep", "--broker", mesh.frontend]
+    cmd += ["--storage", storage, "--heartbeat", "1", "--grace", "3", "--quiet", str(config)]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ
+    )
+
+
+def finish(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    return out
+
+
+def saved_numbers(tmp_path: Path, tag: str) -> list[int]:
+    import json
+
+    saved = json.loads((tmp_path / f"out-{tag}" / "trials.json").read_text())
+    return [t["number"] for t in saved["trials"]]
+
+
+def study(storage: str) -> optuna.Study:
+    return optuna.load_study(study_name="shared", storage=storage)
+
+
+def test_two_drivers_complete_the_study_between_them(
+    mesh: LocalMesh, tmp_path: Path, storage: str
+) -> None:
+    a, b = (driver(mesh, tmp_path, storage, tag, steps=6) for tag in "ab")
+    finish(a), finish(b)
+    ran_a, ran_b = saved_numbers(tmp_path, "a"), saved_numbers(tmp_path, "b")
+    trials = study(storage).get_trials()
+    # No trial run twice: each number in one driver's results once, and they are the study's.
+    assert not set(ran_a) & set(ran_b) and len(set(ran_a)) == len(ran_a), (ran_a, ran_b)
+    assert sorted(ran_a + ran_b) == [t.number for t in trials]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    # Both drivers asked when one slot was left at most once each: N, or one over.
+    assert TRIALS <= _finished(trials) <= TRIALS + 1, len(trials)
+
+
+def test_a_killed_drivers_trial_is_retried_by_the_other(
+    mesh: LocalMesh, tmp_path: Path, storage: str
+) -> None:
+    # Long trials for the victim, so that it is killed mid-trial.
+    victim = driver(mesh, tmp_path, storage, "victim", steps=3000)
+    deadline = time.monotonic() + 90
+    running: list[optuna.trial.FrozenTrial] = []
+    while not running:
+        assert victim.poll() is None, victim.communicate()[1]
+        assert time.monotonic() < deadline, "the victim never started a trial"
+        time.sleep(0.2)
+        try:
+            running = study(storage).get_trials(states=(optuna.trial.TrialState.RUNNING,))
+        except KeyError:  # the study not created yet
+            continue
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    finish(driver(mesh, tmp_path, storage, "survivor", steps=6))
+
+    trials = study(storage).get_trials()
+    dead = next(t for t in trials if t.number == running[0].number)
+    assert dead.state == optuna.trial.TrialState.FAIL
+    retries = [
+        t
+        for t in trials
+        if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number
+    ]
+    assert len(retries) == 1 and retries[0].params == dead.params
+    assert retries[0].state == optuna.trial.TrialState.COMPLETE
+    ran = saved_numbers(tmp_path, "survivor")
+    assert retries[0].number in ran and dead.number not in ran
+    assert _finished(trials) == TRIALS
+    assert sorted(ran) == [t.number for t in trials if t.number != dead.number]
