@@ -11,7 +11,7 @@ from typing import Any
 
 from flowmesh.config import BOOL, FLOAT, INT, SIZE, TEXT, Option, Options
 from flowmesh.errors import FlowmeshError
-from gateway import MAX_BODY, MAX_STREAMS_PER_KEY
+from gateway import MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY
 
 # Declared once: they make the flags of `python -m gateway` and `flowmesh gateway`, and read the
 # `[gateway]` table of the config file (flowmesh.config), as the other services' do.
@@ -56,6 +56,13 @@ OPTIONS = Options(
             SIZE,
             MAX_BODY,
             "largest request body (bytes, or 64MiB and the like; default 64MiB): 413 beyond",
+        ),
+        Option(
+            "--max-header",
+            SIZE,
+            MAX_HEADER,
+            "largest request headers, all together (bytes, or 32KiB and the like; default "
+            "16KiB): 431 beyond",
         ),
         Option(
             "--max-streams-per-key",
@@ -130,6 +137,7 @@ def serve(args: argparse.Namespace) -> int:
             api_keys=api_keys,
             insecure_open=args.insecure_open,
             max_body=args.max_body,
+            max_header=args.max_header,
             max_streams_per_key=args.max_streams_per_key,
         )
     except FlowmeshError as exc:  # an API key file that does not read

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client_sdk.client import AsyncClient
 from flowmesh.errors import FlowmeshError
-from gateway import MAX_BODY, MAX_STREAMS_PER_KEY, kserve, openai_api
+from gateway import MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY, kserve, openai_api
 from gateway.disconnect import ClientGone, on_client_gone
 from gateway.errors import on_flowmesh_error, on_invalid_body
 from gateway.guard import ApiKeys, Guard, Streams
@@ -31,13 +31,15 @@ def create_app(
     api_keys: Path | None = None,
     insecure_open: bool = False,
     max_body: int = MAX_BODY,
+    max_header: int = MAX_HEADER,
     max_streams_per_key: int = MAX_STREAMS_PER_KEY,
 ) -> FastAPI:
     """The gateway for the broker at `broker` (its frontend address). `keys`: the SDK's CURVE
     keys (`client_sdk.connection.client_keys`: None reads FLOWMESH_KEYS); `timeout`: seconds
     each call to the broker may take (504 past it); `api_keys`: the API key file callers'
     bearer tokens must be in (None: loopback callers only, or anyone with `insecure_open`);
-    `max_body`: bytes a request body may have (413 beyond); `max_streams_per_key`: event
+    `max_body`: bytes a request body may have (413 beyond); `max_header`: bytes its headers
+    may have in all (431 beyond); `max_streams_per_key`: event
     streams each key may hold open at once (429 beyond)."""
 
     @asynccontextmanager
@@ -67,6 +69,7 @@ def create_app(
         keys=ApiKeys(api_keys) if api_keys is not None else None,
         insecure_open=insecure_open,
         max_body=max_body,
+        max_header=max_header,
         metrics=metrics,
         # The routers' own routes: the app's wraps them in FastAPI's included-router objects.
         routes=[*openai_api.router.routes, *kserve.router.routes],

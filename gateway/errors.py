@@ -46,6 +46,7 @@ _OPENAI_TYPE = {
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -55,16 +56,17 @@ def http_status(code: str) -> int:
     return STATUS_BY_CODE.get(code, 500)
 
 
-def openai_body(code: str, message: str) -> dict[str, object]:
-    status = http_status(code)
+def openai_body(code: str, message: str, status: int = 0) -> dict[str, object]:
+    status = status or http_status(code)
     kind = _OPENAI_TYPE.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": str(code)}}
 
 
-def error_response(path: str, code: str, message: str) -> JSONResponse:
-    """The answer to a failed request for `path`, in its protocol's error body."""
-    body = openai_body(code, message) if path.startswith("/v1") else {"error": message}
-    return JSONResponse(body, status_code=http_status(code))
+def error_response(path: str, code: str, message: str, status: int = 0) -> JSONResponse:
+    """The answer to a failed request for `path`, in its protocol's error body; `status`: an
+    HTTP status more precise than `code`'s (431 for headers over the limit, say)."""
+    body = openai_body(code, message, status) if path.startswith("/v1") else {"error": message}
+    return JSONResponse(body, status_code=status or http_status(code))
 
 
 async def on_flowmesh_error(request: Request, exc: Exception) -> JSONResponse:

@@ -6,6 +6,8 @@
   KEY` of a key in the file, else 401 in the route's protocol's error body. The file is read
   again when it changes, so a key added or removed counts from the next request on.
 - Without one: loopback callers only (403 for any other), unless `insecure_open`.
+- Headers over `max_header` bytes in all are refused with 431, before anything else is read
+  of them (the HTTP parser's own limit is its own: uvicorn's h11 has one, httptools none).
 - A body over `max_body` bytes is refused with 413: from its Content-Length before any of it is
   read, else as soon as the bytes read pass it (the routes read whole bodies anyway, so the
   guard reads it for them and hands it on in one piece).
@@ -41,7 +43,7 @@ IDENTITY = "flowmesh.identity"  # the scope's key for the caller's `Identity`
 MODEL = "flowmesh.model"  # the scope's key for a model named in a body (the /v1 routes)
 # A model label only where the name is one the mesh answered for: a refused caller's, or an
 # unknown model's, could be anything, and each new label value is a new series.
-UNLABELLED = frozenset({401, 403, 404, 413})
+UNLABELLED = frozenset({401, 403, 404, 413, 431})
 
 
 def find_api_keys(api_keys: str | None, keys: Any) -> Path | None:
@@ -116,6 +118,7 @@ class Guard:
         keys: ApiKeys | None,
         insecure_open: bool,
         max_body: int,
+        max_header: int,
         metrics: GatewayMetrics,
         routes: Sequence[BaseRoute],
     ) -> None:
@@ -123,6 +126,7 @@ class Guard:
         self.keys = keys
         self.insecure_open = insecure_open
         self.max_body = max_body
+        self.max_header = max_header
         self.metrics = metrics
         self.routes = routes
 
@@ -146,6 +150,12 @@ class Guard:
             await send(message)
 
         try:
+            size = sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > self.max_header:
+                why = f"the headers are over {self.max_header} bytes (the gateway's --max-header)"
+                answer = error_response(scope["path"], Code.TOO_LARGE, why, status=431)
+                await answer(scope, receive, sending)
+                return
             refusal = self._refusal(scope)
             if refusal is not None:
                 answer = error_response(scope["path"], *refusal)

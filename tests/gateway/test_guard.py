@@ -1,7 +1,8 @@
 """The gateway's door without a mesh behind it (every answer here is the gateway's own, before
 the broker is asked): API keys written by `flowmesh keys add --api`, loopback callers only
-without keys unless `--insecure-open`, no non-loopback bind without keys, and bodies over
-`--max-body` refused with 413. Keys with a mesh, stream limits and metrics: test_openai.py."""
+without keys unless `--insecure-open`, no non-loopback bind without keys, bodies over
+`--max-body` refused with 413 and headers over `--max-header` with 431. Keys with a mesh, stream
+limits and metrics: test_openai.py."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_a_non_loopback_bind_without_keys_refuses_to_start(nobody: str) -> None:
 
 @pytest.fixture(scope="module")
 def small(nobody: str, start_gateway: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
-    with start_gateway(nobody, args=["--max-body", "1KiB"]) as url:
+    with start_gateway(nobody, args=["--max-body", "1KiB", "--max-header", "2KiB"]) as url:
         yield url
 
 
@@ -107,3 +108,13 @@ def test_a_body_over_max_body_is_refused_with_413(small: str) -> None:
     assert httpx.post(url, json=NO_INPUTS, timeout=30).status_code == 400  # under: let in
     opened = httpx.post(f"{small}/v1/completions", content=big, timeout=30)
     assert opened.status_code == 413 and opened.json()["error"]["code"] == "too_large"
+
+
+def test_headers_over_max_header_are_refused_with_431(small: str) -> None:
+    big = {"X-Padding": "x" * 2100}
+    answer = httpx.get(f"{small}/v2/health/live", headers=big, timeout=30)
+    assert answer.status_code == 431 and "2048 bytes" in answer.json()["error"]
+    chat = httpx.post(f"{small}/v1/chat/completions", headers=big, json={}, timeout=30)
+    assert chat.status_code == 431 and chat.json()["error"]["code"] == "too_large"
+    fine = httpx.get(f"{small}/v2/health/live", headers={"X-Padding": "x" * 1500}, timeout=30)
+    assert fine.status_code == 200
