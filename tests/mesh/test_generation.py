@@ -1,7 +1,8 @@
 """Generation through a real mesh: a tiny Llama saved with `save_pretrained` deployed in two
 stages on two workers (an iteration in flight per stage), its greedy tokens through the paged KV
-cache equal to Hugging Face's own `generate`; GPT-2 and OPT directories too; streams that join
-to the call's result, stop strings, chats, the refusals at the door, and the demo's part."""
+cache equal to Hugging Face's own `generate`; Llama, Qwen2, Mistral, GPT-2 and OPT directories in
+one and two stages too; streams that join to the call's result, stop strings, chats, the
+refusals at the door, and the demo's part."""
 
 from __future__ import annotations
 
@@ -171,24 +172,30 @@ def test_a_stream_closed_early_stops_its_sequence(lm: tuple[LocalMesh, Path]) ->
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt"])
-def test_gpt2_and_opt_directories_generate_too(lm: tuple[LocalMesh, Path], arch: str) -> None:
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2", "opt"])
+def test_every_architecture_in_one_and_two_stages_equals_hugging_face(
+    lm: tuple[LocalMesh, Path], arch: str, stages: int
+) -> None:
+    """The exactness table's rows: each architecture, whole and cut in two, prompts of
+    different lengths batched together, greedy tokens equal to HF `generate`'s."""
     mesh, llama_dir = lm
-    # Under the mesh's data root (the module's directory), beside the Llama.
-    model_dir = tiny_lm_dir(llama_dir.parent / f"tiny-{arch}", arch, seed=6, max_positions=48)
+    # Under the mesh's data root (the module's directory), beside the module's Llama.
+    name = f"{arch}-{stages}"
+    model_dir = tiny_lm_dir(llama_dir.parent / f"tiny-{name}", arch, seed=6, max_positions=48)
     codec = TextCodec.from_files(read_tokenizer(model_dir))
-    prompts_ids = [codec.encode(t) for t in PROMPTS[:2]]
+    prompts_ids = [codec.encode(t) for t in PROMPTS]
     expected = hf_generate(model_dir, prompts_ids, 10, ignore_eos=True)
     with mesh.client() as c:
-        c.deploy(arch, hf=str(model_dir), stages=2, replicas=1)
+        c.deploy(name, hf=str(model_dir), stages=stages, replicas=1)
         try:
-            outs = c.generate(arch, PROMPTS[:2], max_tokens=10, ignore_eos=True)
+            outs = c.generate(name, PROMPTS, max_tokens=10, ignore_eos=True)
             assert [o.ids for o in outs] == expected
             # Its context is config.json's (n_positions: GPT-2's name for it).
             with pytest.raises(errors.BadRequest, match="max_context"):
-                c.generate(arch, ids=[3] * 40, max_tokens=9)
+                c.generate(name, ids=[3] * 40, max_tokens=9)
         finally:
-            c.undeploy(arch)
+            c.undeploy(name)
 
 
 def test_the_demos_generation_part_checks_every_token(
