@@ -6,7 +6,6 @@ from FLOWMESH_KEYS)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -18,21 +17,16 @@ import httpx
 import pytest
 
 from tests.support.mesh import _test_keys
+from tests.support.ports import free_port
 
 __all__ = ["_test_keys"]  # registered for tests/gateway/
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _gateway(broker: str, log: Path, cli: bool, args: Sequence[str]) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     # `python -m gateway`, or the same through `flowmesh gateway` (its CLI hook).
     command = [sys.executable, "-m", *(["client_sdk.cli", "gateway"] if cli else ["gateway"])]
     with log.open("wb") as out:

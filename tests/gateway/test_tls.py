@@ -17,7 +17,8 @@ import httpx
 import pytest
 import trustme
 
-from tests.gateway.conftest import ROOT, _free_port
+from tests.support.cli import ROOT
+from tests.support.ports import free_port
 
 
 @contextlib.contextmanager
@@ -29,14 +30,14 @@ def tls_gateway(tmp_path: Path, ca: trustme.CA) -> Iterator[int]:
     # The config file's table, as the systemd unit gives it (flags and table read the same).
     config = tmp_path / "flowmesh.toml"
     config.write_text(f'[gateway]\nssl_certfile = "{certfile}"\nssl_keyfile = "{keyfile}"\n')
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "gateway.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             # No broker listens there: liveness needs none, readiness says so.
             [
                 *(sys.executable, "-m", "gateway"),
-                *("--broker", f"tcp://127.0.0.1:{_free_port()}"),
+                *("--broker", f"tcp://127.0.0.1:{free_port()}"),
                 *("--port", str(port), "--config", str(config)),
             ],
             cwd=ROOT,
