@@ -57,6 +57,7 @@ from broker.serving_router import ServingRouter
 from broker.state import Batch, Model, ModelState, Replica
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.value import ArrivalRate
 
 log = logging.getLogger("broker.generation")
 
@@ -150,6 +151,8 @@ class GenModel:
     iterations: int = 0
     preemptions: int = 0  # sequences taken off a replica for memory, to run again later
     restarts: int = 0  # sequences started again elsewhere after their replica was lost
+    # New tokens per second, decayed over 10 s (a chat's burst, not the model's whole life).
+    token_rate: ArrivalRate = field(default_factory=lambda: ArrivalRate(tau=10.0))
 
     def running(self) -> int:
         return sum(len(k.running) for g in self.reps for k in g.groups)
@@ -165,6 +168,11 @@ class GenFigures:
     iterations: int = 0
     preemptions: int = 0
     restarts: int = 0
+    tokens_per_s: float = 0.0
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
 
 
 class GenerationRoom:
@@ -552,14 +560,22 @@ class GenerationRoom:
         k.batch = None
         g.solo = False
         ended: list[Seq] = []
+        timings, name = self.router.timings, gm.model.name
+        drawn = 0
         for s, tok in zip(it.seqs, tokens, strict=True):
             s.prefilled = True
             if s.finish is not None:  # stopped, or its call failed, while this ran
                 ended.append(s)
                 continue
+            # Timed by the clock the room is handed (`now`), as the Generated's timings are.
+            if s.times:
+                timings.next_token(name, now - s.times[-1])
+            else:
+                timings.first_token(name, now - s.call.arrived)
             s.out.append(tok)
             s.times.append(now)
             gm.tokens += 1
+            drawn += 1
             if tok in s.stops:
                 s.finish = "stop"
             elif len(s.out) >= s.call.sampling.max_tokens:
@@ -569,6 +585,8 @@ class GenerationRoom:
                 self.ctx.to_client(s.call.client, chunk)
             if s.finish is not None:
                 ended.append(s)
+        if drawn:
+            gm.token_rate.add(now, drawn)
         if ended:
             k.running = [s for s in k.running if s.finish is None]
             self._free(gm, g.rep, ended)
@@ -815,5 +833,12 @@ class GenerationRoom:
         if gm is None or self.models.get(name) is not gm.model:
             return GenFigures()
         return GenFigures(
-            gm.running(), len(gm.waiting), gm.tokens, gm.iterations, gm.preemptions, gm.restarts
+            gm.running(),
+            len(gm.waiting),
+            gm.tokens,
+            gm.iterations,
+            gm.preemptions,
+            gm.restarts,
+            gm.token_rate.value,  # as of the model's last token (as `rate_per_s` is)
+            **self.router.timings.token_quantiles(name),
         )

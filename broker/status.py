@@ -25,6 +25,29 @@ from flowmesh.reports import (
 # Seconds, from a warm sub-millisecond run to a cold load of a large model.
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Seconds, from a token of a warm tiny model (under a millisecond) to a first token that waited
+# for a load and a queue: 1-2-5 steps, so a quantile read from them is within one step.
+TOKEN_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+def bucket_quantile(q: float, bounds: tuple[float, ...], cumulative: list[float]) -> float:
+    """The q-quantile (0..1) of a histogram from its cumulative bucket counts (`bounds` the upper
+    bounds, the last count the +Inf bucket's), interpolated linearly inside the bucket as
+    Prometheus's `histogram_quantile` does, so status and a dashboard read the same figure; the
+    largest finite bound when it falls in +Inf; 0.0 for no observations."""
+    total = cumulative[-1] if cumulative else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    below, lower = 0.0, 0.0
+    for bound, count in zip(bounds, cumulative, strict=False):
+        if count >= rank:
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        below, lower = count, bound
+    return bounds[-1]
 
 
 class Timings:
@@ -82,7 +105,20 @@ class Timings:
             ["worker"],
             registry=None,
         )
+        self.ttft = hist(
+            "flowmesh_broker_time_to_first_token_seconds",
+            "Arrival of a Generate to a sequence's first new token, per sequence",
+            "model",
+            TOKEN_BUCKETS,
+        )
+        self.itl = hist(
+            "flowmesh_broker_inter_token_latency_seconds",
+            "Time from one new token of a sequence to its next",
+            "model",
+            TOKEN_BUCKETS,
+        )
         self._children: dict[str, tuple[Histogram, ...]] = {}
+        self._token_children: dict[str, tuple[Histogram, Histogram]] = {}
 
     def answered(self, model: str, info: Mapping[str, Any]) -> None:
         """One request answered with `info` (the Result's, in milliseconds)."""
@@ -106,6 +142,35 @@ class Timings:
             )
         return got
 
+    def _tokens_of(self, model: str) -> tuple[Histogram, Histogram]:
+        got = self._token_children.get(model)
+        if got is None:
+            got = self._token_children[model] = (self.ttft.labels(model), self.itl.labels(model))
+        return got
+
+    def first_token(self, model: str, seconds: float) -> None:
+        """A sequence's first new token came `seconds` after its call arrived."""
+        self._tokens_of(model)[0].observe(seconds)
+
+    def next_token(self, model: str, seconds: float) -> None:
+        """A sequence's next new token came `seconds` after its previous one."""
+        self._tokens_of(model)[1].observe(seconds)
+
+    def token_quantiles(self, model: str) -> dict[str, float]:
+        """A model's TTFT and inter-token p50 and p99 (ms), read from the histograms' buckets."""
+        out = {}
+        for name, metric in (("ttft", self.ttft), ("itl", self.itl)):
+            counts = [0.0] * (len(TOKEN_BUCKETS) + 1)
+            for family in metric.collect():
+                for s in family.samples:
+                    if s.name.endswith("_bucket") and s.labels.get("model") == model:
+                        le = s.labels["le"]
+                        at = len(TOKEN_BUCKETS) if le == "+Inf" else TOKEN_BUCKETS.index(float(le))
+                        counts[at] = s.value
+            for q in (50, 99):
+                out[f"{name}_p{q}_ms"] = 1000 * bucket_quantile(q / 100, TOKEN_BUCKETS, counts)
+        return out
+
     def loaded(self, worker: str, nbytes: int, seconds: float) -> None:
         self.load.labels(worker).observe(seconds)
         self.load_bytes.labels(worker).inc(nbytes)
@@ -119,6 +184,8 @@ class Timings:
             self.batch,
             self.load,
             self.load_bytes,
+            self.ttft,
+            self.itl,
         ):
             yield from metric.collect()
 
@@ -233,6 +300,11 @@ def model_status(
         gen_iterations=gen.iterations if gen is not None else 0,
         preemptions=gen.preemptions if gen is not None else 0,
         restarts=gen.restarts if gen is not None else 0,
+        tokens_per_s=gen.tokens_per_s if gen is not None else 0.0,
+        ttft_p50_ms=gen.ttft_p50_ms if gen is not None else 0.0,
+        ttft_p99_ms=gen.ttft_p99_ms if gen is not None else 0.0,
+        itl_p50_ms=gen.itl_p50_ms if gen is not None else 0.0,
+        itl_p99_ms=gen.itl_p99_ms if gen is not None else 0.0,
     )
 
 

@@ -92,6 +92,7 @@ def format_status(st: BrokerStatus) -> str:
             out.append(
                 f"{w.name} KV cache: {fmt_bytes(w.kv_bytes)} of {fmt_bytes(w.kv_limit_bytes)} "
                 f"({w.kv_blocks} blocks, {w.kv_seqs} sequences)"
+                + (f", {w.kv_blocks_free} blocks free" if "kv_blocks_free" in w.stats else "")
             )
     out += ["", f"partitioners: {parts}", ""]
     rows = []
@@ -153,7 +154,14 @@ def format_status(st: BrokerStatus) -> str:
             f"{m.name} generation: {m.running_seqs} sequences running, {m.waiting_seqs} "
             f"waiting, {m.tokens_generated} tokens in {m.gen_iterations} iterations"
             + (f", {m.preemptions} preemptions" if m.preemptions else "")
+            + (f", {m.restarts} restarts" if m.restarts else "")
         )
+        if m.tokens_generated:
+            out.append(
+                f"{m.name} tokens: {m.tokens_per_s:.1f}/s, first token p50 "
+                f"{_ms(m.ttft_p50_ms)} ms p99 {_ms(m.ttft_p99_ms)} ms, between tokens p50 "
+                f"{_ms(m.itl_p50_ms)} ms p99 {_ms(m.itl_p99_ms)} ms"
+            )
     if st.jobs:
         out += ["", format_jobs(st.jobs)]
     return "\n".join(out)

@@ -137,10 +137,11 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         f.counter(
             "generation_iterations", "Generation iterations run", m.gen_iterations, model=name
         )
-        f.counter(
-            "preemptions", "Sequences preempted for memory (resumed later)", m.preemptions,
-            model=name,
-        )  # fmt: skip
+        doc = "Sequences preempted, by kind (recompute: for memory; restart: KV lost)"
+        for kind, n in m.preemptions_by_kind.items():
+            f.counter("preemptions", doc, n, model=name, kind=kind)
+        f.gauge("generated_tokens_per_second", "New tokens per second, decayed", m.tokens_per_s,
+                model=name)  # fmt: skip
         f.gauge(
             "model_live_replicas",
             "Replicas with every stage deployed",
@@ -170,6 +171,8 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         doc = "Bytes of generation's KV cache on a worker's device"
         f.gauge("worker_kv_bytes", doc, w.kv_bytes, worker=name)
         f.gauge("worker_kv_blocks", "KV cache blocks held on a worker", w.kv_blocks, worker=name)
+        doc = "KV cache blocks a worker's KV limit still allows"
+        f.gauge("worker_kv_blocks_free", doc, w.kv_blocks_free, worker=name)
         doc = "Most bytes the KV of a worker's models may take together"
         f.gauge("worker_kv_limit_bytes", doc, w.kv_limit_bytes, worker=name)
     peers: list[tuple[str, PeerRow]] = [("worker", w) for w in st.workers]
@@ -241,6 +244,7 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("inflight", "inflight_runs", "gauge", "Runs in progress"),
     ("kv_bytes", "kv_bytes", "gauge", "Device bytes of generation's KV cache"),
     ("kv_blocks", "kv_blocks", "gauge", "KV cache blocks held"),
+    ("kv_blocks_free", "kv_blocks_free", "gauge", "KV cache blocks the KV limit still allows"),
     ("kv_seqs", "kv_sequences", "gauge", "Sequences holding KV cache blocks"),
     ("kv_limit_bytes", "kv_limit_bytes", "gauge", "Most KV bytes this worker's models may take"),
     ("kv_refused", "kv_refused", "counter", "Iterations whose KV blocks could not be placed"),

@@ -110,6 +110,19 @@ class ModelRow(_Row):
     gen_iterations: Count = 0
     preemptions: Count = 0  # sequences taken off for memory and run again later
     restarts: Count = 0  # sequences started again elsewhere after their worker was lost
+    tokens_per_s: float = 0.0  # decayed rate of new tokens as of the model's last one
+    # Quantiles read from the broker's TTFT and inter-token histograms (the ones /metrics has).
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+
+    @property
+    def preemptions_by_kind(self) -> dict[str, int]:
+        """The kinds that happen: "recompute" (preempted for memory, its KV recomputed from its
+        tokens when it joins again) and "restart" (its KV lost with a worker or an evicted
+        stage: started again from its tokens)."""
+        return {"recompute": self.preemptions, "restart": self.restarts}
 
 
 # -- peers
@@ -171,6 +184,11 @@ class WorkerRow(PeerRow):
     @property
     def kv_limit_bytes(self) -> int:
         return _count(self.stats.get("kv_limit_bytes"))
+
+    @property
+    def kv_blocks_free(self) -> int:
+        """KV blocks the limit still allows beside those held (the worker's `kv_blocks_free`)."""
+        return _count(self.stats.get("kv_blocks_free"))
 
 
 def _count(value: object) -> int:

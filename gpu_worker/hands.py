@@ -178,6 +178,12 @@ class WorkerHands:
         stages = self.executor.stages
         shares = ((key[0], st.kv_share) for key, st in stages.items())
         out["kv_limit_bytes"] = kv_limit_bytes(shares, self.memory.serving_bytes)
+        # Blocks of the largest kind here that the limit still allows (stages' blocks may differ);
+        # not reported before a KV cache is made here (no block size to count in).
+        kvs = [st.kv for st in stages.values() if st.kv is not None]
+        sizes = [self.memory.round(kv.block_bytes) for kv in kvs]
+        if sizes:
+            out["kv_blocks_free"] = max(0, out["kv_limit_bytes"] - out["kv_bytes"]) // max(sizes)
         out["lane_answers"] = self.lane_answers
         out["preparing"] = {k: list(v) for k, v in list(self.preparing.items())}
         direct = self.core.direct

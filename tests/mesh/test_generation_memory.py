@@ -147,6 +147,9 @@ def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
         for w in st.workers:
             assert w.kv_bytes <= w.kv_limit_bytes <= w.budget_bytes
             assert w.kv_bytes == w.kv_blocks * BLOCK
+            if "kv_blocks_free" in w.stats:  # once a KV cache is made there
+                assert w.kv_blocks_free == (w.kv_limit_bytes - w.kv_bytes) // BLOCK
+    assert any("kv_blocks_free" in w.stats for st in seen for w in st.workers)
     for w in after.workers:
         assert w.budget_bytes == budget and w.kv_limit_bytes > 0 and w.kv_seqs == 0
         assert f"{w.name} KV cache: 0 B of " in views.format_status(after)
