@@ -59,7 +59,9 @@ import optuna
 import torch
 
 from client_sdk import sweep_plot
+from client_sdk.connection import Connection
 from client_sdk.jobs import AsyncJob
+from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 
 if TYPE_CHECKING:  # the data's type only: reading data files is no part of the SDK's import
@@ -73,9 +75,11 @@ warnings.filterwarnings("ignore", "Heartbeat of storage is supposed", UserWarnin
 
 
 class Trains(Protocol):
-    """What a sweep drives: an `AsyncClient`, through its `train_open`."""
+    """What a sweep drives: an `AsyncClient`, through its `train_open` (and its connection, to
+    close a dead driver's jobs)."""
 
     train_open: Callable[..., Awaitable[AsyncJob]]
+    connection: Connection
 
 
 OPTIMIZER_KEYS = {"lr", "weight_decay", "momentum"}
@@ -351,7 +355,8 @@ def open_storage(
         ) from None
     # Bounded connects: an unreachable server is an error in seconds, never a hang.
     connect = {"postgresql": {"connect_timeout": 10}, "sqlite": {"timeout": 10}}.get(dialect, {})
-    for attempt in range(2):
+    attempts = 5
+    for attempt in range(attempts):
         try:
             return optuna.storages.RDBStorage(
                 url,
@@ -363,8 +368,11 @@ def open_storage(
                 ),
             )
         except (sqlalchemy.exc.SQLAlchemyError, ImportError) as exc:
-            # Drivers started together race to create the tables: the loser finds them made.
-            if attempt == 0 and "already exists" in str(exc):
+            # Drivers started together race to create the tables: the loser finds them made
+            # (PostgreSQL may say so as a unique violation in its catalogue).
+            race = "already exists" in str(exc) or isinstance(exc, sqlalchemy.exc.IntegrityError)
+            if attempt < attempts - 1 and race:
+                time.sleep(0.1 * (attempt + 1))  # the other is still creating tables
                 continue
             raise ValueError(f"storage {url!r}: {str(exc).splitlines()[0]}") from None
     raise AssertionError("unreachable")
@@ -451,6 +459,18 @@ async def sweep_async(
         )
     )
     beats = isinstance(store, optuna.storages.RDBStorage)
+    # Trials this driver found stale (their driver dead): their mesh jobs, left open by the dead
+    # driver, are closed here so that their memory goes back to the mesh's other jobs.
+    stale: list[int] = []
+    if beats:
+        retry = store.get_heartbeat_stale_trial_callback()  # type: ignore[union-attr]
+
+        def note_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            stale.append(trial.number)
+            if retry is not None:
+                retry(study, trial)
+
+        store.heartbeat_stale_trial_callback = note_stale  # type: ignore[union-attr]
     study = optuna.create_study(
         storage=store,
         study_name=name,
@@ -462,6 +482,7 @@ async def sweep_async(
         pruner=make_pruner(pruner, eval_every, steps, reduction_factor),
     )
     running: set[int] = set()  # this driver's trials' ids in the storage, for heartbeats
+    seen: set[int] = set()  # other drivers' running trials, given one heartbeat each
     fixed_opt = dict(optimizer or {"name": "adamw", "lr": 1e-3})
     records: list[TrialRecord] = []
     display = _Display(records, objective, show)
@@ -477,6 +498,13 @@ async def sweep_async(
         """What a free slot does: ask a trial, wait for others' running trials (one may die and
         be retried), or stop, the study having its `trials` finished."""
         if beats:
+            # A driver that died between asking a trial and its first heartbeat left a trial that
+            # no staleness test sees: one heartbeat for it at first sight makes it go stale in
+            # `grace_period` if its driver is dead (a live one's own heartbeats carry on).
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                if t._trial_id not in running and t._trial_id not in seen:
+                    seen.add(t._trial_id)
+                    store.record_heartbeat(t._trial_id)  # type: ignore[union-attr]
             optuna.storages.fail_stale_trials(study)
         all_trials = study.get_trials(deepcopy=False)
         done = _finished(all_trials)
@@ -495,9 +523,21 @@ async def sweep_async(
             for trial_id in list(running):
                 store.record_heartbeat(trial_id)  # type: ignore[union-attr]
 
+    async def close_stale() -> None:
+        while stale:
+            job = f"{name}-t{stale.pop()}"
+            msg = p.TrainClose(id=client.connection.next_id(), job=job, timeout_ms=10_000)
+            try:
+                await client.connection.call(msg, 10)
+            except FlowmeshError as exc:
+                # Not on this mesh (its driver used another), or closed already.
+                if exc.code != Code.MODEL_NOT_FOUND:
+                    warnings.warn(f"closing {job!r}, a dead driver's job: {exc}", stacklevel=1)
+
     async def driver() -> None:
         while not (refused and not opened):
             move = next_move()
+            await close_stale()
             if move == "stop":
                 return
             if move == "wait":

@@ -3,7 +3,8 @@ driver a `flowmesh sweep` process, the study in SQLite or in a real PostgreSQL s
 starts itself (pgserver's embedded server). No trial runs twice: every trial number is taken
 once from the storage, and its mesh job (`<name>-t<number>`) belongs to one driver's results.
 A driver SIGKILLed mid-trial leaves that trial RUNNING; the survivor fails it when its
-heartbeat is stale and runs its retry (same parameters, new number)."""
+heartbeat is stale, closes the mesh job the dead driver left open and runs its retry (same
+parameters, new number)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from safetensors.torch import save_file
 
 from client_sdk.mesh import LocalMesh
-from client_sdk.sweep import _finished
+from client_sdk.sweep import _finished, open_storage
 from tests.support.mesh import mesh_options
 from tests.support.training import teacher
 
@@ -152,3 +153,23 @@ def test_a_killed_drivers_trial_is_retried_by_the_other(
     assert retries[0].number in ran and dead.number not in ran
     assert _finished(trials) == TRIALS
     assert sorted(ran) == [t.number for t in trials if t.number != dead.number]
+    # The dead driver's mesh job, left open when it died, was closed by the survivor: its memory
+    # is the mesh's again (and a later sweep of the same name can open that job name).
+    with mesh.client(timeout=30) as c:
+        assert [j.name for j in c.jobs()] == []
+
+
+def test_a_trial_whose_driver_died_before_its_first_heartbeat_is_retried(
+    mesh: LocalMesh, tmp_path: Path
+) -> None:
+    # A driver killed between asking a trial and recording its first heartbeat: RUNNING, with no
+    # heartbeat for Optuna's staleness test to find. The other driver must not wait on it forever.
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    made = optuna.create_study(storage=open_storage(storage), study_name="shared")
+    orphan = made.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)})
+    finish(driver(mesh, tmp_path, storage, "survivor", steps=6))
+    trials = study(storage).get_trials()
+    assert next(t for t in trials if t.number == orphan.number).state.name == "FAIL"
+    retry = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
+    assert [t.params for t in trials if retry(t) == orphan.number] == [orphan.params]
+    assert _finished(trials) == TRIALS
