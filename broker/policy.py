@@ -6,7 +6,7 @@ Kept apart from the rooms that use them (`broker.peers`, `broker.placement`, `br
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from broker.state import Peer, Residency, StageKey
@@ -25,6 +25,7 @@ def pick_victims(
     *,
     value: Callable[[Residency], float] | None = None,
     max_stages: int | None = None,
+    kv: Mapping[StageKey, int] | None = None,
 ) -> list[StageKey] | None:
     """Evictable stages whose bytes make room for `need` more bytes, in `eviction_order`: the
     lowest `value` first (`stage_value`: a hot model is not thrown out for a one-off request),
@@ -33,25 +34,39 @@ def pick_victims(
     `max_stages`: also keep at most that many stages resident, the new one included (a
     count-based policy, as Computron's). Returns [] when the bytes are already free, None when
     no choice of victims is enough.
+
+    `kv`: the live KV bytes stages hold there (the worker's `kv_stage_bytes`): a stage's
+    resident bytes are its weights + its KV, and the free room is the budget less both, of every
+    stage. A stage holding KV goes last, only when the others are not enough: evicting it
+    preempts its sequences (their KV recomputed or lost), as a starving load preempts work.
+
     This is the broker's expectation, to choose a replica and account its bytes; the worker
     makes the actual choice (`gpu_worker.executor`), knowing its arena's layout, and reports it.
     """
     if need > worker.budget:
         return None
-    free, count = worker.free, len(worker.resident) + 1
+    held = kv or {}
+
+    def kv_of(r: Residency) -> int:
+        return held.get(r.key, 0)
+
+    free = worker.free - sum(kv_of(r) for r in worker.resident.values())
+    count = len(worker.resident) + 1
 
     def enough() -> bool:
         return free >= need and (max_stages is None or count <= max_stages)
 
     if enough():
         return []
+    order = eviction_order(worker.resident.values(), value)
+    order = [r for r in order if not kv_of(r)] + [r for r in order if kv_of(r)]  # KV: last
     chosen: list[StageKey] = []
-    for r in eviction_order(worker.resident.values(), value):
+    for r in order:
         if enough():
             break
         if evictable(r):
             chosen.append(r.key)
-            free += r.nbytes
+            free += r.nbytes + kv_of(r)
             count -= 1
     return chosen if enough() else None
 

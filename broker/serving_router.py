@@ -9,7 +9,9 @@ A plain class, driven by `BrokerCore`; no sockets, no clock of its own. It reads
 - **Residency**: a replica whose stages are all resident runs at once; otherwise one replica is
   loaded (a `Load` on every stage's worker at once): the one whose expected victims are worth
   least (`policy.pick_victims`: value, then recency; never a stage with work queued or in
-  flight, unless the head request has starved, `starvation_s`). The workers own their memory:
+  flight, unless the head request has starved, `starvation_s`). A stage's bytes there are its
+  weights + the live KV its worker reports (`kv_held`): they count in its value and in the free
+  room, and a stage holding KV goes last. The workers own their memory:
   each Load names the stages its worker must keep, the worker chooses what to evict, and its
   `Resident` report replaces our expectation (`resident_report`). A starving model that still
   does not fit reserves a replica's workers, so they drain for it.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from broker.context import Context, fail
@@ -59,6 +62,31 @@ log = logging.getLogger("broker.serving_router")
 # Prefetch is a guess from arrival rates, which change slowly: looking every 50 ms is as good
 # as looking on every request, and with a large catalogue far cheaper (it scans every model).
 PREFETCH_EVERY_S = 0.05
+
+
+def kv_held(peer: Peer) -> dict[StageKey, int]:
+    """The live KV cache bytes of each stage `peer` holds, from its latest heartbeat's
+    `kv_stage_bytes` ("model/stage" -> bytes, `gpu_worker.executor.Executor.stats`).
+
+    Only stages we count resident there: one evicted (or expected to be, `peer.leaving`) took
+    its KV with it, though the figure lags a beat. The heartbeat's types are checked on receipt
+    (`broker.checks.check_stats`), not what they mean: an entry that is not a stage and a byte
+    count is passed over, as `flowmesh.reports` reads a figure that is not a count as 0.
+    """
+    raw = peer.stats.get("kv_stage_bytes")
+    if not isinstance(raw, dict) or not peer.resident:
+        return {}
+    out: dict[StageKey, int] = {}
+    for name, nbytes in raw.items():
+        model, _, stage = str(name).rpartition("/")
+        if not (stage.isascii() and stage.isdigit()):
+            continue
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            continue
+        key = (model, int(stage))
+        if key in peer.resident:
+            out[key] = nbytes
+    return out
 
 
 class ReplicaKeeper(Protocol):
@@ -324,10 +352,11 @@ class ServingRouter:
             victims = self._victims_for(model, rep, starving=starving, now=now)
             if victims is None:
                 continue
-            evicted = [self.peers[w].resident[k] for w, ks in victims.items() for k in ks]
+            owners = self._owners(victims)
+            kv = {w: kv_held(self.peers[w]) for w in victims}
             cost = (
-                sum(self._value(self.peers[r_w], r, now) for r_w, r in self._owners(victims)),
-                sum(r.nbytes for r in evicted),
+                sum(self._value(self.peers[w], r, now, kv[w]) for w, r in owners),
+                sum(r.nbytes + kv[w].get(r.key, 0) for w, r in owners),  # KV goes with it
             )
             if best is None or cost < best[0]:
                 best = (cost, rep, victims)
@@ -550,13 +579,17 @@ class ServingRouter:
     def _owners(self, victims: dict[str, list[StageKey]]) -> list[tuple[str, Residency]]:
         return [(w, self.peers[w].resident[k]) for w, ks in victims.items() for k in ks]
 
-    def _value(self, peer: Peer, res: Residency, now: float) -> float:
-        """What keeping `res` on `peer` is worth (`policy.stage_value`)."""
+    def _value(
+        self, peer: Peer, res: Residency, now: float, kv: Mapping[StageKey, int] | None = None
+    ) -> float:
+        """What keeping `res` on `peer` is worth (`flowmesh.value.stage_value`): its weights and
+        the live KV it holds there (`kv`: `kv_held(peer)`, passed in by callers that have it)."""
         if self.cfg.eviction != "value":
             return 0.0  # least recently used alone
         model = self.models.get(res.key[0])
         rate = model.rate.at(now) if model is not None else 0.0
-        return stage_value(rate, res.nbytes, self.bandwidth.get(peer.name, 1e9))
+        held = (kv_held(peer) if kv is None else kv).get(res.key, 0)
+        return stage_value(rate, res.nbytes, self.bandwidth.get(peer.name, 1e9), held)
 
     def _victims_for(
         self,
@@ -575,8 +608,10 @@ class ServingRouter:
                 out[w] = []
                 continue
             need = peer.hosted.get(key, model.stage_bytes[stage])
+            # The live KV its stages hold there takes room beside their weights.
+            kv = kv_held(peer)
             if free_only:
-                if peer.free < need:
+                if peer.free - sum(kv.values()) < need:
                     return None
                 out[w] = []
                 continue
@@ -584,8 +619,9 @@ class ServingRouter:
                 peer,
                 need,
                 lambda r, peer=peer: self._evictable(peer, r, starving),
-                value=lambda r, peer=peer: self._value(peer, r, now),
+                value=lambda r, peer=peer, kv=kv: self._value(peer, r, now, kv),
                 max_stages=self._max_stages(peer),
+                kv=kv,
             )
             if victims is None:
                 return None

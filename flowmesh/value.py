@@ -23,7 +23,11 @@ class ArrivalRate:
         return self.value * math.exp(-max(0.0, now - self.t) / self.tau)
 
 
-def stage_value(rate: float, nbytes: int, bandwidth: float) -> float:
+def stage_value(rate: float, nbytes: int, bandwidth: float, kv_bytes: int = 0) -> float:
     """What keeping a stage resident is worth: the expected cost of bringing it back per second,
-    its model's arrival rate times the seconds its bytes take to copy in (`bandwidth` bytes/s)."""
-    return rate * nbytes / max(bandwidth, 1.0)
+    its model's arrival rate times the seconds its bytes take to copy in (`bandwidth` bytes/s).
+
+    `kv_bytes`: the live KV cache it holds beside its weights, which would go with it (copied
+    back, or recomputed from the tokens: at least as dear), so it counts as bytes to bring back:
+    a model with live sequences is worth more to keep than its weights alone."""
+    return rate * (nbytes + kv_bytes) / max(bandwidth, 1.0)

@@ -1119,6 +1119,14 @@ class Executor:
             "kv_bytes": sum(kv.nbytes for kv in kvs),
             "kv_blocks": sum(kv.blocks for kv in kvs),
             "kv_seqs": len({q for kv in kvs for q in kv.seqs}),
+            # The same bytes per stage ("model/stage", beside resident_stages), for the broker's
+            # eviction choice: a stage's resident bytes there are its weights + its live KV.
+            # Only stages holding some: one entry per stage at most, as resident_stages.
+            "kv_stage_bytes": {
+                f"{k[0]}/{k[1]}": s.kv.nbytes
+                for k, s in self.stages.items()
+                if s.kv is not None and s.kv.nbytes
+            },
         }
 
     def close(self) -> None:

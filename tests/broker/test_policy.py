@@ -1,6 +1,6 @@
 """The broker's pure choices with exact expectations: which stages a load evicts
-(`pick_victims`, in `flowmesh.eviction.eviction_order`, the worker's order too) and where a
-model's replicas go (`place_replicas`)."""
+(`pick_victims`, in `flowmesh.eviction.eviction_order`, the worker's order too; the live KV a
+worker reports counted beside the weights) and where a model's replicas go (`place_replicas`)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,24 @@ def test_replicas_spread_over_the_least_loaded_workers_largest_stage_first() -> 
     assert place_replicas(ws, [20, 60], 3) == [["w2", "w1"], ["w1", "w0"]]
     # Stage 1 taken on w1 already: on w0; stage 0 on w1 or w2, hosting nothing: by name.
     assert place_replicas(ws, [20, 60], 1, taken={(1, "w1")}) == [["w1", "w0"]]
+
+
+def test_live_kv_counts_in_the_free_room_and_its_stage_goes_last() -> None:
+    # a (least recently used) holds 20 of live KV beside its 30 of weights: 20 free, not 40.
+    w = worker("w", 100, {"a": (30, 1.0), "b": (30, 2.0)})
+    kv = {("a", 0): 20}
+    evictable = lambda r: True  # noqa: E731
+    assert pick_victims(w, 25, evictable) == []  # weights alone: 40 free
+    # With its KV, 25 does not fit; recency alone would take a, but b holds no KV: b goes.
+    assert pick_victims(w, 25, evictable, kv=kv) == [("b", 0)]
+    assert pick_victims(w, 45, evictable) == [("a", 0)]
+    assert pick_victims(w, 45, evictable, kv=kv) == [("b", 0)]
+    # b is not enough (20 + 30): a goes too, last, and frees its weights and KV (100 in all).
+    assert pick_victims(w, 51, evictable, kv=kv) == [("b", 0), ("a", 0)]
+    assert pick_victims(w, 100, evictable, kv=kv) == [("b", 0), ("a", 0)]
+    # Even when it is worth least: value orders the stages without KV, then those with.
+    value = {"a": 0.0, "b": 9.0}
+    assert pick_victims(w, 45, evictable, value=lambda r: value[r.key[0]], kv=kv) == [("b", 0)]
+    # What may go is not enough once the KV is counted: nothing is chosen.
+    assert pick_victims(w, 45, lambda r: r.key[0] == "b") == [("b", 0)]
+    assert pick_victims(w, 51, lambda r: r.key[0] == "b", kv=kv) is None
