@@ -31,8 +31,15 @@ def check_stats(stats: p.Stats) -> p.Stats:
                 count += 1 + (len(item) if isinstance(item, list | dict) else 0)
     if count > MAX_STATS_ITEMS:
         raise fail(Code.BAD_REQUEST, f"heartbeat stats: more than {MAX_STATS_ITEMS} values")
-    for key in ("peak_bytes", "host_bytes", "kv_bytes", "kv_blocks", "kv_seqs", "kv_limit_bytes"):
-        v = stats.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    counts = ("peak_bytes", "host_bytes", "kv_bytes", "kv_blocks", "kv_seqs", "kv_limit_bytes")
+    for key in (*counts, "kv_blocks_free"):
+        if not _is_count(stats.get(key, 0)):
             raise fail(Code.BAD_REQUEST, f"heartbeat stats {key}: expected a byte count")
+    per_stage = stats.get("kv_stage_bytes", {})
+    if not isinstance(per_stage, dict) or not all(_is_count(v) for v in per_stage.values()):
+        raise fail(Code.BAD_REQUEST, "heartbeat stats kv_stage_bytes: expected byte counts")
     return stats
+
+
+def _is_count(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 0

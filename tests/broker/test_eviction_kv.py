@@ -9,8 +9,11 @@ else frees enough.
 
 from __future__ import annotations
 
+import pytest
+
 from broker.serving_router import kv_held
 from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
 from tests.support.broker import MIB, Harness, only
 
 
@@ -101,8 +104,12 @@ def test_kv_figures_that_are_not_a_held_stage_s_byte_count_are_passed_over() -> 
     h, w0 = rig(100 * MIB, {"a": 30 * MIB})
     heartbeat(h, w0, {"a/0": 7, "gone/0": 5, "a/x": 3, "a/1": 2, "a": 1})
     assert kv_held(h.core.peers["w0"]) == {("a", 0): 7}
+    # A value that is not a byte count: the heartbeat is refused on receipt (broker.checks), the
+    # last good figures stand.
     for bad in (-1, True, 1.5, "9"):
-        heartbeat(h, w0, {"a/0": bad})
-        assert kv_held(h.core.peers["w0"]) == {}
+        with pytest.raises(FlowmeshError) as info:
+            heartbeat(h, w0, {"a/0": bad})  # type: ignore[dict-item]
+        assert info.value.code == Code.BAD_REQUEST
+        assert kv_held(h.core.peers["w0"]) == {("a", 0): 7}
     heartbeat(h, w0, {})
     assert kv_held(h.core.peers["w0"]) == {}

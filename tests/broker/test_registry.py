@@ -521,6 +521,9 @@ def test_checks_refuse_what_would_break_status_or_placement() -> None:
     refused = [
         ({"peak_bytes": -1}, "heartbeat stats peak_bytes: expected a byte count"),
         ({"host_bytes": "lots"}, "heartbeat stats host_bytes: expected a byte count"),
+        ({"kv_blocks_free": -2}, "heartbeat stats kv_blocks_free: expected a byte count"),
+        ({"kv_stage_bytes": {"m/0": -1}}, "heartbeat stats kv_stage_bytes: expected byte counts"),
+        ({"kv_stage_bytes": [1]}, "heartbeat stats kv_stage_bytes: expected byte counts"),
         (
             {f"k{i}": list(range(99)) for i in range(200)},
             f"heartbeat stats: more than {MAX_STATS_ITEMS} values",
