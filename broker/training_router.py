@@ -26,6 +26,10 @@ own.
   the job's step count, its highest `seq` and its latest answers come from there, so a step
   the client sends again after the restart is answered from them (or when it finishes), never
   run twice. A job its worker did not bring back is lost as above.
+- **Progress** (`JobRow`): rows trained per second (each step's rows read from its targets as
+  it is forwarded), and what the worker measured of each step (`p.TrainStepResult`: bytes
+  copied between the host tier and the device, seconds waited for memory), the last step's
+  and summed; the sub-models' activation policies as the worker opened them.
 """
 
 from __future__ import annotations
@@ -110,6 +114,19 @@ class Job:
     # found by their calls.
     ledger: StepLedger[p.Message] = field(default_factory=lambda: StepLedger(KEEP_RESULTS))
     done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # The rows of each step in `done_at` (0: not known, a step sent before a restart).
+    done_rows: deque[int] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # Rows of the steps forwarded and not answered yet, by seq (the batch is read here, so a
+    # step answered after its call expired still counts them).
+    rows: dict[int, int] = field(default_factory=dict)
+    samples: int = 0
+    # What the last answered step measured (`p.TrainStepResult`), and the sums over all.
+    step_bytes_in: int = 0
+    step_bytes_out: int = 0
+    step_memory_wait_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    memory_wait_s: float = 0.0
     # After a restart: commands held until the worker brings the job back.
     held: list[tuple[bytes, p.Message]] = field(default_factory=list)
 
@@ -135,6 +152,34 @@ class Job:
         if len(self.done_at) < 2 or self.done_at[-1] <= self.done_at[0]:
             return 0.0
         return (len(self.done_at) - 1) / (self.done_at[-1] - self.done_at[0])
+
+    def samples_per_s(self) -> float:
+        """Rows trained per second over the steps `steps_per_s` is measured over: the rows of
+        every step but the first, whose end is where the span starts."""
+        if len(self.done_at) < 2 or self.done_at[-1] <= self.done_at[0]:
+            return 0.0
+        rows = sum(self.done_rows) - self.done_rows[0]
+        return rows / (self.done_at[-1] - self.done_at[0])
+
+    def step_done(self, msg: p.TrainStepResult, now: float) -> None:
+        """Count an answered step: its rows, what the worker measured of it."""
+        rows = self.rows.pop(msg.seq, 0)
+        self.steps += 1
+        self.samples += rows
+        self.done_at.append(now)
+        self.done_rows.append(rows)
+        self.step_bytes_in, self.step_bytes_out = msg.bytes_in, msg.bytes_out
+        self.step_memory_wait_s = msg.memory_wait_s
+        self.bytes_in += msg.bytes_in
+        self.bytes_out += msg.bytes_out
+        self.memory_wait_s += msg.memory_wait_s
+
+    def step_sent(self, seq: int, tensors: Mapping[str, Any]) -> None:
+        """Note the rows of step `seq` as it goes to the worker (its targets' first dim)."""
+        shape = getattr(tensors.get("targets"), "shape", ())
+        self.rows[seq] = int(shape[0]) if len(shape) else 0
+        while len(self.rows) > KEEP_RESULTS:  # steps whose answer never came
+            del self.rows[next(iter(self.rows))]
 
     def checkpoint_note(self) -> str:
         if self.saved_step is None:
@@ -309,6 +354,7 @@ class TrainingRouter:
             return
         _check_batch(msg.tensors, "a training step")
         job.ledger.take(msg.seq)
+        job.step_sent(msg.seq, msg.tensors)
         cid = self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
         self._to_worker(
             job.worker, p.TrainStep(id=cid, job=job.name, seq=msg.seq, tensors=msg.tensors)
@@ -437,8 +483,7 @@ class TrainingRouter:
                     break
         # Counted even when its call expired: the step was applied all the same.
         job.step, job.last_loss = msg.step, msg.loss
-        job.steps += 1
-        job.done_at.append(now)
+        job.step_done(msg, now)
         self.totals["train_steps"] += 1
         self._keep(job, msg.seq, msg)
         if call is not None:
@@ -461,6 +506,7 @@ class TrainingRouter:
             del self.jobs[call.job]
         elif call.kind == "step" and job is not None:
             job.errors += 1
+            job.rows.pop(call.seq, None)
             self.totals["train_step_errors"] += 1
             self._keep(job, call.seq, msg)
         elif call.kind == "close" and job is not None:
@@ -655,6 +701,14 @@ class TrainingRouter:
             saved_path=job.saved_path,
             errors=job.errors,
             age_s=round(now - job.opened, 3),
+            samples_per_s=round(job.samples_per_s(), 3),
+            samples=job.samples,
+            step_bytes_in=job.step_bytes_in,
+            step_bytes_out=job.step_bytes_out,
+            step_memory_wait_s=round(job.step_memory_wait_s, 6),
+            bytes_in=job.bytes_in,
+            bytes_out=job.bytes_out,
+            memory_wait_s=round(job.memory_wait_s, 6),
         )
 
     def status(self, now: float) -> list[JobRow]:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from flowmesh.reports import BrokerStatus, JobRow, ModelRow
+from flowmesh.reports import BrokerStatus, JobRow, ModelRow, SubModelRow
 from flowmesh.units import fmt_bytes
 
 
@@ -167,8 +167,23 @@ def format_status(st: BrokerStatus) -> str:
     return "\n".join(out)
 
 
+def _moved(j: JobRow) -> str:
+    """What a job's last step copied into the device arena / wrote back to the host tier."""
+    if not j.step_bytes_in and not j.step_bytes_out:
+        return "-"
+    return f"{fmt_bytes(j.step_bytes_in)}/{fmt_bytes(j.step_bytes_out)}"
+
+
+def _sub_model(m: SubModelRow) -> str:
+    """A sub-model's cell: blocks:host/task bytes, then its activation policy if reported."""
+    cell = f"{m.blocks[0]}-{m.blocks[1] - 1}:{fmt_bytes(m.host_bytes)}/{fmt_bytes(m.task_bytes)}"
+    return f"{cell} {m.activations}" if m.activations else cell
+
+
 def format_jobs(jobs: list[JobRow]) -> str:
-    """Training jobs as a table: worker, state, step, last loss, steps/s, sub-models."""
+    """Training jobs as a table: worker, state, step, last loss, steps/s, samples/s, what the
+    last step moved (into the arena / back to the host tier) and waited for memory, and the
+    sub-models with their activation policies."""
     rows = [
         [
             j.name,
@@ -177,12 +192,10 @@ def format_jobs(jobs: list[JobRow]) -> str:
             j.step,
             "-" if j.last_loss is None else f"{j.last_loss:.4g}",
             f"{j.steps_per_s:.2f}",
-            " | ".join(
-                f"{m.blocks[0]}-{m.blocks[1] - 1}:{fmt_bytes(m.host_bytes)}"
-                f"/{fmt_bytes(m.task_bytes)}"
-                for m in j.sub_models
-            )
-            or "-",
+            f"{j.samples_per_s:.1f}",
+            _moved(j),
+            f"{j.step_memory_wait_s * 1000:.1f} ms",
+            " | ".join(_sub_model(m) for m in j.sub_models) or "-",
             fmt_bytes(j.footprint),
             "-" if j.saved_step is None else j.saved_step,
             j.pending,
@@ -197,7 +210,10 @@ def format_jobs(jobs: list[JobRow]) -> str:
         "step",
         "loss",
         "steps/s",
-        "sub-models (blocks:host/task bytes)",
+        "samples/s",
+        "moved/step (in/out)",
+        "mem wait/step",
+        "sub-models (blocks:host/task bytes activations)",
         "footprint",
         "saved",
         "pending",
@@ -316,6 +332,8 @@ def _watch_tables(st: BrokerStatus) -> list[tuple[str, list[str], list[list[str]
             ]
             for j in st.jobs
         ]
+        # 80 columns hold no more: samples/s, copies and memory waits are in `flowmesh jobs`
+        # and `flowmesh status`.
         header = ["job", "worker", "state", "step", "loss", "steps/s", "pending", "errors"]
         out.append(("training jobs", header, jobs))
     return out

@@ -345,12 +345,21 @@ class TrainStep(Message, tag="train_step"):
 
 
 class TrainStepResult(Message, tag="train_step_result"):
+    """A step's outcome. What the worker measured of it: `bytes_in` / `bytes_out`, the bytes
+    its copies moved from the host tier into the device arena and back (parameters, gradients,
+    optimizer state, buffers; not activations), and `memory_wait_s`, the seconds its tasks
+    waited for arena memory while each headed the job's chain (0 from a worker that measures
+    none, or for an answer a restarted broker took up from an inventory)."""
+
     id: Id
     job: str
     seq: Count
     loss: float
     step: Count
     metrics: dict[str, float] = field(default_factory=dict)
+    bytes_in: Count = 0
+    bytes_out: Count = 0
+    memory_wait_s: Seconds = 0.0
 
 
 class TrainEval(Message, tag="train_eval"):

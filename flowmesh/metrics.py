@@ -208,6 +208,32 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
             "train_job_errors", "A job's steps answered with an error", j.errors, train_job=job
         )
         f.gauge("train_pending_calls", "A job's calls awaiting a worker", j.pending, train_job=job)
+        f.counter("train_samples", "Rows a training job has trained", j.samples, train_job=job)
+        doc = "A job's recent rate of rows trained"
+        f.gauge("train_samples_per_second", doc, j.samples_per_s, train_job=job)
+        # Host tier <-> device copies of the job's steps, as its worker measured them.
+        for direction, total, last in (
+            ("in", j.bytes_in, j.step_bytes_in),
+            ("out", j.bytes_out, j.step_bytes_out),
+        ):
+            doc = "Bytes a job's steps copied into the device arena (in) or back to the host (out)"
+            f.counter("train_copied_bytes", doc, total, train_job=job, direction=direction)
+            doc = "Bytes a job's last step copied in (in) or back (out)"
+            f.gauge("train_step_copied_bytes", doc, last, train_job=job, direction=direction)
+        doc = "Seconds a job's steps waited for device arena memory"
+        f.counter("train_memory_wait_seconds", doc, j.memory_wait_s, train_job=job)
+        doc = "Seconds a job's last step waited for device arena memory"
+        f.gauge("train_step_memory_wait_seconds", doc, j.step_memory_wait_s, train_job=job)
+        # One sample per sub-model, valued 1: its activation policy is the label.
+        for i, m in enumerate(j.sub_models):
+            f.gauge(
+                "train_sub_model_activations",
+                "A job's sub-model, labelled with its activation policy",
+                1,
+                train_job=job,
+                sub_model=str(i),
+                policy=m.activations or "unknown",
+            )
     # A job's figures as it ended, kept after it closed (the latest jobs of each name).
     f.declare("gauge", "train_final_steps", "Steps of a job that ended", "train_job", "state")
     for j in st.finished_jobs:

@@ -200,12 +200,16 @@ def _count(value: object) -> int:
 
 
 class SubModelRow(_Row):
-    """A training job's sub-model: its blocks [start, stop), host-tier bytes, and the arena
-    bytes its largest task takes."""
+    """A training job's sub-model: its blocks [start, stop), host-tier bytes, the arena bytes
+    its largest task takes, and its activation policy: what the backward does for the
+    activations of the step's forward ("recompute": runs the forward again from the kept
+    input; "none": forward and backward are one task, nothing is kept between them; "": a
+    worker that reports none)."""
 
     blocks: list[Count]
     host_bytes: Count
     task_bytes: Count
+    activations: str = ""
 
 
 class OpenedJob(_Row):
@@ -240,6 +244,19 @@ class JobRow(_Row):
     saved_path: str | None
     errors: Count
     age_s: float
+    # Progress, from the step answers (`flowmesh.messages.TrainStepResult`): rows trained per
+    # second over the same recent steps as `steps_per_s`, and rows in all; what the last step
+    # moved between the host tier and the device (`step_bytes_in`: into the arena,
+    # `step_bytes_out`: written back) and how long its tasks waited for arena memory; and the
+    # same figures summed over every step answered.
+    samples_per_s: float = 0.0
+    samples: Count = 0
+    step_bytes_in: Count = 0
+    step_bytes_out: Count = 0
+    step_memory_wait_s: Finite = 0.0
+    bytes_in: Count = 0
+    bytes_out: Count = 0
+    memory_wait_s: Finite = 0.0
 
 
 # -- the broker as a whole

@@ -52,7 +52,7 @@ from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory
 from flowmesh.steps import StepLedger, StepResult
 from gpu_worker.direct import DirectRun, DirectRuns
 from gpu_worker.executor import LoadInfo, RunOutput, concat_parts, split_rows
-from gpu_worker.train_executor import TrainConfig, config_from, read_meta
+from gpu_worker.train_executor import TrainConfig, config_from, read_meta, step_answer
 
 # Step answers kept per training job for the registration's inventory (see `WorkerCore`).
 KEEP_RESULTS = 32
@@ -589,11 +589,7 @@ class WorkerCore:
         work.ledger.settle(
             msg.seq, {"seq": msg.seq, "loss": r.loss, "step": r.step, "metrics": dict(r.metrics)}
         )
-        self._send(
-            p.TrainStepResult(
-                id=msg.id, job=msg.job, seq=msg.seq, loss=r.loss, step=r.step, metrics=r.metrics
-            )
-        )
+        self._send(step_answer(msg, r))
 
 
 # ---------------------------------------------------------------------- pure helpers

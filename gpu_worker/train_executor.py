@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.build import build_reference, build_seeded
 from flowmesh.modelio.chain import chain_of
@@ -79,6 +80,7 @@ __all__ = [
     "reservations",
     "save_checkpoint",
     "start_job",
+    "step_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class _Request:
     tasks: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    memory_wait_s: float = 0.0  # its tasks' waits for arena memory (`_mark_waiting`)
 
 
 class TrainingExecutor:
@@ -340,13 +343,33 @@ class TrainingExecutor:
         ext = self.memory.alloc_training(task.nbytes)
         if ext is None:
             return False
+        since = task.payload.pop("waiting_since", None)
+        if since is not None:
+            waited = task.payload.get("memory_wait_s", 0.0) + self.clock() - since
+            task.payload["memory_wait_s"] = waited
         task.payload["adm"] = _Admission(ext, ext.offset, task.nbytes)
         return True
+
+    def _mark_waiting(self) -> None:
+        """Start the memory-wait clock of every job whose head task is still without memory
+        after an admission round: the job's step can go no further until that task is given
+        memory (it failed to fit, or a starved task holds admissions back, or serving claims
+        memory). Look-ahead tasks are not counted: while they wait, the head still runs. A
+        task becomes a head only on an event, and a round follows every event, so the clock
+        starts on the round it first waited in; `_try_alloc` stops it."""
+        now: float | None = None
+        for chain in self.sched.chains.values():
+            head = chain[0] if chain else None
+            if head is None or head.phase is not Phase.PENDING or "waiting_since" in head.payload:
+                continue
+            now = self.clock() if now is None else now
+            head.payload["waiting_since"] = now
 
     def _pump(self) -> None:
         for task in self.sched.admit(self._try_alloc):
             self.counters["tasks_admitted"] += 1
             self._start_copy(task)
+        self._mark_waiting()
         while self._computing < self.queue_computes:
             if self.yield_compute and self.memory.serving_busy():
                 break  # woken by `wake_training` when serving goes quiet
@@ -486,6 +509,7 @@ class TrainingExecutor:
         request.tasks += 1
         request.bytes_in += plan.bytes_in
         request.bytes_out += result.bytes_out
+        request.memory_wait_s += task.payload.get("memory_wait_s", 0.0)
         self.counters["tasks"] += 1
         self.counters["bytes_in"] += plan.bytes_in
         self.counters["bytes_out"] += result.bytes_out
@@ -507,6 +531,7 @@ class TrainingExecutor:
             tasks=float(request.tasks),
             bytes_in=float(request.bytes_in),
             bytes_out=float(request.bytes_out),
+            memory_wait_s=request.memory_wait_s,
             seconds=self.clock() - request.t0,
         )
         self.counters["steps"] += 1
@@ -685,6 +710,23 @@ def start_job(
         host_bytes=job.host_bytes(),
         largest_task=job.largest_task(),
         config=config.to_dict(),
+    )
+
+
+def step_answer(msg: p.TrainStep, r: StepResult) -> p.TrainStepResult:
+    """The answer to step `msg` that ended with `r`: what the executor measured of it (its
+    copies' bytes, its wait for memory: `_on_computed`) in the answer's own fields too."""
+    m = r.metrics
+    return p.TrainStepResult(
+        id=msg.id,
+        job=msg.job,
+        seq=msg.seq,
+        loss=r.loss,
+        step=r.step,
+        metrics=r.metrics,
+        bytes_in=int(m.get("bytes_in", 0)),
+        bytes_out=int(m.get("bytes_out", 0)),
+        memory_wait_s=float(m.get("memory_wait_s", 0.0)),
     )
 
 

@@ -80,6 +80,10 @@ from gpu_worker.train_scheduler import ANY, Task
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 
+# A sub-model's activation policy, as status reports it (`TrainingJob.activation_policy`).
+RECOMPUTE = "recompute"  # its backward runs the forward again from the kept input
+NO_POLICY = "none"  # the last: forward, loss and backward in one task, nothing kept between
+
 
 @dataclass
 class TaskResult:
@@ -313,16 +317,24 @@ class TrainingJob:
 
     def sub_model_info(self) -> list[dict[str, Any]]:
         """Per sub-model: its block range [start, stop), host-tier bytes (parameters, gradients'
-        home, optimizer state, buffers) and the arena bytes its largest task takes (those plus
-        the activation reservation)."""
+        home, optimizer state, buffers), the arena bytes its largest task takes (those plus
+        the activation reservation) and its activation policy."""
         return [
             {
                 "blocks": [sub.start, sub.stop],
                 "host_bytes": int(sub.slab.numel()),
                 "task_bytes": max(layout.total for layout in sub.layouts.values()),
+                "activations": self.activation_policy(sub.index),
             }
             for sub in self.subs
         ]
+
+    def activation_policy(self, i: int) -> str:
+        """What sub-model i's backward does for its forward's activations. One policy today,
+        fixed by `plan_step`'s chain: every sub-model but the last has a FORWARD task (no
+        grad, its input kept) and a BACKWARD task that recomputes the forward from that input;
+        the last runs both in its LAST task."""
+        return NO_POLICY if i == self.parts - 1 else RECOMPUTE
 
     def host_bytes(self) -> int:
         return sum(sub.slab.numel() for sub in self.subs)

@@ -233,9 +233,7 @@ CONFIG = {"optimizer": {"name": "sgd"}, "loss": "mse"}
 
 def open_job(life: Harness, worker: bytes, name: str = "j") -> None:
     spec = {"name": name, "factory": "flowmesh.examples:mlp", "seed": 0}
-    out = life.client(
-        CLIENT_A, p.TrainOpen(id=50, job=name, spec=spec, config=CONFIG, batch=4)
-    )
+    out = life.client(CLIENT_A, p.TrainOpen(id=50, job=name, spec=spec, config=CONFIG, batch=4))
     ((_, addr, sent),) = out
     assert addr == worker
     info = opened_job(name, footprint=MIB, config={"loss": "mse", "x": 1})

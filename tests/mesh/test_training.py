@@ -50,6 +50,9 @@ def test_a_killed_worker_fails_pending_steps_and_the_job_resumes_elsewhere(
         first = [job.step(x, y) for x, y in batches[:2]]
         assert cli.main(["jobs", "--broker", m.frontend]) == 0  # the CLI's view of open jobs
         assert "fragile" in capsys.readouterr().out
+        # The worker's measured figures crossed in its answers: rows, bytes copied per step.
+        (row,) = c.jobs()
+        assert row.samples == 2 * len(batches[0][1]) and row.step_bytes_in > 0 < row.bytes_out
         job.save(ckpt)
         m.child(home).proc.send_signal(signal.SIGSTOP)  # steps sent now stay pending
         pending = [job.step_async(x, y) for x, y in batches[2:4]]
