@@ -88,6 +88,7 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
         outcomes: list[tuple[str, str, float]] = []  # (phase, outcome, seconds)
         losses: list[float] = []
         restarted = asyncio.Event()
+        gave_up = asyncio.Event()  # the killer failed: the traffic stops, the failure is raised
         clients: list[AsyncClient] = []
         training_started = asyncio.Event()
         probes: list[asyncio.Future[p.BrokerStatus]] = []
@@ -97,7 +98,7 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
             async with AsyncClient(mesh.frontend, timeout=INFER_TIMEOUT) as client:
                 clients.append(client)
                 j, after = 0, 0
-                while after < 15:
+                while after < 15 and not gave_up.is_set():
                     after += restarted.is_set()
                     name = [seeded.name, on_disk.name][(k + j) % 2]
                     j += 1
@@ -150,8 +151,18 @@ def test_the_broker_restarts_without_losing_anything(tmp_path: Path) -> None:
         async def main() -> None:
             # Every task to its end, then the first failure: a task cancelled under its client
             # (what gather does to the others on a failure) is not what this test is about.
+            async def kill_or_give_up() -> None:
+                try:
+                    await killer()
+                except BaseException:
+                    gave_up.set()
+                    raise
+
             done = await asyncio.gather(
-                killer(), training(), *(infer_traffic(k) for k in range(3)), return_exceptions=True
+                kill_or_give_up(),
+                training(),
+                *(infer_traffic(k) for k in range(3)),
+                return_exceptions=True,
             )
             done += await asyncio.gather(*probes, return_exceptions=True)
             for outcome in done:
