@@ -149,6 +149,12 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        # What "auto" picks here (uvloop and httptools are dependencies), said outright.
+        loop="uvloop",
+        http="httptools",
+        # The access log's lines are INFO: below that level none is written, and without it
+        # uvicorn skips building each request's.
+        access_log=_access_logged(args.log_level),
     )
     _server_class()(config).run()  # uvicorn.run's, with systemd's notify protocol
     return 0
@@ -188,6 +194,15 @@ def _server_class() -> type:
             self._captured_signals.clear()
 
     return Server
+
+
+def _access_logged(level: str) -> bool:
+    """Whether uvicorn at log level `level` writes access lines (INFO ones, or finer)."""
+    import logging
+
+    from uvicorn.config import LOG_LEVELS
+
+    return LOG_LEVELS.get(level.lower(), logging.INFO) <= logging.INFO
 
 
 def _loopback(host: str) -> bool:

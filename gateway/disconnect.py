@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive
 
 T = TypeVar("T")
 
@@ -31,13 +32,18 @@ async def unless_gone(request: Request, call: Awaitable[T]) -> T:
     """`call`'s result, awaited in this task; `ClientGone` if the client disconnects first
     (`call` cancelled then). The request's body must have been read already: what comes from
     `receive` after it is only the disconnect."""
+    return await unless_gone_on(request.receive, call)
+
+
+async def unless_gone_on(receive: Receive, call: Awaitable[T]) -> T:
+    """`unless_gone` on the ASGI `receive` itself (the raw ASGI routes have no `Request`)."""
     task = asyncio.current_task()
     assert task is not None
     gone = False
 
     async def watch() -> None:
         nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         gone = True
         task.cancel()

@@ -5,11 +5,13 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
 (`flowmesh.lm_examples.tiny_lm_dir`):
 
 - **infer**: `--requests` small-tensor infers (`--rows` x `--width` FP32) from `--clients`
-  concurrent clients, first through one `AsyncClient` (the SDK over ZeroMQ), then as KServe v2
-  JSON `POST /v2/models/mlp/infer` through one pool of `--clients` keep-alive connections, as a
-  service in front of the gateway would hold. Latency p50/p99 and requests/s, and the ratios
-  gateway / SDK (issue 25's targets: p50 within 1.3x, throughput at least 0.7x). Every gateway
-  answer is checked against the SDK's for the same input.
+  concurrent clients, through one `AsyncClient` (the SDK over ZeroMQ), then the same as KServe
+  v2 JSON `POST /v2/models/mlp/infer` through one pool of `--clients` keep-alive connections, as
+  a service in front of the gateway would hold; `--rounds` such turns, each side's figures over
+  all of its rounds (turns, so that a shared machine's drifting load falls on both alike).
+  Latency p50/p99 and requests/s, and the ratios gateway / SDK (issue 25's targets: p50 within
+  1.3x, throughput at least 0.7x). Every gateway answer is checked against the SDK's for the
+  same input (the first `--clients` of them, before the timed rounds).
   The HTTP client (`--http-client`) is `aiohttp` by default: the bench's client shares the
   machine's cores with the gateway and the mesh, and `httpx` spends several times aiohttp's CPU
   per request (pure-Python h11 parsing, its pool's bookkeeping), so that on a small machine it
@@ -21,8 +23,8 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
   `stream=True` (the official `openai` client). Greedy, so both make the same tokens (checked):
   tokens/s of each, and the ratio, and the time to the first chunk.
 
-    python scripts/bench_gateway.py [--requests 400] [--clients 8] [--rows 1] [--width 64]
-        [--prompts 8] [--max-tokens 32] [--http-client aiohttp|httpx] [--out bench-out]
+    python scripts/bench_gateway.py [--requests 400] [--rounds 5] [--clients 8] [--rows 1]
+        [--width 64] [--prompts 8] [--max-tokens 32] [--http-client aiohttp|httpx] [--out bench-out]
 
 Writes `gateway.json` under `--out`.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import tempfile
@@ -80,6 +83,15 @@ async def closed_loop(n: int, clients: int, one: Any) -> tuple[list[float], floa
     return latencies, time.perf_counter() - start
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process `pid` has spent (Linux's /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def summary(latencies: list[float], wall: float) -> dict[str, float]:
     return {
         "p50_ms": pct(latencies, 0.50) * 1e3,
@@ -123,14 +135,6 @@ async def _http_client(kind: str, connections: int) -> AsyncIterator[Post]:
 async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(args.rows, args.width, generator=gen) for _ in range(args.requests)]
-    async with AsyncClient(mesh.frontend, timeout=60.0) as c:
-        expected = [await c.infer("mlp", x) for x in xs[: args.clients]]  # and warm up
-
-        async def sdk(k: int) -> None:
-            await c.infer("mlp", xs[k])
-
-        sdk_lat, sdk_wall = await closed_loop(args.requests, args.clients, sdk)
-
     url = f"{mesh.http_url}/v2/models/mlp/infer"
 
     def body(x: torch.Tensor) -> bytes:
@@ -138,18 +142,47 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
         item = {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": flat}
         return json.dumps({"inputs": [item]}).encode()
 
-    async with _http_client(args.http_client, args.clients) as post:
+    sdk_lat: list[float] = []
+    gw_lat: list[float] = []
+    sdk_wall = gw_wall = gw_cpu = sdk_cpu = 0.0
+    gw_pid = mesh.child("gateway").proc.pid
+    async with (
+        AsyncClient(mesh.frontend, timeout=60.0) as c,
+        _http_client(args.http_client, args.clients) as post,
+    ):
+        expected = [await c.infer("mlp", x) for x in xs[: args.clients]]  # and warm up
         for x, want in zip(xs[: args.clients], expected, strict=True):  # checked, and warm up
             got = json.loads(await post(url, body(x)))["outputs"][0]
             out = torch.tensor(got["data"]).reshape(got["shape"])
             assert isinstance(want, torch.Tensor)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
+        async def sdk(k: int) -> None:
+            await c.infer("mlp", xs[k])
+
         async def gateway(k: int) -> None:
             await post(url, body(xs[k]))
 
-        gw_lat, gw_wall = await closed_loop(args.requests, args.clients, gateway)
+        # The two sides in turns, not one after the other: on a shared machine the load of
+        # other work drifts, and turns spread it over both alike.
+        for _ in range(args.rounds):
+            cpu = time.process_time()
+            lat, wall = await closed_loop(args.requests, args.clients, sdk)
+            sdk_cpu += time.process_time() - cpu
+            sdk_lat += lat
+            sdk_wall += wall
+            cpu = cpu_seconds(gw_pid)
+            lat, wall = await closed_loop(args.requests, args.clients, gateway)
+            gw_cpu += cpu_seconds(gw_pid) - cpu
+            gw_lat += lat
+            gw_wall += wall
     sdk_s, gw_s = summary(sdk_lat, sdk_wall), summary(gw_lat, gw_wall)
+    # The gateway process's own CPU (all its threads) per request: unlike the times, it hardly
+    # moves with the machine's other load.
+    gw_s["cpu_us_per_request"] = gw_cpu / len(gw_lat) * 1e6
+    # And, beside it, the bench's own process on the SDK side: the SDK client's CPU, which the
+    # gateway's includes (it is one more SDK client, with an HTTP server in front).
+    sdk_s["client_cpu_us_per_request"] = sdk_cpu / len(sdk_lat) * 1e6
     ratios = {
         "p50": gw_s["p50_ms"] / sdk_s["p50_ms"],
         "p99": gw_s["p99_ms"] / sdk_s["p99_ms"],
@@ -212,7 +245,8 @@ async def bench(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--requests", type=int, default=400, help="infers per side in each round")
+    ap.add_argument("--rounds", type=int, default=5, help="turns of SDK then gateway infers")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--width", type=int, default=64)
@@ -244,13 +278,16 @@ def main() -> None:
     result["args"] = vars(args)
     infer, stream = result["infer"], result["stream"]
     r = infer["ratio_gateway_over_sdk"]
+    sdk, gw = infer["sdk"], infer["gateway"]
     print(
-        f"infer ({args.requests} requests, {args.clients} clients, {args.rows}x{args.width} FP32, "
-        f"{args.http_client}): "
-        f"SDK p50 {infer['sdk']['p50_ms']:.2f} ms p99 {infer['sdk']['p99_ms']:.2f} ms "
-        f"{infer['sdk']['requests_per_s']:.0f} req/s; gateway p50 {infer['gateway']['p50_ms']:.2f} "
-        f"ms p99 {infer['gateway']['p99_ms']:.2f} ms {infer['gateway']['requests_per_s']:.0f} "
-        f"req/s"
+        f"infer ({args.rounds} x {args.requests} requests, {args.clients} clients, "
+        f"{args.rows}x{args.width} FP32, {args.http_client}): "
+        f"SDK p50 {sdk['p50_ms']:.2f} ms p99 {sdk['p99_ms']:.2f} ms "
+        f"{sdk['requests_per_s']:.0f} req/s, its client's CPU "
+        f"{sdk['client_cpu_us_per_request']:.0f} us/request; "
+        f"gateway p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms "
+        f"{gw['requests_per_s']:.0f} req/s, its process's CPU "
+        f"{gw['cpu_us_per_request']:.0f} us/request"
     )
     print(
         f"infer gateway/SDK: p50 {r['p50']:.2f}x  p99 {r['p99']:.2f}x  "

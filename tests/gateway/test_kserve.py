@@ -4,6 +4,7 @@ infer equal to the SDK's, with JSON tensors and with the binary tensor data exte
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -14,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from client_sdk.mesh import LocalMesh
+from flowmesh.auth import add_api_key
 from flowmesh.testing import assert_forward_close
 from tests.support.mesh import FAST, roots_at
 
@@ -110,6 +113,84 @@ def test_refusals_answer_v2_statuses(
     wide = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]}
     answer = httpx.post(url, json=wide, timeout=10)
     assert answer.status_code == 400, answer.text
+
+
+@pytest.fixture(scope="module")
+def keyed(
+    served: tuple[LocalMesh, str],
+    tmp_path_factory: pytest.TempPathFactory,
+    start_gateway: Callable[..., AbstractContextManager[str]],
+) -> Iterator[tuple[str, str]]:
+    """A second gateway in front of the same mesh, with an API key and a small body limit:
+    (url, key)."""
+    keys = tmp_path_factory.mktemp("api-keys")
+    _, key = add_api_key(keys, "app", "client")
+    args = ["--api-keys", str(keys / "api_keys.json"), "--max-body", "2KiB"]
+    with start_gateway(served[0].frontend, args=args) as url:
+        yield url, key
+
+
+def _infer_counts(url: str) -> dict[tuple[str, str], float]:
+    """The infer route's answers by (status, model), from the gateway's /metrics."""
+    counts = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name.endswith("_requests_total") and "infer" in labels.get("route", ""):
+                assert labels["route"] == "/v2/models/{model}/infer"
+                counts[labels["status"], labels["model"]] = sample.value
+    return counts
+
+
+def test_infer_refusals_at_the_door_and_in_the_body(
+    served: tuple[LocalMesh, str], keyed: tuple[str, str]
+) -> None:
+    """The infer route as the guard serves it once it let a request in (no app layers): the
+    door's refusals still come first, and its own in the v2 error body, each counted."""
+    url, key = keyed
+    infer = f"{url}/v2/models/mlp/infer"
+    auth = {"Authorization": f"Bearer {key}"}
+    x = [0.5] * WIDTH
+    good = {"inputs": [{"name": "x", "shape": [1, WIDTH], "datatype": "FP32", "data": x}]}
+    bare = httpx.post(infer, json=good, timeout=30)
+    assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+    assert "API key is needed" in bare.json()["error"]
+    wrong = httpx.post(infer, json=good, headers={"Authorization": f"Bearer {key}x"}, timeout=30)
+    assert wrong.status_code == 401 and "not known" in wrong.json()["error"]
+    big = httpx.post(infer, json={**good, "pad": "x" * 3000}, headers=auth, timeout=30)
+    assert big.status_code == 413 and "2048 bytes" in big.json()["error"]
+    # Let in, refused for its body: not JSON, no inputs, data short of the shape, a header
+    # length past the body, bytes left after the binary inputs.
+    head = json.dumps(good).encode()
+    cases = [
+        (b"{not json", {}, "not JSON"),
+        (b'{"inputs": {}}', {}, "non-empty list of inputs"),
+        (json.dumps({"inputs": [{**good["inputs"][0], "data": x[:3]}]}).encode(), {}, "takes 8"),
+        (head, {"Inference-Header-Content-Length": "99999"}, "within the body"),
+        (head + b"\0" * 4, {"Inference-Header-Content-Length": str(len(head))}, "after"),
+    ]
+    for body, headers, why in cases:
+        answer = httpx.post(infer, content=body, headers={**auth, **headers}, timeout=30)
+        assert answer.status_code == 400 and why in answer.json()["error"], answer.text
+        assert answer.headers["content-type"] == "application/json"
+    unknown = httpx.post(f"{url}/v2/models/nope/infer", json=good, headers=auth, timeout=30)
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+    # And let in with a good body: the SDK's answer, in the v2 body.
+    with served[0].client() as c:
+        expected = c.infer("mlp", torch.tensor([x]))
+    assert isinstance(expected, torch.Tensor)
+    answer = httpx.post(infer, json={**good, "id": "q"}, headers=auth, timeout=30)
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
+    reply = answer.json()
+    assert reply["id"] == "q" and reply["model_name"] == "mlp"
+    (out,) = reply["outputs"]
+    assert out["name"] == "output0" and out["shape"] == [1, WIDTH]
+    assert_forward_close(torch.tensor(out["data"]).reshape(1, WIDTH), expected)
+    counts = _infer_counts(url)
+    # No model label where the name could be anything (refused at the door, or unknown).
+    assert counts[("401", "")] == 2 and counts[("413", "")] == 1
+    assert counts[("400", "mlp")] == len(cases)
+    assert counts[("404", "")] == 1 and counts[("200", "mlp")] == 1
 
 
 def test_a_call_past_the_timeout_answers_504(
