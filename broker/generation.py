@@ -105,6 +105,7 @@ class Iteration:
     step: p.GenStep
     seqs: list[Seq]
     prefill: list[bool]
+    frees: int = 0  # the model's FreeSeqs count as it started
 
 
 @dataclass(eq=False)
@@ -151,6 +152,7 @@ class GenModel:
     iterations: int = 0
     preemptions: int = 0  # sequences taken off a replica for memory, to run again later
     restarts: int = 0  # sequences started again elsewhere after their replica was lost
+    frees: int = 0  # FreeSeqs rounds sent: memory freed on the workers
     # New tokens per second, decayed over 10 s (a chat's burst, not the model's whole life).
     token_rate: ArrivalRate = field(default_factory=lambda: ArrivalRate(tau=10.0))
 
@@ -520,7 +522,7 @@ class GenerationRoom:
             ids.extend(new)
             prefill.append(not s.prefilled)
             s.sent = True
-        it = Iteration(p.GenStep(seqs=steps), list(k.running), prefill)
+        it = Iteration(p.GenStep(seqs=steps), list(k.running), prefill, gm.frees)
         tensor = p.TensorRef("int64", (len(ids),), numpy.asarray(ids, dtype="<i8").tobytes())
         k.batch = self.router.start_gen(gm.model, g.rep, it, tensor, now)
         gm.iterations += 1
@@ -655,6 +657,8 @@ class GenerationRoom:
         others = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if not pre]
         beside = [s for j in g.groups if j is not k for s in j.running]
         live = [s for s in prefills if s.finish is None]
+        # Sequences freed while it ran held the memory it found full: no verdict on it alone.
+        freed = gm.frees != it.frees
         if not prefills:
             # Decodes alone: the sequences outgrew the memory. The group's newest one is
             # preempted: its blocks freed, it waits at the head of the queue with the tokens
@@ -664,7 +668,8 @@ class GenerationRoom:
                 return  # some of it ended while it ran: their memory is free, run again
             s = k.running[-1]
             if len(k.running) == 1 and not beside:
-                self._refuse_alone(gm, g, s, reason)
+                if not freed:
+                    self._refuse_alone(gm, g, s, reason)
                 return
             k.running.remove(s)
             self._free(gm, g.rep, [s])
@@ -675,7 +680,7 @@ class GenerationRoom:
             log.info("model=%s seq=%d preempted after %d tokens: %s", gm.model.name, s.id,
                      len(s.out), reason)  # fmt: skip
             return
-        if len(prefills) == 1 and not others and not beside and live:
+        if len(prefills) == 1 and not others and not beside and live and not freed:
             # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
             self._refuse_alone(gm, g, prefills[0], reason)
             return
@@ -776,6 +781,7 @@ class GenerationRoom:
             s.sent = False
         if not ids:
             return
+        gm.frees += 1
         for stage, w in enumerate(rep.workers):
             if w != skip and w in self.peers:
                 self.ctx.to_peer(w, p.FreeSeqs(model=gm.model.name, stage=stage, seqs=ids))

@@ -386,6 +386,23 @@ def test_a_prefill_alone_in_its_group_beside_another_is_not_too_big(
     assert steps(run) == [(a, 2, 1, 1)]
 
 
+def test_a_prefill_refused_while_another_ended_is_run_again_not_too_big(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=1))
+    ((a, *_),) = steps(run)
+    other = run_of(g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B), g.w0)
+    ((b, *_),) = steps(other)
+    # a ends (its blocks freed) before stage 1's no_space for b comes back: b found the memory
+    # a held, and is alone only now. No verdict: it runs again, never refused too_big.
+    assert g.step(run, [10])[:2] == freed(a)
+    out = no_space(g, g.stage0(other), g.w1)
+    assert [m for addr, m in g.told if addr == CLIENT_B] == []  # b's call not failed
+    again = run_of(out, g.w0)
+    assert steps(again) == [(b, 0, 3, 0)] and ids_of(again) == [1, 6, 7]
+
+
 # ====================================================================== how a sequence ends
 
 
