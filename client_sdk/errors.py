@@ -34,7 +34,8 @@ class Unavailable(ClientError):
 
 
 class Overloaded(ClientError):
-    pass
+    """Full for now, retry later: a queue or socket high-water mark reached, or (`no_space`) KV
+    memory that other sequences hold."""
 
 
 class Timeout(ClientError):
@@ -86,6 +87,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
     Code.TOO_BIG: TooBig,
     Code.UNAVAILABLE: Unavailable,
     Code.OVERLOADED: Overloaded,
+    Code.NO_SPACE: Overloaded,
     Code.TIMEOUT: Timeout,
     Code.WORKER_LOST: WorkerLost,
     Code.MODEL_ERROR: ModelError,
