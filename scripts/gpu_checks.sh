@@ -65,14 +65,14 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 if [ "$cpu" = 1 ]; then
-  swap=(--mib 16 --layers 4 --repeats 2 --disk-mib 16)
+  swap=(--mib 16 --layers 4 --repeats 1 --disk-mib 16)
   cold=(--cpu --stages 2 --mib 8 --rounds 1 --repeats 1)
   train=(--device cpu --width 64 --depth 2 --batch 8 --threads 0 --steps 2 --repeats 1
-    --sizes same --batch-models '' --configs 2x2,2x4)
+    --sizes same --batch-models '' --configs 2x2)
   # The suite runs these files' CPU tests itself (and the CUDA ones skip here): collecting them
   # checks the step's command.
   cuda_tests=(--collect-only)
-  colo=(--jobs 2 --requests 20 --width 64)
+  colo=(--jobs 2 --requests 10 --width 64)
 else
   swap=(--mib 1024 --layers 16 --repeats 5 --disk-mib 1024)
   cold=(--stages 8 --mib 256)
