@@ -35,6 +35,7 @@ own.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -114,12 +115,14 @@ class Job:
     # found by their calls.
     ledger: StepLedger[p.Message] = field(default_factory=lambda: StepLedger(KEEP_RESULTS))
     done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
-    # The rows of each step in `done_at` (0: not known, a step sent before a restart).
+    # The rows and tokens of each step in `done_at` (0: not known, a step sent before a restart).
     done_rows: deque[int] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
-    # Rows of the steps forwarded and not answered yet, by seq (the batch is read here, so a
-    # step answered after its call expired still counts them).
-    rows: dict[int, int] = field(default_factory=dict)
+    done_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # (rows, tokens) of the steps forwarded and not answered yet, by seq (the batch is read
+    # here, so a step answered after its call expired still counts them).
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)
     samples: int = 0
+    tokens: int = 0
     # What the last answered step measured (`p.TrainStepResult`), and the sums over all.
     step_bytes_in: int = 0
     step_bytes_out: int = 0
@@ -156,18 +159,26 @@ class Job:
     def samples_per_s(self) -> float:
         """Rows trained per second over the steps `steps_per_s` is measured over: the rows of
         every step but the first, whose end is where the span starts."""
+        return self._rate(self.done_rows)
+
+    def tokens_per_s(self) -> float:
+        """Target tokens trained per second, as `samples_per_s` (0 for a job not on tokens)."""
+        return self._rate(self.done_tokens)
+
+    def _rate(self, counts: deque[int]) -> float:
         if len(self.done_at) < 2 or self.done_at[-1] <= self.done_at[0]:
             return 0.0
-        rows = sum(self.done_rows) - self.done_rows[0]
-        return rows / (self.done_at[-1] - self.done_at[0])
+        return (sum(counts) - counts[0]) / (self.done_at[-1] - self.done_at[0])
 
     def step_done(self, msg: p.TrainStepResult, now: float) -> None:
         """Count an answered step: its rows, what the worker measured of it."""
-        rows = self.rows.pop(msg.seq, 0)
+        rows, tokens = self.rows.pop(msg.seq, (0, 0))
         self.steps += 1
         self.samples += rows
+        self.tokens += tokens
         self.done_at.append(now)
         self.done_rows.append(rows)
+        self.done_tokens.append(tokens)
         self.step_bytes_in, self.step_bytes_out = msg.bytes_in, msg.bytes_out
         self.step_memory_wait_s = msg.memory_wait_s
         self.bytes_in += msg.bytes_in
@@ -175,9 +186,14 @@ class Job:
         self.memory_wait_s += msg.memory_wait_s
 
     def step_sent(self, seq: int, tensors: Mapping[str, Any]) -> None:
-        """Note the rows of step `seq` as it goes to the worker (its targets' first dim)."""
-        shape = getattr(tensors.get("targets"), "shape", ())
-        self.rows[seq] = int(shape[0]) if len(shape) else 0
+        """Note the rows of step `seq` as it goes to the worker (its targets' first dim), and its
+        tokens: every target when they are ids over a sequence (integers, 2+ dims: a language
+        model's next tokens), else none."""
+        targets = tensors.get("targets")
+        shape = tuple(getattr(targets, "shape", ()))
+        rows = int(shape[0]) if shape else 0
+        ids = len(shape) >= 2 and str(getattr(targets, "dtype", "")).startswith(("int", "uint"))
+        self.rows[seq] = (rows, math.prod(shape) if ids else 0)
         while len(self.rows) > KEEP_RESULTS:  # steps whose answer never came
             del self.rows[next(iter(self.rows))]
 
@@ -703,6 +719,8 @@ class TrainingRouter:
             age_s=round(now - job.opened, 3),
             samples_per_s=round(job.samples_per_s(), 3),
             samples=job.samples,
+            tokens_per_s=round(job.tokens_per_s(), 3),
+            tokens=job.tokens,
             step_bytes_in=job.step_bytes_in,
             step_bytes_out=job.step_bytes_out,
             step_memory_wait_s=round(job.step_memory_wait_s, 6),

@@ -181,9 +181,9 @@ def _sub_model(m: SubModelRow) -> str:
 
 
 def format_jobs(jobs: list[JobRow]) -> str:
-    """Training jobs as a table: worker, state, step, last loss, steps/s, samples/s, what the
-    last step moved (into the arena / back to the host tier) and waited for memory, and the
-    sub-models with their activation policies."""
+    """Training jobs as a table: worker, state, step, last loss, steps/s, samples/s (and tokens/s
+    for a language model's job), what the last step moved (into the arena / back to the host
+    tier) and waited for memory, and the sub-models with their activation policies."""
     rows = [
         [
             j.name,
@@ -192,7 +192,7 @@ def format_jobs(jobs: list[JobRow]) -> str:
             j.step,
             "-" if j.last_loss is None else f"{j.last_loss:.4g}",
             f"{j.steps_per_s:.2f}",
-            f"{j.samples_per_s:.1f}",
+            f"{j.samples_per_s:.1f}" + (f" ({j.tokens_per_s:.0f} tok/s)" if j.tokens else ""),
             _moved(j),
             f"{j.step_memory_wait_s * 1000:.1f} ms",
             " | ".join(_sub_model(m) for m in j.sub_models) or "-",

@@ -211,6 +211,10 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         f.counter("train_samples", "Rows a training job has trained", j.samples, train_job=job)
         doc = "A job's recent rate of rows trained"
         f.gauge("train_samples_per_second", doc, j.samples_per_s, train_job=job)
+        doc = "Target tokens a language model's training job has trained"
+        f.counter("train_tokens", doc, j.tokens, train_job=job)
+        doc = "A job's recent rate of target tokens trained"
+        f.gauge("train_tokens_per_second", doc, j.tokens_per_s, train_job=job)
         # Host tier <-> device copies of the job's steps, as its worker measured them.
         for direction, total, last in (
             ("in", j.bytes_in, j.step_bytes_in),

@@ -251,6 +251,9 @@ class JobRow(_Row):
     # same figures summed over every step answered.
     samples_per_s: float = 0.0
     samples: Count = 0
+    # Target tokens (a language model's steps: integer targets over a sequence), as samples.
+    tokens_per_s: float = 0.0
+    tokens: Count = 0
     step_bytes_in: Count = 0
     step_bytes_out: Count = 0
     step_memory_wait_s: Finite = 0.0

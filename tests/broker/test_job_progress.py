@@ -63,8 +63,10 @@ def opened(h: Harness) -> bytes:
     return w
 
 
-def send(h: Harness, seq: int, rows: int, ref_id: int) -> p.TrainStep:
-    tensors = {"inputs": ref(rows, 8), "targets": ref(rows, dtype="int64")}
+def send(h: Harness, seq: int, rows: int, ref_id: int, tokens: int = 0) -> p.TrainStep:
+    """A step of `rows` rows: class targets, or next-token ids of `tokens` per row."""
+    targets = ref(rows, tokens, dtype="int64") if tokens else ref(rows, dtype="int64")
+    tensors = {"inputs": ref(rows, 8), "targets": targets}
     ((dest, _, fwd),) = h.client(C, p.TrainStep(id=ref_id, job="j", seq=seq, tensors=tensors))
     assert dest == BACKEND and isinstance(fwd, p.TrainStep)
     return fwd
@@ -209,6 +211,8 @@ def test_the_broker_exports_each_jobs_progress() -> None:
     assert progress == {
         ("flowmesh_broker_train_samples_total", job): 10,
         ("flowmesh_broker_train_samples_per_second", job): 4.0,
+        ("flowmesh_broker_train_tokens_total", job): 0,  # class targets: not a job on tokens
+        ("flowmesh_broker_train_tokens_per_second", job): 0.0,
         ("flowmesh_broker_train_copied_bytes_total", into): 3300,
         ("flowmesh_broker_train_copied_bytes_total", back): 1950,
         ("flowmesh_broker_train_step_copied_bytes", into): 1100,
@@ -231,3 +235,21 @@ PRIOR = tuple(
     f"flowmesh_broker_train_{n}"
     for n in ("steps_total", "last_loss", "steps_per_second", "job_errors", "pending_calls")
 )
+
+
+def test_a_language_models_job_counts_its_target_tokens() -> None:
+    h = Harness()
+    w = opened(h)
+    # Next-token targets (rows x 16 ids), answered at t = 1.0 and 3.0; float targets count none.
+    first, second = send(h, 1, 4, 11, tokens=16), send(h, 2, 2, 12, tokens=16)
+    for fwd, at in ((first, 1.0), (second, 3.0)):
+        h.now = at
+        h.backend(w, answer(fwd, fwd.seq, 0, 0, 0.0))
+    j = row(h)
+    assert (j.tokens, j.tokens_per_s, j.samples_per_s) == (96, 16.0, 1.0)
+    assert "1.0 (16 tok/s)" in format_jobs([j])
+    tensors = {"inputs": ref(2, 8), "targets": ref(2, 3)}  # regression targets: no tokens
+    ((_, _, fwd),) = h.client(C, p.TrainStep(id=13, job="j", seq=3, tensors=tensors))
+    h.now = 4.0
+    h.backend(w, answer(fwd, 3, 0, 0, 0.0))
+    assert row(h).tokens == 96
