@@ -19,8 +19,12 @@ One owner of device memory (`gpu_worker.memory.DeviceMemory`): on a worker that 
 arena is shared with the serving executor and inference comes first. Training may borrow any
 range serving is not using; when a serving load needs it back, the driver gives back at once
 every range of a task that has not started computing (the task is admitted again later, its copy
-redone), and admits nothing while serving claims memory. On the CPU stand-in training also starts
-no compute while serving has a load or a run in flight: there, copies and computes share cores.
+redone), and admits nothing while serving claims memory. On the CPU stand-in training also
+yields compute while serving has a load or a run in flight, and for a moment after (`ServingGate`):
+there, copies and computes share cores and the GIL. The driver starts no compute then; a task
+already in the compute lane's queue waits before it starts, and a task computing waits at its
+yield points (between its blocks, forward and backward, and before its update), so that a request
+arriving mid-task waits for at most one block of training, not for the tasks queued.
 
 Accounting: parameters, gradients, optimizer state and buffers of a running task physically live
 in its extent. Activations are allocated by torch outside the arena and accounted by the
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -101,6 +106,111 @@ class _Admission:
     cancelled: bool = False  # it will not run: its copy, if not started, must not start
 
 
+class ServingGate:
+    """When training gives way to serving (the CPU stand-in's rule; see the module docstring).
+
+    Held while serving is busy (a load or a run in flight, or a claim on memory) and for
+    `resume_after_s` after it went quiet: a run's answer is sent after the run ends, and a
+    client's next request often follows within milliseconds; a training task started in that
+    gap holds the core and the GIL when it arrives. (scripts/bench_colocated.py on the CPU
+    stand-in: with 2 ms, inference p50 was still 1.5-2.7x of serving alone beside four jobs;
+    with 5 ms, 0.6-0.9x, training at 0.4-0.7x of its steps/s alone; BENCHMARKS.md.) `pause()` (from
+    `task_pauses`) is a yield point on a lane: it waits while the gate is held.
+
+    A task in the lane or computing has already given its memory back (freed with its marker):
+    a serving load placed there waits for the task to finish, and keeps serving busy meanwhile.
+    So the waits inside one task add up to at most `max_pause_s`, after which the task runs to
+    its end; serving then waits for one task, as it did before there were yield points.
+
+    `clock`: the executor's; the decisions are taken on it (a test freezes or moves it), the
+    waits between looks at it are real ones, of at most `poll_s`.
+    """
+
+    def __init__(
+        self,
+        memory: DeviceMemory,
+        enabled: bool,
+        clock: Callable[[], float],
+        *,
+        resume_after_s: float = 0.005,
+        max_pause_s: float = 0.1,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.memory = memory
+        self.enabled = enabled
+        self.clock = clock
+        self.resume_after_s = resume_after_s
+        self.max_pause_s = max_pause_s
+        self.poll_s = poll_s
+        self._cond = threading.Condition()
+        self._quiet_at = -math.inf  # when serving was last seen going quiet, on `clock`
+        # The lanes (thread names) waiting at a yield point now: what a test waits for.
+        self.waiting: list[str] = []
+        self.counters = {"pauses": 0, "pause_s": 0.0, "pause_budget_spent": 0}
+        self.closed = False
+        memory.wake_training.append(self.wake)
+
+    def wake(self) -> None:
+        """Serving's state changed (a `DeviceMemory.wake_training` listener, on serving's
+        thread): note when it went quiet and let waiting yield points look again."""
+        with self._cond:
+            if not self.memory.serving_busy():
+                self._quiet_at = self.clock()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def held_for(self) -> float | None:
+        """None when training may compute now; else how long it is held at least (inf while
+        serving is busy)."""
+        if not self.enabled or self.closed:
+            return None
+        if self.memory.serving_busy():
+            return math.inf
+        left = self._quiet_at + self.resume_after_s - self.clock()
+        return left if left > 0 else None
+
+    def task_pauses(self) -> _TaskPauses:
+        """The yield point of one task (its waits share one `max_pause_s`)."""
+        return _TaskPauses(self)
+
+    def _pause(self, budget: float) -> float:
+        """Wait while held, at most `budget`; returns the time waited."""
+        if budget <= 0 or self.held_for() is None:  # the common case: no lock taken
+            return 0.0
+        t0 = self.clock()
+        me = threading.current_thread().name
+        with self._cond:
+            self.waiting.append(me)
+            self.counters["pauses"] += 1
+            try:
+                while (held := self.held_for()) is not None:
+                    remaining = budget - (self.clock() - t0)
+                    if remaining <= 0:
+                        self.counters["pause_budget_spent"] += 1
+                        break
+                    self._cond.wait(min(held, remaining, self.poll_s))
+            finally:
+                self.waiting.remove(me)
+        spent = self.clock() - t0
+        self.counters["pause_s"] += spent
+        return spent
+
+
+class _TaskPauses:
+    """One task's yield point (`ServingGate.task_pauses`): what it waited, in `spent`."""
+
+    def __init__(self, gate: ServingGate) -> None:
+        self.gate = gate
+        self.spent = 0.0
+
+    def __call__(self) -> None:
+        self.spent += self.gate._pause(self.gate.max_pause_s - self.spent)
+
+
 @dataclass
 class _Request:
     job: str
@@ -143,6 +253,8 @@ class TrainingExecutor:
         self.arena = self.memory.arena
         # See the module docstring: on the CPU stand-in, computes wait for serving to be idle.
         self.yield_compute = device.kind == "cpu" and self.memory.serving_bytes > 0
+        self.gate = ServingGate(self.memory, self.yield_compute, clock)
+        self._resume_in: float | None = None  # the driver looks again then (the gate's delay)
         self.sched = FlowScheduler(prefetch, max_skips)
         self.jobs: dict[str, TrainingJob] = {}
         self._requests: dict[tuple[str, int], _Request] = {}
@@ -264,6 +376,9 @@ class TrainingExecutor:
             "reserved_peak": self.memory.peak["training"],
             "resident_bytes": self.resident,
             "resident_peak": self.resident_peak,
+            # Training's waits for serving at its yield points (`ServingGate`).
+            "yield_pauses": self.gate.counters["pauses"],
+            "yield_pause_s": self.gate.counters["pause_s"],
             "jobs": jobs,
         }
 
@@ -271,6 +386,7 @@ class TrainingExecutor:
         if self._closed:
             return
         self._closed = True
+        self.gate.close()
         self._events.put(None)
         self._driver.join(timeout=10)
         for pool in (self._compute, self._copy):
@@ -308,7 +424,11 @@ class TrainingExecutor:
 
     def _loop(self) -> None:
         while True:
-            fn = self._events.get()
+            wait, self._resume_in = self._resume_in, None
+            try:
+                fn = self._events.get(timeout=wait)
+            except queue.Empty:
+                fn = _nothing  # the gate's delay after serving went quiet is over: pump
             if fn is None:
                 break
             try:
@@ -371,8 +491,13 @@ class TrainingExecutor:
             self._start_copy(task)
         self._mark_waiting()
         while self._computing < self.queue_computes:
-            if self.yield_compute and self.memory.serving_busy():
-                break  # woken by `wake_training` when serving goes quiet
+            held = self.gate.held_for()
+            if held is not None:
+                # Busy: woken by `wake_training` when serving goes quiet; quiet since less than
+                # the gate's delay: the loop looks again when it is over.
+                if held != math.inf:
+                    self._resume_in = held
+                break
             task = self.sched.next_runnable()
             if task is None:
                 break
@@ -471,9 +596,13 @@ class TrainingExecutor:
     def _do_compute(self, task: Task, adm: _Admission, done: Any) -> TaskResult:
         job: TrainingJob = task.payload["job"]
         t0 = self.clock()
+        # Queued before serving got busy: it waits here, and at its yield points inside.
+        pause = self.gate.task_pauses()
         try:
+            pause()
             if adm.cancelled:  # its job was closed while it waited in the lane
                 return TaskResult()
+            job.pause = pause
             with self.device.compute():
                 for m in adm.ready:
                     m.order_current()
@@ -490,7 +619,8 @@ class TrainingExecutor:
                     adm.counted = False
                     self.resident -= adm.nbytes
             self.device.mark_done(done)
-            self.counters["compute_s"] += self.clock() - t0
+            job.pause = _nothing
+            self.counters["compute_s"] += self.clock() - t0 - pause.spent
 
     def _on_computed(self, task: Task, fut: Future[TaskResult]) -> None:
         self._computing -= 1

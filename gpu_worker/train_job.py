@@ -93,6 +93,10 @@ class TaskResult:
     bytes_out: int = 0
 
 
+def _no_pause() -> None:
+    """A job driven without a serving gate never waits."""
+
+
 def _model_error(job: str, where: str, exc: BaseException) -> FlowmeshError:
     frames = traceback.extract_tb(exc.__traceback__)
     at = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
@@ -259,6 +263,11 @@ class TrainingJob:
         # An evaluation cut into more micro-batches than a step's (over the job's batch): its
         # rows, by which each micro-batch's loss is weighed.
         self._eval_rows: dict[int, int] = {}
+        # A yield point: called on the compute lane between the blocks of a task's forward and
+        # backward and before its update, where the task may wait for serving to go quiet (the
+        # executor sets it per task: `TrainingExecutor`'s serving gate). Waiting there changes
+        # nothing the task computes, only when.
+        self.pause: Callable[[], None] = _no_pause
 
     # -- construction ------------------------------------------------------------------------
 
@@ -555,9 +564,19 @@ class TrainingJob:
 
     def _forward(self, sub: SubModel, x: Any) -> torch.Tensor:
         out = x
+        hooked = torch.is_grad_enabled()
         for j, module in enumerate(sub.modules):
+            if j:
+                self.pause()
+                if hooked and isinstance(out, torch.Tensor) and out.requires_grad:
+                    # The same yield point in the backward, at the same block boundary: the
+                    # hook returns None, so the gradient passing through is left as it is.
+                    out.register_hook(self._pause_hook)
             out = call_model(module, out) if sub.index == 0 and j == 0 else module(out)
         return _as_output(out)
+
+    def _pause_hook(self, _: torch.Tensor) -> None:
+        self.pause()
 
     def _stash(self, t: Any) -> Any:
         """Keep an activation in the host tier between tasks (on a CPU stand-in, host memory
@@ -713,6 +732,7 @@ class TrainingJob:
         if task.kind == LAST:
             result.bytes_out += self._buffers_write_back(sub, arena, base)
         if task.payload["update"]:
+            self.pause()
             result.bytes_out += self._apply_update(task, sub, base, arena, now_valid, None)
             for n in sub.borrowed:
                 result.bytes_out += self._grad_write_back(n, layout, base, arena, now_valid)

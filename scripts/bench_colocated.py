@@ -4,18 +4,23 @@ One worker (real broker, partitioner and worker processes on loopback) serves on
 training jobs whose footprints add up to R times the worker's training bytes train beside it, in
 one arena (serving first: training borrows what serving leaves free and gives it back at once,
 and on the CPU stand-in starts no compute while serving has a load or a run in flight). In the
-same run:
+same run, in `--rounds` interleaved rounds (on a host shared with other work its load drifts
+within a run; each figure is measured across all the rounds, so a drift falls on both sides of a
+ratio alike):
 
 - **inference alone**: closed-loop requests (one in flight), latency p50 / p99;
-- **training alone**: every job keeps `--inflight` steps queued; steps/s over the window;
-- **together**: both at once for the same number of requests.
+- **together**: training started, the same number of requests beside it, training stopped;
+  training is driven by a client process of its own, so that the inference client's event loop
+  measures serving, not its own handling of training's answers;
+- **training alone**: every job keeps `--inflight` steps queued, for as long as the round's
+  together phase lasted; steps/s over the rounds' windows.
 
 Printed: latency with training / alone, training steps/s with serving / alone, and the worker's
 memory counters (claims by serving, bytes training gave back, most it borrowed). Every answer is
 checked against the model's own forward.
 
-    python scripts/bench_colocated.py [--jobs 4] [--ratio 3] [--requests 200] [--width 512]
-        [--train-width 96] [--gpu N] [--out bench-out]
+    python scripts/bench_colocated.py [--jobs 4] [--ratio 3] [--requests 200] [--rounds 4]
+        [--width 512] [--train-width 96] [--gpu N] [--out bench-out]
 
 `--gpu N` puts the worker on CUDA device N (its arena and training bytes on the GPU) in place of
 a CPU stand-in.
@@ -26,8 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +87,14 @@ async def infer_loop(
     return lat
 
 
+def train_batch(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
 async def train_loop(jobs: list[Any], width: int, stop: asyncio.Event, inflight: int) -> int:
     """Keep `inflight` steps queued per job until `stop`; returns the steps completed."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(32, width, generator=g)
-    y = torch.randint(0, 10, (32,), generator=g)
+    x, y = train_batch(width)
     done = 0
 
     async def one(job: Any) -> None:
@@ -100,14 +110,17 @@ async def train_loop(jobs: list[Any], width: int, stop: asyncio.Event, inflight:
     return done
 
 
-async def measure(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
-    serve = served_spec(args.width)
-    ref = build_seeded(serve).eval()
-    async with AsyncClient(mesh.frontend, timeout=300) as ac:
-        await ac.deploy("served", serve.factory, kwargs=serve.kwargs, seed=serve.seed, stages=1)
-        await infer_loop(ac, 5, args.width, ref, 0)  # warm: loaded, code paths hot
-        alone = await infer_loop(ac, args.requests, args.width, ref, 1)
+def trainer_main(frontend: str, args: argparse.Namespace, conn: Connection) -> None:
+    """The training client, a process of its own (as a user's would be): the inference
+    client's event loop then measures serving, not its own handling of training's answers."""
+    asyncio.run(trainer(frontend, args, conn))
 
+
+async def trainer(frontend: str, args: argparse.Namespace, conn: Connection) -> None:
+    """Open the jobs and send their footprint; then, per "run", train until "stop" and send
+    (steps, seconds); on "close", close the jobs and send "closed"."""
+    loop = asyncio.get_running_loop()
+    async with AsyncClient(frontend, timeout=300) as ac:
         jobs = []
         for i in range(args.jobs):
             s = train_spec(i, args.train_width)
@@ -122,26 +135,67 @@ async def measure(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
                     timeout=300,
                 )
             )
-        footprint = sum(j.info.footprint for j in jobs)
-
-        stop = asyncio.Event()
-        t0 = time.perf_counter()
-        training = asyncio.ensure_future(train_loop(jobs, args.train_width, stop, args.inflight))
-        together = await infer_loop(ac, args.requests, args.width, ref, 2)
-        window = time.perf_counter() - t0
-        stop.set()
-        steps_together = await training
-        together_s = time.perf_counter() - t0
-
-        stop = asyncio.Event()
-        t0 = time.perf_counter()
-        training = asyncio.ensure_future(train_loop(jobs, args.train_width, stop, args.inflight))
-        await asyncio.sleep(window)
-        stop.set()
-        steps_alone = await training
-        alone_s = time.perf_counter() - t0
+        for j in jobs:  # warm: each job's first step builds its optimizers and code paths
+            await j.step_async(*train_batch(args.train_width))
+        conn.send(sum(j.info.footprint for j in jobs))
+        while await loop.run_in_executor(None, conn.recv) == "run":
+            stop = asyncio.Event()
+            t0 = time.perf_counter()
+            training = asyncio.ensure_future(
+                train_loop(jobs, args.train_width, stop, args.inflight)
+            )
+            await loop.run_in_executor(None, conn.recv)  # "stop"
+            stop.set()
+            steps = await training
+            conn.send((steps, time.perf_counter() - t0))
         for j in jobs:
             await j.close()
+    conn.send("closed")
+
+
+async def measure(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
+    serve = served_spec(args.width)
+    ref = build_seeded(serve).eval()
+    loop = asyncio.get_running_loop()
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=trainer_main, args=(mesh.frontend, args, child), daemon=True)
+
+    async def recv() -> Any:
+        return await loop.run_in_executor(None, conn.recv)
+
+    async with AsyncClient(mesh.frontend, timeout=300) as ac:
+        await ac.deploy("served", serve.factory, kwargs=serve.kwargs, seed=serve.seed, stages=1)
+        await infer_loop(ac, 5, args.width, ref, 0)  # warm: loaded, code paths hot
+        proc.start()
+        footprint = await recv()
+
+        alone: list[float] = []
+        together: list[float] = []
+        steps_together = steps_alone = 0
+        together_s = alone_s = 0.0
+        per_round = max(1, args.requests // args.rounds)
+        for r in range(args.rounds):
+            alone += await infer_loop(ac, per_round, args.width, ref, 1 + 2 * r)
+
+            conn.send("run")
+            t0 = time.perf_counter()
+            together += await infer_loop(ac, per_round, args.width, ref, 2 + 2 * r)
+            window = time.perf_counter() - t0
+            conn.send("stop")
+            steps, seconds = await recv()
+            steps_together += steps
+            together_s += seconds
+
+            conn.send("run")
+            await asyncio.sleep(window)
+            conn.send("stop")
+            steps, seconds = await recv()
+            steps_alone += steps
+            alone_s += seconds
+        conn.send("close")
+        assert await recv() == "closed"
+        proc.join(60)
         st = await ac.status()
     (w,) = st.workers
     return {
@@ -158,7 +212,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--ratio", type=float, default=3.0, help="jobs' footprint / training bytes")
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=200, help="requests per phase, all rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="alone / together rounds, interleaved")
     ap.add_argument("--width", type=int, default=512, help="served model width")
     ap.add_argument("--train-width", type=int, default=96)
     ap.add_argument("--inflight", type=int, default=2, help="steps queued per job")
@@ -203,7 +258,8 @@ def main() -> None:
     print(
         f"{args.jobs} jobs, footprint {r['footprint'] / KIB:.0f} KiB = "
         f"{r['footprint'] / train_bytes:.1f}x the {train_bytes / KIB:.0f} KiB of training bytes; "
-        f"served model {serve_bytes / KIB:.0f} KiB; {args.requests} requests per phase"
+        f"served model {serve_bytes / KIB:.0f} KiB; {args.requests} requests per phase in "
+        f"{args.rounds} rounds"
     )
     for name, (x, y) in rows.items():
         print(f"  {name:44s} {x:9.2f} {y:9.2f}   ratio {y / x:5.2f}x")
