@@ -147,7 +147,9 @@ def test_a_killed_drivers_trial_is_retried_by_the_other(
         for t in trials
         if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number
     ]
-    assert len(retries) == 1 and retries[0].params == dead.params
+    # The retry keeps the parameters the dead trial had drawn (none if it was killed inside
+    # `study.ask`, before they were written: then its retry draws its own).
+    assert len(retries) == 1 and dead.params.items() <= retries[0].params.items()
     assert retries[0].state == optuna.trial.TrialState.COMPLETE
     ran = saved_numbers(tmp_path, "survivor")
     assert retries[0].number in ran and dead.number not in ran
