@@ -111,8 +111,16 @@ def test_up_with_http_port_runs_the_gateway_as_one_of_its_processes(tmp_path: Pa
     argv = ["up", "--cpu-workers", "1", "--memory-budget", "64MiB", "--listen", "127.0.0.1:0"]
     argv += ["--heartbeat", "0.2", "--http-port", str(port), "--config", str(config)]
     argv += ["--log-dir", str(logs)]
+    # This mesh is keyless: not the session's keys (FLOWMESH_TEST_KEYS=1 puts the operator key
+    # in FLOWMESH_KEYS, which its gateway and clients would then offer).
+    env = {k: v for k, v in os.environ.items() if k != "FLOWMESH_KEYS"}
     up = subprocess.Popen(
-        [*COMMAND, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*COMMAND, *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -127,7 +135,7 @@ def test_up_with_http_port_runs_the_gateway_as_one_of_its_processes(tmp_path: Pa
         said = lines.get(timeout=180)
         assert said.startswith(f"flowmesh up: HTTP gateway on port {port} "), said
         assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 200
-        with Client(frontend.group(1), timeout=120) as c:
+        with Client(frontend.group(1), timeout=120, keys=False) as c:
             c.deploy("mlp", "flowmesh.examples:mlp", kwargs={"width": 8, "depth": 2}, seed=1)
         models = httpx.get(f"{url}/v1/models", timeout=30)
         assert models.status_code == 200, models.text
