@@ -281,12 +281,12 @@ def _open_streams(url: str) -> float:
 
 @contextlib.contextmanager
 def _held_stream(url: str, key: str) -> Iterator[None]:
-    """A stream of key's that stays open: asked for four sequences' worth of events over a
+    """A stream of key's that stays open: asked for eight sequences' worth of events over a
     socket with a tiny receive buffer, read up to its first event and no further, so that the
     gateway's writes stall (TCP's flow control) long before the events are all sent."""
     host, port = url.removeprefix("http://").split(":")
     ask = json.dumps(
-        {"model": "lm", "prompt": ["Once upon"] * 4, "max_tokens": ENOUGH, "stream": True}
+        {"model": "lm", "prompt": ["Once upon"] * 8, "max_tokens": ENOUGH, "stream": True}
     ).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
@@ -314,13 +314,13 @@ def test_streams_past_the_per_key_limit_get_429_while_others_run(
         with pytest.raises(openai.RateLimitError) as over:  # a's one stream is open
             _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2, stream=True)
         assert over.value.status_code == 429 and "1 streams" in over.value.message
+        assert _open_streams(url) == 1  # still held: the 429 was no accident of timing
         # Another key's stream, and a's own blocking call, run meanwhile.
         events = list(
             _api(url, b).completions.create(model="lm", prompt="hi", max_tokens=3, stream=True)
         )
         assert events and events[-1].choices[0].finish_reason == "length"
         assert _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2).choices
-        assert _open_streams(url) == 1  # still held: the 429 was no accident of timing
     # Gone: its slot is given back once the gateway sees it go.
     for _ in range(400):
         if _open_streams(url) == 0:

@@ -9,7 +9,6 @@ host tier's slabs (out)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,17 +24,10 @@ from gpu_worker.device import CpuStandIn
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job, step_answer
 from gpu_worker.train_job import TrainingJob
+from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 
 KIB = 1 << 10
 STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def net() -> nn.Module:

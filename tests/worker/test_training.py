@@ -7,7 +7,7 @@ bit for bit, at rtol 1e-5 / atol 1e-6.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -30,20 +30,12 @@ from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job
 from gpu_worker.train_job import StepResult, TrainingJob
 from gpu_worker.train_scheduler import ANY, FlowScheduler, Task
+from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 
 KIB, MIB = 1 << 10, 1 << 20
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 20
 Data = list[tuple[Any, torch.Tensor]]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny kernels on a shared 2-core machine: intra-op threads only spin against each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def close(actual: Any, expected: Any, msg: str = "") -> None:
