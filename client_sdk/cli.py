@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from client_sdk import demo
+from client_sdk import demo_options
 from client_sdk.client import DEFAULT_ADDRESS, Client
 from client_sdk.errors import ClientError, Timeout, Unavailable
 from client_sdk.views import (
@@ -800,6 +800,10 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # Imported here, not above: the demo brings torch and the local mesh, which no other
+    # command needs (`client_sdk.demo_options`).
+    from client_sdk import demo
+
     return demo.main(args)
 
 
@@ -1210,7 +1214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_sweep, timeout=600.0)
 
     p = add(sub, "demo", "the main job: embedded mesh serving, generating and training")
-    demo.add_options(p)
+    demo_options.add_options(p)
     p.set_defaults(fn=cmd_demo)
 
     p = add(sub, "gateway", "HTTP gateway: OpenAI-compatible and KServe v2 routes to the mesh")

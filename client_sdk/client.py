@@ -16,12 +16,17 @@ import inspect
 import os
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
 
 import msgspec
-import torch
 
-from client_sdk.connection import CONNECT_TIMEOUT_S, Connection, client_keys, sendable
+from client_sdk.connection import (
+    CONNECT_TIMEOUT_S,
+    Connection,
+    client_keys,
+    is_tensor,
+    sendable,
+)
 from client_sdk.generation import (
     AsyncGenStream,
     Codecs,
@@ -35,6 +40,9 @@ from client_sdk.loop_thread import LoopThread
 from client_sdk.sweep import sweep_async
 from flowmesh import protocol as p
 from flowmesh.auth import CurveKeys
+
+if TYPE_CHECKING:  # for annotations only: a caller with tensors has imported torch itself
+    import torch
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -205,7 +213,7 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> tuple[torch.Tensor | dict[str, torch.Tensor], dict[str, Any]]:
         """Like `infer`, plus the broker's account: latency, queueing, batch size, workers."""
-        tensors = {"": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
+        tensors = {"": inputs} if is_tensor(inputs) else dict(inputs)
         # Made contiguous once here: the message may be encoded again (sent once more after a
         # lost connection), and a tensor that is not would be copied each time.
         tensors = {k: sendable(t) for k, t in tensors.items()}

@@ -47,12 +47,12 @@ import functools
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 import zmq.asyncio
 
@@ -692,8 +692,16 @@ def expire_call(fut: asyncio.Future[p.Message]) -> None:
         fut.set_exception(TimeoutError())
 
 
+def is_tensor(t: Any) -> bool:
+    """Whether `t` is a torch tensor, without importing torch: nothing is one before torch is
+    imported, and the SDK's calls that carry no tensors (status, deploy, generate) leave torch
+    unimported, so that the CLI starts in a fraction of torch's import time."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
 def sendable(t: Any) -> Any:
     """A tensor as it can travel (contiguous, on the CPU); anything else as it is."""
-    if isinstance(t, torch.Tensor) and (t.device.type != "cpu" or not t.is_contiguous()):
+    if is_tensor(t) and (t.device.type != "cpu" or not t.is_contiguous()):
         return t.detach().to("cpu").contiguous()
     return t

@@ -51,6 +51,7 @@ import torch
 
 from client_sdk import demo_generation
 from client_sdk.client import AsyncClient
+from client_sdk.demo_options import add_options
 from client_sdk.errors import Timeout
 from client_sdk.jobs import StepResult
 from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
@@ -404,15 +405,6 @@ def references(
             done.result()
         expected = {n: f.result() for n, f in losses.items()}
     return checked, expected
-
-
-def add_options(p: argparse.ArgumentParser) -> None:
-    """The demo's options, on `flowmesh demo` and on `python -m client_sdk.demo` alike."""
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--memory-budget", default="48MiB")
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
 
 
 def main(args: argparse.Namespace | None = None) -> int:

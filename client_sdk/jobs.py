@@ -11,16 +11,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
-
-from client_sdk.connection import Connection, sendable
+from client_sdk.connection import Connection, is_tensor, sendable
 from client_sdk.loop_thread import LoopThread
 from flowmesh import protocol as p
 from flowmesh.steps import StepResult
 
-Inputs = torch.Tensor | Mapping[str, torch.Tensor]
+if TYPE_CHECKING:  # for annotations only: a caller with tensors has imported torch itself
+    from typing import TypeAlias
+
+    import torch
+
+    Inputs: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 T = TypeVar("T")
 
 
@@ -38,7 +41,7 @@ class Runs(Protocol):
 
 def batch_tensors(inputs: Inputs, targets: torch.Tensor) -> dict[str, Any]:
     """A step's tensors as they travel: 'inputs' (or 'inputs/<name>') and 'targets'."""
-    if isinstance(inputs, torch.Tensor):
+    if is_tensor(inputs):
         tensors = {"inputs": sendable(inputs)}
     else:
         tensors = {f"inputs/{k}": sendable(v) for k, v in inputs.items()}

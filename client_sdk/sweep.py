@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
-import torch
 
 from client_sdk import sweep_plot
 from client_sdk.connection import Connection
@@ -65,6 +64,8 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 
 if TYPE_CHECKING:  # the data's type only: reading data files is no part of the SDK's import
+    import torch
+
     from client_sdk.train_data import Dataset
 
 # Heartbeats and their retries are marked experimental, and heartbeats outside `optimize` draw a
@@ -441,6 +442,10 @@ async def sweep_async(
     set how a dead driver's running trials are found, failed and retried (RDB storages)."""
     if trials < 1 or steps < 1 or not 1 <= eval_every <= steps or concurrency < 1:
         raise ValueError("trials, steps, concurrency need >= 1 and eval_every in 1..steps")
+    # The data's tensors brought torch in already; the SDK's import leaves it out (the CLI's
+    # calls without tensors start without it: `client_sdk.connection.is_tensor`).
+    import torch
+
     dists = {k: distribution(k, v) for k, v in space.items()}
     if show:
         # Optuna logs every trial to stderr, which would tear the live table apart.
