@@ -531,12 +531,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.inflight < 1:
         raise SystemExit("--steps and --inflight must be positive")
+    if args.resume and args.dtype:
+        raise SystemExit(
+            "--dtype with --resume: the job continues with the checkpoint's configuration, "
+            "its dtype included"
+        )
     kwargs = _kwargs(args.kwargs)
     name = args.name or f"train-{os.getpid()}"
     if args.data:
         data = train_data.from_file(args.data)
     else:
-        spec = ModelSpec(name=name, factory=args.factory, kwargs=kwargs, dtype=args.dtype)
+        # The data's dtypes are the float32 parameters' whatever --dtype computes in.
+        spec = ModelSpec(name=name, factory=args.factory, kwargs=kwargs)
         # The factory runs here only on the meta device, to shape the data: no weights, no
         # values. Its own module is what the user asked for, so it is the allow-list here; the
         # broker and the workers still check theirs.
@@ -1162,7 +1168,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeded initial weights and random stream")
     p.add_argument("--weights", default=None, help="safetensors file the workers can read")
     p.add_argument("--resume", default=None, help="checkpoint directory written by --save")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="what the forward and the loss compute in: float32 (default), or bfloat16, mixed "
+        "precision (autocast; the weights, gradients and optimizer state stay float32); "
+        "with --resume, the checkpoint's",
+    )
     p.add_argument("--batch", type=int, default=8, help="rows per step")
     p.add_argument("--optimizer", default="adamw", help=optimizer_help)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -358,7 +358,7 @@ class AsyncClient:
         batch_size: int,
         clip_grad_norm: float | None = None,
         accumulate: int = 1,
-        dtype: str = "float32",
+        dtype: str | None = None,
         rng_seed: int | None = None,
         stop_on_nonfinite: bool = True,
         chunk_bytes: int | None = None,
@@ -374,16 +374,26 @@ class AsyncClient:
         per step, split into `accumulate` micro-batches; `clip_grad_norm`: clip by global norm;
         `rng_seed`: the job's own random stream (dropout), `seed` when not given;
         `chunk_bytes`: the sub-models' target footprint (default: half the worker's training
-        bytes)."""
+        bytes). `dtype`: what the forward and the loss compute in, "float32" (the default) or
+        "bfloat16": mixed precision as torch.autocast gives it, the parameters, gradients and
+        optimizer state staying float32 (the master weights) and the backward and the update
+        running on them; "float16" is refused (it would need loss scaling). With `resume` and
+        no `optimizer`, the checkpoint's."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
+        if optimizer is None and dtype is not None:
+            raise ValueError(
+                "train_open(resume=..., dtype=...) needs optimizer= too: without one the job "
+                "continues with the checkpoint's training configuration, its dtype included"
+            )
         spec = {
             "name": name,
             "factory": factory,
             "kwargs": dict(kwargs or {}),
             "weights": weights,
             "seed": seed,
-            "dtype": dtype,
+            # The master weights: float32 whatever `dtype` computes in (the configuration's).
+            "dtype": "float32",
         }
         config: dict[str, Any] | None = None  # None: the checkpoint's (resume)
         if optimizer is not None:
@@ -395,6 +405,8 @@ class AsyncClient:
                 "seed": rng_seed if rng_seed is not None else (seed or 0),
                 "stop_on_nonfinite": stop_on_nonfinite,
             }
+            if dtype is not None:
+                config["compute_dtype"] = dtype
         msg = p.TrainOpen(
             id=self.connection.next_id(),
             job=name,

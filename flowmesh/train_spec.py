@@ -25,6 +25,9 @@ from flowmesh.spec import FACTORY_RE, MAX_KWARGS_BYTES
 # (`flowmesh.optimizers`); here only its form is checked.
 OPTIMIZER_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 LOSS_NAMES = ("cross_entropy", "mse")
+# What a job's forward and loss may compute in: float32, or bfloat16 under autocast with the
+# parameters, gradients and optimizer state kept float32 (mixed precision, as AMP does).
+COMPUTE_DTYPES = ("float32", "bfloat16")
 LossSpec = str | Mapping[str, Any]
 
 
@@ -83,6 +86,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     accumulate: int = 1  # micro-batches per step: the step's batch is split into this many
     seed: int = 0  # the job's RNG stream (dropout); weights come from the model's own seed
     stop_on_nonfinite: bool = True  # a nan/inf loss fails the step (no update) instead of applying
+    # The forward's and the loss's dtype (COMPUTE_DTYPES); a checkpoint from before it has none.
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         try:
@@ -121,6 +126,16 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise _bad(f"accumulate must be a positive integer, got {n!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad(f"seed must be an integer, got {self.seed!r}")
+        if self.compute_dtype == "float16":
+            raise _bad(
+                "compute_dtype 'float16' would need loss scaling (its small gradients underflow), "
+                "which flowmesh does not do: use 'bfloat16' for mixed precision"
+            )
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise _bad(
+                f"compute_dtype {self.compute_dtype!r}: expected 'float32', or 'bfloat16' for "
+                "mixed precision (float32 parameters, the forward and the loss in bfloat16)"
+            )
 
     @property
     def optimizer_name(self) -> str:
@@ -144,6 +159,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "accumulate": self.accumulate,
             "seed": self.seed,
             "stop_on_nonfinite": self.stop_on_nonfinite,
+            "compute_dtype": self.compute_dtype,
         }
 
     @classmethod

@@ -7,9 +7,11 @@ A checkpoint is a directory holding
   `optimizer/<parameter>/<key>` (the step counters too) and the job's RNG state as `rng/cpu`
   (and `rng/cuda`);
 - `job.json`: the job's training configuration (optimizer, loss spec: a built-in name or a loss
-  factory with its kwargs, clipping, accumulation, seed), step, sub-model ranges and optimizer
-  hyper-parameters (also embedded in the safetensors header under "flowmesh"). A resume without
-  a configuration continues with this one; one with another loss is refused.
+  factory with its kwargs, clipping, accumulation, seed, compute dtype: float32 in a checkpoint
+  written before it had one), step, sub-model ranges and optimizer hyper-parameters (also
+  embedded in the safetensors header under "flowmesh"). A resume without a configuration
+  continues with this one; one with another loss is refused (another compute dtype is taken:
+  the master weights are float32 either way).
 
 Tensors are matched by name, not by sub-model, so a job may resume under another chunk plan.
 

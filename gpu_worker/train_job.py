@@ -26,6 +26,11 @@ norm) is known. What makes it exact:
   other users accumulate into the shared gradient home; only the owner updates.
 - parameters that get no gradient keep `grad=None` for the optimizer (as after `zero_grad()`),
   seen through post-accumulate-grad hooks, so they are skipped exactly as in plain PyTorch.
+- mixed precision (`compute_dtype` "bfloat16"): the forward, its recompute and the loss run under
+  one and the same `torch.autocast`, the backward and the update outside it, on the float32
+  parameters and gradients, as a PyTorch AMP loop does; the host tier keeps float32 masters.
+  An activation kept between sub-models is the sub-model's output as autocast made it (bfloat16
+  after a matmul), as the next layer of the plain model receives it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +217,11 @@ class TrainingJob:
         self.fwd_bytes = list(fwd_bytes) if fwd_bytes is not None else [0] * k
         if len(self.act_bytes) != k or len(self.fwd_bytes) != k:
             raise bad_request(f"act_bytes and fwd_bytes need one entry per sub-model ({k})")
+        # Mixed precision: the dtype autocast computes the forward and the loss in (`_compute`);
+        # None with float32, where nothing is cast.
+        self._autocast: torch.dtype | None = (
+            None if config.compute_dtype == "float32" else TORCH_DTYPES[config.compute_dtype]
+        )
         self._cuda = device.torch_device.index if device.kind == "cuda" else None
         if self._cuda is None and device.kind == "cuda":
             self._cuda = torch.cuda.current_device()
@@ -562,6 +572,13 @@ class TrainingJob:
         except Exception as exc:
             raise _model_error(self.name, self._where(task), exc) from None
 
+    def _compute(self) -> AbstractContextManager[Any]:
+        """Where a task's forward and loss run: under autocast to the job's compute dtype,
+        entered alike by a forward, its recompute and an evaluation; nothing with float32."""
+        if self._autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.torch_device.type, dtype=self._autocast)
+
     def _forward(self, sub: SubModel, x: Any) -> torch.Tensor:
         out = x
         hooked = torch.is_grad_enabled()
@@ -613,7 +630,7 @@ class TrainingJob:
         snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
         self._replay[key] = (self.rng, snapshot)
         with _rng_scope(self.rng, self._cuda), torch.no_grad():
-            with self._model_code(task):
+            with self._model_code(task), self._compute():
                 out = self._forward(sub, x)
             self.rng = _rng_get(self._cuda)
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
@@ -630,7 +647,7 @@ class TrainingJob:
             for m in sub.modules:
                 m.eval()
             try:
-                with self._model_code(task):
+                with self._model_code(task), self._compute():
                     out = self._forward(sub, x)
             finally:
                 for m in sub.modules:
@@ -640,7 +657,7 @@ class TrainingJob:
             return TaskResult()
         target = self._unstash(self._data[task.request][1][task.micro])
         rows = self._eval_rows.get(task.request)
-        with torch.no_grad():
+        with torch.no_grad(), self._compute():
             loss = self._loss(out, target)
             loss = loss / self.config.accumulate if rows is None else loss * (len(target) / rows)
         value = float(loss.item())
@@ -698,7 +715,9 @@ class TrainingJob:
         self._touched = set()
         rng = self.rng if task.kind == LAST else self._replay[key][0]
         with _rng_scope(rng, self._cuda), torch.enable_grad():
-            with self._model_code(task):
+            # The forward task's autocast state exactly, so the recompute gives its output; the
+            # backward below runs outside it (`_compute`).
+            with self._model_code(task), self._compute():
                 out = self._forward(sub, x)
             if task.kind == LAST:
                 self.rng = _rng_get(self._cuda)
@@ -786,7 +805,8 @@ class TrainingJob:
 
     def _loss_and_backward(self, task: Task, out: torch.Tensor) -> TaskResult:
         target = self._unstash(self._data[task.request][1][task.micro])
-        loss = self._loss(out, target) / self.config.accumulate
+        with self._compute():  # the loss in the forward's precision, its backward outside
+            loss = self._loss(out, target) / self.config.accumulate
         value = float(loss.detach().item())
         nonfinite = not math.isfinite(value)
         if nonfinite and self.config.stop_on_nonfinite:

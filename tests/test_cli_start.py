@@ -20,7 +20,8 @@ with contextlib.redirect_stderr(io.StringIO()):  # no broker there: the command 
         code = cli.main(["status", "--broker", "tcp://127.0.0.1:9", "--timeout", "0.2"])
     except SystemExit as exc:  # exits with its one-line reason
         code = exc.code
-print(bool(code), sorted(m for m in ("torch", "client_sdk.demo", "client_sdk.mesh") if m in sys.modules))
+heavy = ("torch", "client_sdk.demo", "client_sdk.mesh")
+print(bool(code), sorted(m for m in heavy if m in sys.modules))
 """
 
 

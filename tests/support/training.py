@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from client_sdk.train_data import Dataset
 from flowmesh.modelio.build import build_seeded
-from flowmesh.reference import train
+from flowmesh.reference import cross_entropy, train
 from flowmesh.spec import ModelSpec
 
 KIB = 1 << 10
@@ -73,13 +74,43 @@ ALLOW_MODULES = ("flowmesh.examples", "torch.nn", "tests.support.train_models")
 ALLOW = [a for module in ALLOW_MODULES for a in ("--allow", module)]  # broker and worker args
 
 
+class Autocast(nn.Module):
+    """`model` with its forward under `torch.autocast`, as an AMP user writes it around the
+    forward: the parameters (the same objects, in the same order) stay float32, and the
+    backward and the optimizer step, outside the forward, run on them as they are."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast("cpu", dtype=self.dtype):
+            return self.model(*args)
+
+
 def plain(
-    s: ModelSpec, optimizer: dict[str, Any], batches: Data, **loop: Any
+    s: ModelSpec,
+    optimizer: dict[str, Any],
+    batches: Data,
+    *,
+    autocast: torch.dtype | None = None,
+    **loop: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """What a PyTorch user writes, in one process: `s`'s seeded model trained by the reference
-    loop (`flowmesh.reference.train`, taking `loop`'s options); its losses and final state."""
+    loop (`flowmesh.reference.train`, taking `loop`'s options); its losses and final state.
+    With `autocast` (torch.bfloat16), plain AMP: the forward and the loss under
+    `torch.autocast("cpu", dtype=autocast)`, the backward and the step outside it."""
     model = build_seeded(s, ALLOW_MODULES)
-    losses = train(model, optimizer, batches, **loop)
+    if autocast is None:
+        losses = train(model, optimizer, batches, **loop)
+    else:
+        loss = loop.pop("loss", cross_entropy)
+
+        def amp_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=autocast):
+                return loss(out, y)
+
+        losses = train(Autocast(model, autocast), optimizer, batches, loss=amp_loss, **loop)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
