@@ -25,6 +25,7 @@ from flowmesh.spec import FACTORY_RE, MAX_KWARGS_BYTES
 # (`flowmesh.optimizers`); here only its form is checked.
 OPTIMIZER_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 LOSS_NAMES = ("cross_entropy", "mse")
+ACTIVATION_POLICIES = ("auto", "recompute", "keep")
 # What a job's forward and loss may compute in: float32, or bfloat16 under autocast with the
 # parameters, gradients and optimizer state kept float32 (mixed precision, as AMP does).
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -88,6 +89,10 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_on_nonfinite: bool = True  # a nan/inf loss fails the step (no update) instead of applying
     # The forward's and the loss's dtype (COMPUTE_DTYPES); a checkpoint from before it has none.
     compute_dtype: str = "float32"
+    # What a sub-model's backward does for its forward's activations (ACTIVATION_POLICIES):
+    # "auto" chooses per sub-model by measured cost (`gpu_worker.activation_keep`); "recompute"
+    # and "keep" force one.
+    activations: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -136,6 +141,11 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"compute_dtype {self.compute_dtype!r}: expected 'float32', or 'bfloat16' for "
                 "mixed precision (float32 parameters, the forward and the loss in bfloat16)"
             )
+        if self.activations not in ACTIVATION_POLICIES:
+            raise _bad(
+                f"activations {self.activations!r}: expected one of "
+                f"{', '.join(ACTIVATION_POLICIES)}"
+            )
 
     @property
     def optimizer_name(self) -> str:
@@ -160,6 +170,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "seed": self.seed,
             "stop_on_nonfinite": self.stop_on_nonfinite,
             "compute_dtype": self.compute_dtype,
+            "activations": self.activations,
         }
 
     @classmethod

@@ -610,6 +610,8 @@ class TrainingExecutor:
                 if self.device.kind == "cuda":
                     # Write-backs and the next task's host reads happen on the host: settle now.
                     torch.cuda.current_stream().synchronize()
+            # What the task's activation policy cost, its waits for serving left out.
+            job.observe(task, self.clock() - t0 - pause.spent)
             return result
         finally:
             # Uncounted before the marker is set: the next user of these bytes counts itself

@@ -50,6 +50,7 @@ from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model
 from flowmesh.spec import TensorSpec
 from flowmesh.steps import StepResult
+from gpu_worker.activation_keep import KEEP, NO_POLICY, RECOMPUTE, KeptGraph, choose
 from gpu_worker.device import Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import MODEL_CODE_LOCK
@@ -84,10 +85,6 @@ from gpu_worker.train_scheduler import ANY, Task
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
-
-# A sub-model's activation policy, as status reports it (`TrainingJob.activation_policy`).
-RECOMPUTE = "recompute"  # its backward runs the forward again from the kept input
-NO_POLICY = "none"  # the last: forward, loss and backward in one task, nothing kept between
 
 
 @dataclass
@@ -263,6 +260,13 @@ class TrainingJob:
         self._acts: dict[tuple[int, int, int], Any] = {}
         self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
         self._replay: dict[tuple[int, int, int], tuple[RngState, torch.Tensor | None]] = {}
+        # Kept forwards (policy KEEP): the input and output whose graph the backward runs.
+        self._kept: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
+        # Per sub-model: the policy of the step planned last, and what each policy's tasks
+        # cost ([seconds, tasks] per policy) and a kept forward stashed (`observe`, `choose`).
+        self._policy: list[str] = [RECOMPUTE] * k
+        self._cost: list[dict[str, list[float]]] = [{} for _ in range(k)]
+        self._saved: list[int | None] = [None] * k
         self._losses: dict[int, list[float]] = {}
         self._nonfinite: dict[int, bool] = {}
         self._updated: set[int] = set()
@@ -349,11 +353,37 @@ class TrainingJob:
         ]
 
     def activation_policy(self, i: int) -> str:
-        """What sub-model i's backward does for its forward's activations. One policy today,
-        fixed by `plan_step`'s chain: every sub-model but the last has a FORWARD task (no
-        grad, its input kept) and a BACKWARD task that recomputes the forward from that input;
-        the last runs both in its LAST task."""
-        return NO_POLICY if i == self.parts - 1 else RECOMPUTE
+        """What sub-model i's backward does for its forward's activations in the step planned
+        last (`gpu_worker.activation_keep`): every sub-model but the last has a FORWARD task and
+        a BACKWARD task that either recomputes the forward from its kept input or runs the kept
+        graph; the last runs both in its LAST task."""
+        return NO_POLICY if i == self.parts - 1 else self._policy[i]
+
+    def _choose_policies(self) -> None:
+        forced = self.config.activations
+        room = self.host_bytes()  # a job's kept graphs: at most its own host tier's bytes
+        for i in range(self.parts - 1):
+            if forced != "auto":
+                self._policy[i] = forced
+                continue
+            mean = {p: s / n for p, (s, n) in self._cost[i].items() if n}
+            saved = self._saved[i]
+            self._policy[i] = choose(
+                mean.get(RECOMPUTE),
+                mean.get(KEEP),
+                None if saved is None else saved * self.config.accumulate,
+                room,
+            )
+
+    def observe(self, task: Task, seconds: float) -> None:
+        """A FORWARD or BACKWARD task's compute seconds (the executor's clock), under the policy
+        it ran with: what `choose` weighs."""
+        policy = task.payload.get("policy")
+        if policy is None:
+            return
+        cost = self._cost[task.sub].setdefault(policy, [0.0, 0])
+        cost[0] += seconds
+        cost[1] += 1
 
     def host_bytes(self) -> int:
         return sum(sub.slab.numel() for sub in self.subs)
@@ -429,12 +459,15 @@ class TrainingJob:
         reads, writes = regions(kind, sub, self.tensors, update, clip)
         task = Task(self.name, request, kind, layout.total, reads, writes, sub=i, micro=micro)
         task.payload = {"update": update}
+        if kind in (FORWARD, BACKWARD):
+            task.payload["policy"] = self._policy[i]
         return task
 
     def plan_step(self, request: int) -> list[Task]:
         """The chain of tasks of one step (see the module docstring)."""
         k, n = self.parts, self.config.accumulate
         clip = self.config.clip_grad_norm is not None
+        self._choose_policies()  # one policy per sub-model for the whole step
         tasks: list[Task] = []
         for m in range(n):
             update = m == n - 1 and not clip
@@ -473,6 +506,13 @@ class TrainingJob:
         if task.kind == SAVE:
             return CopyPlan()
         replay = self._replay.get((task.request, task.micro, task.sub))
+        snapshot = replay[1] if replay is not None else None
+        if task.kind == BACKWARD and replay is None:
+            # A kept forward's backward runs no forward: the buffers only as they are now
+            # (what its graph saved of them, BatchNorm's running statistics, the backward of a
+            # training-mode forward does not read).
+            b0, b1 = self.subs[task.sub].sections["B"]
+            snapshot = self.subs[task.sub].slab[b0:b1]
         return plan_copies(
             self.subs,
             self.tensors,
@@ -482,7 +522,7 @@ class TrainingJob:
             base,
             grad_valid=self.grad_valid,
             state_valid=self.state_valid,
-            snapshot=replay[1] if task.kind == BACKWARD and replay is not None else None,
+            snapshot=snapshot if task.kind == BACKWARD else None,
         )
 
     def _layout(self, task: Task) -> Layout:
@@ -501,7 +541,7 @@ class TrainingJob:
             bound = self._bind(task, sub, base, arena)
             try:
                 if task.kind == FORWARD:
-                    return self._run_forward(task, sub, base, arena)
+                    return self._run_forward(task, sub, base, arena, bound)
                 if task.kind == EVAL:
                     return self._run_eval(task, sub)
                 if task.kind == UPDATE:
@@ -622,9 +662,18 @@ class TrainingJob:
             sub.slab[b0:b1].copy_(arena[base + b0 : base + b1])
         return b1 - b0
 
-    def _run_forward(self, task: Task, sub: SubModel, base: int, arena: torch.Tensor) -> TaskResult:
+    def _run_forward(
+        self,
+        task: Task,
+        sub: SubModel,
+        base: int,
+        arena: torch.Tensor,
+        bound: list[TensorInfo],
+    ) -> TaskResult:
         key = (task.request, task.micro, task.sub)
         x = self._input(task)
+        if task.payload.get("policy") == KEEP:
+            return self._run_kept_forward(task, sub, base, arena, bound, x)
         b0, b1 = sub.sections["B"]
         # What the recompute must replay: this forward's RNG state and the buffers it saw.
         snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
@@ -633,6 +682,30 @@ class TrainingJob:
             with self._model_code(task), self._compute():
                 out = self._forward(sub, x)
             self.rng = _rng_get(self._cuda)
+        self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
+        return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
+
+    def _run_kept_forward(
+        self,
+        task: Task,
+        sub: SubModel,
+        base: int,
+        arena: torch.Tensor,
+        bound: list[TensorInfo],
+        x: Any,
+    ) -> TaskResult:
+        """The forward with grad, its graph kept for the backward task (policy KEEP): what
+        autograd saves is packed by `KeptGraph` (bound tensors by name, activations stashed)."""
+        key = (task.request, task.micro, task.sub)
+        if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        kept = KeptGraph({i.name: i.tensor for i in bound}, arena, self._stash, self._unstash)
+        with _rng_scope(self.rng, self._cuda), torch.enable_grad(), kept.hooks():
+            with self._model_code(task), self._compute():
+                out = self._forward(sub, x)
+            self.rng = _rng_get(self._cuda)
+        self._saved[task.sub] = kept.saved_bytes
+        self._kept[key] = (x, out)
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
 
@@ -707,18 +780,23 @@ class TrainingJob:
         self, task: Task, sub: SubModel, base: int, arena: torch.Tensor
     ) -> TaskResult:
         key = (task.request, task.micro, task.sub)
-        x = self._input(task)
-        if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
-            x = x.detach().requires_grad_(True)
         result = TaskResult()
         layout = self._layout(task)
         self._touched = set()
-        rng = self.rng if task.kind == LAST else self._replay[key][0]
-        with _rng_scope(rng, self._cuda), torch.enable_grad():
-            # The forward task's autocast state exactly, so the recompute gives its output; the
-            # backward below runs outside it (`_compute`).
-            with self._model_code(task), self._compute():
-                out = self._forward(sub, x)
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            x, out = kept  # its forward's graph: nothing to run again
+        else:
+            x = self._input(task)
+            if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+        rng = self.rng if task.kind == LAST else self._replay[key][0] if kept is None else None
+        with _rng_scope(rng, self._cuda) if rng is not None else nullcontext(), torch.enable_grad():
+            if kept is None:
+                # The forward task's autocast state exactly, so the recompute gives its output;
+                # the backward below runs outside it (`_compute`).
+                with self._model_code(task), self._compute():
+                    out = self._forward(sub, x)
             if task.kind == LAST:
                 self.rng = _rng_get(self._cuda)
                 result = self._loss_and_backward(task, out)
@@ -906,7 +984,7 @@ class TrainingJob:
     def abort_step(self, request: int, reason: str) -> None:
         """Forget a failed step: its kept activations and partial gradients go; if an update
         of it was already applied, the job is inconsistent and refuses further steps."""
-        for store in (self._acts, self._grads, self._replay):
+        for store in (self._acts, self._grads, self._replay, self._kept):
             for key in [k for k in store if k[0] == request]:
                 del store[key]
         self._data.pop(request, None)

@@ -94,8 +94,12 @@ def mlp_spec(i: int, width: int, depth: int) -> ModelSpec:
     )
 
 
+# The jobs' activation policy (`--activations`): "auto" chooses per sub-model by measured cost.
+POLICY = {"activations": "auto"}
+
+
 def config(i: int) -> TrainConfig:
-    return TrainConfig({"name": "adam", "lr": 1e-3}, seed=i)
+    return TrainConfig({"name": "adam", "lr": 1e-3}, seed=i, activations=POLICY["activations"])
 
 
 def widths(k: int, width: int, sizes: str) -> list[int]:
@@ -507,8 +511,12 @@ def main() -> None:
         help="skip training one step at each found batch",
     )
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--activations", default="auto", help="auto | recompute | keep: the jobs' policy"
+    )
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    POLICY["activations"] = args.activations
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     if args.threads:

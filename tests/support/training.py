@@ -6,17 +6,26 @@ seed and data, with `torch.testing.assert_close` at rtol 1e-5 / atol 1e-6, never
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
 from client_sdk.train_data import Dataset
 from flowmesh.modelio.build import build_seeded
+from flowmesh.modelio.chain import chain_of
+from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.reference import cross_entropy, train
 from flowmesh.spec import ModelSpec
+from flowmesh.train_spec import TrainConfig
+from gpu_worker.device import CpuStandIn
+from gpu_worker.train_job import TrainingJob
+from tests.support.train_grid import ALLOW as GRID_ALLOW
+from tests.support.train_grid import MODELS
 
 KIB = 1 << 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -120,3 +129,24 @@ def teacher(rows: int = 320, seed: int = 1) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 8, generator=g)
     return Dataset({"": x}, (x @ torch.randn(8, 4, generator=g)).argmax(1), "teacher")
+
+
+def job_of(model: str, cfg: TrainConfig, parts: int = 3) -> TrainingJob:
+    """The grid's `MODELS[model]` as a seeded in-process job (a CPU stand-in of 1 MiB), its chain
+    cut into `parts` even sub-models."""
+    if model == "hf-gpt2-tied":
+        pytest.importorskip("transformers")
+    spec = MODELS[model]
+    net = build_seeded(spec, GRID_ALLOW)
+    inputs = declared_inputs(spec, net)
+    blocks = chain_of(net, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
+    bounds = [round(i * len(blocks) / parts) for i in range(parts + 1)]
+    return TrainingJob(
+        model,
+        blocks,
+        list(pairwise(bounds)),
+        cfg,
+        CpuStandIn(1 << 20),
+        inputs=inputs,
+        allow=GRID_ALLOW,
+    )

@@ -10,7 +10,6 @@ atol 1e-6, never bit for bit; the master weights and optimizer state stay float3
 
 from __future__ import annotations
 
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -22,37 +21,20 @@ from torch import nn
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.build import build_seeded
-from flowmesh.modelio.chain import chain_of
-from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.reference import cross_entropy
 from flowmesh.train_spec import TrainConfig
-from gpu_worker.device import CpuStandIn
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta
 from gpu_worker.train_executor import TrainingExecutor, config_from
 from gpu_worker.train_job import StepResult, TrainingJob
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import ALLOW, MODELS, RNG_SEED, Data, data_for
-from tests.support.training import close, plain
+from tests.support.training import close, job_of, plain
 
 MIB = 1 << 20
 BF16 = "bfloat16"
 ADAM = {"name": "adam", "lr": 0.01}
 PARTS = 3
 STEPS = 12
-
-
-def job_of(model: str, cfg: TrainConfig, parts: int = PARTS) -> TrainingJob:
-    """`MODELS[model]`'s seeded job, its chain cut into `parts` even sub-models."""
-    if model == "hf-gpt2-tied":
-        pytest.importorskip("transformers")
-    spec = MODELS[model]
-    net = build_seeded(spec, ALLOW)
-    inputs = declared_inputs(spec, net)
-    blocks = chain_of(net, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
-    bounds = [round(i * len(blocks) / parts) for i in range(parts + 1)]
-    return TrainingJob(
-        model, blocks, list(pairwise(bounds)), cfg, CpuStandIn(MIB), inputs=inputs, allow=ALLOW
-    )
 
 
 def run(
