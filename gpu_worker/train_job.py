@@ -10,8 +10,12 @@ exact maths of the same optimizer in plain PyTorch.
 
 A step with k sub-models and N micro-batches is, per micro-batch,
 
-    forward 0 .. k-2 (no grad, input kept)  ->  last k-1 (forward, loss, backward)
-    ->  backward k-2 .. 0 (recompute from the kept input, backward with the incoming gradient)
+    forward 0 .. k-2 (input kept)  ->  last k-1 (forward, loss, backward)
+    ->  backward k-2 .. 0 (backward with the incoming gradient)
+
+where each sub-model's backward either recomputes its forward from the kept input (its forward
+ran without grad) or runs the graph its forward kept (`gpu_worker.activation_keep`: the policy,
+chosen per sub-model by measured cost, or forced by `TrainConfig.activations`)
 
 and the optimizer update of a sub-model runs at the end of its last micro-batch's backward, or,
 with gradient clipping, in a second pass of update tasks once every gradient (hence the global
