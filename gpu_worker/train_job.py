@@ -674,42 +674,29 @@ class TrainingJob:
         arena: torch.Tensor,
         bound: list[TensorInfo],
     ) -> TaskResult:
+        """A FORWARD task. Recompute policy: without grad, keeping what the recompute must
+        replay (this forward's RNG state and the buffers it saw). Keep policy: with grad, its
+        graph kept for the backward task, what autograd saves packed by `KeptGraph` (bound
+        tensors by name, activations stashed)."""
         key = (task.request, task.micro, task.sub)
         x = self._input(task)
+        kept: KeptGraph | None = None
         if task.payload.get("policy") == KEEP:
-            return self._run_kept_forward(task, sub, base, arena, bound, x)
-        b0, b1 = sub.sections["B"]
-        # What the recompute must replay: this forward's RNG state and the buffers it saw.
-        snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
-        self._replay[key] = (self.rng, snapshot)
-        with _rng_scope(self.rng, self._cuda), torch.no_grad():
+            if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            kept = KeptGraph({i.name: i.tensor for i in bound}, arena, self._stash, self._unstash)
+        else:
+            b0, b1 = sub.sections["B"]
+            snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
+            self._replay[key] = (self.rng, snapshot)
+        grad = torch.enable_grad() if kept is not None else torch.no_grad()
+        with _rng_scope(self.rng, self._cuda), grad, kept.hooks() if kept else nullcontext():
             with self._model_code(task), self._compute():
                 out = self._forward(sub, x)
             self.rng = _rng_get(self._cuda)
-        self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
-        return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
-
-    def _run_kept_forward(
-        self,
-        task: Task,
-        sub: SubModel,
-        base: int,
-        arena: torch.Tensor,
-        bound: list[TensorInfo],
-        x: Any,
-    ) -> TaskResult:
-        """The forward with grad, its graph kept for the backward task (policy KEEP): what
-        autograd saves is packed by `KeptGraph` (bound tensors by name, activations stashed)."""
-        key = (task.request, task.micro, task.sub)
-        if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
-            x = x.detach().requires_grad_(True)
-        kept = KeptGraph({i.name: i.tensor for i in bound}, arena, self._stash, self._unstash)
-        with _rng_scope(self.rng, self._cuda), torch.enable_grad(), kept.hooks():
-            with self._model_code(task), self._compute():
-                out = self._forward(sub, x)
-            self.rng = _rng_get(self._cuda)
-        self._saved[task.sub] = kept.saved_bytes
-        self._kept[key] = (x, out)
+        if kept is not None:
+            self._saved[task.sub] = kept.saved_bytes
+            self._kept[key] = (x, out)
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
 
