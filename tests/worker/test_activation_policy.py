@@ -21,6 +21,7 @@ from torch import nn
 from flowmesh.train_spec import TrainConfig
 from gpu_worker.activation_keep import KEEP, RECOMPUTE, KeptGraph, choose
 from gpu_worker.train_executor import TrainingExecutor
+from gpu_worker.train_scheduler import Task
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import MODELS, RNG_SEED, data_for
 from tests.support.training import close, job_of, plain
@@ -61,23 +62,29 @@ def test_each_policy_forced_equals_plain_pytorch(
 
 
 def test_auto_measures_both_then_keeps_where_it_costs_less() -> None:
-    """On a CPU stand-in the kept graph stays where it is (no copy) and saves the recompute's
-    forward: after one step of each, every sub-model but the last keeps its graph."""
+    """A job's first step recomputes and its second keeps (each measured on the way), with the
+    same losses as plain PyTorch; later steps take the cheaper by the costs observed."""
     cfg = TrainConfig(ADAM, seed=RNG_SEED)
     assert cfg.activations == "auto"
-    data = data_for("mlp", 8)
+    data = data_for("mlp", 3)
     job = job_of("mlp", cfg)
-    seen = []
+    seen, losses = [], []
     with TrainingExecutor(job.device) as ex:
         ex.open(job)
-        for x, y in data:  # one at a time: each step is planned after the last one's costs
-            ex.step("mlp", x, y)
+        for x, y in data[:2]:  # one at a time: each step is planned after the last one's costs
+            losses.append(ex.step("mlp", x, y).loss)
             seen.append(job.activation_policy(0))
-    assert seen[:2] == [RECOMPUTE, KEEP], seen
-    assert seen[-1] == KEEP, (seen, job._cost)
-    losses, _ = plain(MODELS["mlp"], cfg.optimizer, data, rng_seed=cfg.seed)
-    assert job.last_loss is not None
-    close(job.last_loss, losses[-1], "auto: the last step's loss")
+    assert seen == [RECOMPUTE, KEEP], seen
+    close(losses, plain(MODELS["mlp"], cfg.optimizer, data[:2], rng_seed=cfg.seed)[0], "auto")
+    # The choice from observed costs (the executor's clock, here given): the cheaper wins.
+    for keep_s, want in ((0.5, KEEP), (3.0, RECOMPUTE)):
+        job = job_of("mlp", cfg)
+        for policy, seconds in ((RECOMPUTE, 1.0), (KEEP, keep_s)):
+            job.observe(Task("mlp", 0, "forward", 0, frozenset(), frozenset(), sub=0,
+                             payload={"policy": policy}), seconds)  # fmt: skip
+        job.begin_step(1, *data[0])
+        job.plan_step(1)
+        assert job.activation_policy(0) == want
 
 
 def test_choose_by_measured_cost() -> None:
