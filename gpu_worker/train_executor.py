@@ -67,7 +67,7 @@ from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.model_code import building_model
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_config import LOSSES, TrainConfig
-from gpu_worker.train_job import Inputs, StepResult, TaskResult, TrainingJob
+from gpu_worker.train_job import Inputs, StepResult, TaskResult, TrainingJob, no_pause
 from gpu_worker.train_layout import CopyPlan
 from gpu_worker.train_scheduler import FlowScheduler, Phase, Task
 
@@ -490,14 +490,17 @@ class TrainingExecutor:
             self.counters["tasks_admitted"] += 1
             self._start_copy(task)
         self._mark_waiting()
+        # The gate is looked at once per round: the tasks handed to the lane together go in
+        # together, even if the first of them makes serving busy before the next is handed
+        # (those wait at their first yield point, `_do_compute`).
+        held = self.gate.held_for()
+        if held is not None:
+            # Busy: woken by `wake_training` when serving goes quiet; quiet since less than
+            # the gate's delay: the loop looks again when it is over.
+            if held != math.inf:
+                self._resume_in = held
+            return
         while self._computing < self.queue_computes:
-            held = self.gate.held_for()
-            if held is not None:
-                # Busy: woken by `wake_training` when serving goes quiet; quiet since less than
-                # the gate's delay: the loop looks again when it is over.
-                if held != math.inf:
-                    self._resume_in = held
-                break
             task = self.sched.next_runnable()
             if task is None:
                 break
@@ -602,7 +605,8 @@ class TrainingExecutor:
             pause()
             if adm.cancelled:  # its job was closed while it waited in the lane
                 return TaskResult()
-            job.pause = pause
+            # Without a gate (nothing served beside training) every pause is a no-op: none is set.
+            job.pause = pause if self.gate.enabled else no_pause
             with self.device.compute():
                 for m in adm.ready:
                     m.order_current()
@@ -621,7 +625,7 @@ class TrainingExecutor:
                     adm.counted = False
                     self.resident -= adm.nbytes
             self.device.mark_done(done)
-            job.pause = _nothing
+            job.pause = no_pause
             self.counters["compute_s"] += self.clock() - t0 - pause.spent
 
     def _on_computed(self, task: Task, fut: Future[TaskResult]) -> None:

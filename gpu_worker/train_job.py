@@ -99,8 +99,8 @@ class TaskResult:
     bytes_out: int = 0
 
 
-def _no_pause() -> None:
-    """A job driven without a serving gate never waits."""
+def no_pause() -> None:
+    """A job driven without a serving gate never waits (and its backward gets no pause hooks)."""
 
 
 def _model_error(job: str, where: str, exc: BaseException) -> FlowmeshError:
@@ -164,6 +164,15 @@ def _split_rows(inputs: Inputs, rows: int) -> list[Inputs]:
         return list(inputs.split(rows))
     parts = {k: v.split(rows) for k, v in inputs.items()}
     return [{k: parts[k][i] for k in inputs} for i in range(len(next(iter(parts.values()))))]
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides for `shape`."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _as_output(out: Any) -> torch.Tensor:
@@ -285,7 +294,9 @@ class TrainingJob:
         # backward and before its update, where the task may wait for serving to go quiet (the
         # executor sets it per task: `TrainingExecutor`'s serving gate). Waiting there changes
         # nothing the task computes, only when.
-        self.pause: Callable[[], None] = _no_pause
+        self.pause: Callable[[], None] = no_pause
+        # Typed views of the arena by (address, dtype), made once (`_view`).
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -555,7 +566,20 @@ class TrainingJob:
                 self._unbind(bound)
 
     def _view(self, arena: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
-        return view_of(arena, offset, slot)
+        """`view_of(arena, offset, slot)` as one `as_strided` on a typed view of the arena made
+        once per dtype: a task binds several views per tensor, and `view_of`'s three view ops
+        cost three times one (BENCHMARKS.md, "where memory flow's fixed costs go")."""
+        item = slot.dtype.itemsize
+        at = arena.storage_offset() + offset  # bytes from the arena storage's start
+        if not slot.nbytes or at % item:
+            return view_of(arena, offset, slot)
+        key = (arena.data_ptr(), slot.dtype)
+        typed = self._typed.get(key)
+        if typed is None:
+            start = (-arena.storage_offset()) % item  # a typed view starts on an element
+            usable = (arena.numel() - start) // item * item
+            typed = self._typed[key] = arena[start : start + usable].view(slot.dtype)
+        return typed.as_strided(slot.shape, _strides(slot.shape), at // item)
 
     def _bind(self, task: Task, sub: SubModel, base: int, arena: torch.Tensor) -> list[TensorInfo]:
         layout = self._layout(task)
@@ -625,7 +649,8 @@ class TrainingJob:
 
     def _forward(self, sub: SubModel, x: Any) -> torch.Tensor:
         out = x
-        hooked = torch.is_grad_enabled()
+        # No gate, no yield point: the backward then calls no Python hook per block.
+        hooked = torch.is_grad_enabled() and self.pause is not no_pause
         for j, module in enumerate(sub.modules):
             if j:
                 self.pause()

@@ -352,6 +352,9 @@ def _plan_section(
     if infos and all(valid[i.name] for i in infos):
         plan.copies.append((base + lo, sub.slab[lo:hi]))  # one contiguous copy
         return
+    if grads and infos and not any(valid[i.name] for i in infos):
+        plan.zero.append((base + lo, hi - lo))  # no gradient yet: the section zeroed at once
+        return
     for info in infos:
         slots = [info.grad_slot] if grads else list(info.state_slots.values())
         for s in slots:

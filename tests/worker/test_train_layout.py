@@ -152,9 +152,10 @@ def test_copies_of_a_first_and_a_later_micro_batch():
         subs, tensors, 1, LAST, False, 4096,
         grad_valid=valid, state_valid=valid, snapshot=None,
     )  # fmt: skip
-    # No gradient yet: the gradients' homes are not read, their extent is zero-filled.
+    # No gradient yet: the gradients' homes are not read, their extent is zero-filled, the
+    # sub-model's own G section as one range (padding included).
     assert where(plan, subs) == [(4096, 1, 0, 256), (4096 + 512, 0, 0, 48)]
-    assert plan.zero == [(4096 + 256, 16), (4096 + 576, 48)]
+    assert plan.zero == [(4096 + 256, 256), (4096 + 576, 48)]
     valid = dict.fromkeys(valid, True)
     plan = plan_copies(
         subs, tensors, 1, LAST, False, 4096,
