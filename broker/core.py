@@ -247,6 +247,8 @@ class BrokerCore:
             self.serving.loaded(peer, msg, now)
         elif isinstance(msg, p.Resident):
             self.serving.resident_report(peer, msg, now)
+        elif isinstance(msg, p.SeqsParked):
+            self.generation.seqs_parked(peer.name, msg, now)
         elif isinstance(msg, p.StageReady):
             self.registry.stage_ready(peer, msg, now)
         elif isinstance(msg, p.PlanReply):

@@ -31,7 +31,14 @@ keeps the sequences of every Generate call (one per prompt):
 - **Memory**: a stage that cannot place a prefill's KV blocks answers NO_SPACE; that
   iteration's prefills wait again and no new prefill joins that replica until a sequence of the
   model frees memory; the decodes run on. A prefill that fails alone (nothing else running on
-  its replica, in any group) could never fit: TOO_BIG.
+  its replica, in any group) could never fit: TOO_BIG. Decodes that outgrow the memory preempt
+  the group's newest sequence: its workers are told to park it (`FreeSeqs` with `park`): each
+  keeps its KV in host memory, or drops it where recomputing costs less (the worker measures
+  both), and says which (`SeqsParked`). It waits at the head of the queue (on its replica, for
+  those answers, PARK_WAIT_S at most); when it joins again on the same replica and every stage
+  kept its KV, it resumes where it stopped (a step from its parked tokens: the workers copy the
+  KV back); else (another replica took it, or a stage dropped it) its KV is recomputed from its
+  tokens.
 - **Failures**: the sequences of a replica lost (its worker gone) start again from their
   tokens on another replica, as preempted ones do; with no live replica left their calls
   fail WORKER_LOST. A stage found not resident under a decode (its KV went with it) starts
@@ -62,6 +69,9 @@ from flowmesh.value import ArrivalRate
 log = logging.getLogger("broker.generation")
 
 MAX_INDEX = 1 << 31  # a token id the wire takes (`TokenId`)
+# How long a preempted sequence waits for its workers to say they parked its KV before it may
+# join its replica again: their answers take one round trip; past this it is recomputed.
+PARK_WAIT_S = 1.0
 
 
 @dataclass(eq=False)
@@ -96,6 +106,13 @@ class Seq:
     prefilled: bool = False  # its prompt is in its replica's KV cache
     sent: bool = False  # some worker may hold KV blocks of it (FreeSeqs owed when it ends)
     finish: str | None = None  # "stop" | "length" | "error": it ended
+    # Preempted with its KV parked on the workers of replica `parked_rep` (`_park`): the tokens
+    # parked (0: none) and the stages that said they keep them (`SeqsParked`).
+    parked: int = 0
+    parked_rep: Replica | None = None
+    parked_ok: set[int] = field(default_factory=set)
+    parked_at: float = 0.0  # when it was asked to be parked
+    preempted: bool = False  # taken off for memory, not running again yet
 
 
 @dataclass(eq=False)
@@ -106,6 +123,9 @@ class Iteration:
     seqs: list[Seq]
     prefill: list[bool]
     frees: int = 0  # the model's FreeSeqs count as it started
+    # Per sequence: "swap" (resumed from its parked KV), "recompute" (preempted, its KV
+    # recomputed from its tokens) or "" (neither).
+    resume: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -151,6 +171,8 @@ class GenModel:
     tokens: int = 0
     iterations: int = 0
     preemptions: int = 0  # sequences taken off a replica for memory, to run again later
+    swaps: int = 0  # preempted sequences resumed from their KV, parked in host memory
+    recomputes: int = 0  # preempted sequences resumed by recomputing their KV from the tokens
     restarts: int = 0  # sequences started again elsewhere after their replica was lost
     frees: int = 0  # FreeSeqs rounds sent: memory freed on the workers
     # New tokens per second, decayed over 10 s (a chat's burst, not the model's whole life).
@@ -171,6 +193,8 @@ class GenFigures:
     preemptions: int = 0
     restarts: int = 0
     tokens_per_s: float = 0.0
+    swaps: int = 0
+    recomputes: int = 0
     ttft_p50_ms: float = 0.0
     ttft_p99_ms: float = 0.0
     itl_p50_ms: float = 0.0
@@ -189,6 +213,8 @@ class GenerationRoom:
         self.calls: dict[tuple[bytes, int], Call] = {}
         # Directory reads the shell is to run on a thread: (model, hf directory).
         self.reads: list[tuple[str, str]] = []
+        # Preempted sequences whose KV their workers were asked to park, by id (`seqs_parked`).
+        self.parked: dict[int, Seq] = {}
 
     # ================================================================== the door
 
@@ -451,10 +477,23 @@ class GenerationRoom:
                 g = GenRep(rep, [Group() for _ in range(max(1, n))])
                 gm.reps.append(g)
                 self._iterate(gm, g, now, starving, ensured=True)
+                if g not in gm.reps:
+                    break  # none of them could join it now (waiting for their parked KV)
 
     @staticmethod
     def _usable(model: Model, g: GenRep) -> bool:
         return g.busy() or any(r is g.rep for r in model.replicas)
+
+    @staticmethod
+    def _awaiting_park(s: Seq, g: GenRep, now: float) -> bool:
+        """Whether `s`, parked on `g`'s replica, waits for its workers' answers before it joins
+        (it then resumes from its KV; past PARK_WAIT_S it is recomputed instead)."""
+        return (
+            s.parked > 0
+            and s.parked_rep is g.rep
+            and len(s.parked_ok) < len(g.rep.workers)
+            and now - s.parked_at < PARK_WAIT_S
+        )
 
     def _has_room(self, gm: GenModel, g: GenRep) -> bool:
         return not g.hold and len(g.running()) < gm.model.spec.max_seqs
@@ -475,11 +514,17 @@ class GenerationRoom:
                 # Alone: nothing else may be in flight beside it (it is the verdict on it).
                 room = 0 if g.busy() else min(room, 1)
             sizes = {id(k): len(k.running) for k in idle}
+            later: list[Seq] = []
             while gm.waiting and len(admit) < room:
+                s = gm.waiting.popleft()
+                if self._awaiting_park(s, g, now):
+                    later.append(s)
+                    continue
                 # The smallest idle group (the first of equals: `min` keeps the first).
                 k = min(idle, key=lambda k: sizes[id(k)])
-                admit.append((gm.waiting.popleft(), k))
+                admit.append((s, k))
                 sizes[id(k)] += 1
+            gm.waiting.extendleft(reversed(later))
         ready = [k for k in idle if k.running or any(j is k for _, j in admit)]
         if not ready:
             if not g.busy() and not g.running():
@@ -502,14 +547,21 @@ class GenerationRoom:
 
     def _start(self, gm: GenModel, g: GenRep, k: Group, now: float) -> None:
         """Send group `k`'s next iteration: every running sequence of it, packed in one Run."""
-        steps, ids, prefill = [], [], []
+        steps, ids, prefill, resume = [], [], [], []
         for s in k.running:
+            kind = ""
             if s.prefilled:
                 start, new = len(s.prompt) + len(s.out) - 1, [s.out[-1]]
+            elif s.parked and s.parked_rep is g.rep and len(s.parked_ok) == len(g.rep.workers):
+                # Every stage kept its KV: it goes on from there (the workers copy it back).
+                start, kind = s.parked, "swap"
+                new = (s.prompt + s.out)[start:]
             else:
                 # Its whole prompt, and after a preemption the tokens it had drawn too: their
                 # keys and values recomputed, its next token drawn from the last of them.
+                self._unpark(s)
                 start, new = 0, s.prompt + s.out
+                kind = "recompute" if s.preempted else ""
             steps.append(
                 p.SeqStep(
                     seq=s.id,
@@ -521,8 +573,9 @@ class GenerationRoom:
             )
             ids.extend(new)
             prefill.append(not s.prefilled)
+            resume.append(kind)
             s.sent = True
-        it = Iteration(p.GenStep(seqs=steps), list(k.running), prefill, gm.frees)
+        it = Iteration(p.GenStep(seqs=steps), list(k.running), prefill, gm.frees, resume)
         tensor = p.TensorRef("int64", (len(ids),), numpy.asarray(ids, dtype="<i8").tobytes())
         k.batch = self.router.start_gen(gm.model, g.rep, it, tensor, now)
         gm.iterations += 1
@@ -564,8 +617,15 @@ class GenerationRoom:
         ended: list[Seq] = []
         timings, name = self.router.timings, gm.model.name
         drawn = 0
-        for s, tok in zip(it.seqs, tokens, strict=True):
+        for s, tok, kind in zip(it.seqs, tokens, it.resume, strict=True):
             s.prefilled = True
+            if kind:
+                s.preempted = False
+                self._unpark(s, tell=False)  # copied back: the workers hold it as any other
+                if kind == "swap":
+                    gm.swaps += 1
+                else:
+                    gm.recomputes += 1
             if s.finish is not None:  # stopped, or its call failed, while this ran
                 ended.append(s)
                 continue
@@ -631,6 +691,9 @@ class GenerationRoom:
             # they were, through a Load (the next pump). A decode's earlier tokens were in that
             # stage's KV cache, which went with it (a worker drops a stage's KV on eviction):
             # it starts again from its tokens, as a preempted sequence does.
+            for s, kind in zip(it.seqs, it.resume, strict=True):
+                if kind == "swap":  # a stage lost its parked KV: recompute it instead
+                    self._unpark(s)
             lost = [
                 s
                 for s, pre in zip(it.seqs, it.prefill, strict=True)
@@ -644,13 +707,15 @@ class GenerationRoom:
             gm.restarts += len(lost)
             return
         if code == Code.NO_SPACE:
-            self._no_space(gm, g, k, it, reason)
+            self._no_space(gm, g, k, it, reason, now)
             return
         # Only this group's calls: the other groups' iterations are runs of their own.
         for call in {id(s.call): s.call for s in it.seqs}.values():
             self._fail_call(call, code, reason)
 
-    def _no_space(self, gm: GenModel, g: GenRep, k: Group, it: Iteration, reason: str) -> None:
+    def _no_space(
+        self, gm: GenModel, g: GenRep, k: Group, it: Iteration, reason: str, now: float
+    ) -> None:
         """A stage could not place KV blocks for group `k`'s iteration (the other groups'
         sequences hold KV on the same workers: they count as running beside it)."""
         prefills = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if pre]
@@ -661,9 +726,9 @@ class GenerationRoom:
         freed = gm.frees != it.frees
         if not prefills:
             # Decodes alone: the sequences outgrew the memory. The group's newest one is
-            # preempted: its blocks freed, it waits at the head of the queue with the tokens
-            # it has, and joins again when memory frees, its KV recomputed from them (as
-            # vLLM's recompute preemption). Alone on the replica it could never fit: TOO_BIG.
+            # preempted: its blocks freed (its KV parked where that pays, `_park`), it waits
+            # at the head of the queue with the tokens it has, and joins again when memory
+            # frees. Alone on the replica it could never fit: TOO_BIG.
             if len(k.running) < len(it.seqs):
                 return  # some of it ended while it ran: their memory is free, run again
             s = k.running[-1]
@@ -672,7 +737,7 @@ class GenerationRoom:
                     self._refuse_alone(gm, g, s, reason)
                 return
             k.running.remove(s)
-            self._free(gm, g.rep, [s])
+            self._park(gm, g.rep, s, now)
             s.rep, s.group, s.prefilled = None, None, False
             gm.waiting.appendleft(s)
             gm.preemptions += 1
@@ -684,9 +749,13 @@ class GenerationRoom:
             # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
             self._refuse_alone(gm, g, prefills[0], reason)
             return
-        # The prefills wait again (their blocks freed on every stage); the decodes run on.
+        # The prefills wait again (their blocks freed on every stage; a resumed one's KV parked
+        # again); the decodes run on.
         k.running = [s for s in k.running if s not in prefills]
-        self._free(gm, g.rep, prefills)
+        resumed = [s for s, kind in zip(it.seqs, it.resume, strict=True) if kind == "swap"]
+        for s in resumed:
+            self._park(gm, g.rep, s, now)
+        self._free(gm, g.rep, [s for s in prefills if s not in resumed])
         for s in reversed(live):
             s.rep, s.group, s.prefilled = None, None, False
             gm.waiting.appendleft(s)
@@ -736,6 +805,9 @@ class GenerationRoom:
         gm = self.by_model.get(model.name)
         if gm is None:
             return
+        for s in gm.waiting:
+            if s.parked_rep is rep:  # its parked KV went with the worker, on one stage at least
+                self._unpark(s, skip=lost)
         for g in [g for g in gm.reps if g.rep is rep]:
             # Every group of it: their KV was on the same workers.
             gm.reps.remove(g)
@@ -761,9 +833,10 @@ class GenerationRoom:
     # ================================================================== ending
 
     def _drop(self, s: Seq) -> None:
-        """Take an ended sequence out of the model's tables; free its KV unless an iteration
-        holding it runs (its return frees it)."""
+        """Take an ended sequence out of the model's tables; free its KV (parked copies at
+        once) unless an iteration holding it runs (its return frees it)."""
         gm = s.call.gm
+        self._unpark(s)
         if s in gm.waiting:
             gm.waiting.remove(s)
             return
@@ -787,6 +860,53 @@ class GenerationRoom:
                 self.ctx.to_peer(w, p.FreeSeqs(model=gm.model.name, stage=stage, seqs=ids))
         for g in gm.reps:
             g.hold = False
+
+    def _park(self, gm: GenModel, rep: Replica, s: Seq, now: float) -> None:
+        """Preempt `s`: its stages' workers free its blocks, each keeping its KV in host memory
+        where that costs less than recomputing it (`FreeSeqs` with park, answered
+        `SeqsParked`); a freed sequence lets waiting prefills of the model try again."""
+        s.parked, s.parked_rep, s.parked_ok = len(s.prompt) + len(s.out) - 1, rep, set()
+        s.parked_at = now
+        s.preempted, s.sent = True, False
+        self.parked[s.id] = s
+        gm.frees += 1
+        for stage, w in enumerate(rep.workers):
+            if w in self.peers:
+                msg = p.FreeSeqs(model=gm.model.name, stage=stage, seqs=[s.id], park=True)
+                self.ctx.to_peer(w, msg)
+        for g in gm.reps:
+            g.hold = False
+
+    def _unpark(self, s: Seq, *, tell: bool = True, skip: str = "") -> None:
+        """Forget `s`'s parked KV; `tell`: its workers (but `skip`) drop their copies too."""
+        if self.parked.pop(s.id, None) is None or s.parked_rep is None:
+            return
+        if tell:
+            for stage, w in enumerate(s.parked_rep.workers):
+                if w != skip and w in self.peers:
+                    msg = p.FreeSeqs(model=s.call.model, stage=stage, seqs=[s.id])
+                    self.ctx.to_peer(w, msg)
+        s.parked, s.parked_rep, s.parked_ok = 0, None, set()
+
+    def seqs_parked(self, peer_name: str, msg: p.SeqsParked, now: float) -> None:
+        """A stage's worker parked some of the preempted sequences and dropped the others: a
+        sequence every stage parked may resume from its KV; one any stage dropped is
+        recomputed (the others' copies dropped at once)."""
+        for sid in msg.parked:
+            s = self.parked.get(sid)
+            rep = s.parked_rep if s is not None else None
+            # (Not a late answer from the workers of a replica it was parked on before.)
+            if (
+                rep is not None
+                and msg.stage < len(rep.workers)
+                and rep.workers[msg.stage] == peer_name
+            ):
+                s.parked_ok.add(msg.stage)  # type: ignore[union-attr]
+        for sid in msg.dropped:
+            s = self.parked.get(sid)
+            if s is not None:
+                self._unpark(s)
+        self.pump(now)  # a sequence that waited for these answers may join now
 
     def _maybe_done(self, call: Call, now: float) -> None:
         if call.answered or any(s.finish is None for s in call.seqs):
@@ -846,5 +966,7 @@ class GenerationRoom:
             gm.preemptions,
             gm.restarts,
             gm.token_rate.value,  # as of the model's last token (as `rate_per_s` is)
+            swaps=gm.swaps,
+            recomputes=gm.recomputes,
             **self.router.timings.token_quantiles(name),
         )

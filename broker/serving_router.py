@@ -247,7 +247,7 @@ class ServingRouter:
         """Start every batch that can start now, oldest waiting model first."""
         for peer in self.peers.values():
             owner = self.models.get(peer.reserved_for) if peer.reserved_for else None
-            if peer.reserved_for and (owner is None or not owner.queue):
+            if peer.reserved_for and (owner is None or not self._waits(owner)):
                 peer.reserved_for = None
         for _ in range(10_000):  # bounded: each pass either dispatches or stops
             waiting = []
@@ -265,6 +265,10 @@ class ServingRouter:
         if self.cfg.prefetch and now >= self.next_prefetch:
             self.next_prefetch = now + PREFETCH_EVERY_S
             self._prefetch(now)
+
+    def _waits(self, model: Model) -> bool:
+        """Whether `model` has requests queued or sequences waiting to join."""
+        return bool(model.queue) or (self.gen is not None and self.gen.waits(model))
 
     def _deadline(self, model: Model) -> float:
         slo = model.spec.slo_ms / 1000 if model.spec.slo_ms else self.cfg.default_slo_s
@@ -516,6 +520,10 @@ class ServingRouter:
                 return rep
         best = self._cheapest_load(model, live, starving, now)
         if best is None:
+            if starving:
+                # Another model's iterations keep its stages busy: no new one starts on these
+                # workers until this model is in (its sequences' KV then parked or dropped).
+                self._reserve(model, live)
             return None
         rep, victims = best
         self._load_replica(model, rep, victims, now, starving=starving)
@@ -644,11 +652,15 @@ class ServingRouter:
             if (
                 res.key[1] < len(rep.workers)
                 and rep.workers[res.key[1]] == peer.name
-                and (rep.inflight or (self.gen is not None and self.gen.holds(model, rep)))
+                and (
+                    rep.inflight
+                    or (not starving and self.gen is not None and self.gen.holds(model, rep))
+                )
             ):
-                # A batch is in this replica's pipeline and will need this stage, or live
-                # sequences of the model keep their KV cache beside it (not swapped out in
-                # this landing): never evicted.
+                # A batch is in this replica's pipeline and will need this stage: never
+                # evicted. Live sequences of the model keep their KV cache beside it: kept
+                # but for a starving model (the worker then preempts them, parking their KV
+                # where that pays: `gpu_worker.executor.Executor.evict`).
                 return False
         waiting = model.queue or (self.gen is not None and self.gen.waits(model))
         return not waiting or starving

@@ -300,6 +300,8 @@ def model_status(
         gen_iterations=gen.iterations if gen is not None else 0,
         preemptions=gen.preemptions if gen is not None else 0,
         restarts=gen.restarts if gen is not None else 0,
+        swaps=gen.swaps if gen is not None else 0,
+        recomputes=gen.recomputes if gen is not None else 0,
         tokens_per_s=gen.tokens_per_s if gen is not None else 0.0,
         ttft_p50_ms=gen.ttft_p50_ms if gen is not None else 0.0,
         ttft_p99_ms=gen.ttft_p99_ms if gen is not None else 0.0,

@@ -153,7 +153,12 @@ def format_status(st: BrokerStatus) -> str:
         out.append(
             f"{m.name} generation: {m.running_seqs} sequences running, {m.waiting_seqs} "
             f"waiting, {m.tokens_generated} tokens in {m.gen_iterations} iterations"
-            + (f", {m.preemptions} preemptions" if m.preemptions else "")
+            + (
+                f", {m.preemptions} preemptions ({m.swaps} resumed from parked KV, "
+                f"{m.recomputes} recomputed)"
+                if m.preemptions
+                else ""
+            )
             + (f", {m.restarts} restarts" if m.restarts else "")
         )
         if m.tokens_generated:

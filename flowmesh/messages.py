@@ -504,9 +504,7 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def stage_digest(
-    spec: ModelSpec | dict[str, Any], plan: Plan | dict[str, Any], stage: int
-) -> str:
+def stage_digest(spec: ModelSpec | dict[str, Any], plan: Plan | dict[str, Any], stage: int) -> str:
     """What a worker's copy of a stage was built from (the model's spec, its plan, the stage's
     index), as a short hash: a restarted broker adopts a stage a worker reports only when its
     digest is the one the broker's own record gives. Hashed in the stored form (`to_dict`),
@@ -649,11 +647,27 @@ class Run(Message, tag="run"):
 
 class FreeSeqs(Message, tag="free_seqs"):
     """Sequences that ended (or were stopped): drop their KV blocks on this stage now. Not
-    answered; a sequence the worker does not hold is ignored."""
+    answered; a sequence the worker does not hold is ignored.
+
+    With `park`, sequences preempted for memory instead: their device blocks are freed, and
+    each one's KV is kept in the worker's host memory where copying it back costs less than
+    recomputing it (a step that starts where it stopped brings it back), else dropped. Answered
+    with `SeqsParked`."""
 
     model: str
     stage: Count
     seqs: list[Id]
+    park: bool = False
+
+
+class SeqsParked(Message, tag="seqs_parked"):
+    """A worker's answer to `FreeSeqs` with `park`: the sequences whose KV it keeps in host
+    memory, and those it dropped (to be recomputed from their tokens)."""
+
+    model: str
+    stage: Count
+    parked: list[Id]
+    dropped: list[Id]
 
 
 class Hop(Message, tag="hop"):

@@ -137,7 +137,10 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         f.counter(
             "generation_iterations", "Generation iterations run", m.gen_iterations, model=name
         )
-        doc = "Sequences preempted, by kind (recompute: for memory; restart: KV lost)"
+        doc = (
+            "Preempted sequences run again, by kind (swap: KV parked in host memory and copied "
+            "back; recompute: KV recomputed from the tokens; restart: KV lost)"
+        )
         for kind, n in m.preemptions_by_kind.items():
             f.counter("preemptions", doc, n, model=name, kind=kind)
         f.gauge("generated_tokens_per_second", "New tokens per second, decayed", m.tokens_per_s,
@@ -278,6 +281,11 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("kv_seqs", "kv_sequences", "gauge", "Sequences holding KV cache blocks"),
     ("kv_limit_bytes", "kv_limit_bytes", "gauge", "Most KV bytes this worker's models may take"),
     ("kv_refused", "kv_refused", "counter", "Iterations whose KV blocks could not be placed"),
+    ("kv_parked", "kv_parked", "counter", "Preempted sequences whose KV was parked in host memory"),
+    ("kv_dropped", "kv_dropped", "counter", "Preempted sequences whose KV was dropped"),
+    ("kv_restored", "kv_restored", "counter", "Parked sequences' KV copied back to the device"),
+    ("kv_parked_bytes", "kv_parked_bytes", "gauge", "Host bytes of parked sequences' KV"),
+    ("kv_parked_seqs", "kv_parked_sequences", "gauge", "Sequences whose KV is parked here"),
     ("arena_bytes", "arena_bytes", "gauge", "Device arena (serving and training)"),
     ("arena_in_use", "arena_in_use_bytes", "gauge", "Device arena bytes in use"),
     ("host_tier_bytes", "host_tier_budget_bytes", "gauge", "Pinned host tier (CUDA; 0 on CPU)"),

@@ -116,13 +116,18 @@ class ModelRow(_Row):
     ttft_p99_ms: float = 0.0
     itl_p50_ms: float = 0.0
     itl_p99_ms: float = 0.0
+    # Of the preempted sequences that ran again: those resumed from their KV, parked in their
+    # workers' host memory, and those whose KV was recomputed from their tokens.
+    swaps: Count = 0
+    recomputes: Count = 0
 
     @property
     def preemptions_by_kind(self) -> dict[str, int]:
-        """The kinds that happen: "recompute" (preempted for memory, its KV recomputed from its
-        tokens when it joins again) and "restart" (its KV lost with a worker or an evicted
-        stage: started again from its tokens)."""
-        return {"recompute": self.preemptions, "restart": self.restarts}
+        """What became of the sequences taken off a replica: "swap" (preempted for memory, its
+        KV parked in host memory and copied back when it joined again), "recompute" (preempted,
+        its KV recomputed from its tokens) and "restart" (its KV lost with a worker or an
+        evicted stage: started again from its tokens)."""
+        return {"swap": self.swaps, "recompute": self.recomputes, "restart": self.restarts}
 
 
 # -- peers

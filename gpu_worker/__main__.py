@@ -119,6 +119,14 @@ OPTIONS = Options(
             "which idle stages a load evicts first: value (rows run per second x seconds to "
             "copy back) or lru (least recently used alone: a benchmark's ablation)",
         ),
+        Option(
+            "--kv-preempt",
+            TEXT,
+            "auto",
+            "what a preempted generation's KV cache becomes: auto (kept in host memory and "
+            "copied back when that costs less than recomputing it from its tokens, by measured "
+            "times), swap (always kept, host room allowing) or recompute (always dropped)",
+        ),
         INSECURE,
         METRICS_PORT,
         LOG_LEVEL_OPTION,
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         train_bytes=train_bytes,
         peer_endpoint=args.peer_endpoint,
         eviction=args.eviction,
+        kv_preempt=args.kv_preempt,
         roots=Roots.of(args.data_root, args.checkpoint_root, f"worker {name}"),
     )
     for warning in service.roots.warnings():

@@ -28,7 +28,8 @@ What it owns:
 - **Runs' parts**: a Run's tensors ('k/name') cut into its parts, and the parts of a RunResult.
 - **Generation**: a Run with `gen` is one iteration (one part, chunks=1): stage 0 takes '0/ids',
   the last stage answers '0/tokens' (one sampled token per sequence); the KV cache is the
-  executor's, and `FreeSeqs` drops sequences from it (`FreeKV`, not answered).
+  executor's, and `FreeSeqs` drops sequences from it (`FreeKV`, not answered), or with `park`
+  preempts them, parking their KV in host memory where that pays (answered `SeqsParked`).
 - **Opening a job**: which spec, configuration, checkpoint and chunk target (`job_opening`).
 - **The broker's epoch**: a broker that registered us afresh (`registered_again`) forgot what it
   asked before: a stage or job still being prepared for it is dropped when ready.
@@ -125,7 +126,8 @@ class DropStage:
 
 @dataclass
 class FreeKV:
-    """Drop the KV of sequences that ended (`p.FreeSeqs`); nothing comes back."""
+    """Drop the KV of sequences that ended (`p.FreeSeqs`): nothing comes back; or, with `park`,
+    preempt them: (parked, dropped) comes back, answered `SeqsParked`."""
 
     msg: p.FreeSeqs
 
@@ -507,8 +509,15 @@ class WorkerCore:
         elif isinstance(work, PrepareStage):
             self._stage_prepared(work, result, now)
         elif isinstance(work, FreeKV):
-            if failed:  # not answered: FreeSeqs has no id to answer
+            m = work.msg
+            if failed:  # FreeSeqs has no id to answer with an error
                 self.log_throttle.error("freeing sequences failed: %r", result)
+                result = ([], list(m.seqs))  # none of them is parked
+            if m.park:
+                parked, dropped = result
+                self._send(
+                    p.SeqsParked(model=m.model, stage=m.stage, parked=parked, dropped=dropped)
+                )
         elif failed:
             self._fail(getattr(getattr(work, "msg", None), "id", None), result)
         elif isinstance(work, RunStage):

@@ -21,7 +21,11 @@ futures return; tests drive it in-process.
   resident stage whose run is expected to take under `quick_run_s` (QUICK_RUN_S unless told):
   a hand-off to a lane would cost more.
 - `evict` returns the stage's ranges immediately, ordered after the stage's copies and runs: the
-  next owner waits on their markers (stream order), never on a global synchronisation.
+  next owner waits on their markers (stream order), never on a global synchronisation. A stage
+  holding live sequences' KV is evicted last (its value counts the KV bytes), and its sequences
+  are preempted, not lost: each one's KV is parked in host memory (`park_seqs`, copied back by
+  its next step) or dropped, to be recomputed from its tokens by the broker, whichever the
+  measured costs say is cheaper (`kv_preempt`).
 
 Device memory belongs to one `DeviceMemory` shared with the worker's training executor. A load
 that does not fit while training holds ranges it borrowed does not fail: it *claims* memory,
@@ -69,7 +73,7 @@ from flowmesh.threads import TorchLanes, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
-from gpu_worker.kv_cache import SeqKV, StageKV, blocks_for, new_blocks_after
+from gpu_worker.kv_cache import Restore, SeqKV, StageKV, blocks_for, new_blocks_after
 from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import SERVING_CALLS
 
@@ -81,6 +85,8 @@ log = logging.getLogger("worker")
 # forward (scripts/bench_broker.py). Longer runs go to the lanes, so that the reader is back at
 # its socket within about this long.
 QUICK_RUN_S = 0.002
+
+KV_PREEMPT = ("auto", "swap", "recompute")  # `Executor(kv_preempt=...)`
 
 # A stage's forward and row times are the fastest of this many recent runs. Waiting for the GIL
 # or for a core only ever adds to a run's time, and on a busy host it added more than the forward
@@ -248,13 +254,24 @@ class Executor:
         clock: Callable[[], float] = time.perf_counter,
         quick_run_s: float = QUICK_RUN_S,
         forward_window: int = FORWARD_WINDOW,
+        kv_preempt: str = "auto",
+        park_bytes: int | None = None,
     ) -> None:
         """`clock`: seconds on a monotonic clock, for the runs' and loads' times and the stages'
         rates (read on the lanes and the reader thread too). `quick_run_s`: the longest run
         computed on the caller's thread (`run_here`); `forward_window`: the runs a stage's
-        forward time is the fastest of (see FORWARD_WINDOW)."""
+        forward time is the fastest of (see FORWARD_WINDOW).
+
+        `kv_preempt`: what a preempted sequence's KV becomes (`park_seqs`): "auto" (parked when
+        copying it out and back costs less than recomputing it, by the stage's measured row time
+        and this worker's copy bandwidth), "swap" (always parked, room allowing) or "recompute"
+        (always dropped). `park_bytes`: the host memory parked KV may take here (default: the
+        serving budget)."""
         if eviction not in ("value", "lru"):
             raise ValueError(f"eviction {eviction!r}: expected value or lru")
+        if kv_preempt not in KV_PREEMPT:
+            raise ValueError(f"kv_preempt {kv_preempt!r}: expected one of {', '.join(KV_PREEMPT)}")
+        self.kv_preempt = kv_preempt
         self.eviction = eviction  # "lru": least recently used alone (a benchmark's ablation)
         self.clock = clock
         self.quick_run_s = quick_run_s
@@ -265,6 +282,7 @@ class Executor:
         if self.memory.capacity > device.budget_bytes:
             raise ValueError("device memory larger than the device's arena")
         self.arena = self.memory.arena
+        self.park_bytes = self.memory.serving_bytes if park_bytes is None else park_bytes
         # Where the device's arena starts (it is never replaced): `_off_arena` asks every run.
         self._arena_ptr = device.arena.untyped_storage().data_ptr()
         self.stages: dict[StageKey, Stage] = {}
@@ -304,6 +322,11 @@ class Executor:
             "prefetches": 0,  # next stages loaded while the stage before them computed
             "gen_runs": 0,  # iterations of generation
             "kv_refused": 0,  # iterations whose KV blocks could not be placed
+            # Preempted sequences (their stage evicted, or the broker's FreeSeqs with park):
+            # KV parked in host memory, or dropped to be recomputed; parked KV copied back.
+            "kv_parked": 0,
+            "kv_dropped": 0,
+            "kv_restored": 0,
         }
 
     # ------------------------------------------------------------------ stages
@@ -320,7 +343,7 @@ class Executor:
 
     def drop_stage(self, key: StageKey) -> None:
         if key in self.stages:
-            self.evict(key)
+            self.evict(key, park=False)
             del self.stages[key]
 
     def _stage(self, key: StageKey) -> Stage:
@@ -383,7 +406,11 @@ class Executor:
         return sum(self.memory.round(r.size) for r in st.host.regions if r.size)
 
     def _victims(
-        self, keep: frozenset[StageKey], key: StageKey | None = None, prefetch: bool = False
+        self,
+        keep: frozenset[StageKey],
+        key: StageKey | None = None,
+        prefetch: bool = False,
+        live: bool = True,
     ) -> list[Stage]:
         """Stages this executor may evict, the one worth least first.
 
@@ -391,23 +418,27 @@ class Executor:
         passes go through its stages in order): first those that already ran in this pass
         (lower index, the last one to run first: needed again furthest ahead), then other
         models' stages, then the ones this pass still needs (highest index first). A stage
-        prefetched for a run not come yet goes last, and never for another `prefetch`."""
+        prefetched for a run not come yet goes last, and never for another `prefetch`.
+
+        A stage holding live sequences' KV goes after all of those (evicting it preempts them:
+        the broker keeps it unless its model must go, see `evict`), and never for a prefetch
+        or when not `live` (room for another model's KV blocks)."""
         now = self.clock()
         bw = self.bandwidth or 1e9
         with self._lock:  # a run admitted on the reader thread updates rates and counts
             idle = [
                 s
                 for s in self.stages.values()
-                if s.state is State.RESIDENT
-                and not s.inflight
-                and s.key not in keep
-                and not s.live_kv  # its sequences would be lost (no preemption yet)
+                if s.state is State.RESIDENT and s.key not in keep and not _computing(s)
             ]
             if self.eviction == "lru":
                 order = eviction_order(idle)
             else:
                 order = eviction_order(
-                    idle, lambda s: stage_value(s.rate.at(now), s.host.nbytes, bw)
+                    idle,
+                    lambda s: stage_value(
+                        s.rate.at(now), s.host.nbytes, bw, s.kv.nbytes if s.kv else 0
+                    ),
                 )
         if key is not None:
             mine = sorted((s for s in order if s.key[0] == key[0]), key=lambda s: -s.key[1])
@@ -417,7 +448,9 @@ class Executor:
                 + [s for s in mine if s.key[1] > key[1]]
             )
         later = [s for s in order if s.next_up]
-        return [s for s in order if not s.next_up] + ([] if prefetch else later)
+        order = [s for s in order if not s.next_up] + ([] if prefetch else later)
+        live_kv = [s for s in order if s.live_kv] if live and not prefetch else []
+        return [s for s in order if not s.live_kv] + live_kv
 
     def _evict_for(self, victim: Stage) -> None:
         self.evict(victim.key)
@@ -639,8 +672,10 @@ class Executor:
             if not m.done():
                 self._mark_copied(m)
 
-    def evict(self, key: StageKey) -> int:
-        """Give the stage's device bytes back now; their next owner waits for its last users."""
+    def evict(self, key: StageKey, park: bool = True) -> int:
+        """Give the stage's device bytes back now; their next owner waits for its last users.
+        Its live sequences are preempted (`park`: their KV parked where that pays, see
+        `park_seqs`; else, or when the stage is dropped, their KV goes)."""
         st = self._stage(key)
         if st.state is State.HOST:
             return 0
@@ -661,9 +696,16 @@ class Executor:
             if ext is not None:
                 freed += ext.size
                 self.memory.free(ext, after, "serving")
-        if st.kv is not None:  # its sequences' KV goes with it (their next step fails)
-            freed += st.kv.free_all(after)
-            st.kv = None
+        if st.kv is not None:
+            # Parked sequences go on where they were when the stage is back; the others' next
+            # step fails NOT_RESIDENT and the broker starts them again from their tokens.
+            if park:
+                held = list(st.kv.seqs)
+                freed += st.kv.release(held, after + self._park(st, held, after))
+            else:
+                freed += st.kv.free_all(after)
+            if not st.kv.parked:
+                st.kv = None
         if st.loading is not None and not st.loading.done():
             st.loading.set_exception(FlowmeshError(Code.NOT_RESIDENT, "evicted while loading"))
             st.loading.exception()  # mark retrieved: nobody may be waiting on it
@@ -703,9 +745,10 @@ class Executor:
                     Code.NOT_RESIDENT, f"{key[0]!r}/{key[1]} is not loaded: {exc.reason}"
                 ) from None
             self.counters["implicit_loads"] += 1
+        restores: list[Restore] = []
         if gen is not None:
             x = _gen_input(st, parts, gen)
-            seqs, placed = self._place_kv(st, gen)
+            seqs, placed, restores = self._place_kv(st, gen)
         with self._lock:
             done = self._admit(st, len(parts))
             ready, generation = list(st.ready), st.generation
@@ -726,8 +769,21 @@ class Executor:
         else:
             self.counters["gen_runs"] += 1
             after = new_blocks_after(placed)
+            if restores:
+                self.counters["kv_restored"] += len(restores)
             fut = self._compute.submit(
-                loop, self._run_gen, on_lane, st, ready, x, gen, seqs, after, done, generation
+                loop,
+                self._run_gen,
+                on_lane,
+                st,
+                ready,
+                x,
+                gen,
+                seqs,
+                after,
+                done,
+                generation,
+                restores,
             )
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
@@ -932,16 +988,17 @@ class Executor:
             st.kv = StageKV(where, kv_shape(st.blocks), self.memory, self.device.arena)
         return st.kv
 
-    def _place_kv(self, st: Stage, gen: GenStep) -> tuple[list[SeqKV], list[Extent]]:
+    def _place_kv(self, st: Stage, gen: GenStep) -> tuple[list[SeqKV], list[Extent], list[Restore]]:
         """Ranges for the blocks the iteration adds, within the model's KV share of the serving
         budget, making room in the budget by evicting idle stages of other models (never one
-        holding live KV) as a load does. Returns each step's sequence and the new ranges.
+        holding live KV) as a load does. Returns each step's sequence, the new ranges and the
+        parked sequences' bytes to copy back into them.
         Raises, having changed nothing: TOO_BIG for a sequence whose KV could never fit here,
         NO_SPACE when the blocks do not fit now (other sequences hold the room)."""
         kv = self._kv(st)
         new = kv.need(gen.seqs)
         if not new:
-            return kv.grow(gen.seqs, []), []
+            return *kv.grow(gen.seqs, []), []
         size = self.memory.round(kv.block_bytes)
         need, budget = new * size, self.memory.serving_bytes
         model = st.key[0]
@@ -968,7 +1025,7 @@ class Executor:
                 f"{st.kv_share} x serving budget {budget} = {cap} bytes",
             )
         # Never this model's stages: they run the iteration, before and after this one.
-        victims = self._victims(frozenset(k for k in self.stages if k[0] == model))
+        victims = self._victims(frozenset(k for k in self.stages if k[0] == model), live=False)
         promised = self._promised()
         if promised + need - budget > sum(self._need(v) for v in victims):
             self.counters["kv_refused"] += 1
@@ -991,17 +1048,87 @@ class Executor:
                         Code.NO_SPACE, f"{where}: cannot place {new} KV blocks: {exc}"
                     ) from None
                 self._evict_for(victims.pop(0))
-        return kv.grow(gen.seqs, placed), placed
+        grown, restores = kv.grow(gen.seqs, placed)
+        return grown, placed, restores
 
     def free_seqs(self, key: StageKey, seqs: list[int]) -> int:
-        """Drop the KV of `seqs` on stage `key` (those held); their ranges' next owner waits
-        for the stage's runs that may still read them. Returns the bytes freed."""
+        """Drop the KV of `seqs` on stage `key` (those held or parked); their ranges' next
+        owner waits for the stage's runs that may still read them. Returns the bytes freed."""
         st = self.stages.get(key)
         if st is None or st.kv is None:
             return 0
         with self._lock:
             after = [m for m in st.users if not m.done()]
         return st.kv.free(seqs, after)
+
+    def park_seqs(self, key: StageKey, seqs: list[int]) -> tuple[list[int], list[int]]:
+        """Preempt `seqs` of stage `key`: give their device ranges back, each one's KV parked
+        in host memory (its next step, from where it stopped, copies it back) or dropped (to
+        be recomputed from its tokens), by `kv_preempt`. Returns (parked, dropped): sequences
+        already parked count as parked, those not held here as dropped."""
+        st = self.stages.get(key)
+        if st is None or st.kv is None:
+            return [], list(seqs)
+        with self._lock:
+            after = [m for m in st.users if not m.done()]
+        held = [s for s in seqs if s in st.kv.seqs]
+        st.kv.release(held, after + self._park(st, held, after))
+        parked = [s for s in seqs if s in st.kv.parked]
+        return parked, [s for s in seqs if s not in st.kv.parked]
+
+    def _park(self, st: Stage, seqs: list[int], after: list[Any]) -> list[Any]:
+        """Park those of held `seqs` whose KV costs less to copy out and back than to
+        recompute (and fits the host room left), the copy queued on a compute lane after
+        `after`; the others are dropped. Their device ranges stay held: the caller releases
+        them after the markers returned (the copy out's; `st.kv.release`)."""
+        kv = st.kv
+        assert kv is not None
+        bw = self.bandwidth or 1e9
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        marker = self.device.new_marker()
+        room = self.park_bytes - sum(s.kv.parked_bytes for s in self.stages.values() if s.kv)
+        for seq in seqs:
+            held = kv.seqs[seq]
+            nbytes = len(held.extents) * kv.block_bytes
+            copy_s, recompute_s = 2 * nbytes / bw, held.tokens * st.row_s
+            if (
+                not nbytes
+                or self.kv_preempt == "recompute"
+                or (self.kv_preempt == "auto" and st.row_s and copy_s > recompute_s)
+                or nbytes > room
+            ):
+                self.counters["kv_dropped"] += 1
+                continue
+            try:
+                host = self.device.host_buffer(nbytes)
+            except FlowmeshError:  # the pinned host tier is full: recompute it
+                self.counters["kv_dropped"] += 1
+                continue
+            room -= nbytes
+            blocks = kv.park(seq, host, marker)
+            size = kv.block_bytes
+            pairs += [(host[i * size : (i + 1) * size], b) for i, b in enumerate(blocks)]
+            self.counters["kv_parked"] += 1
+        if not pairs:
+            return []
+        fut = self._compute.submit(asyncio.get_running_loop(), self._copy_out, pairs, after, marker)
+        fut.add_done_callback(_log_failure)
+        return [marker]
+
+    def _copy_out(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: list[Any], marker: Any
+    ) -> None:
+        """On a compute lane: parked sequences' blocks to their host buffers, after the runs
+        that wrote them; `marker` done once the bytes are out."""
+        dev = self.device
+        try:
+            with torch.inference_mode(), dev.compute(serving=True):
+                for m in after:
+                    m.order_current()
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=dev.kind != "cpu")
+        finally:
+            dev.mark_done(marker)
 
     def _run_gen(
         self,
@@ -1014,10 +1141,12 @@ class Executor:
         after: list[Any],
         done: Any,
         generation: int,
+        restores: list[Restore] = (),  # type: ignore[assignment]
     ) -> RunOutput:
         """One iteration of generation through the stage (on a compute lane): the hidden
         states of its tokens out, or on the last stage one sampled token per sequence
-        (`tokens`)."""
+        (`tokens`). Parked sequences' bytes (`restores`) are copied back into their new blocks
+        first."""
         dev = self.device
         marked = False
         try:
@@ -1025,6 +1154,11 @@ class Executor:
                 t0 = self.clock()
                 for m in after:  # the new blocks' last users, before we write them
                     m.order_current()
+                for r in restores:
+                    r.after.order_current()  # the park's copy out
+                    size = r.host.numel() // max(1, len(r.blocks))
+                    for i, block in enumerate(r.blocks):
+                        block.copy_(r.host[i * size : (i + 1) * size], non_blocking=True)
                 packed = Packed([s.start for s in gen.seqs], [s.count for s in gen.seqs])
                 caches = [s.cache for s in seqs]
                 layer_of, n = [], 0
@@ -1119,6 +1253,9 @@ class Executor:
             "kv_bytes": sum(kv.nbytes for kv in kvs),
             "kv_blocks": sum(kv.blocks for kv in kvs),
             "kv_seqs": len({q for kv in kvs for q in kv.seqs}),
+            # Preempted sequences' KV parked in host memory here (`park_seqs`).
+            "kv_parked_bytes": sum(kv.parked_bytes for kv in kvs),
+            "kv_parked_seqs": len({q for kv in kvs for q in kv.parked}),
             # The same bytes per stage ("model/stage", beside resident_stages), for the broker's
             # eviction choice: a stage's resident bytes there are its weights + its live KV.
             # Only stages holding some: one entry per stage at most, as resident_stages.
@@ -1132,6 +1269,18 @@ class Executor:
     def close(self) -> None:
         for pool in (self._compute, *self._copies, self._waiter):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _computing(st: Stage) -> bool:
+    """Whether a run of `st` may still read its bytes. A run answered from its compute lane is
+    counted out on the loop a moment later; past its marker it reads nothing of the stage, so
+    the stage may go (a load that comes right after the answer finds the room)."""
+    return st.inflight > 0 and not all(m.done() for m in st.users)
+
+
+def _log_failure(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled() and f.exception() is not None:
+        log.error("parking KV failed: %r", f.exception())
 
 
 def _rebound(st: Stage, lo: int, hi: int, generation: int) -> bool:

@@ -76,6 +76,7 @@ class WorkerHands:
         compute_lanes: int = 2,
         train_bytes: int = 0,
         eviction: str = "value",
+        kv_preempt: str = "auto",
         log: logging.Logger | None = None,
     ) -> None:
         if not 0 <= train_bytes <= device.budget_bytes:
@@ -88,7 +89,9 @@ class WorkerHands:
         self.log = log or logging.getLogger("worker")
         self.train_bytes = train_bytes
         self.memory = DeviceMemory(device.budget_bytes - train_bytes, train_bytes, ALIGN)
-        self.executor = Executor(device, compute_lanes, memory=self.memory, eviction=eviction)
+        self.executor = Executor(
+            device, compute_lanes, memory=self.memory, eviction=eviction, kv_preempt=kv_preempt
+        )
         # The executor decides its own evictions; the broker learns them from `Resident`.
         self.executor.on_residency = self.report_soon
         self._report_due = False
@@ -268,7 +271,11 @@ class WorkerHands:
         elif isinstance(work, DropStage):
             self.executor.drop_stage((work.msg.model, work.msg.stage))
         elif isinstance(work, FreeKV):
-            self.executor.free_seqs((work.msg.model, work.msg.stage), work.msg.seqs)
+            key = (work.msg.model, work.msg.stage)
+            if work.msg.park:
+                self.core.finished(work, self.executor.park_seqs(key, work.msg.seqs), self.clock())
+            else:
+                self.executor.free_seqs(key, work.msg.seqs)
         elif isinstance(work, PrepareStage):
             self._prepare(work)
         elif isinstance(work, AddStage):

@@ -10,6 +10,13 @@ Plain bookkeeping on the event loop (the executor's): `need` says how many block
 adds, `grow` takes the ranges the executor placed for them, `free` gives a sequence's ranges
 back, ordered after the runs that may still use them (their next owner waits on the markers,
 as any reuse of the arena does). The compute lane reads and writes the blocks' tensors only.
+
+A preempted sequence (its model's stage evicted, or the broker's `FreeSeqs` with `park`) may be
+*parked* instead of dropped: its blocks' bytes copied to one host buffer (`park`, the copy done
+by the executor), its device ranges freed. Its next step, starting right where it stopped (at
+its parked token count), takes new ranges and copies the bytes back before it computes
+(`grow` returns the copies to make): the sequence goes on exactly where it was. A step from
+position 0 starts it afresh, and `free` forgets a parked copy too.
 """
 
 from __future__ import annotations
@@ -43,6 +50,34 @@ class SeqKV:
     seed: int = 0
 
 
+@dataclass
+class ParkedKV:
+    """A sequence's KV bytes in host memory: `blocks` blocks of the stage's shape, one after the
+    other in `host` (uint8), valid once `copied` (a device marker) is done; its generator kept
+    (on the last stage) so that its draws go on as they would have."""
+
+    host: torch.Tensor
+    blocks: int
+    tokens: int
+    copied: Any
+    generator: torch.Generator | None = None
+    seed: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
+
+
+@dataclass
+class Restore:
+    """A parked sequence's bytes to copy back into its new blocks before an iteration computes
+    (after `after`, the park's copy)."""
+
+    blocks: list[torch.Tensor]
+    host: torch.Tensor
+    after: Any
+
+
 class StageKV:
     """The KV cache of stage `where` (for messages), of `shape`, in `memory`'s arena
     `arena` (the device's flat uint8 buffer)."""
@@ -54,6 +89,7 @@ class StageKV:
         self.arena = arena
         self.seqs: dict[int, SeqKV] = {}
         self.nbytes = 0  # arena bytes of the blocks held
+        self.parked: dict[int, ParkedKV] = {}
 
     @property
     def block_bytes(self) -> int:
@@ -70,7 +106,15 @@ class StageKV:
         new = 0
         for step in steps:
             held = self.seqs.get(step.seq)
-            if step.start > 0:
+            parked = self.parked.get(step.seq) if held is None and step.start > 0 else None
+            if parked is not None:
+                if step.start != parked.tokens:
+                    raise FlowmeshError(
+                        Code.BAD_REQUEST,
+                        f"{self.where}: sequence {step.seq} is parked with {parked.tokens} "
+                        f"tokens, its step starts at position {step.start}",
+                    )
+            elif step.start > 0:
                 if held is None:
                     raise FlowmeshError(
                         Code.NOT_RESIDENT,
@@ -88,15 +132,22 @@ class StageKV:
                 new += max(0, blocks_for(step.start + step.count) - have)
         return new
 
-    def grow(self, steps: list[SeqStep], extents: list[Extent]) -> list[SeqKV]:
+    def grow(
+        self, steps: list[SeqStep], extents: list[Extent]
+    ) -> tuple[list[SeqKV], list[Restore]]:
         """Take `extents` (`need(steps)` of them, in step order) for the iteration; returns each
-        step's sequence. A step at position 0 starts its sequence afresh (its generator too)."""
+        step's sequence and the parked bytes to copy back first. A step at position 0 starts its
+        sequence afresh (its generator too, and a parked copy of it is forgotten)."""
         it = iter(extents)
-        out = []
+        out, restores = [], []
         for step in steps:
+            parked = self.parked.pop(step.seq, None)
             seq = self.seqs.setdefault(step.seq, SeqKV())
             if step.start == 0:
                 seq.generator = None
+                parked = None
+            elif parked is not None:
+                seq.generator, seq.seed = parked.generator, parked.seed
             want = blocks_for(step.start + step.count) if self.block_bytes else 0
             while len(seq.extents) < want:
                 ext = next(it)
@@ -104,9 +155,30 @@ class StageKV:
                 seq.cache.blocks.append(self._view(ext))
                 self.nbytes += ext.size
             seq.tokens = step.start + step.count
+            if parked is not None:
+                views = [self.raw(ext) for ext in seq.extents[: parked.blocks]]
+                restores.append(Restore(views, parked.host, parked.copied))
             out.append(seq)
         assert next(it, None) is None, "more ranges than the iteration needs"
-        return out
+        return out, restores
+
+    def park(self, seq: int, host: torch.Tensor, copied: Any) -> list[torch.Tensor]:
+        """Park held sequence `seq` into `host` (`block_bytes` per block it holds), the copy
+        to be marked done by `copied`; returns its blocks' bytes, for the executor to copy
+        from. Its device ranges are then freed by `free` like any other's."""
+        held = self.seqs[seq]
+        self.parked[seq] = ParkedKV(
+            host, len(held.extents), held.tokens, copied, held.generator, held.seed
+        )
+        return [self.raw(ext) for ext in held.extents]
+
+    def raw(self, ext: Extent) -> torch.Tensor:
+        """A block's bytes in the arena, as uint8 (what parking copies)."""
+        return self.arena[ext.offset : ext.offset + self.block_bytes]
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parked.values())
 
     def _view(self, ext: Extent) -> torch.Tensor:
         n = self.block_bytes
@@ -121,6 +193,7 @@ class StageKV:
         after `after`; returns the bytes freed."""
         freed = 0
         for s in seqs:
+            self.parked.pop(s, None)
             seq = self.seqs.pop(s, None)
             if seq is None:
                 continue
@@ -131,7 +204,16 @@ class StageKV:
         return freed
 
     def free_all(self, after: list[Any]) -> int:
+        """Drop every held sequence and every parked copy."""
+        self.parked.clear()
         return self.free(list(self.seqs), after)
+
+    def release(self, seqs: Iterable[int], after: list[Any]) -> int:
+        """Give the device ranges of held `seqs` back, keeping their parked copies (`park`)."""
+        kept = {s: self.parked.pop(s) for s in list(seqs) if s in self.parked}
+        freed = self.free(seqs, after)
+        self.parked.update(kept)
+        return freed
 
 
 def kv_limit_bytes(shares: Iterable[tuple[str, float]], budget: int) -> int:

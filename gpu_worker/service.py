@@ -72,6 +72,7 @@ class WorkerService(MeshPeer):
         train_bytes: int = 0,
         peer_endpoint: str = "tcp://127.0.0.1:0",
         eviction: str = "value",
+        kv_preempt: str = "auto",
         roots: Roots | None = None,
     ) -> None:
         super().__init__(name, broker, limits=limits)
@@ -106,6 +107,7 @@ class WorkerService(MeshPeer):
             compute_lanes=compute_lanes,
             train_bytes=train_bytes,
             eviction=eviction,
+            kv_preempt=kv_preempt,
             log=self.log,
         )
         self.device = device

@@ -376,6 +376,16 @@ def main() -> int:
         print(f"flowmesh errors: {errors[:3]}")
     loads = {m.name: (m.loads, m.evictions) for m in status.models}
     print(f"flowmesh loads/evictions per model: {loads}")
+    kinds = {"preempted": sum(m.preemptions for m in status.models)}
+    for m in status.models:
+        for kind, n in m.preemptions_by_kind.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    parked = {w.name: w.stats.get("kv_parked", 0) for w in status.workers}
+    print(
+        f"flowmesh preemptions: {kinds['preempted']} (resumed from parked KV {kinds['swap']}, "
+        f"recomputed {kinds['recompute']}; restarted {kinds['restart']}); KV parked by the "
+        f"workers (their own evictions too): {parked}"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "generate.json").write_text(
@@ -388,6 +398,7 @@ def main() -> int:
                 "ratios": ratios,
                 "wrong": wrong,
                 "near_tie_gaps": ties,
+                "preemptions": kinds,
                 "single": {"flowmesh": asdict(fm_single), "hf": asdict(hf_single)},
             },
             indent=2,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from broker.core import BACKEND, CLIENT
+from broker.generation import PARK_WAIT_S
 from broker.lm_files import LmFiles, read_lm_files
 from broker.state import Phase, Residency
 from flowmesh import protocol as p
@@ -22,6 +23,7 @@ from tests.support.generation import (
     Out,
     freed,
     ids_of,
+    parked,
     out_of,
     refused,
     run_of,
@@ -892,10 +894,9 @@ def test_a_decode_whose_stage_lost_its_kv_starts_again_from_its_tokens(
     assert g.figures() == (3, 0, 1, 4) and g.told == []
 
 
-def test_decodes_out_of_memory_preempt_the_newest_which_resumes_from_its_tokens(
-    lm_dir: Path, files: LmFiles
-) -> None:
-    g = Gen(lm_dir, files)
+def _preempted(g: Gen) -> tuple[int, int, p.Run]:
+    """a and b running in one group; their decodes find no room: b, the newest, is preempted
+    (its workers told to park it), a runs on alone. Returns a, b and a's next Run."""
     run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
     other = run_of(g.generate(3, [[1, 9]], max_tokens=1, addr=CLIENT_B), g.w0)
     ((z, *_),) = steps(other)
@@ -907,27 +908,45 @@ def test_decodes_out_of_memory_preempt_the_newest_which_resumes_from_its_tokens(
     ]
     run = run_of(g.step(run, [11, 20]), g.w0)
     (a, *_), (b, *_) = steps(run)
-    # No room for the decodes' next blocks: b, the newest, is preempted (its blocks freed, it
-    # waits with its token), a runs on alone.
     out = no_space(g, run, g.w0)
     run = run_of(out, g.w0)
-    assert out == [*freed(b), (BACKEND, g.w0, run)]
+    assert out == [*parked(b), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 3, 1, 2)]
     assert g.figures() == (1, 1, 4, 5) and g.core.status(g.h.now).models[0].preemptions == 1
     # Held until a sequence of the model frees memory: a's next decode goes alone.
     run = run_of(g.step(run, [12]), g.w0)
     assert steps(run) == [(a, 4, 1, 3)]
+    return a, b, run
+
+
+def _a_ends(g: Gen, a: int, run: p.Run) -> Out:
+    """a's last token: its call answered; what comes after that."""
     out = g.step(run, [13])
-    run = run_of(out, g.w0)
-    assert out == [
+    assert out[:3] == [
         *freed(a),
         (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12, 13], "length", 2)])),
-        (BACKEND, g.w0, run),
     ]
-    # b again: its prompt and its token prefilled (their KV recomputed), its next one drawn.
+    return out[3:]
+
+
+def test_decodes_out_of_memory_preempt_the_newest_which_resumes_from_its_tokens(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    a, b, run = _preempted(g)
+    # Its workers' answers are awaited before it joins its replica again (it would resume from
+    # its KV): nothing goes out for it when a ends.
+    assert _a_ends(g, a, run) == []
+    # None said it kept b's KV within PARK_WAIT_S: its copies are dropped, and its prompt and
+    # its token prefilled (their KV recomputed), its next one drawn.
+    out = g.tick(PARK_WAIT_S)
+    run = run_of(out, g.w0)
+    assert out == [*freed(b), (BACKEND, g.w0, run)]
     assert steps(run) == [(b, 0, 4, 1)] and ids_of(run) == [1, 6, 7, 20]
     run = run_of(g.step(run, [21]), g.w0)
     assert steps(run) == [(b, 4, 1, 2)]
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes) == (1, 0, 1)
     # Alone on the replica, a sequence that cannot grow could never fit: TOO_BIG.
     out = no_space(g, g.stage0(run), g.w1)
     assert out == [
@@ -946,6 +965,62 @@ def test_decodes_out_of_memory_preempt_the_newest_which_resumes_from_its_tokens(
         ),
     ]
     g.answered_once()
+
+
+def test_a_preempted_sequence_every_stage_parked_resumes_from_its_kv(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    a, b, run = _preempted(g)
+    for w, stage in ((g.w0, 0), (g.w1, 1)):
+        answer = p.SeqsParked(model="lm", stage=stage, parked=[b], dropped=[])
+        assert g.keep(g.h.backend(w, answer)) == []
+    # Both stages kept its KV of prompt + first token but the last (4 - 1 = 3 tokens): it goes
+    # on from there, its last token its one new id, as a decode does.
+    run = run_of(_a_ends(g, a, run), g.w0)
+    assert steps(run) == [(b, 3, 1, 1)] and ids_of(run) == [20]
+    run = run_of(g.step(run, [21]), g.w0)
+    assert steps(run) == [(b, 4, 1, 2)]
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes) == (1, 1, 0)
+    assert g.core.generation.parked == {}
+    run = run_of(g.step(run, [22]), g.w0)
+    assert g.step(run, [23]) == [
+        *freed(b),
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([20, 21, 22, 23], "length", 3)])),
+    ]
+    g.answered_once()
+
+
+def test_a_sequence_one_stage_dropped_is_recomputed_and_its_other_copies_dropped(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    a, b, run = _preempted(g)
+    answer = p.SeqsParked(model="lm", stage=0, parked=[b], dropped=[])
+    assert g.keep(g.h.backend(g.w0, answer)) == []
+    # Stage 1's worker found copying dearer than recomputing (or had no room): w0's copy is
+    # dropped at once, and b is recomputed from its tokens when it joins again.
+    answer = p.SeqsParked(model="lm", stage=1, parked=[], dropped=[b])
+    assert g.keep(g.h.backend(g.w1, answer)) == freed(b)
+    run = run_of(_a_ends(g, a, run), g.w0)
+    assert steps(run) == [(b, 0, 4, 1)] and ids_of(run) == [1, 6, 7, 20]
+    run = run_of(g.step(run, [21]), g.w0)
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes) == (1, 0, 1)
+    # A late or stray answer changes nothing.
+    late = p.SeqsParked(model="lm", stage=0, parked=[b, 12345], dropped=[777])
+    assert g.keep(g.h.backend(g.w0, late)) == []
+
+
+def test_a_parked_sequence_stopped_while_waiting_has_its_copies_dropped(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    a, b, run = _preempted(g)
+    out = g.client(p.StopGenerate(id=2), addr=CLIENT_B)
+    assert out[:2] == freed(b) and kinds(out[2:]) == [(CLIENT_B, "generated")]
+    assert g.core.generation.parked == {}
 
 
 def test_a_stopped_prefill_out_of_memory_is_no_verdict_on_the_call(

@@ -74,6 +74,7 @@ def test_ttft_and_inter_token_times_are_histograms_status_reads(
     assert got[f'{itl}_bucket{{le="0.5",model="lm"}}'] == 1
     assert got[f'{itl}_bucket{{le="1.0",model="lm"}}'] == 2
     assert got['flowmesh_broker_preemptions_total{kind="recompute",model="lm"}'] == 0
+    assert got['flowmesh_broker_preemptions_total{kind="swap",model="lm"}'] == 0
     assert got['flowmesh_broker_preemptions_total{kind="restart",model="lm"}'] == 0
     (row,) = g.core.status(g.h.now).models
     # Interpolated inside the bucket, as histogram_quantile: TTFT's one sample in (0.2, 0.5].
@@ -103,7 +104,15 @@ def test_bucket_quantiles_follow_histogram_quantile() -> None:
 
 
 def test_preemptions_by_kind_and_kv_blocks_free_reach_status_and_metrics() -> None:
-    llm = model_row("llm", tokens_generated=9, gen_iterations=4, preemptions=2, restarts=1)
+    llm = model_row(
+        "llm",
+        tokens_generated=9,
+        gen_iterations=4,
+        preemptions=3,
+        restarts=1,
+        swaps=2,
+        recomputes=1,
+    )
     stats = {"kv_bytes": 3, "kv_blocks": 3, "kv_seqs": 2, "kv_limit_bytes": 10, "kv_blocks_free": 7}
     st = broker_status(models=[llm], workers=[worker_row("w0", stats=stats)])
     got = {
@@ -112,13 +121,13 @@ def test_preemptions_by_kind_and_kv_blocks_free_reach_status_and_metrics() -> No
         for s in f.samples
     }
     kinds = {k[1][0][1]: v for k, v in got.items() if k[0] == "flowmesh_broker_preemptions_total"}
-    assert kinds == {"recompute": 2, "restart": 1}
+    assert kinds == {"swap": 2, "recompute": 1, "restart": 1}
     assert got[("flowmesh_broker_worker_kv_blocks_free", (("worker", "w0"),))] == 7
     text = views.format_status(st).splitlines()
     assert "w0 KV cache: 3 B of 10 B (3 blocks, 2 sequences), 7 blocks free" in text
     assert [ln for ln in text if "generation:" in ln] == [
         "llm generation: 0 sequences running, 0 waiting, 9 tokens in 4 iterations, "
-        "2 preemptions, 1 restarts"
+        "3 preemptions (2 resumed from parked KV, 1 recomputed), 1 restarts"
     ]
     mine = {s.name: s.value for f in metrics.worker_families("w0", stats) for s in f.samples}
     assert mine["flowmesh_worker_kv_blocks_free"] == 7

@@ -7,7 +7,6 @@ refusals at the door, and the demo's part."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,15 @@ import pytest
 from client_sdk import demo_generation, errors
 from client_sdk.client import AsyncClient
 from client_sdk.mesh import LocalMesh
-from flowmesh.modelio.decode import KV_BLOCK
 from flowmesh.modelio.tokenizer import TextCodec, read_tokenizer
 from tests.support.lm import EOS_ID, hf_generate, tiny_lm_dir
 from tests.support.mesh import FAST, roots_at
+from tests.support.preemption import (
+    PREEMPTED,
+    PREEMPTED_NEW,
+    preempted_reference,
+    three_blocks_share,
+)
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1 2 3"]
 
@@ -200,34 +204,6 @@ def test_every_architecture_in_one_and_two_stages_equals_hugging_face(
             c.undeploy(name)
 
 
-# tiny_lm_dir's shapes: 4 layers, hidden 32 over 4 heads (head size 8); GPT-2 and OPT have no
-# grouped KV heads (4), the others 2. A 2-stage plan cuts the layers 2 and 2 (embed and head
-# beside).
-LM_LAYERS, HEAD_DIM = 4, 8
-KV_HEADS = {"llama": 2, "qwen2": 2, "mistral": 2, "gpt2": 4, "opt": 4}
-# 15, 13 and 12 tokens (bos included): one block each, two a few new tokens later.
-PREEMPTED = ["Once upon a time", "Hello! How are you today", "Numbers: 1 2 3 4"]
-PREEMPTED_NEW = 8
-
-
-def kv_block_bytes(arch: str, stages: int) -> int:
-    """One KV block on each stage's worker: keys and values of its layers for KV_BLOCK tokens,
-    float32 (what the worker's cap counts, `flowmesh.modelio.decode.KVShape.block_bytes`)."""
-    return (LM_LAYERS // stages) * 2 * KV_HEADS[arch] * KV_BLOCK * HEAD_DIM * 4
-
-
-@functools.cache
-def preempted_reference(parent: Path, arch: str) -> tuple[Path, list[list[int]]]:
-    """`arch`'s tiny model under `parent` and HF's greedy tokens for PREEMPTED: made once for
-    both stage counts (the model and its tokens do not depend on the plan)."""
-    model_dir = tiny_lm_dir(parent / f"tiny-{arch}-preempted", arch, seed=6, max_positions=48)
-    codec = TextCodec.from_files(read_tokenizer(model_dir))
-    prompts_ids = [codec.encode(t) for t in PREEMPTED]
-    # Each prompt within one block, each whole sequence past it (within two, and the context).
-    assert all(len(i) < KV_BLOCK < len(i) + PREEMPTED_NEW <= 2 * KV_BLOCK for i in prompts_ids)
-    return model_dir, hf_generate(model_dir, prompts_ids, PREEMPTED_NEW, ignore_eos=True)
-
-
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2", "opt"])
 def test_every_architecture_equals_hugging_face_across_preemption_and_resume(
@@ -236,15 +212,16 @@ def test_every_architecture_equals_hugging_face_across_preemption_and_resume(
     """The exactness table's preemption column: three sequences whose prompts fit a block each
     and which grow to two as they decode, on a deployment whose KV share on each worker holds
     three blocks: when one crosses into its second block the newest is preempted (its blocks
-    freed), and joins again later with its KV recomputed from its prompt and the tokens it had
-    drawn. Every output still equals HF `generate`'s greedy tokens."""
+    freed), and joins again later with its KV parked in host memory and copied back, or
+    recomputed from its prompt and the tokens it had drawn, whichever the workers measured
+    cheaper (each forced in turn: tests/scenarios/test_generation_preemption.py). Every output
+    still equals HF `generate`'s greedy tokens."""
     mesh, llama_dir = lm
     model_dir, expected = preempted_reference(llama_dir.parent, arch)
     name = f"{arch}-{stages}-preempted"
     with mesh.client() as c:
         budget = min(w.budget_bytes for w in c.status().workers)
-        # Three blocks and a byte: what int(share * budget) rounds to stays within [3, 4).
-        share = (3 * kv_block_bytes(arch, stages) + 1) / budget
+        share = three_blocks_share(arch, stages, budget)
         row = c.deploy(name, hf=str(model_dir), stages=stages, max_seqs=3, kv_share=share)
         try:
             # The share was sized for the layers cut evenly over the stages: [start, stop) of
@@ -255,6 +232,7 @@ def test_every_architecture_equals_hugging_face_across_preemption_and_resume(
             assert [o.finish_reason for o in outs] == ["length"] * 3
             status = next(m for m in c.status().models if m.name == name)
             assert status.preemptions >= 1, status.preemptions
+            assert status.swaps + status.recomputes == status.preemptions  # each resumed
             assert status.running_seqs == status.waiting_seqs == 0
         finally:
             c.undeploy(name)

@@ -203,6 +203,14 @@ def freed(*seqs: int) -> list[tuple[str, bytes, p.Message]]:
     ]
 
 
+def parked(*seqs: int) -> list[tuple[str, bytes, p.Message]]:
+    """The FreeSeqs with park every stage's worker gets for preempted `seqs`."""
+    return [
+        (BACKEND, b"w0", p.FreeSeqs(model="lm", stage=0, seqs=list(seqs), park=True)),
+        (BACKEND, b"w1", p.FreeSeqs(model="lm", stage=1, seqs=list(seqs), park=True)),
+    ]
+
+
 def out_of(
     new: list[int], finish: str, prompt: int, ttft_ms: float = 0.0, gaps: list[float] | None = None
 ) -> p.GenOutput:

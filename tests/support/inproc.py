@@ -9,7 +9,8 @@ no child process (vLLM's in-process client idea).
   them; it registers with its inventory and sends heartbeat stats as the shell does
   (`flowmesh.peer.MeshPeer`), and direct runs' Hops go to the next stage's worker's core (each
   worker advertises an `inproc://` peer endpoint).
-- The partitioner plans with `partitioner.service.plan_for` on a thread, as the process does.
+- The partitioner plans with `partitioner.service.plan_for` on a thread, as the process does;
+  the broker's reads of language models' directories run on threads as its shell runs them.
 - Every message, each way, goes through the real codec (`flowmesh.codec` encode, then decode
   with the receiver's limits): the schema is checked on every hop, tensors included.
 
@@ -38,6 +39,7 @@ import pytest
 import torch
 
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
+from broker.lm_files import start_reads
 from client_sdk.client import AsyncClient, Client
 from client_sdk.connection import GRACE_S, Connection, PendingCall, expire_call
 from client_sdk.errors import ClientError, Timeout
@@ -147,6 +149,7 @@ class InProcWorker(_Peer):
         train_bytes: int,
         roots: Roots,
         compute_lanes: int,
+        kv_preempt: str = "auto",
     ) -> None:
         super().__init__(mesh, name)
         self.endpoint = f"inproc://{name}"
@@ -162,6 +165,7 @@ class InProcWorker(_Peer):
             clock=time.monotonic,
             compute_lanes=compute_lanes,
             train_bytes=train_bytes,
+            kv_preempt=kv_preempt,
             log=log,
         )
 
@@ -286,12 +290,17 @@ class InProcConnection(Connection):
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
                 self._loop.call_soon_threadsafe(self._on_frames, frames)
 
-    async def call(self, msg: p.Message, timeout: float | None) -> p.Message:
+    async def call(
+        self,
+        msg: p.Message,
+        timeout: float | None,
+        on_part: Callable[[p.Message], None] | None = None,
+    ) -> p.Message:
         loop = self._loop = asyncio.get_running_loop()
         frames, nbytes = self._encode(msg)
         ref: int = msg.id  # type: ignore[attr-defined]
         fut: asyncio.Future[p.Message] = loop.create_future()
-        self._pending[ref] = PendingCall(fut, nbytes, msg.TYPE)
+        self._pending[ref] = PendingCall(fut, nbytes, msg.TYPE, on_part=on_part)
         limit = self.seconds(timeout)
         sent = [bytes(memoryview(f).cast("B")) for f in frames]  # as a socket copies them
         self.mesh.post(self.mesh.from_client, self, sent)
@@ -332,6 +341,7 @@ class InProcMesh:
         broker: dict[str, Any] | None = None,
         ready_timeout_s: float = 60.0,
         threads_per_worker: int | None = 1,
+        kv_preempt: str = "auto",
     ) -> None:
         self.cfg = BrokerConfig(
             heartbeat_s=heartbeat_s,
@@ -347,6 +357,7 @@ class InProcMesh:
             [str(r) for r in checkpoint_roots] if checkpoint_roots is not None else None
         )
         self.compute_lanes = compute_lanes
+        self.kv_preempt = kv_preempt  # the workers' `--kv-preempt`
         # The torch threads of each worker's lanes (`--threads`; None: torch's default): each
         # pool takes the count of the thread that makes it, the mesh's loop thread.
         self.threads_per_worker = threads_per_worker
@@ -394,7 +405,13 @@ class InProcMesh:
             name = f"worker-{i}"
             roots = Roots.of(self.data_roots, self.checkpoint_roots, f"worker {name}")
             w = InProcWorker(
-                self, name, self.budget_bytes, self.train_bytes, roots, self.compute_lanes
+                self,
+                name,
+                self.budget_bytes,
+                self.train_bytes,
+                roots,
+                self.compute_lanes,
+                self.kv_preempt,
             )
             self.workers.append(w)
             self.by_endpoint[w.endpoint] = w
@@ -472,7 +489,10 @@ class InProcMesh:
 
     def _flush(self) -> None:
         """Deliver what the broker's core queued (`BrokerService._flush`): each message
-        encoded now, decoded by its receiver on a later loop turn."""
+        encoded now, decoded by its receiver on a later loop turn. Reads of model directories
+        the core asked for start here too, on threads, as the shell starts them."""
+        if self.core.generation.reads:
+            start_reads(self.core, asyncio.get_running_loop(), time.monotonic, self._flush)
         now = time.monotonic()
         for _ in range(1000):  # send failures may queue answers of their own
             out = self.core.drain()

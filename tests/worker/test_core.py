@@ -18,6 +18,7 @@ from flowmesh.steps import StepResult
 from gpu_worker.core import (
     AddStage,
     CloseJob,
+    FreeKV,
     LoadStage,
     OpenJob,
     PrepareStage,
@@ -113,6 +114,26 @@ def test_a_load_is_asked_for_and_answered_and_its_id_goes_with_the_next_report()
     (work,) = core.drain()
     core.finished(work, FlowmeshError(Code.NO_SPACE, "cannot place 'm'/1"), 3.0)
     assert sent(core.drain()) == [p.Error(id=5, code="no_space", reason="cannot place 'm'/1")]
+
+
+def test_freed_sequences_go_unanswered_and_parked_ones_are_answered_which_were_kept() -> None:
+    core = WorkerCore("w")
+    core.handle(p.FreeSeqs(model="lm", stage=1, seqs=[3]), 0.0)
+    (work,) = core.drain()
+    assert isinstance(work, FreeKV) and not work.msg.park
+    core.finished(work, 96, 0.5)
+    assert core.drain() == []
+    park = p.FreeSeqs(model="lm", stage=1, seqs=[4, 5], park=True)
+    core.handle(park, 1.0)
+    (work,) = core.drain()
+    core.finished(work, ([4], [5]), 1.5)
+    answer = p.SeqsParked(model="lm", stage=1, parked=[4], dropped=[5])
+    assert sent(core.drain()) == [answer]
+    # Parking failed: none of them is kept, and the broker hears so (it recomputes them).
+    core.handle(park, 2.0)
+    (work,) = core.drain()
+    core.finished(work, RuntimeError("copy failed"), 2.5)
+    assert sent(core.drain()) == [p.SeqsParked(model="lm", stage=1, parked=[], dropped=[4, 5])]
 
 
 def test_a_stage_is_prepared_kept_with_its_digest_and_dropped_if_the_broker_forgot_it() -> None:

@@ -6,6 +6,8 @@ share."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -21,8 +23,8 @@ from tests.support.stages import MIB
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 
 
-async def _executor(spec: ModelSpec, budget: int = 4 * MIB) -> Executor:
-    ex = Executor(CpuStandIn(budget))
+async def _executor(spec: ModelSpec, budget: int = 4 * MIB, **options: Any) -> Executor:
+    ex = Executor(CpuStandIn(budget), **options)
     plan = make_stage_plan(spec, stages=2)
     for i in range(2):
         blocks, host = prepare_stage(spec, plan, i, ex.device, DEFAULT_ALLOW)
@@ -80,7 +82,7 @@ async def test_greedy_iterations_through_the_executor_equal_generate(llama) -> N
 
 async def test_kv_blocks_count_in_the_budget_and_go_with_free_seqs_and_the_stage(llama) -> None:  # type: ignore[no-untyped-def]
     _, spec = llama
-    ex = await _executor(spec)
+    ex = await _executor(spec, kv_preempt="recompute")  # parking: tests/worker/test_kv_park.py
     weights = ex.memory.used["serving"]
     (p,) = prompts([20])
     await _iteration(ex, "lm", [_prefill(1, 20)], torch.tensor(p))
@@ -95,7 +97,8 @@ async def test_kv_blocks_count_in_the_budget_and_go_with_free_seqs_and_the_stage
     ex.free_seqs(("lm", 1), [1])
     assert ex.memory.used["serving"] == weights
     assert ex.stats()["kv_seqs"] == 0
-    # Evicting a stage drops its KV; the sequence's next step there fails, naming why.
+    # Evicting a stage drops its KV (never parked, by `kv_preempt`); the sequence's next step
+    # there fails, naming why.
     await _iteration(ex, "lm", [_prefill(2, 20)], torch.tensor(p))
     ex.evict(("lm", 1))
     assert ex.stages[("lm", 1)].kv is None
