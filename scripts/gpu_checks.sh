@@ -72,7 +72,9 @@ if [ "$cpu" = 1 ]; then
   # The suite runs these files' CPU tests itself (and the CUDA ones skip here): collecting them
   # checks the step's command.
   cuda_tests=(--collect-only)
-  colo=(--jobs 2 --requests 10 --width 64)
+  # One round runs every phase that four do (alone, together, training alone): this check
+  # needs each phase to run, not figures steadied over rounds.
+  colo=(--jobs 2 --requests 10 --width 64 --rounds 1)
 else
   swap=(--mib 1024 --layers 16 --repeats 5 --disk-mib 1024)
   cold=(--stages 8 --mib 256)

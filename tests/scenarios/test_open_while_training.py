@@ -5,8 +5,7 @@ hold `gpu_worker.model_code.MODEL_CODE_LOCK`, as task computes do (without it th
 The job's losses and the opened jobs' initial weights are compared with plain PyTorch on the
 same seeds and data, with `torch.testing.assert_close` at rtol 1e-5 / atol 1e-6 (README "Tests":
 training results are compared within tolerance, never bit for bit). The whole exactness grid
-runs on real processes (tests/mesh/test_training_exactness.py): 96 jobs of Python-bound steps
-use both cores there, one interpreter here.
+is tests/scenarios/test_training_exactness.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The training exactness grid's models, optimizers, data and plain PyTorch reference, shared by
-the real-process grid (tests/mesh/test_training_exactness.py) and the in-process scenario of
-jobs opened while another trains (tests/scenarios/test_open_while_training.py)."""
+the grid (tests/scenarios/test_training_exactness.py) and the scenario of jobs opened while
+another trains (tests/scenarios/test_open_while_training.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Exactness through the mesh, the whole grid (issue 7, section 3): the example MLP, a tiny GPT
-with dropout, a small ResNet with BatchNorm and Hugging Face GPT-2 with its tied embedding and
-head, each with SGD+momentum, Adam and AdamW, cut into one to four sub-models, with and without
-gradient clipping: 96 jobs open at once on one mesh, 20 steps each, all in flight together.
+"""Exactness through the mesh, the whole grid (issue 7, section 3), on an in-process mesh
+(tests/support/inproc.py): the example MLP, a tiny GPT with dropout, a small ResNet with
+BatchNorm and Hugging Face GPT-2 with its tied embedding and head, each with SGD+momentum, Adam
+and AdamW, cut into one to four sub-models, with and without gradient clipping: 96 jobs open at
+once on one mesh, 20 steps each, all in flight together.
 
 Per-step losses and final parameters (read back from each job's checkpoint) are compared with a
 plain PyTorch loop on the same seeds and data, with `torch.testing.assert_close` at rtol 1e-5 /
@@ -10,9 +11,9 @@ Plain PyTorch does not depend on the cut, so one reference run serves the four s
 of a (model, optimizer, clip) cell. The sub-model count of a job is forced by its chunk target
 (`chunk_bytes`), found here with the partitioner the worker itself plans with.
 
-Real processes, not the in-process mesh: the 96 jobs' steps are bound by Python, and workers of
-their own use both cores. Opening jobs while another trains is in process
-(tests/scenarios/test_open_while_training.py).
+The workers' cores, executors and training executors are the real ones, every message goes
+through the real codec and the SDK on top is the real one: nothing here needs a process of its
+own (what does stays in tests/mesh/).
 
 `pytest -s` prints the exactness table (model x optimizer x sub-models x clip -> max relative
 difference of the losses and of the parameters); it is also written to
@@ -33,12 +34,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from client_sdk.client import AsyncClient
-from client_sdk.mesh import LocalMesh
 from flowmesh.modelio.plan import chunk_plan
 from flowmesh.modelio.profile import profile
 from flowmesh.spec import ModelSpec
-from tests.support.mesh import FAST, roots_at
+from tests.support.inproc import InProcMesh
+from tests.support.mesh import roots_at
+from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import (
     ALLOW,
     ATOL,
@@ -57,7 +58,6 @@ from tests.support.train_grid import (
 )
 
 CLIP = 0.5
-ALLOW_ARGS = [a for m in ALLOW for a in ("--allow", m)]
 PARTS = (1, 2, 3, 4)
 CLIPS: tuple[float | None, ...] = (None, CLIP)
 Cell = tuple[str, str, float | None]  # model, optimizer, clip: one plain PyTorch run
@@ -148,8 +148,8 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-async def run_all(address: str, cases: list[Case], data: dict[str, Data], out: Path) -> None:
-    async with AsyncClient(address, timeout=600.0) as client:
+async def run_all(mesh: InProcMesh, cases: list[Case], data: dict[str, Data], out: Path) -> None:
+    async with mesh.async_client(timeout=600.0) as client:
 
         async def open_job(case: Case) -> Any:
             s = MODELS[case.model]
@@ -200,7 +200,6 @@ async def run_all(address: str, cases: list[Case], data: dict[str, Data], out: P
 
 def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    torch.set_num_threads(1)  # the workers keep both cores busy
     t0 = time.perf_counter()
     data = {m: data_for(m, seed=40 + i) for i, m in enumerate(MODELS)}
     cases: list[Case] = []
@@ -215,16 +214,14 @@ def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) ->
         c.name = f"x{i:02d}-{c.model}-{c.optimizer.split('+')[0]}-k{c.parts}-c{int(bool(c.clip))}"
 
     print(f"\nchunk targets in {time.perf_counter() - t0:.1f} s")
-    with LocalMesh(
+    with InProcMesh(
         cpu_workers=2,
         memory_budget="8MiB",
         train_bytes=TRAIN_BYTES,
-        broker_args=ALLOW_ARGS,
-        worker_args=ALLOW_ARGS,
+        allow=ALLOW,
         **roots_at(tmp_path),
-        **FAST,
     ) as mesh:
-        asyncio.run(run_all(mesh.frontend, cases, data, tmp_path))
+        asyncio.run(run_all(mesh, cases, data, tmp_path))
 
     # The plain PyTorch runs, after the mesh is gone (one per model x optimizer x clip).
     plain: dict[Cell, Plain] = {}
@@ -259,5 +256,3 @@ def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) ->
     if os.environ.get("FLOWMESH_EXACTNESS_TABLE"):
         Path(os.environ["FLOWMESH_EXACTNESS_TABLE"]).write_text(text + "\n")
     assert not failures, f"{len(failures)} of {len(cases)} jobs differ:\n" + "\n".join(failures)
-
-

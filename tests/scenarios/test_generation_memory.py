@@ -1,10 +1,10 @@
-"""Generation under memory pressure through a real mesh: four tiny language models (two Llamas,
-two Qwen2s) on two workers whose budgets each hold two models' weights and a few sequences' KV,
-many concurrent greedy calls across all four. Every output equals Hugging Face's own `generate`,
-no worker's resident bytes (weights and KV) ever exceed its budget, sequences that outgrow their
-model's KV share are preempted (counted in status) and finish all the same, and each worker's
-KV figures reach status, `flowmesh status` and /metrics: above 0 while sequences run, 0 once
-every one ended."""
+"""Generation under memory pressure through an in-process mesh (tests/support/inproc.py): four
+tiny language models (two Llamas, two Qwen2s) on two workers whose budgets each hold two models'
+weights and a few sequences' KV, many concurrent greedy calls across all four. Every output
+equals Hugging Face's own `generate`, no worker's resident bytes (weights and KV) ever exceed
+its budget, sequences that outgrow their model's KV share are preempted (counted in status) and
+finish all the same, and each worker's KV figures reach status, `flowmesh status` and /metrics:
+above 0 while sequences run, 0 once every one ended."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 
 from client_sdk import views
-from client_sdk.client import AsyncClient
-from client_sdk.mesh import LocalMesh
 from flowmesh import metrics
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lm_examples import hf_generate, tiny_lm_dir
 from flowmesh.modelio.decode import KV_BLOCK
 from flowmesh.reports import BrokerStatus
 from gpu_worker.kv_cache import kv_limit_bytes
-from tests.support.mesh import FAST, roots_at
+from tests.support.inproc import InProcMesh
+from tests.support.mesh import roots_at
 from tests.support.reports import broker_status, worker_row
+from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.waiting import until
 
 ARCHS = ["llama", "qwen2", "llama", "qwen2"]
@@ -52,7 +52,7 @@ def sequences(vocab: int) -> list[tuple[str, list[int], int]]:
 @pytest.fixture(scope="module")
 def lms(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[LocalMesh, dict[str, Path], int]]:
+) -> Iterator[tuple[InProcMesh, dict[str, Path], int]]:
     root = tmp_path_factory.mktemp("gen-memory")
     dirs = {
         f"lm{i}": tiny_lm_dir(root / f"lm{i}", arch, seed=20 + i, layers=LAYERS, hidden=HIDDEN)
@@ -62,10 +62,10 @@ def lms(
     # Two models' weights and eight blocks of KV; the alignment of each tensor's range besides.
     budget = 2 * weights + 8 * BLOCK + (64 << 10)
     share = (SHARE_BLOCKS * BLOCK + 1) / budget
-    # Heartbeats four times FAST's rate (their liveness as long), so that status sees the KV
-    # of sequences that run for a second or so.
-    beats = {**FAST, "heartbeat_s": 0.05, "liveness": 100}
-    with LocalMesh(cpu_workers=2, memory_budget=str(budget), **roots_at(root), **beats) as mesh:
+    # Heartbeats every 50 ms (tests.support.mesh.FAST's are 0.2 s), so that status sees the
+    # KV of sequences that run for a second or so.
+    beats = {"heartbeat_s": 0.05, "liveness": 100}
+    with InProcMesh(cpu_workers=2, memory_budget=budget, **roots_at(root), **beats) as mesh:
         with mesh.client(timeout=120) as c:
             for name, d in dirs.items():
                 c.deploy(name, hf=str(d), stages=1, max_seqs=MAX_SEQS, kv_share=share)
@@ -90,7 +90,7 @@ def over_budget(st: BrokerStatus) -> list[str]:
 
 
 def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
-    lms: tuple[LocalMesh, dict[str, Path], int],
+    lms: tuple[InProcMesh, dict[str, Path], int],
 ) -> None:
     mesh, dirs, budget = lms
     vocab = 3 + 200  # ids within every tiny model's vocabulary
@@ -103,7 +103,7 @@ def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
     want = [next(expected[m])[:n] for m, _, n in seqs]
 
     async def main() -> tuple[list[Any], list[BrokerStatus], BrokerStatus]:
-        async with AsyncClient(mesh.frontend, timeout=300) as c:
+        async with mesh.async_client(timeout=300) as c:
             seen: list[BrokerStatus] = []
             done = asyncio.Event()
 
