@@ -1156,7 +1156,7 @@ class Executor:
                     m.order_current()
                 for r in restores:
                     r.after.order_current()  # the park's copy out
-                    size = r.host.numel() // max(1, len(r.blocks))
+                    size = r.block_bytes
                     for i, block in enumerate(r.blocks):
                         block.copy_(r.host[i * size : (i + 1) * size], non_blocking=True)
                 packed = Packed([s.start for s in gen.seqs], [s.count for s in gen.seqs])

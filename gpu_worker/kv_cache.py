@@ -76,6 +76,7 @@ class Restore:
     blocks: list[torch.Tensor]
     host: torch.Tensor
     after: Any
+    block_bytes: int
 
 
 class StageKV:
@@ -108,7 +109,9 @@ class StageKV:
             held = self.seqs.get(step.seq)
             parked = self.parked.get(step.seq) if held is None and step.start > 0 else None
             if parked is not None:
-                if step.start != parked.tokens:
+                # Parked past `start` (this stage ran a step the others did not, before it was
+                # preempted again): the step computes those positions again, over them.
+                if step.start > parked.tokens:
                     raise FlowmeshError(
                         Code.BAD_REQUEST,
                         f"{self.where}: sequence {step.seq} is parked with {parked.tokens} "
@@ -157,7 +160,7 @@ class StageKV:
             seq.tokens = step.start + step.count
             if parked is not None:
                 views = [self.raw(ext) for ext in seq.extents[: parked.blocks]]
-                restores.append(Restore(views, parked.host, parked.copied))
+                restores.append(Restore(views, parked.host, parked.copied, self.block_bytes))
             out.append(seq)
         assert next(it, None) is None, "more ranges than the iteration needs"
         return out, restores

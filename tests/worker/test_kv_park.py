@@ -114,6 +114,25 @@ async def test_a_parked_sequence_resumes_where_it_stopped_bit_for_bit(llama) -> 
     ex.close()
 
 
+async def test_a_step_from_before_the_parked_tokens_computes_them_again(llama) -> None:  # type: ignore[no-untyped-def]
+    """One stage ran a step the other did not before both were preempted again (its parked
+    copy holds a token more): the broker's step from the fewer tokens computes that position
+    again over the parked one, and the sequence goes on exactly."""
+    model, spec = llama
+    ex = await _executor(spec, kv_preempt="swap")
+    (p,) = prompts([15])
+    out: list[int] = []
+    await _generate(ex, 1, p, 4, Sampling(), out)
+    for key in STAGES:
+        assert ex.park_seqs(key, [1]) == ([1], [])
+    tokens = len(p) + len(out) - 1  # parked on both stages
+    step = SeqStep(seq=1, start=tokens - 1, count=2, sampling=Sampling(), drawn=len(out))
+    out.append(await _step(ex, step, out[-2:]))
+    await _generate(ex, 1, p, 8, Sampling(), out)
+    assert out == hf_greedy(model, p, 8)[0]
+    ex.close()
+
+
 async def test_a_seeded_draw_goes_on_across_a_park_as_if_never_preempted(llama) -> None:  # type: ignore[no-untyped-def]
     _, spec = llama
     sampling = Sampling(temperature=1.0, seed=11, max_tokens=10)
