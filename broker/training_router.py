@@ -104,7 +104,8 @@ class Job:
     last_loss: float | None = None
     saved_step: int | None = None
     saved_path: str | None = None
-    # What the worker reported on open: its sub-models, the device bytes it would hold at once.
+    # What the worker reported on open: its sub-models (their activation policies as of the
+    # last answered step), the device bytes it would hold at once.
     sub_models: list[SubModelRow] = field(default_factory=list)
     footprint: int = 0
     steps: int = 0
@@ -184,6 +185,11 @@ class Job:
         self.bytes_in += msg.bytes_in
         self.bytes_out += msg.bytes_out
         self.memory_wait_s += msg.memory_wait_s
+        if len(msg.activations) == len(self.sub_models):  # the policies this step ran with
+            self.sub_models = [
+                msgspec.structs.replace(row, activations=a)
+                for row, a in zip(self.sub_models, msg.activations, strict=True)
+            ]
 
     def step_sent(self, seq: int, tensors: Mapping[str, Any]) -> None:
         """Note the rows of step `seq` as it goes to the worker (its targets' first dim), and its

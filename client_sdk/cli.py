@@ -531,10 +531,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.inflight < 1:
         raise SystemExit("--steps and --inflight must be positive")
-    if args.resume and args.dtype:
+    if args.resume and (args.dtype or args.activations):
         raise SystemExit(
-            "--dtype with --resume: the job continues with the checkpoint's configuration, "
-            "its dtype included"
+            "--dtype or --activations with --resume: the job continues with the checkpoint's "
+            "configuration"
         )
     kwargs = _kwargs(args.kwargs)
     name = args.name or f"train-{os.getpid()}"
@@ -577,6 +577,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             clip_grad_norm=args.clip_grad_norm,
             accumulate=args.accumulate,
             dtype=args.dtype,
+            activations=args.activations,
             chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
             timeout=args.timeout,
         )
@@ -1183,6 +1184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="cross_entropy", help="cross_entropy | mse")
     p.add_argument("--clip-grad-norm", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument(
+        "--activations",
+        default=None,
+        help="what each sub-model's backward does for its forward's activations: recompute, "
+        "keep, or auto (default: whichever the worker measured cheaper)",
+    )
     p.add_argument("--chunk-bytes", default=None, help="sub-model target size (e.g. 4MiB)")
     p.add_argument(
         "--data",

@@ -359,6 +359,7 @@ class AsyncClient:
         clip_grad_norm: float | None = None,
         accumulate: int = 1,
         dtype: str | None = None,
+        activations: str | None = None,
         rng_seed: int | None = None,
         stop_on_nonfinite: bool = True,
         chunk_bytes: int | None = None,
@@ -377,14 +378,17 @@ class AsyncClient:
         bytes). `dtype`: what the forward and the loss compute in, "float32" (the default) or
         "bfloat16": mixed precision as torch.autocast gives it, the parameters, gradients and
         optimizer state staying float32 (the master weights) and the backward and the update
-        running on them; "float16" is refused (it would need loss scaling). With `resume` and
+        running on them; "float16" is refused (it would need loss scaling). `activations`: what
+        each sub-model's backward does for its forward's activations, "recompute" (run the
+        forward again), "keep" (the first forward's graph kept until the backward) or "auto"
+        (the default: per sub-model, whichever the worker measured cheaper). With `resume` and
         no `optimizer`, the checkpoint's."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
-        if optimizer is None and dtype is not None:
+        if optimizer is None and (dtype is not None or activations is not None):
             raise ValueError(
-                "train_open(resume=..., dtype=...) needs optimizer= too: without one the job "
-                "continues with the checkpoint's training configuration, its dtype included"
+                "train_open(resume=..., dtype=... or activations=...) needs optimizer= too: "
+                "without one the job continues with the checkpoint's training configuration"
             )
         spec = {
             "name": name,
@@ -407,6 +411,8 @@ class AsyncClient:
             }
             if dtype is not None:
                 config["compute_dtype"] = dtype
+            if activations is not None:
+                config["activations"] = activations
         msg = p.TrainOpen(
             id=self.connection.next_id(),
             job=name,

@@ -188,7 +188,8 @@ def _sub_model(m: SubModelRow) -> str:
 def format_jobs(jobs: list[JobRow]) -> str:
     """Training jobs as a table: worker, state, step, last loss, steps/s, samples/s (and tokens/s
     for a language model's job), what the last step moved (into the arena / back to the host
-    tier) and waited for memory, and the sub-models with their activation policies."""
+    tier) and waited for memory, the sub-models with their activation policies (as of the last
+    answered step), and what the forward computes in."""
     rows = [
         [
             j.name,
@@ -201,6 +202,8 @@ def format_jobs(jobs: list[JobRow]) -> str:
             _moved(j),
             f"{j.step_memory_wait_s * 1000:.1f} ms",
             " | ".join(_sub_model(m) for m in j.sub_models) or "-",
+            # What its forward computes in (mixed precision: bfloat16 over float32 weights).
+            str((j.config or {}).get("compute_dtype") or "float32"),
             fmt_bytes(j.footprint),
             "-" if j.saved_step is None else j.saved_step,
             j.pending,
@@ -219,6 +222,7 @@ def format_jobs(jobs: list[JobRow]) -> str:
         "moved/step (in/out)",
         "mem wait/step",
         "sub-models (blocks:host/task bytes activations)",
+        "dtype",
         "footprint",
         "saved",
         "pending",

@@ -349,7 +349,8 @@ class TrainStepResult(Message, tag="train_step_result"):
     its copies moved from the host tier into the device arena and back (parameters, gradients,
     optimizer state, buffers; not activations), and `memory_wait_s`, the seconds its tasks
     waited for arena memory while each headed the job's chain (0 from a worker that measures
-    none, or for an answer a restarted broker took up from an inventory)."""
+    none, or for an answer a restarted broker took up from an inventory), and `activations`,
+    each sub-model's activation policy in the step (empty: not reported)."""
 
     id: Id
     job: str
@@ -360,6 +361,7 @@ class TrainStepResult(Message, tag="train_step_result"):
     bytes_in: Count = 0
     bytes_out: Count = 0
     memory_wait_s: Seconds = 0.0
+    activations: list[str] = field(default_factory=list)
 
 
 class TrainEval(Message, tag="train_eval"):

@@ -29,6 +29,8 @@ class StepResult:
     loss: float
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+    # A step's: each sub-model's activation policy (`gpu_worker.activation_keep`) in it.
+    activations: list[str] = field(default_factory=list)
 
 
 class StepLedger(Generic[A]):

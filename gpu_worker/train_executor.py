@@ -863,6 +863,7 @@ def step_answer(msg: p.TrainStep, r: StepResult) -> p.TrainStepResult:
         bytes_in=int(m.get("bytes_in", 0)),
         bytes_out=int(m.get("bytes_out", 0)),
         memory_wait_s=float(m.get("memory_wait_s", 0.0)),
+        activations=list(r.activations),
     )
 
 

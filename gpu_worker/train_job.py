@@ -277,7 +277,8 @@ class TrainingJob:
         self._kept: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
         # Per sub-model: the policy of the step planned last, and what each policy's tasks
         # cost ([seconds, tasks] per policy) and a kept forward stashed (`observe`, `choose`).
-        self._policy: list[str] = [RECOMPUTE] * k
+        forced = self.config.activations
+        self._policy: list[str] = [RECOMPUTE if forced == "auto" else forced] * k
         self._cost: list[dict[str, list[float]]] = [{} for _ in range(k)]
         self._saved: list[int | None] = [None] * k
         self._losses: dict[int, list[float]] = {}
@@ -995,7 +996,8 @@ class TrainingJob:
         metrics: dict[str, float] = {"nonfinite": float(nonfinite)}
         if total is not None:
             metrics["grad_norm"] = float(total)
-        return StepResult(sum(losses), self.step_count, metrics)
+        policies = [self.activation_policy(i) for i in range(self.parts)]
+        return StepResult(sum(losses), self.step_count, metrics, policies)
 
     def abort_step(self, request: int, reason: str) -> None:
         """Forget a failed step: its kept activations and partial gradients go; if an update

@@ -6,6 +6,7 @@ broker's metrics. Through BrokerCore on a fake clock, no sockets: exact figures.
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from broker.core import BACKEND, CLIENT
@@ -173,16 +174,17 @@ def test_flowmesh_jobs_shows_the_progress_of_each_job() -> None:
     h = Harness()
     trained(h)
     lines = format_jobs([row(h)]).splitlines()
-    cells = [c for c in lines[0].split("  ") if c]
-    assert cells[5:10] == [
+    cells = [c.strip() for c in lines[0].split("  ") if c.strip()]
+    assert cells[5:11] == [
         "steps/s",
         "samples/s",
         "moved/step (in/out)",
         "mem wait/step",
         "sub-models (blocks:host/task bytes activations)",
+        "dtype",
     ]
-    line = [c.strip() for c in lines[2].split("  ") if c]
-    assert line[:10] == [
+    line = [c.strip() for c in lines[2].split("  ") if c.strip()]
+    assert line[:11] == [
         "j",
         "w",
         "ready",
@@ -193,7 +195,12 @@ def test_flowmesh_jobs_shows_the_progress_of_each_job() -> None:
         "1.1 KiB/650 B",
         "125.0 ms",
         "0-1:3.0 KiB/5.0 KiB recompute | 2-2:1.0 KiB/2.0 KiB none",
+        "float32",
     ]
+    # Mixed precision: what its forward computes in, from the job's configuration.
+    mixed = msgspec.structs.replace(row(h), config={**row(h).config, "compute_dtype": "bfloat16"})
+    line = [c.strip() for c in format_jobs([mixed]).splitlines()[2].split("  ") if c.strip()]
+    assert line[10] == "bfloat16"
 
 
 def test_the_broker_exports_each_jobs_progress() -> None:

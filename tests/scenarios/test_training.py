@@ -217,3 +217,49 @@ def test_a_loss_factory_through_the_mesh_resumes_with_its_checkpoint(
     assert "loss 'hinge'" in malformed.value.reason
     meta = json.loads((Path(ckpt) / "job.json").read_text())
     assert meta["config"]["loss"] == SMOOTHED
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_a_forced_activation_policy_trains_exactly_and_is_reported(
+    mesh: InProcMesh, policy: str
+) -> None:
+    s, batches = spec(7), data(7)
+    expected, _ = plain(s, ADAMW, batches)
+    with mesh.client(timeout=60) as c:
+        job = c.train_open(f"act-{policy}", s.factory, **open_kw(s, ADAMW), activations=policy)
+        try:
+            losses = [job.step(x, y).loss for x, y in batches]
+            (row,) = [j for j in c.jobs() if j.name == f"act-{policy}"]
+        finally:
+            job.close()
+    close(losses, expected, f"per-step losses, activations={policy}")
+    # Every sub-model but the last (its forward and backward are one task: "none").
+    *kept, last = [m.activations for m in row.sub_models]
+    assert kept and set(kept) == {policy} and last == "none"
+
+
+def test_jobs_show_the_policy_each_step_ran_with(mesh: InProcMesh) -> None:
+    """Under "auto" a job's first step recomputes and its second keeps (each measured once
+    before the worker chooses): `jobs` follows what each answered step ran with."""
+    s, batches = spec(9), data(9)
+    with mesh.client(timeout=60) as c:
+        job = c.train_open("act-auto", s.factory, **open_kw(s, ADAMW))
+        try:
+            seen = []
+            for x, y in batches[:2]:
+                job.step(x, y)
+                (row,) = [j for j in c.jobs() if j.name == "act-auto"]
+                seen.append([m.activations for m in row.sub_models])
+        finally:
+            job.close()
+    parts = len(seen[0])
+    assert seen == [
+        ["recompute"] * (parts - 1) + ["none"],
+        ["keep"] * (parts - 1) + ["none"],
+    ]
+
+
+def test_an_unknown_activation_policy_is_refused(mesh: InProcMesh) -> None:
+    s = spec(8)
+    with mesh.client(timeout=60) as c, pytest.raises(errors.BadRequest, match="activations"):
+        c.train_open("act-bad", s.factory, **open_kw(s, ADAMW), activations="sometimes")
