@@ -327,7 +327,7 @@ def test_a_draining_replica_is_kept_when_the_one_it_left_to_is_lost() -> None:
 
 
 def test_a_deployed_model_keeps_its_arrival_rate_over_the_configured_window() -> None:
-    # `--rate-window`: what lets the real-process test (tests/mesh/test_autoscale.py) see a burst
+    # `--rate-window`: what lets the end-to-end test (tests/scenarios/test_autoscale.py) see a burst
     # cool in seconds; a model deployed without it would keep the default 30 s.
     rig = Rig(rate_window_s=2.0)
     rig.worker("w0")

@@ -1,6 +1,7 @@
 """A model larger than the only worker's budget, served by streaming its stages through that
-one device (README "Serving a model larger than a device"), on a real mesh: exact against the
-model's own forward, with several requests in flight."""
+one device (README "Serving a model larger than a device"), on an in-process mesh
+(tests/support/inproc.py): exact against the model's own forward, with several requests in
+flight."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import asyncio
 
 import torch
 
-from client_sdk.client import AsyncClient
-from client_sdk.mesh import LocalMesh
 from flowmesh.testing import assert_forward_close
+from tests.support.inproc import InProcMesh
 from tests.support.mesh import deploy, fresh_stats, mesh_options, mlp_spec, reference
 
 BUDGET = 1200 * 1024  # two of the four stages below (each two 256 x 256 Linears, 514 KiB)
@@ -19,7 +19,7 @@ pytestmark = mesh_options(cpu_workers=1, memory_budget=f"{BUDGET}B")
 
 
 def test_a_model_over_the_one_workers_budget_is_served_exactly_by_streaming(
-    mesh: LocalMesh,
+    mesh: InProcMesh,
 ) -> None:
     spec = mlp_spec("huge", width=256, depth=7, seed=3)  # 8 Linears: 2.0 MiB
     ref = reference(spec)
@@ -33,7 +33,7 @@ def test_a_model_over_the_one_workers_budget_is_served_exactly_by_streaming(
     xs = [torch.randn(1 + k % 3, 256, generator=gen) for k in range(12)]
 
     async def in_flight() -> list[torch.Tensor]:
-        async with AsyncClient(mesh.frontend, timeout=120) as client:
+        async with mesh.async_client(timeout=120) as client:
             return await asyncio.gather(*(client.infer(spec.name, x) for x in xs))
 
     outs = asyncio.run(in_flight())

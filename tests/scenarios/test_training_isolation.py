@@ -1,9 +1,10 @@
-"""Isolation through a real mesh: one worker runs three jobs whose steps fail in three ways at
-once (model code raising, a wrong input shape, a NaN loss). Each failure reaches that job's
-caller only, as a typed error naming the job; its memory goes back; the job trains on; every
-other step equals the plain PyTorch run of the same job without the failed batch (its solo run),
-compared with `assert_close` (rtol 1e-5, atol 1e-6). A fourth job, opened with
-`stop_on_nonfinite=False`, gets its NaN loss reported in that step's metrics instead."""
+"""Isolation through an in-process mesh (tests/support/inproc.py): one worker runs three jobs
+whose steps fail in three ways at once (model code raising, a wrong input shape, a NaN loss).
+Each failure reaches that job's caller only, as a typed error naming the job; its memory goes
+back; the job trains on; every other step equals the plain PyTorch run of the same job without
+the failed batch (its solo run), compared with `assert_close` (rtol 1e-5, atol 1e-6). A fourth
+job, opened with `stop_on_nonfinite=False`, gets its NaN loss reported in that step's metrics
+instead."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ import torch
 
 from client_sdk import errors
 from client_sdk.client import AsyncClient
-from client_sdk.mesh import LocalMesh
 from flowmesh.reports import JobRow
 from flowmesh.spec import ModelSpec
-from tests.support.mesh import FAST, fresh_stats
+from tests.support.inproc import InProcMesh
+from tests.support.mesh import fresh_stats
 from tests.support.train_models import MARK
-from tests.support.training import ALLOW, BATCH, CHUNK, TRAIN_BYTES, data, plain
+from tests.support.training import ALLOW_MODULES, BATCH, CHUNK, TRAIN_BYTES, data, plain
 
 STEPS, BAD = 6, 2  # the failing step of every job (0-based)
 ADAM = {"name": "adam", "lr": 0.01}
@@ -103,17 +104,12 @@ def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
         listed = await c.jobs()
         return results, listed
 
-    with LocalMesh(
-        cpu_workers=1,
-        memory_budget="8MiB",
-        train_bytes=TRAIN_BYTES,
-        broker_args=ALLOW,
-        worker_args=ALLOW,
-        **FAST,
+    with InProcMesh(
+        cpu_workers=1, memory_budget="8MiB", train_bytes=TRAIN_BYTES, allow=ALLOW_MODULES
     ) as mesh:
 
         async def main() -> tuple[dict[str, list[Any]], list[JobRow]]:
-            async with AsyncClient(mesh.frontend, timeout=60) as c:
+            async with mesh.async_client(timeout=60) as c:
                 return await run(c)
 
         results, listed = asyncio.run(main())

@@ -1,8 +1,9 @@
-"""Autoscaling on a real mesh: a burst on a model deployed with one replica adds a second on the
-other worker (outputs still those of the direct forward); once the burst is over and the model
-cooled (`BrokerConfig.scale_down_after_s`, 60 s by default), it shrinks back to one.
+"""Autoscaling on an in-process mesh (tests/support/inproc.py): a burst on a model deployed with
+one replica adds a second on the other worker (outputs still those of the direct forward); once
+the burst is over and the model cooled (`BrokerConfig.scale_down_after_s`, 60 s by default), it
+shrinks back to one.
 
-The burst's arrival rate stays in the model's load for the rate window (`--rate-window`, 30 s by
+The burst's arrival rate stays in the model's load for the rate window (`rate_window_s`, 30 s by
 default: about a minute before a burst like this one reads as cooled); 2 s here, so that the
 shrink comes seconds after the burst, by the same rule."""
 
@@ -16,10 +17,10 @@ import msgspec
 import torch
 
 from client_sdk.client import AsyncClient
-from client_sdk.mesh import LocalMesh
 from flowmesh.reports import ModelRow
 from flowmesh.testing import assert_forward_close
-from tests.support.mesh import FAST, deploy, mlp_spec, reference
+from tests.support.inproc import InProcMesh
+from tests.support.mesh import deploy, mlp_spec, reference
 
 
 def row(c: Any, name: str) -> ModelRow:
@@ -31,14 +32,12 @@ def test_a_burst_adds_a_replica_and_it_shrinks_back_after() -> None:
     # Unbatched: one replica serves one request per run, so a burst outruns it.
     spec = msgspec.structs.replace(mlp_spec("hot", width=512, depth=4, seed=3), max_batch_size=1)
     ref = reference(spec)
-    timers = ["--scale-up-after", "2", "--scale-down-after", "5", "--scale-cooldown", "3"]
-    timers += ["--rate-window", "2"]
+    timers = {"scale_up_after_s": 2.0, "scale_down_after_s": 5.0, "scale_cooldown_s": 3.0}
     with (
-        LocalMesh(
+        InProcMesh(
             cpu_workers=2,
             memory_budget="32MiB",
-            broker_args=["--autoscale", "1", *timers],
-            **FAST,
+            broker={"autoscale": True, "rate_window_s": 2.0, **timers},
         ) as mesh,
         mesh.client() as c,
     ):
@@ -63,7 +62,7 @@ def test_a_burst_adds_a_replica_and_it_shrinks_back_after() -> None:
                 n += 1
 
         async def burst(k: int) -> None:
-            async with AsyncClient(mesh.frontend, timeout=120) as client:
+            async with mesh.async_client(timeout=120) as client:
                 await asyncio.gather(*(one(client, 24 * k + i) for i in range(24)))
 
         async def main() -> None:
@@ -76,7 +75,7 @@ def test_a_burst_adds_a_replica_and_it_shrinks_back_after() -> None:
         assert len(served_by) == 2, (served_by, grown)
         assert grown.scale_ups == 1 and grown.errors == 0, grown
 
-        def shrunk() -> dict[str, Any] | None:
+        def shrunk() -> ModelRow | None:
             r = row(c, "hot")
             return r if r.scale_downs == 1 and len(r.replicas) == 1 else None
 

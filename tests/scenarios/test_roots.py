@@ -1,6 +1,7 @@
-"""Through a real mesh: a client's paths reach only under the workers' and the partitioner's
-roots. Weights, a Hugging Face directory, a checkpoint to resume or to save outside them are
-refused with not_allowed, naming the roots and quoting nothing, and nothing is created there."""
+"""Through an in-process mesh (tests/support/inproc.py): a client's paths reach only under the
+workers' and the partitioner's roots. Weights, a Hugging Face directory, a checkpoint to resume
+or to save outside them are refused with not_allowed, naming the roots and quoting nothing, and
+nothing is created there."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from client_sdk import errors
-from client_sdk.mesh import LocalMesh
-from tests.support.mesh import FAST
+from tests.support.inproc import InProcMesh
 
 KIB = 1 << 10
 MLP = {"width": 32, "depth": 3, "in_features": 8, "out_features": 5}
@@ -21,13 +21,12 @@ def test_paths_outside_the_roots_are_refused(tmp_path: Path) -> None:
     data.mkdir()
     roots = f"({data}, {ckpt}; an operator adds one with --data-root or --checkpoint-root)"
     with (
-        LocalMesh(
+        InProcMesh(
             cpu_workers=1,
             memory_budget="8MiB",
             train_bytes=96 * KIB,
             data_roots=[data],
             checkpoint_roots=[ckpt],
-            **FAST,
         ) as mesh,
         mesh.client(timeout=60) as c,
     ):
