@@ -23,8 +23,8 @@ from tests.support.generation import (
     Out,
     freed,
     ids_of,
-    parked,
     out_of,
+    parked,
     refused,
     run_of,
     steps,
@@ -1017,7 +1017,7 @@ def test_a_parked_sequence_stopped_while_waiting_has_its_copies_dropped(
     lm_dir: Path, files: LmFiles
 ) -> None:
     g = Gen(lm_dir, files)
-    a, b, run = _preempted(g)
+    _, b, _ = _preempted(g)
     out = g.client(p.StopGenerate(id=2), addr=CLIENT_B)
     assert out[:2] == freed(b) and kinds(out[2:]) == [(CLIENT_B, "generated")]
     assert g.core.generation.parked == {}
