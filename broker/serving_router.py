@@ -520,9 +520,10 @@ class ServingRouter:
                 return rep
         best = self._cheapest_load(model, live, starving, now)
         if best is None:
-            if starving:
+            if starving and live:
                 # Another model's iterations keep its stages busy: no new one starts on these
                 # workers until this model is in (its sequences' KV then parked or dropped).
+                # (No replica left to load: its own are in use, full; nothing to reserve.)
                 self._reserve(model, live)
             return None
         rep, victims = best

@@ -1304,3 +1304,19 @@ def test_sequences_stay_on_the_replica_they_were_prefilled_on(lm_dir: Path, file
     assert steps(run1) == [(a, 3, 1, 2)]
     assert g.step(run1, [12], one)[:2] == freed(a)
     g.answered_once()
+
+
+def test_a_starving_sequence_whose_only_replica_is_full_waits_for_room(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, max_seqs=1, starvation_s=0.5)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=2))
+    assert g.generate(2, [[1, 6]], max_tokens=1, addr=CLIENT_B) == []
+    # Past the starvation limit its model's one replica is still full, in use by a: there is
+    # nothing to load or reserve, and it waits (the broker must not fail on it).
+    assert g.tick(0.6) == []
+    assert g.figures()[:2] == (1, 1)
+    run = run_of(g.step(run, [10]), g.w0)
+    out = g.step(run, [11])
+    assert kinds(out)[-1] == (g.w0, "run")  # a ended: b joins
+    assert ids_of(run_of(out, g.w0)) == [1, 6]  # b's prefill

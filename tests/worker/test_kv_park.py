@@ -107,6 +107,7 @@ async def test_a_parked_sequence_resumes_where_it_stopped_bit_for_bit(llama) -> 
     # The next decode brings the KV back exactly as it was, then goes on.
     await _generate(ex, 1, p, 5, Sampling(), out)
     after = _kv_bytes(ex, 1)
+    # bit-exact: KV bytes copied to host memory and back (data movement)
     assert all(torch.equal(a[..., : b.shape[3], :], b) for a, b in zip(after, before, strict=True))
     assert ex.stats()["kv_restored"] == 2 and ex.stats()["kv_parked_seqs"] == 0
     await _generate(ex, 1, p, 9, Sampling(), out)

@@ -1,5 +1,4 @@
-"""Concurrent, bursty, oversubscribed traffic on an in-process mesh (tests/support/inproc.py):
-every request answered correctly.
+"""Concurrent, bursty, oversubscribed traffic on a real mesh: every request answered correctly.
 
 Small models, so that the run is short, but the same pressure as the demo: the catalogue is
 several times the device memory, one model is split in two stages, popularity is skewed and
@@ -10,17 +9,13 @@ Fragmentation retries and starvation reservations may happen too, but this traff
 force them: the broker's tests drive those paths exactly.
 
 Three traces (arrival times, model choices, batch rows: one seed each) run one after the other on
-one mesh with one catalogue, each judged by what changed during it. The trace is replayed as
-`client_sdk.loadgen.run_trace` replays it (open loop, its arrivals dealt over six connections);
-that function dials an address, so the demo's test (tests/mesh/test_demo_serving.py) runs it
-itself on a real mesh.
+one mesh with one catalogue, each judged by what changed during it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +24,11 @@ import pytest
 import torch
 
 from client_sdk.client import AsyncClient
-from client_sdk.errors import ClientError
-from client_sdk.loadgen import Tally, arrival_times, zipf_choices
+from client_sdk.loadgen import Tally, arrival_times, run_trace, zipf_choices
+from client_sdk.mesh import LocalMesh
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import compare
-from tests.support.inproc import InProcMesh
-from tests.support.mesh import ResidencySampler, fresh_stats, reference
+from tests.support.mesh import FAST, ResidencySampler, fresh_stats, reference
 
 CATALOGUE = [
     (
@@ -52,25 +46,25 @@ CATALOGUE = [
     ("s-mlp3", "flowmesh.examples:mlp", {"width": 384, "depth": 6}),
     ("s-mlp4", "flowmesh.examples:mlp", {"width": 256, "depth": 3}),
 ]
-CLIENTS, TIMEOUT_S = 6, 30.0
 
 
 @dataclass
 class Stress:
-    mesh: InProcMesh
+    mesh: LocalMesh
     specs: dict[str, ModelSpec]
     refs: dict[str, Callable[[torch.Tensor], torch.Tensor]]
 
 
 @pytest.fixture(scope="module")
 def stress() -> Iterator[Stress]:
-    """One mesh, the catalogue deployed once, for the three traces: what a trace checks is
-    counted from its own start (`Counts`), not from the mesh's."""
+    """One mesh, the catalogue deployed once, for the three traces: a mesh's start and first
+    deploys (every process building its first models) cost more than a trace, and what a trace
+    checks is counted from its own start (`Counts`), not from the mesh's."""
     specs = {
         n: ModelSpec(name=n, factory=f, kwargs=kw, seed=10 + i)
         for i, (n, f, kw) in enumerate(CATALOGUE)
     }
-    with InProcMesh(cpu_workers=2, memory_budget="5MiB") as mesh:
+    with LocalMesh(cpu_workers=2, memory_budget="5MiB", **FAST) as mesh:
         with mesh.client() as c:
             for s in specs.values():
                 c.deploy(s.name, s.factory, kwargs=s.kwargs, seed=s.seed)
@@ -101,42 +95,6 @@ class Counts:
             requests=sum(m.requests for m in st.models),
             worker_evictions=sum(fresh_stats(c, w.name)["evictions"] for w in st.workers),
         )
-
-
-async def replay(
-    mesh: InProcMesh,
-    trace: list[tuple[float, str]],
-    make_input: Callable[[str], torch.Tensor],
-    check: Callable[[str, torch.Tensor, Any], None],
-) -> dict[str, Tally]:
-    """`trace`'s (time, model) arrivals, open loop, over `CLIENTS` connections: a tally per
-    model (`client_sdk.loadgen.run_trace` over in-process connections)."""
-    tallies: dict[str, Tally] = {}
-    t0 = time.perf_counter()
-
-    async def one(client: AsyncClient, model: str, x: torch.Tensor) -> None:
-        tally = tallies.setdefault(model, Tally())
-        t = time.perf_counter()
-        try:
-            y = await client.infer(model, x, timeout=TIMEOUT_S)
-        except ClientError as exc:
-            tally.errors[str(exc.code)] = tally.errors.get(str(exc.code), 0) + 1
-            return
-        tally.latencies_ms.append((time.perf_counter() - t) * 1000)
-        await asyncio.to_thread(check, model, x, y)
-
-    async def connection(share: list[tuple[float, str]]) -> None:
-        async with mesh.async_client(timeout=TIMEOUT_S) as client:
-            pending = []
-            for at, model in share:
-                delay = at - (time.perf_counter() - t0)
-                if delay > 0:
-                    await asyncio.sleep(delay)  # the trace's arrival time, not a wait on the mesh
-                pending.append(asyncio.create_task(one(client, model, make_input(model))))
-            await asyncio.gather(*pending)
-
-    await asyncio.gather(*(connection(trace[k::CLIENTS]) for k in range(CLIENTS)))
-    return tallies
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -173,13 +131,15 @@ def test_bursty_oversubscribed_traffic_is_all_served_correctly(stress: Stress, s
         done = asyncio.Event()
 
         async def sample() -> None:
-            async with mesh.async_client(timeout=30) as client:
+            async with AsyncClient(mesh.frontend, timeout=30) as client:
                 while not done.is_set():
                     residency.take(await client.status())
 
         sampler = asyncio.create_task(sample())
         try:
-            tallies = await replay(mesh, trace, make_input, check)
+            tallies, _wall = await run_trace(
+                mesh.frontend, trace, make_input, clients=6, timeout=30.0, check=check
+            )
         finally:
             done.set()
             await sampler
