@@ -19,7 +19,7 @@ from tests.support.preemption import (
     preempted_reference,
     three_blocks_share,
 )
-from tests.support.waiting import until_blocking
+from tests.support.waiting import until, until_blocking
 
 
 @pytest.mark.parametrize("policy", ["swap", "recompute"])
@@ -96,10 +96,13 @@ def test_a_generating_model_gives_way_to_a_starving_one_and_resumes_from_parked_
                 a = asyncio.create_task(
                     ac.generate("a", ids=prompt, max_tokens=40, ignore_eos=True)
                 )
-                while not any(
-                    m.name == "a" and m.tokens_generated for m in (await ac.status()).models
-                ):
-                    await asyncio.sleep(0.005)
+
+                async def a_generating() -> bool:
+                    return any(
+                        m.name == "a" and m.tokens_generated for m in (await ac.status()).models
+                    )
+
+                await until(a_generating, "a's first token")
                 b = await ac.generate("b", ids=prompt, max_tokens=40, ignore_eos=True)
                 return [(await a).ids, b.ids]
 

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from flowmesh.messages import Sampling, SeqStep
-from flowmesh.spec import ModelSpec
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
+from gpu_worker.device import CpuStandIn
+from gpu_worker.executor import Executor
+from gpu_worker.stage_loader import prepare_stage
+from partitioner.stage_plans import make_stage_plan
 
 VOCAB = 97
 ARCHS = ("llama", "qwen2", "mistral", "gpt2", "opt")
@@ -147,3 +152,15 @@ def greedy_batched(
                     logits[i].append(step_logits[k])
         it += 1
     return out, logits
+
+
+async def two_stage_executor(spec: ModelSpec, budget: int, **options: Any) -> Executor:
+    """An executor over a CPU stand-in of `budget` bytes holding `spec` cut in two stages, both
+    loaded (`options`: the Executor's)."""
+    ex = Executor(CpuStandIn(budget), **options)
+    plan = make_stage_plan(spec, stages=2)
+    for i in range(2):
+        blocks, host = prepare_stage(spec, plan, i, ex.device, DEFAULT_ALLOW)
+        ex.add_stage((spec.name, i), blocks, host, spec.kv_share)
+        await ex.load((spec.name, i))
+    return ex

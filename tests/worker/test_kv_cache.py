@@ -13,24 +13,21 @@ import torch
 
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.messages import GenStep, Sampling, SeqStep
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
-from gpu_worker.device import CpuStandIn
+from flowmesh.spec import ModelSpec
 from gpu_worker.executor import Executor
-from gpu_worker.stage_loader import prepare_stage
-from partitioner.stage_plans import make_stage_plan
-from tests.support.decode_models import hf_greedy, prompts, saved_spec, tiny_lm
+from tests.support.decode_models import (
+    hf_greedy,
+    prompts,
+    saved_spec,
+    tiny_lm,
+    two_stage_executor,
+)
 from tests.support.stages import MIB
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 
 
 async def _executor(spec: ModelSpec, budget: int = 4 * MIB, **options: Any) -> Executor:
-    ex = Executor(CpuStandIn(budget), **options)
-    plan = make_stage_plan(spec, stages=2)
-    for i in range(2):
-        blocks, host = prepare_stage(spec, plan, i, ex.device, DEFAULT_ALLOW)
-        ex.add_stage((spec.name, i), blocks, host, spec.kv_share)
-        await ex.load((spec.name, i))
-    return ex
+    return await two_stage_executor(spec, budget, **options)
 
 
 async def _iteration(ex: Executor, name: str, steps: list[SeqStep], ids: torch.Tensor):  # type: ignore[no-untyped-def]

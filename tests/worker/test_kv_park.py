@@ -16,12 +16,16 @@ import torch
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.messages import GenStep, Sampling, SeqStep
 from flowmesh.modelio.decode import KV_BLOCK
-from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
+from flowmesh.spec import ModelSpec
 from gpu_worker.device import CpuStandIn
 from gpu_worker.executor import Executor
-from gpu_worker.stage_loader import prepare_stage
-from partitioner.stage_plans import make_stage_plan
-from tests.support.decode_models import hf_greedy, prompts, saved_spec, tiny_lm
+from tests.support.decode_models import (
+    hf_greedy,
+    prompts,
+    saved_spec,
+    tiny_lm,
+    two_stage_executor,
+)
 from tests.support.stages import MIB
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 
@@ -29,13 +33,7 @@ STAGES = [("lm", 0), ("lm", 1)]
 
 
 async def _executor(spec: ModelSpec, **options: Any) -> Executor:
-    ex = Executor(CpuStandIn(4 * MIB), **options)
-    plan = make_stage_plan(spec, stages=2)
-    for i in range(2):
-        blocks, host = prepare_stage(spec, plan, i, ex.device, DEFAULT_ALLOW)
-        ex.add_stage((spec.name, i), blocks, host, spec.kv_share)
-        await ex.load((spec.name, i))
-    return ex
+    return await two_stage_executor(spec, 4 * MIB, **options)
 
 
 async def _step(ex: Executor, step: SeqStep, ids: list[int]) -> int:
