@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,37 @@ from flowmesh.reports import BrokerStatus
 LOCAL_OPERATOR = "local-operator"
 
 
+# How a mesh starts a child: `(module, args, env, log file)` to a running process, a
+# `subprocess.Popen` or anything with its `pid`, `returncode`, `poll`, `wait`, `send_signal` and
+# `kill`. Every mesh execs `python -m MODULE` (`popen_launcher`) unless `set_launcher` says
+# otherwise: the test suite forks its heavier children from one process instead
+# (tests/support/prefork.py), so that each does not import torch again.
+Launcher = Callable[[str, list[str], dict[str, str], Path], Any]
+
+
+def popen_launcher(module: str, args: list[str], env: dict[str, str], log: Path) -> Any:
+    with open(log, "wb") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )  # Ctrl-C reaches us, we stop them
+
+
+_launcher: list[Launcher] = [popen_launcher]
+
+
+def set_launcher(launcher: Launcher) -> None:
+    """How every mesh of this process starts its children from now on."""
+    _launcher[0] = launcher
+
+
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: Any  # subprocess.Popen[bytes], or another `Launcher`'s process
     log: Path
 
     def tail(self, lines: int = 30) -> str:
@@ -160,15 +188,7 @@ class LocalMesh:
             PARENT_ENV: str(os.getpid()),
             **self.env,
         }
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )  # Ctrl-C reaches us, we stop them
-        child = Child(name, proc, log)
+        child = Child(name, _launcher[0](module, args, env, log), log)
         self.children.append(child)
         return child
 

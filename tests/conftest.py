@@ -5,6 +5,9 @@ can be run under the thread counts that change how reductions are split (the exa
 flowmesh/testing.py says results must not depend on it). Workers and other children take their
 own `threads_per_worker`; `ATEN_CPU_CAPABILITY`, set for the run, reaches them through the
 environment they inherit.
+
+The meshes' worker, partitioner and gateway processes are forked from one server that imported
+torch once (tests/support/prefork.py); `FLOWMESH_TEST_PREFORK=0` execs each instead.
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ import torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from tests.support import prefork
+
+    if prefork.enabled():
+        from client_sdk.mesh import set_launcher
+
+        set_launcher(prefork.launcher)
     threads = os.environ.get("FLOWMESH_TEST_THREADS")
     if threads:
         torch.set_num_threads(int(threads))

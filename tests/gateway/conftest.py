@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import prefork
 from tests.support.mesh import _test_keys
 from tests.support.ports import free_port
 
@@ -27,15 +28,17 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def _gateway(broker: str, log: Path, cli: bool, args: Sequence[str]) -> Iterator[str]:
     port = free_port()
-    # `python -m gateway`, or the same through `flowmesh gateway` (its CLI hook).
-    command = [sys.executable, "-m", *(["client_sdk.cli", "gateway"] if cli else ["gateway"])]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*command, "--broker", broker, "--port", str(port), *args],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    argv = ["--broker", broker, "--port", str(port), *args]
+    if cli:  # the same through `flowmesh gateway` (its CLI hook), exec'd as users run it
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "client_sdk.cli", "gateway", *argv],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+    else:  # `python -m gateway`, forked (tests/support/prefork.py)
+        proc = prefork.spawn("gateway", argv, log, ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -8,7 +8,6 @@ import contextlib
 import socket
 import ssl
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import httpx
 import pytest
 import trustme
 
+from tests.support import prefork
 from tests.support.cli import ROOT
 from tests.support.ports import free_port
 
@@ -32,18 +32,9 @@ def tls_gateway(tmp_path: Path, ca: trustme.CA) -> Iterator[int]:
     config.write_text(f'[gateway]\nssl_certfile = "{certfile}"\nssl_keyfile = "{keyfile}"\n')
     port = free_port()
     log = tmp_path / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            # No broker listens there: liveness needs none, readiness says so.
-            [
-                *(sys.executable, "-m", "gateway"),
-                *("--broker", f"tcp://127.0.0.1:{free_port()}"),
-                *("--port", str(port), "--config", str(config)),
-            ],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    # No broker listens there: liveness needs none, readiness says so.
+    argv = ["--broker", f"tcp://127.0.0.1:{free_port()}", "--port", str(port)]
+    proc = prefork.spawn("gateway", [*argv, "--config", str(config)], log, ROOT)
     try:
         deadline = time.monotonic() + 60
         while True:
