@@ -87,9 +87,6 @@ class Membership:
             raise fail(Code.BAD_REQUEST, "a worker must report a positive memory budget")
         if not msg.name:
             raise fail(Code.BAD_REQUEST, "a peer needs a name")
-        lanes = msg.info.get("compute_lanes", 2)
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 1024:
-            raise fail(Code.BAD_REQUEST, f"register info compute_lanes: bad value {lanes!r}")
         held_stages, held_jobs = check_inventory(msg.inventory)
         old = self.peers.get(msg.name)
         if (
@@ -148,7 +145,7 @@ class Membership:
             budget=msg.budget_bytes,
             info=msg.info,
             last_seen=now,
-            max_inflight=2 * max(1, lanes),
+            max_inflight=2 * msg.info.compute_lanes,
             key=identity.public if keyed and identity is not None else "",
         )
         self.by_addr[addr] = msg.name
@@ -243,19 +240,14 @@ class Membership:
 def same_process(old: Peer, addr: bytes, msg: p.Register) -> bool:
     """`msg` comes from the very process that registered `old`: on the same connection (the
     broker names connections, and none can take another's), or on a fresh one with the secret
-    that process sent with its first registration (`info["session"]`, see `flowmesh.peer`). A
+    that process sent with its first registration (`info.session`, see `flowmesh.peer`). A
     pid and a budget alone, which anyone reading status knows, prove nothing."""
     if (old.role, old.pid, old.budget) != (msg.role, msg.pid, msg.budget_bytes):
         return False
     if old.addr == addr:
         return True
-    session, known = msg.info.get("session"), old.info.get("session")
-    return (
-        isinstance(session, str)
-        and isinstance(known, str)
-        and bool(known)
-        and secrets.compare_digest(session.encode(), known.encode())
-    )
+    session, known = msg.info.session, old.info.session
+    return bool(known) and secrets.compare_digest(session.encode(), known.encode())
 
 
 def check_inventory(inv: p.Inventory) -> tuple[list[p.HeldStage], list[p.HeldJob]]:

@@ -439,16 +439,11 @@ class ServingRouter:
         """Send a started batch's first Run(s): direct to every stage when it can, else to
         stage 0 alone (the router relays it on, `_advance`)."""
         rep = batch.replica
-        ends = [self.peers[w].info.get("peer_endpoint") for w in rep.workers]
+        ends = [self.peers[w].info.peer_endpoint for w in rep.workers]
         # Never direct for a streamed replica: a direct batch announces every stage at once, and
         # a worker admits each run as it arrives, so all of its stages would be in flight at
         # once (none evictable for the next): the model would have to fit after all.
-        if (
-            self.cfg.direct
-            and len(rep.workers) > 1
-            and not rep.streamed
-            and all(isinstance(e, str) and e for e in ends)
-        ):
+        if self.cfg.direct and len(rep.workers) > 1 and not rep.streamed and all(ends):
             keys = [self.peers[w].key for w in rep.workers]
             self._start_direct(model, batch, parts, tensors, ends, keys, rows, now)
             return

@@ -13,7 +13,7 @@ from typing import Any
 
 from flowmesh.eviction import StageKey
 from flowmesh.modelio.plan import Plan
-from flowmesh.protocol import TensorRef
+from flowmesh.protocol import PeerInfo, TensorRef
 from flowmesh.spec import ModelSpec, TensorSpec
 from flowmesh.value import ArrivalRate
 
@@ -45,7 +45,7 @@ class Peer:
     device: str = ""
     kind: str = ""
     budget: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
+    info: PeerInfo = field(default_factory=PeerInfo)  # what it registered with
     ready: bool = False  # set by the first heartbeat after registration
     last_seen: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)

@@ -349,7 +349,7 @@ def peer_rows(
                 evictions=peer.evictions,
                 inflight=peer.inflight_runs,
                 reserved_for=peer.reserved_for,
-                peer_endpoint=peer.info.get("peer_endpoint", ""),
+                peer_endpoint=peer.info.peer_endpoint,
                 stats=peer.stats,
             )
         )

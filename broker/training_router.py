@@ -52,6 +52,7 @@ from flowmesh.logs import LogThrottle
 from flowmesh.reports import JobRow, SubModelRow
 from flowmesh.spec import ModelSpec, check_factory
 from flowmesh.steps import StepLedger
+from flowmesh.train_spec import TrainConfig
 
 log = logging.getLogger("broker.training_router")
 
@@ -73,8 +74,7 @@ def _check_batch(tensors: Mapping[str, Any], what: str) -> None:
 
 def train_bytes_of(peer: Peer) -> int:
     """The training bytes a worker registered with (0: it takes no training jobs)."""
-    v = peer.info.get("train_bytes", 0)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+    return peer.info.train_bytes
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Job:
     name: str
     worker: str
     spec: ModelSpec
-    config: dict[str, Any]
+    config: TrainConfig | None  # None: a checkpoint's, until the worker opened the job
     batch: int
     opened: float
     # "opening" | "ready" | "closing" | "restoring"; once it ended: "closed" | "lost"
@@ -349,8 +349,7 @@ class TrainingRouter:
         if msg.config is None and msg.resume is None:
             raise fail(Code.BAD_REQUEST, "give a training configuration, or resume= a checkpoint")
         worker = self.place()
-        config = msg.config.to_dict() if msg.config is not None else {}  # as kept and shown
-        job = Job(msg.job, worker, spec, config, msg.batch, now)
+        job = Job(msg.job, worker, spec, msg.config, msg.batch, now)
         self.jobs[job.name] = job
         cid = self._call("open", job, addr, msg.id, now, msg.timeout_ms)
         self._to_worker(
@@ -439,8 +438,7 @@ class TrainingRouter:
                 return
             job.sub_models, job.footprint = msg.job.sub_models, msg.job.footprint
             job.step = msg.job.step
-            if msg.job.config:
-                job.config = dict(msg.job.config)  # what the worker runs (from a checkpoint, say)
+            job.config = msg.job.config  # what the worker runs (from a checkpoint, say)
             if not self._keep_job(job):
                 del self.jobs[job.name]
                 self._to_worker(worker, p.TrainClose(id=next(self._ids), job=job.name))
@@ -582,7 +580,7 @@ class TrainingRouter:
                 JobRecord(
                     name=job.name,
                     spec=job.spec.to_dict(),
-                    config=job.config,
+                    config=job.config.to_dict() if job.config is not None else {},
                     batch=job.batch,
                     worker=job.worker,
                     saved_step=job.saved_step,
@@ -600,12 +598,13 @@ class TrainingRouter:
             try:
                 spec = ModelSpec.from_dict(rec.spec)
                 check_factory(spec.factory, self.allow)
+                config = TrainConfig.from_dict(rec.config) if rec.config else None
             except FlowmeshError as exc:
                 log.error("not restoring training job=%s: %s", rec.name, exc.reason)
                 if self.store is not None:
                     self.store.drop_job(rec.name)
                 continue
-            job = Job(rec.name, rec.worker, spec, dict(rec.config), rec.batch, now)
+            job = Job(rec.name, rec.worker, spec, config, rec.batch, now)
             job.state = "restoring"
             job.saved_step, job.saved_path = rec.saved_step, rec.saved_path
             self.jobs[job.name] = job

@@ -203,7 +203,7 @@ def format_jobs(jobs: list[JobRow]) -> str:
             f"{j.step_memory_wait_s * 1000:.1f} ms",
             " | ".join(_sub_model(m) for m in j.sub_models) or "-",
             # What its forward computes in (mixed precision: bfloat16 over float32 weights).
-            str((j.config or {}).get("compute_dtype") or "float32"),
+            j.config.compute_dtype if j.config is not None else "float32",
             fmt_bytes(j.footprint),
             "-" if j.saved_step is None else j.saved_step,
             j.pending,

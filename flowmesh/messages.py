@@ -10,11 +10,11 @@ as one raw frame per tensor after the header, listed in it as `[name, dtype, sha
 
 The payloads a message carries are declared once where they belong, and checked on receipt like
 every field: the model spec (`flowmesh.spec.ModelSpec`), the plan (`flowmesh.modelio.plan.Plan`),
-the training configuration (`flowmesh.train_spec.TrainConfig`); a refusal inside one is answered
-BAD_REQUEST, naming the field. Values still typed `Any` (run info, a spec's kwargs, a plan's
-request) are plain data: maps keyed by strings, lists, scalars; the codec refuses anything else
-in them. What the broker
-reports of itself (status, model and job rows) is declared in `flowmesh.reports`.
+the training configuration (`flowmesh.train_spec.TrainConfig`), what a peer says of itself as it
+registers (`PeerInfo`); a refusal inside one is answered BAD_REQUEST, naming the field. Values
+still typed `Any` (a spec's kwargs) are plain data: maps keyed by strings, lists, scalars; the
+codec refuses anything else in them. What the broker reports of itself (status, model and job
+rows) is declared in `flowmesh.reports`.
 
 This module does not import torch, so the broker can stay free of it.
 """
@@ -484,6 +484,29 @@ class Inventory(_Part):
 # -- workers / services <-> broker
 
 
+class PeerInfo(_Part, kw_only=True):
+    """What a peer says of itself as it registers, beyond `Register`'s own fields. Each field
+    has the default a peer that does not report it stands for; a wrong type or value is refused
+    on receipt (BAD_REQUEST, naming the field)."""
+
+    # The secret of this process's first registration, proving that a registration on a fresh
+    # socket comes from the same process (`flowmesh.peer`, `broker.peers.same_process`).
+    session: str = ""
+    # -- a worker's
+    compute_lanes: Annotated[int, Meta(ge=1, le=1024)] = 2  # runs it computes at once
+    threads: Count = 0  # its torch CPU threads (--threads; 0: torch's default)
+    train_bytes: Count = 0  # device bytes guaranteed to training (0: it takes no jobs)
+    arena_bytes: Count = 0  # its device arena, serving and training together
+    peer_endpoint: str = ""  # where other workers send it activations ("": by the broker)
+    # What its device measured as it opened: the prefault's seconds (None: switched off) and
+    # its pinned host tier (0 on a CPU stand-in). Heartbeats report them again, as stats.
+    prefault_s: Seconds | None = None
+    host_tier_bytes: Count = 0
+    host_tier_used_bytes: Count = 0
+    # -- a partitioner's
+    measure_device: str = ""  # where it times blocks' forwards when a plan asks for it
+
+
 class Register(Message, tag="register"):
     id: Id
     role: str  # "worker" | "partitioner"
@@ -492,7 +515,7 @@ class Register(Message, tag="register"):
     device: str = ""
     kind: str = ""  # "cuda" | "cpu"
     budget_bytes: Count = 0
-    info: dict[str, Any] = field(default_factory=dict)
+    info: PeerInfo = field(default_factory=PeerInfo)
     # What the process holds as it registers, so that a broker that restarted takes it up
     # instead of having it read again. Empty for a fresh process.
     inventory: Inventory = field(default_factory=Inventory)
@@ -736,8 +759,9 @@ class Bundle(Message, tag="bundle"):
     members: list[Annotated[int, Meta(ge=1)]] = field(name="counts")
 
 
-# The payloads declared elsewhere that messages carry: a refusal inside one is BAD_REQUEST.
-PAYLOADS: tuple[type, ...] = (ModelSpec, Plan, TrainConfig, TensorSpec, PlanAsk)
+# The payloads that messages carry (declared elsewhere, or above): a refusal inside one is
+# BAD_REQUEST, as their receivers answered when they checked them by hand.
+PAYLOADS: tuple[type, ...] = (ModelSpec, Plan, TrainConfig, TensorSpec, PlanAsk, PeerInfo)
 
 
 def _declared() -> dict[str, type[Message]]:
@@ -783,6 +807,7 @@ __all__ = [
     "OpenedJob",
     "SubModelRow",
     "PAYLOADS",
+    "PeerInfo",
     "PlanAsk",
     "ResultInfo",
     "RunInfo",

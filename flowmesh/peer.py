@@ -223,7 +223,8 @@ class MeshPeer:
         self._answered.clear()
         self._name_refusal = None
         reg = self.registration()
-        self.send(msgspec.structs.replace(reg, info={**reg.info, "session": self.session}))
+        info = msgspec.structs.replace(reg.info, session=self.session)
+        self.send(msgspec.structs.replace(reg, info=info))
         try:
             await asyncio.wait_for(self._answered.wait(), self.register_timeout_s)
         except TimeoutError:

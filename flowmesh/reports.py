@@ -16,12 +16,13 @@ other way round. No torch import.
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Union
+from typing import Annotated, Union
 
 import msgspec
 from msgspec import Meta
 
 from flowmesh.spec import TensorSpec
+from flowmesh.train_spec import TrainConfig
 
 Count = Annotated[int, Meta(ge=0)]  # bytes, stages, steps, seqs, frames
 _BIG = sys.float_info.max
@@ -227,7 +228,7 @@ class OpenedJob(_Row):
     footprint: Count
     host_bytes: Count
     largest_task: Count
-    config: dict[str, Any]  # what the worker runs (a checkpoint's, when resumed)
+    config: TrainConfig  # what the worker runs (a checkpoint's, when resumed)
 
 
 class JobRow(_Row):
@@ -237,7 +238,9 @@ class JobRow(_Row):
     worker: str
     state: str
     factory: str | None
-    config: dict[str, Any]
+    # How it trains; None for a job resumed with its checkpoint's configuration until its
+    # worker has opened it and said which.
+    config: TrainConfig | None
     batch: Count
     step: Count
     last_loss: float | None

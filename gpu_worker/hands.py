@@ -115,6 +115,7 @@ class WorkerHands:
 
     def registration(self, name: str, threads: int, peer_endpoint: str) -> p.Register:
         """The Register message of this worker: its device, its arena and its inventory."""
+        dev = self.device.info()  # the figures its heartbeats report too
         return p.Register(
             id=1,
             role="worker",
@@ -124,14 +125,16 @@ class WorkerHands:
             kind=self.device.kind,
             # The broker plans serving residency against this; training has its own bytes.
             budget_bytes=self.memory.serving_bytes,
-            info={
-                "compute_lanes": self.executor.compute_lanes,
-                "threads": threads,
-                "train_bytes": self.train_bytes,
-                "arena_bytes": self.memory.capacity,
-                **({"peer_endpoint": peer_endpoint} if peer_endpoint else {}),
-                **self.device.info(),
-            },
+            info=p.PeerInfo(
+                compute_lanes=self.executor.compute_lanes,
+                threads=threads,
+                train_bytes=self.train_bytes,
+                arena_bytes=self.memory.capacity,
+                peer_endpoint=peer_endpoint,
+                prefault_s=self.device.prefault_s,
+                host_tier_bytes=dev.get("host_tier_bytes", 0),  # a device without one: none
+                host_tier_used_bytes=dev.get("host_tier_used_bytes", 0),
+            ),
             inventory=self.inventory(),
         )
 

@@ -845,7 +845,7 @@ def start_job(
         footprint=job.footprint(),
         host_bytes=job.host_bytes(),
         largest_task=job.largest_task(),
-        config=config.to_dict(),
+        config=config,
     )
 
 

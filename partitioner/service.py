@@ -136,7 +136,7 @@ class PartitionerService(MeshPeer):
             role="partitioner",
             name=self.name,
             pid=os.getpid(),
-            info={"measure_device": self.measure_device},
+            info=p.PeerInfo(measure_device=self.measure_device),
         )
 
     def on_allow(self, allow: tuple[str, ...]) -> None:

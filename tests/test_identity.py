@@ -114,7 +114,12 @@ class _Peer(MeshPeer):
 
     def registration(self) -> p.Register:
         return p.Register(
-            id=1, role="worker", name=self.name, pid=os.getpid(), budget_bytes=1, info={"k": 1}
+            id=1,
+            role="worker",
+            name=self.name,
+            pid=os.getpid(),
+            budget_bytes=1,
+            info=p.PeerInfo(threads=3),
         )
 
 
@@ -155,8 +160,8 @@ async def test_a_peer_whose_name_stays_taken_stops_with_the_broker_s_reason(
         # out), each time as this process: no routing id of its own, the same secret.
         assert len(seen) >= 2 and len({addr for addr, _ in seen}) == 1, seen
         assert all(addr[:1] == b"\0" for addr, _ in seen)
-        assert {m.info["session"] for _, m in seen} == {peer.session}
-        assert all(m.info["k"] == 1 for _, m in seen) and len(peer.session) == 32
+        assert {m.info.session for _, m in seen} == {peer.session}
+        assert all(m.info.threads == 3 for _, m in seen) and len(peer.session) == 32
     finally:
         broker.cancel()
         await asyncio.gather(broker, return_exceptions=True)

@@ -42,7 +42,6 @@ def lines() -> Iterator[Lines]:
         yield handler
 
 
-
 def garbage(i: int) -> list[bytes]:
     kind = i % 4
     if kind == 0:
@@ -151,7 +150,7 @@ def flood_expired_calls(core: BrokerCore) -> None:
 
 def flood_expired_steps(core: BrokerCore) -> None:
     """Training steps a client sends to a job whose worker never answers them."""
-    info = {"train_bytes": 1 << 20}
+    info = p.PeerInfo(train_bytes=1 << 20)
     register = p.Register(
         id=1, role="worker", name="w", pid=1, device="cpu", kind="cpu", budget_bytes=1, info=info
     )

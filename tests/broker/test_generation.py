@@ -343,7 +343,7 @@ def test_direct_iterations_of_two_groups_are_in_flight_at_once(
 ) -> None:
     g = Gen(lm_dir, files)
     for i, w in enumerate(("w0", "w1")):
-        g.core.peers[w].info["peer_endpoint"] = f"tcp://127.0.0.1:{7000 + i}"
+        g.core.peers[w].info.peer_endpoint = f"tcp://127.0.0.1:{7000 + i}"
     out = g.generate(1, [[1, 5], [1, 6, 7]], max_tokens=1)
     # One iteration per group, each announced to both stages (a run of its own each).
     assert kinds(out) == [
@@ -1202,7 +1202,7 @@ def test_reads_run_on_a_thread_and_come_back_on_the_loop(lm_dir: Path, files: Lm
 def test_a_direct_iteration_is_announced_to_every_stage(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     for i, w in enumerate(("w0", "w1")):
-        g.core.peers[w].info["peer_endpoint"] = f"tcp://127.0.0.1:{7000 + i}"
+        g.core.peers[w].info.peer_endpoint = f"tcp://127.0.0.1:{7000 + i}"
     out = g.generate(1, [[1, 5, 6]], max_tokens=1)
     assert kinds(out) == [(g.w0, "load"), (g.w1, "load"), (g.w0, "run"), (g.w1, "run")]
     r0, r1 = only(out, p.Run)

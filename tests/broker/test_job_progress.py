@@ -15,6 +15,7 @@ from flowmesh import metrics
 from flowmesh import protocol as p
 from flowmesh.errors import Code
 from flowmesh.reports import JobRow
+from flowmesh.train_spec import TrainConfig
 from tests.support.broker import Harness, ref
 
 KIB = 1 << 10
@@ -38,7 +39,7 @@ def trainer(h: Harness) -> bytes:
             device="cpu",
             kind="cpu",
             budget_bytes=KIB,
-            info={"train_bytes": 100 * KIB},
+            info=p.PeerInfo(train_bytes=100 * KIB),
         ),
     )
     h.backend(b"w", p.Heartbeat(stats={}))
@@ -56,7 +57,7 @@ def opened(h: Harness) -> bytes:
         footprint=4 * KIB,
         host_bytes=4 * KIB,
         largest_task=5 * KIB,
-        config={},
+        config=TrainConfig.from_dict(CONFIG),
     )
     ((_, _, answer),) = h.backend(w, p.JobOpened(id=out[2].id, job=job))
     assert isinstance(answer, p.TrainOpened)
@@ -198,7 +199,8 @@ def test_flowmesh_jobs_shows_the_progress_of_each_job() -> None:
         "float32",
     ]
     # Mixed precision: what its forward computes in, from the job's configuration.
-    mixed = msgspec.structs.replace(row(h), config={**row(h).config, "compute_dtype": "bfloat16"})
+    config = msgspec.structs.replace(row(h).config, compute_dtype="bfloat16")
+    mixed = msgspec.structs.replace(row(h), config=config)
     line = [c.strip() for c in format_jobs([mixed]).splitlines()[2].split("  ") if c.strip()]
     assert line[10] == "bfloat16"
 

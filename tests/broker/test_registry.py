@@ -113,10 +113,15 @@ def test_a_peer_is_acknowledged_then_ready_on_its_first_heartbeat() -> None:
 def test_the_same_process_registering_again_keeps_what_it_holds() -> None:
     """On a fresh socket, it proves itself with the secret of its first registration."""
     rig = Rig()
-    peer = rig.join("w0", info={"session": "s3cret"})
+    peer = rig.join("w0", info=p.PeerInfo(session="s3cret"))
     peer.hosted[("m", 0)] = MIB
     msg = p.Register(
-        id=9, role="worker", name="w0", pid=1, budget_bytes=100 * MIB, info={"session": "s3cret"}
+        id=9,
+        role="worker",
+        name="w0",
+        pid=1,
+        budget_bytes=100 * MIB,
+        info=p.PeerInfo(session="s3cret"),
     )
     rig.reg.register(b"w0-new-socket", msg, 1.0)
     assert rig.out() == [(BACKEND, b"w0-new-socket", ack(9, kept=True))]
@@ -133,15 +138,15 @@ NAME_HELD = (
 
 @pytest.mark.parametrize(
     "info",
-    [{}, {"session": "guess"}, {"session": 7}],
-    ids=["no-secret", "wrong-secret", "not-a-string"],
+    [p.PeerInfo(), p.PeerInfo(session="guess")],
+    ids=["no-secret", "wrong-secret"],
 )
-def test_a_name_a_live_peer_holds_is_refused_to_another_connection(info: dict[str, Any]) -> None:
+def test_a_name_a_live_peer_holds_is_refused_to_another_connection(info: p.PeerInfo) -> None:
     """Its pid and budget, as status shows them, are not enough: the registration is refused
     while the holder heartbeats, and the holder keeps its name, state and connection."""
     rig = Rig()
     rig.join("part")
-    peer = rig.join("w0", info={"session": "s3cret"})
+    peer = rig.join("w0", info=p.PeerInfo(session="s3cret"))
     rig.deploy("m", [MIB], replicas=1)  # on w0
     forged = p.Register(id=4, role="worker", name="w0", pid=1, budget_bytes=100 * MIB, info=info)
     with pytest.raises(FlowmeshError) as refused:
@@ -253,7 +258,6 @@ def test_a_restarted_worker_replaces_its_old_self_and_loses_its_replicas() -> No
         ({"role": "client"}, "unknown role 'client'"),
         ({"budget_bytes": 0}, "a worker must report a positive memory budget"),
         ({"name": ""}, "a peer needs a name"),
-        ({"info": {"compute_lanes": 0}}, "register info compute_lanes: bad value 0"),
     ],
 )
 def test_bad_registrations_are_refused(fields: dict[str, Any], reason: str) -> None:
@@ -263,6 +267,33 @@ def test_bad_registrations_are_refused(fields: dict[str, Any], reason: str) -> N
         rig.reg.register(b"w0", p.Register(**msg), 0.0)
     assert (info.value.code, info.value.reason) == (Code.BAD_REQUEST, reason)
     assert rig.ctx.peers == {} and rig.out() == []
+
+
+@pytest.mark.parametrize(
+    ("info", "reason"),
+    [
+        ({"compute_lanes": "many"}, "Expected `int`, got `str` - at `$.info.compute_lanes`"),
+        ({"compute_lanes": 0}, "Expected `int` >= 1 - at `$.info.compute_lanes`"),
+        ({"compute_lanes": True}, "Expected `int`, got `bool` - at `$.info.compute_lanes`"),
+        ({"session": 7}, "Expected `str`, got `int` - at `$.info.session`"),
+        ({"train_bytes": -1}, "Expected `int` >= 0 - at `$.info.train_bytes`"),
+        ({"peer_endpoint": None}, "Expected `str`, got `None` - at `$.info.peer_endpoint`"),
+        ({"prefault_s": "1"}, "Expected `float | null`, got `str` - at `$.info.prefault_s`"),
+        ({"lanes": 2}, "Object contains unknown field `lanes` - at `$.info`"),
+    ],
+)
+def test_a_registration_whose_info_is_mistyped_is_refused_on_receipt(
+    info: dict[str, Any], reason: str
+) -> None:
+    """`Register.info` is a `p.PeerInfo`: a field of the wrong type or value is refused as the
+    registration is decoded, with BAD_REQUEST and the field's path, before it reaches the
+    registry."""
+    head = msgspec.msgpack.decode(p.encode(p.Register(id=1, role="worker", name="w0", pid=1))[0])
+    head["info"] = info
+    with pytest.raises(p.DecodeError) as refused:
+        p.decode([msgspec.msgpack.encode(head)])
+    assert refused.value.code is Code.BAD_REQUEST and refused.value.ref == 1
+    assert refused.value.reason == f"register: {reason}"
 
 
 def test_live_peers_get_a_heartbeat_and_silent_ones_are_lost() -> None:

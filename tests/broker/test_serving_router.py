@@ -362,7 +362,7 @@ def direct_rig(**cfg: Any) -> Rig:
     """Three workers with peer endpoints, a three-stage model resident on them."""
     rig = Rig(**cfg)
     for i in range(3):
-        rig.worker(f"w{i}").info["peer_endpoint"] = f"tcp://127.0.0.1:{7000 + i}"
+        rig.worker(f"w{i}").info.peer_endpoint = f"tcp://127.0.0.1:{7000 + i}"
     rig.model("m", [MIB] * 3, ["w0", "w1", "w2"], max_batch=8)
     for i in range(3):
         rig.resident(f"w{i}", ("m", i), MIB, 0.0)
@@ -419,7 +419,7 @@ def test_without_peer_endpoints_or_with_direct_off_activations_are_relayed() -> 
     _, out = rig.infer("m", 1, 0.0, rows=2)
     assert [(a, m.ticket) for _, a, m in out] == [(b"w0", 0)]
     rig = direct_rig()
-    del rig.ctx.peers["w1"].info["peer_endpoint"]
+    rig.ctx.peers["w1"].info.peer_endpoint = ""
     _, out = rig.infer("m", 1, 0.0, rows=2)
     assert [(a, m.ticket) for _, a, m in out] == [(b"w0", 0)]
 

@@ -13,6 +13,7 @@ from broker.core import CLIENT
 from broker.store import FILE, JobRecord, ModelRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.train_spec import TrainConfig
 from tests.support.broker import CLIENT_A, MIB, Harness, only, opened_job, received, ref
 
 # ====================================================================== the store alone
@@ -106,7 +107,7 @@ class Life(Harness):
                     device="cpu",
                     kind="cpu",
                     budget_bytes=100 * MIB,
-                    info={"train_bytes": 64 * MIB},
+                    info=p.PeerInfo(train_bytes=64 * MIB),
                     inventory=inventory or {},
                 )
             ),
@@ -229,6 +230,8 @@ def test_a_bad_inventory_is_refused_before_anything_changes(tmp_path: Path) -> N
 
 
 CONFIG = {"optimizer": {"name": "sgd"}, "loss": "mse"}
+# What the worker says it runs: the broker keeps that (a checkpoint's, when resumed).
+RUN = TrainConfig(optimizer={"name": "adam", "lr": 0.5}, loss="mse", accumulate=2)
 
 
 def open_job(life: Harness, worker: bytes, name: str = "j") -> None:
@@ -236,7 +239,7 @@ def open_job(life: Harness, worker: bytes, name: str = "j") -> None:
     out = life.client(CLIENT_A, p.TrainOpen(id=50, job=name, spec=spec, config=CONFIG, batch=4))
     ((_, addr, sent),) = out
     assert addr == worker
-    info = opened_job(name, footprint=MIB, config={"loss": "mse", "x": 1})
+    info = opened_job(name, footprint=MIB, config=RUN)
     out = life.backend(worker, p.JobOpened(id=sent.id, job=info))
     assert only(out, p.TrainOpened)
 
@@ -251,7 +254,7 @@ def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path
     w0 = life.register("w0")
     life.backend(b"w0", p.Heartbeat(stats={}))
     open_job(life, b"w0")
-    assert Store(tmp_path).open().load_all().jobs["j"].config == {"loss": "mse", "x": 1}
+    assert Store(tmp_path).open().load_all().jobs["j"].config == RUN.to_dict()
     (fwd,) = only(step(life, 1, 60), p.TrainStep)
     life.backend(b"w0", p.TrainStepResult(id=fwd.id, job="j", seq=1, loss=0.5, step=1))
     only(step(life, 2, 61), p.TrainStep)  # then the broker dies, step 2 still running
@@ -260,6 +263,7 @@ def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path
 
     life = Life(tmp_path)
     assert life.core.training.jobs["j"].state == "restoring"
+    assert life.core.training.jobs["j"].config == RUN  # typed again as the store gives it back
     # The client sends steps 2 and 3 again, and 4: held until the worker is back.
     assert step(life, 2, 70) == [] and step(life, 3, 71) == [] and step(life, 4, 72) == []
     result = {"t": "ok", "seq": 2, "loss": 0.25, "step": 2, "metrics": {}}

@@ -55,7 +55,7 @@ def test_a_streamed_replica_runs_stage_by_stage_one_batch_at_a_time() -> None:
     h.partitioner()
     w0 = h.worker("w0", budget=10 * MIB)
     # A peer endpoint would make a distinct replica's batch direct; not a streamed one's.
-    h.core.ctx.peers["w0"].info["peer_endpoint"] = "tcp://127.0.0.1:7000"
+    h.core.ctx.peers["w0"].info.peer_endpoint = "tcp://127.0.0.1:7000"
     h.deploy("big", [4 * MIB] * 4, max_batch=8)
     first, out = h.infer("big")
     # No Load: the run brings its stage in (the worker prefetches the next one meanwhile).

@@ -31,7 +31,7 @@ def trainer(h: Harness, name: str, train_bytes: int) -> bytes:
             device="cpu",
             kind="cpu",
             budget_bytes=KIB,
-            info={"train_bytes": train_bytes},
+            info=p.PeerInfo(train_bytes=train_bytes),
         ),
     )
     h.backend(addr, p.Heartbeat(stats={}))

@@ -11,6 +11,7 @@ from typing import Any
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
 from flowmesh import protocol as p
 from flowmesh.modelio.plan import Plan
+from flowmesh.train_spec import TrainConfig
 
 MIB = 1 << 20
 CLIENT_A, CLIENT_B = b"client-a", b"client-b"
@@ -176,9 +177,10 @@ def opened_job(
     step: int = 0,
     footprint: int = 0,
     blocks: tuple[tuple[int, int], ...] = ((0, 2),),
-    config: dict[str, Any] | None = None,
+    config: TrainConfig | None = None,
 ) -> p.OpenedJob:
-    """What a worker answers a TrainOpen with (`p.JobOpened`), with small figures."""
+    """What a worker answers a TrainOpen with (`p.JobOpened`), with small figures; `config`:
+    what it runs (SGD when not given)."""
     subs = [p.SubModelRow(blocks=[a, b], host_bytes=footprint, task_bytes=0) for a, b in blocks]
     return p.OpenedJob(
         name=name,
@@ -188,5 +190,5 @@ def opened_job(
         footprint=footprint,
         host_bytes=footprint,
         largest_task=0,
-        config=config or {},
+        config=config or TrainConfig(optimizer={"name": "sgd"}),
     )

@@ -106,7 +106,8 @@ class _Peer:
 
     def register(self) -> None:
         reg = self.registration()
-        self.send(msgspec.structs.replace(reg, info={**reg.info, "session": self.session}))
+        info = msgspec.structs.replace(reg.info, session=self.session)
+        self.send(msgspec.structs.replace(reg, info=info))
 
     def heartbeat(self) -> None:
         self.send(p.Heartbeat(stats={**self.stats(), "dropped_sends": 0, "reconnects": 0}))
@@ -234,7 +235,7 @@ class InProcPartitioner(_Peer):
             role="partitioner",
             name=self.name,
             pid=os.getpid(),
-            info={"measure_device": "cpu"},
+            info=p.PeerInfo(measure_device="cpu"),
         )
 
     def stats(self) -> dict[str, Any]:
