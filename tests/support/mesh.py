@@ -27,12 +27,16 @@ from flowmesh.spec import ModelSpec
 FAST = {"heartbeat_s": 0.2, "liveness": 10, "threads_per_worker": 1}
 
 TEST_KEYS = os.environ.get("FLOWMESH_TEST_KEYS") == "1"
+# Whether `_test_keys` is on: tests/mesh/ and tests/gateway/ each register it, and in one session
+# the second must not make a second key directory (its FLOWMESH_KEYS would name a key the
+# first's meshes do not know).
+_KEYED: list[bool] = []
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _test_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """With FLOWMESH_TEST_KEYS=1, keys on for every mesh of the session (see the module)."""
-    if not TEST_KEYS:
+    if not TEST_KEYS or _KEYED:
         yield
         return
     key_dir = tmp_path_factory.mktemp("flowmesh-keys") / "keys"
@@ -48,7 +52,11 @@ def _test_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LocalMesh, "__post_init__", keyed_post_init)
         mp.setenv("FLOWMESH_KEYS", str(operator))
-        yield
+        _KEYED.append(True)
+        try:
+            yield
+        finally:
+            _KEYED.clear()
 
 
 def roots_at(path: Path | str) -> dict[str, list[str]]:
