@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker.checks import check_stats
 from broker.config import BrokerConfig
 from broker.context import BACKEND, CLIENT, Context, Outgoing, fail
 from broker.generation import GenerationRoom
@@ -55,7 +54,6 @@ __all__ = [
     "BrokerConfig",
     "BrokerCore",
     "Call",
-    "check_stats",
 ]
 
 

@@ -15,7 +15,6 @@ import secrets
 from collections.abc import Callable
 
 from broker.catalogue import Catalogue
-from broker.checks import check_stats
 from broker.context import BACKEND, Context, fail
 from broker.placement import Placement
 from broker.policy import heart_failed
@@ -144,6 +143,7 @@ class Membership:
             kind=msg.kind,
             budget=msg.budget_bytes,
             info=msg.info,
+            stats=p.PartitionerStats() if msg.role == "partitioner" else p.WorkerStats(),
             last_seen=now,
             max_inflight=2 * msg.info.compute_lanes,
             key=identity.public if keyed and identity is not None else "",
@@ -176,7 +176,16 @@ class Membership:
         )
 
     def heartbeat(self, peer: Peer, msg: p.Heartbeat, now: float) -> None:
-        peer.stats = check_stats(msg.stats)
+        if msg.stats is not None:
+            # Types and bounds were checked on receipt (`flowmesh.reports.WorkerStats`); here,
+            # that they are the figures of the role the peer registered with.
+            if type(msg.stats) is not type(peer.stats):
+                raise fail(
+                    Code.BAD_REQUEST,
+                    f"heartbeat stats: a {peer.role} reports {type(peer.stats).__name__}, "
+                    f"not {type(msg.stats).__name__}",
+                )
+            peer.stats = msg.stats
         if not peer.ready:
             peer.ready = True
             log.info(
@@ -195,7 +204,7 @@ class Membership:
             if heart_failed(peer.last_seen, now, self.cfg.heartbeat_s, self.cfg.liveness):
                 self.peer_dead(peer, now, "missed heartbeats")
             else:
-                self.ctx.to_peer(peer.name, p.Heartbeat(stats={}))
+                self.ctx.to_peer(peer.name, p.Heartbeat())
 
     def peer_unreachable(self, addr: bytes, now: float) -> None:
         name = self.by_addr.get(addr)

@@ -70,18 +70,16 @@ def kv_held(peer: Peer) -> dict[StageKey, int]:
 
     Only stages we count resident there: one evicted (or expected to be, `peer.leaving`) took
     its KV with it, though the figure lags a beat. The heartbeat's types are checked on receipt
-    (`broker.checks.check_stats`), not what they mean: an entry that is not a stage and a byte
-    count is passed over, as `flowmesh.reports` reads a figure that is not a count as 0.
+    (`flowmesh.reports.WorkerStats`), not what its names mean: an entry that names no stage is
+    passed over.
     """
-    raw = peer.stats.get("kv_stage_bytes")
-    if not isinstance(raw, dict) or not peer.resident:
+    stats = peer.stats
+    if not isinstance(stats, p.WorkerStats) or not peer.resident:
         return {}
     out: dict[StageKey, int] = {}
-    for name, nbytes in raw.items():
-        model, _, stage = str(name).rpartition("/")
-        if not (stage.isascii() and stage.isdigit()):
-            continue
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+    for name, nbytes in stats.kv_stage_bytes.items():
+        model, _, stage = name.rpartition("/")
+        if not (stage.isascii() and stage.isdigit()) or nbytes <= 0:
             continue
         key = (model, int(stage))
         if key in peer.resident:

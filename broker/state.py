@@ -13,7 +13,7 @@ from typing import Any
 
 from flowmesh.eviction import StageKey
 from flowmesh.modelio.plan import Plan
-from flowmesh.protocol import PeerInfo, TensorRef
+from flowmesh.protocol import PartitionerStats, PeerInfo, TensorRef, WorkerStats
 from flowmesh.spec import ModelSpec, TensorSpec
 from flowmesh.value import ArrivalRate
 
@@ -48,7 +48,8 @@ class Peer:
     info: PeerInfo = field(default_factory=PeerInfo)  # what it registered with
     ready: bool = False  # set by the first heartbeat after registration
     last_seen: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)
+    # Its latest heartbeat's figures: a worker's, or a partitioner's (by its role).
+    stats: WorkerStats | PartitionerStats = field(default_factory=WorkerStats)
     key: str = ""  # its CURVE public key (z85), from the key directory; "" without keys
     # workers only
     hosted: dict[StageKey, int] = field(default_factory=dict)  # stage -> device bytes

@@ -17,6 +17,7 @@ from broker.state import Model, Peer
 from flowmesh.reports import (
     ModelRow,
     PartitionerRow,
+    PartitionerStats,
     ReplicaRow,
     StageRow,
     WorkerRow,
@@ -327,10 +328,9 @@ def peer_rows(
             "last_seen_s": round(now - peer.last_seen, 3),
             "missed_heartbeats": int(max(0.0, now - peer.last_seen) // heartbeat_s),
         }
-        if peer.role == "partitioner":
-            partitioners.append(
-                PartitionerRow(**row, inflight=peer.inflight_plans, stats=peer.stats)
-            )
+        stats = peer.stats
+        if isinstance(stats, PartitionerStats):  # a partitioner's, by its role
+            partitioners.append(PartitionerRow(**row, inflight=peer.inflight_plans, stats=stats))
             continue
         timed = (loads or {}).get(peer.name, {})
         workers.append(
@@ -340,7 +340,7 @@ def peer_rows(
                 kind=peer.kind,
                 budget_bytes=peer.budget,
                 resident_bytes=peer.used,
-                peak_bytes=int(peer.stats.get("peak_bytes", 0)),
+                peak_bytes=stats.peak_bytes,
                 host_bytes=sum(peer.hosted.values()),
                 resident=sorted(f"{k[0]}/{k[1]}" for k in peer.resident),
                 loads=peer.loads,
@@ -350,7 +350,7 @@ def peer_rows(
                 inflight=peer.inflight_runs,
                 reserved_for=peer.reserved_for,
                 peer_endpoint=peer.info.peer_endpoint,
-                stats=peer.stats,
+                stats=stats,
             )
         )
     return workers, partitioners

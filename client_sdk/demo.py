@@ -629,7 +629,7 @@ def report(
     )
     # The arena is the budget, so its peak cannot exceed it; the worker's high-water mark of the
     # stages it held (taken at every load) could, if its bookkeeping were wrong.
-    over = [w for w in status.workers if int(w.stats.get("stage_bytes_peak") or 0) > w.budget_bytes]
+    over = [w for w in status.workers if w.stats.stage_bytes_peak > w.budget_bytes]
     rtol, atol = forward_tolerance(torch.float32)
     print(
         f"\nevery output of both runs checked after the traffic ({ref_s:.1f} s, with the "
@@ -701,23 +701,23 @@ def report_training(
     print()
     over = []
     for w in status.workers:
-        st: Any = w.stats  # its heartbeat figures, by name
+        st = w.stats  # its heartbeat figures
         held = [n for n, t in trained.items() if t.worker == w.name]
         footprint = sum(trained[n].footprint for n in held)
-        budget = st.get("train_budget_bytes", 0)
+        budget = st.train_budget_bytes
         # Training is guaranteed its bytes and may borrow what serving leaves free of the one
         # arena the worker owns (when the worker reports one): the arena is the hard limit.
-        limit = st.get("arena_bytes", budget)
-        if st.get("train_resident_peak", 0) > limit:
+        limit = st.arena_bytes or budget
+        if st.train_resident_peak > limit:
             over.append(w.name)
-        borrowed = st.get("train_borrowed_peak", 0)
+        borrowed = st.train_borrowed_peak
         print(
             f"{w.name}: jobs {', '.join(held) or '-'} ({fmt_bytes(footprint)} of footprints) "
             f"in {fmt_bytes(budget)} of training bytes: peak resident "
-            f"{fmt_bytes(st.get('train_resident_peak', 0))}"
+            f"{fmt_bytes(st.train_resident_peak)}"
             + (f" (borrowed up to {fmt_bytes(borrowed)} from serving)" if borrowed else "")
-            + f", {fmt_bytes(st.get('train_bytes_in', 0))} moved in, "
-            f"{st.get('train_steps', 0)} steps"
+            + f", {fmt_bytes(st.train_bytes_in)} moved in, "
+            f"{st.train_steps} steps"
         )
     rtol, atol = forward_tolerance(torch.float32)
     print(

@@ -80,19 +80,19 @@ def format_status(st: BrokerStatus) -> str:
         or "none"
     )
     for w in st.workers:
-        t: Any = w.stats  # a worker's heartbeat figures, by name
-        if t.get("train_budget_bytes"):
+        t = w.stats  # its heartbeat figures
+        if t.train_budget_bytes:
             out.append(
-                f"{w.name} training: resident {fmt_bytes(t.get('train_resident_bytes', 0))} "
-                f"(peak {fmt_bytes(t.get('train_resident_peak', 0))}) of "
-                f"{fmt_bytes(t['train_budget_bytes'])}, tasks {t.get('train_tasks', 0)}, "
-                f"job switches {t.get('train_job_switches', 0)}"
+                f"{w.name} training: resident {fmt_bytes(t.train_resident_bytes)} "
+                f"(peak {fmt_bytes(t.train_resident_peak)}) of "
+                f"{fmt_bytes(t.train_budget_bytes)}, tasks {t.train_tasks}, "
+                f"job switches {t.train_job_switches}"
             )
         if w.kv_limit_bytes:  # a worker with a language model's stages
             out.append(
                 f"{w.name} KV cache: {fmt_bytes(w.kv_bytes)} of {fmt_bytes(w.kv_limit_bytes)} "
                 f"({w.kv_blocks} blocks, {w.kv_seqs} sequences)"
-                + (f", {w.kv_blocks_free} blocks free" if "kv_blocks_free" in w.stats else "")
+                + (f", {w.kv_blocks_free} blocks free" if t.kv_blocks_free is not None else "")
             )
     out += ["", f"partitioners: {parts}", ""]
     rows = []
@@ -406,12 +406,9 @@ class DeployWatch:
         """(bytes read, bytes to read) so far; a stage no longer reported has been read."""
         now = set()
         for w in status.workers:
-            preparing = w.stats.get("preparing") or {}
-            if not isinstance(preparing, dict):
-                continue
-            for key, value in preparing.items():
+            for key, value in w.stats.preparing.items():
                 model, _, stage = key.rpartition("/")
-                if model == self.name and isinstance(value, list) and len(value) == 2:
+                if model == self.name and len(value) == 2:
                     self.stages[(w.name, stage)] = [int(value[0]), int(value[1])]
                     now.add((w.name, stage))
         for key, value in self.stages.items():

@@ -36,8 +36,10 @@ from flowmesh.reports import (
     JobRow,
     ModelRow,
     OpenedJob,
-    Stats,
+    PartitionerStats,
+    PeerStats,
     SubModelRow,
+    WorkerStats,
 )
 from flowmesh.spec import ModelSpec, TensorSpec
 from flowmesh.train_spec import TrainConfig
@@ -476,11 +478,6 @@ class Inventory(_Part):
     jobs: list[HeldJob] = field(default_factory=list)
 
 
-# -- what a peer reports with its heartbeats (`Stats`, declared in `flowmesh.reports` with the
-# rows of status that show them): plain scalars, and lists and maps of them, three levels deep
-# at most; numbers finite. `broker.checks.check_stats` bounds how many there are.
-
-
 # -- workers / services <-> broker
 
 
@@ -555,7 +552,9 @@ class RegisterAck(Message, tag="register_ack"):
 
 
 class Heartbeat(Message, tag="heartbeat"):
-    stats: Stats = field(default_factory=dict)
+    # A peer's figures (`WorkerStats`, `PartitionerStats`, declared in `flowmesh.reports` with
+    # the rows of status that show them); None from the broker, whose beats say only it is there.
+    stats: PeerStats | None = None
 
 
 class Disconnect(Message, tag="disconnect"):
@@ -814,7 +813,9 @@ __all__ = [
     "Sampling",
     "Seconds",
     "SeqStep",
-    "Stats",
+    "PartitionerStats",
+    "PeerStats",
+    "WorkerStats",
     "StepAnswer",
     "StepFailed",
     "StepOk",

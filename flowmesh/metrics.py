@@ -3,7 +3,7 @@
 One source of truth: nothing here counts. At each scrape a collector reads the figures the
 process already keeps for its status and heartbeats — the broker's `BrokerCore.status()` (the
 very `flowmesh.reports.BrokerStatus` that `flowmesh status` prints), a worker's
-`WorkerService.stats()` (what its heartbeats carry), a partitioner's `stats()` — and maps them
+`WorkerService.heartbeat_stats()` (what its heartbeats carry), a partitioner's — and maps them
 to metric families with pure functions (`broker_families`, `worker_families`,
 `partitioner_families`) that tests check in-process. The broker's distributions (latency, queue
 wait, load wait, run time, batch size, load time) are prometheus_client histograms observed
@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from flowmesh.reports import BrokerStatus, PeerRow
+from flowmesh.reports import BrokerStatus, PartitionerStats, PeerRow, WorkerStats
 
 log = logging.getLogger("flowmesh.metrics")
 
@@ -301,19 +301,21 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
 
 
 def worker_families(
-    name: str, stats: Mapping[str, Any], train: Mapping[str, Any] | None = None
+    name: str, stats: WorkerStats, train: Mapping[str, Any] | None = None
 ) -> list[Metric]:
-    """A worker's figures (`WorkerService.stats()` and `peer_stats()`) and, if it trains, its
-    trainer's (`TrainingExecutor.stats()`), labelled with the worker's name."""
+    """A worker's figures (what its heartbeats carry, `WorkerService.heartbeat_stats()`) and, if
+    it trains, its trainer's (`TrainingExecutor.stats()`, in process), labelled with the
+    worker's name. A figure the worker does not report (None) is left out."""
     f = Families("flowmesh_worker")
     for key, metric, kind, doc in WORKER_FIGURES:
-        if key in stats:
-            getattr(f, kind)(metric, doc, stats[key], worker=name)
+        value = getattr(stats, key)
+        if value is not None:
+            getattr(f, kind)(metric, doc, value, worker=name)
     doc = "Bytes copied between host and device, by direction and purpose"
     f.counter(
         "copied_bytes",
         doc,
-        stats.get("bytes_loaded", 0),
+        stats.bytes_loaded,
         worker=name,
         direction="host_to_device",
         purpose="serving",
@@ -344,29 +346,29 @@ def worker_families(
                 train_job=job,
             )
     states: dict[str, int] = {}
-    for state in (stats.get("stages") or {}).values():
-        states[str(state)] = states.get(str(state), 0) + 1
+    for state in stats.stages.values():
+        states[state] = states.get(state, 0) + 1
     for state, n in sorted(states.items()):
         f.gauge("stages", "Deployed stages, by state", n, worker=name, state=state)
     return f.all()
 
 
-def partitioner_families(name: str, stats: Mapping[str, Any]) -> list[Metric]:
+def partitioner_families(name: str, stats: PartitionerStats) -> list[Metric]:
     f = Families("flowmesh_partitioner")
     doc = "Plans computed, by outcome"
-    f.counter("plans", doc, stats.get("planned"), partitioner=name, outcome="ok")
-    f.counter("plans", doc, stats.get("failed"), partitioner=name, outcome="failed")
-    f.gauge("inflight_plans", "Plans being computed", stats.get("inflight"), partitioner=name)
+    f.counter("plans", doc, stats.planned, partitioner=name, outcome="ok")
+    f.counter("plans", doc, stats.failed, partitioner=name, outcome="failed")
+    f.gauge("inflight_plans", "Plans being computed", stats.inflight, partitioner=name)
     f.counter(
         "dropped_sends",
         "Messages to the broker dropped",
-        stats.get("dropped_sends"),
+        stats.dropped_sends,
         partitioner=name,
     )
     f.counter(
         "reconnects",
         "Fresh sockets after the broker fell silent",
-        stats.get("reconnects"),
+        stats.reconnects,
         partitioner=name,
     )
     return f.all()
@@ -421,12 +423,9 @@ def broker_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector
 
 
 def worker_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector:
-    def read() -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def read() -> tuple[WorkerStats, dict[str, Any] | None]:
         trainer = getattr(service, "trainer", None)
-        return (
-            {**service.stats(), **service.peer_stats()},
-            trainer.stats() if trainer is not None else None,
-        )
+        return service.heartbeat_stats(), trainer.stats() if trainer is not None else None
 
     def families() -> list[Metric]:
         stats, train = on_loop(loop, read)
@@ -437,7 +436,7 @@ def worker_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector
 
 def partitioner_collector(service: Any, loop: asyncio.AbstractEventLoop) -> Collector:
     def families() -> list[Metric]:
-        stats = on_loop(loop, lambda: {**service.stats(), **service.peer_stats()})
+        stats = on_loop(loop, service.heartbeat_stats)
         return partitioner_families(service.name, stats)
 
     return Collector(families)

@@ -44,6 +44,8 @@ from flowmesh.transport import connect_dealer, pump, send, send_from_thread
 
 class MeshPeer:
     role = "peer"
+    # What its heartbeats carry: `stats()` and `peer_stats()` as this role's declared figures.
+    stats_type: type[p.WorkerStats] | type[p.PartitionerStats]
     send_hwm = 10_000  # messages queued to the broker before sends are dropped
 
     def __init__(
@@ -121,8 +123,13 @@ class MeshPeer:
             out["auth_refusals"] = self.auth_refusals
         return out
 
+    def heartbeat_stats(self) -> p.PeerStats:
+        """This peer's figures, typed (`flowmesh.reports.WorkerStats`, `PartitionerStats`): a
+        figure the type does not declare is a TypeError here, in the peer's own tests."""
+        return self.stats_type(**self.stats(), **self.peer_stats())
+
     def _heartbeat(self) -> p.Heartbeat:
-        return p.Heartbeat(stats={**self.stats(), **self.peer_stats()})
+        return p.Heartbeat(stats=self.heartbeat_stats())
 
     def send(self, msg: p.Message) -> bool:
         """Send `msg` now; False when it was dropped: the queue to the broker is full, or there

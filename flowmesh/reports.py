@@ -9,14 +9,14 @@ a code and a reason). `msgspec.to_builtins` gives the plain data `flowmesh statu
 prints, with the field names below as its keys.
 
 The scalar types the messages share (`Count`, `Finite`) and a peer's heartbeat figures
-(`Stats`) are declared here too, so that `flowmesh.messages` imports this module and not the
-other way round. No torch import.
+(`WorkerStats`, `PartitionerStats`) are declared here too, so that `flowmesh.messages` imports
+this module and not the other way round. No torch import.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -28,18 +28,141 @@ Count = Annotated[int, Meta(ge=0)]  # bytes, stages, steps, seqs, frames
 _BIG = sys.float_info.max
 Finite = Annotated[float, Meta(ge=-_BIG, le=_BIG)]  # no NaN, no infinity
 
-# -- what a peer reports with its heartbeats: plain scalars, and lists and maps of them, three
-# levels deep at most (a top-level value, its items, theirs); numbers finite. They are stored
-# and shown by status() to every client; the broker bounds how many there are.
-
-StatScalar = Union[None, bool, int, Finite, str]  # noqa: UP007 (msgspec reads it at run time)
-StatItem = Union[StatScalar, list[StatScalar], dict[str, StatScalar]]  # noqa: UP007
-StatValue = Union[StatScalar, list[StatItem], dict[str, StatItem]]  # noqa: UP007
-Stats = dict[str, StatValue]
-
-
 class _Row(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A part of a report: every field named when built, nothing unknown on receipt."""
+
+
+# -- what a peer reports with its heartbeats, stored by the broker and shown by status
+
+
+MAX_HELD_ENTRIES = 4096  # a worker lists each stage it holds, once per map
+# "model/stage" -> a figure of that stage; bounded, so that a peer cannot grow every later status.
+PerStage = Annotated[dict[str, Count], Meta(max_length=MAX_HELD_ENTRIES)]
+
+
+class WorkerStats(_Row, tag="worker", tag_field="role"):
+    """A worker's heartbeat figures (`gpu_worker.hands.Hands.stats`): its serving executor's
+    counters and memory, its arena, its host tier, generation's KV cache, direct runs and, when
+    it trains, its trainer's. Each has the value a worker that does not report it stands for;
+    a wrong type or value is refused on receipt (BAD_MESSAGE, naming the field)."""
+
+    # -- serving runs and loads (`gpu_worker.executor.Executor.counters`)
+    loads: Count = 0
+    evictions: Count = 0
+    runs: Count = 0
+    run_errors: Count = 0
+    bytes_loaded: Count = 0
+    rows: Count = 0
+    load_waits: Count = 0  # loads that waited for training to give memory back
+    evictions_chosen: Count = 0  # idle stages evicted to make room for a load
+    implicit_loads: Count = 0  # stages brought back because a run asked for them
+    prefetches: Count = 0  # next stages loaded while the stage before them computed
+    gen_runs: Count = 0  # iterations of generation
+    kv_refused: Count = 0  # iterations whose KV blocks could not be placed
+    # Preempted sequences: KV parked in host memory, or dropped to be recomputed; parked KV
+    # copied back.
+    kv_parked: Count = 0
+    kv_dropped: Count = 0
+    kv_restored: Count = 0
+    # -- serving memory, as the stages see it (the arena's figures cannot exceed the budget by
+    # construction; these can, if the bookkeeping is wrong)
+    budget_bytes: Count = 0
+    resident_bytes: Count = 0
+    peak_bytes: Count = 0
+    resident_stages: PerStage = msgspec.field(default_factory=dict)
+    stage_bytes_peak: Count = 0
+    largest_free: Count = 0
+    host_bytes: Count = 0
+    inflight: Count = 0
+    # "model/stage" -> its state ("host", "loading", "resident", ...)
+    stages: Annotated[dict[str, str], Meta(max_length=MAX_HELD_ENTRIES)] = msgspec.field(
+        default_factory=dict
+    )
+    stages_prepared: Count = 0
+    # Stages being read and built ("model/stage" -> [bytes read, bytes in all]).
+    preparing: Annotated[dict[str, list[Count]], Meta(max_length=MAX_HELD_ENTRIES)] = (
+        msgspec.field(default_factory=dict)
+    )
+    # -- generation's KV cache: bytes and blocks held (in the serving budget, counted in
+    # resident_bytes too), the sequences holding them, what its models' KV may take together
+    # (`gpu_worker.kv_cache.kv_limit_bytes`) and the blocks that limit still allows (None before
+    # a KV cache is made here: no block size to count in)
+    kv_bytes: Count = 0
+    kv_blocks: Count = 0
+    kv_seqs: Count = 0
+    kv_limit_bytes: Count = 0
+    kv_blocks_free: Count | None = None
+    kv_parked_bytes: Count = 0  # preempted sequences' KV parked in host memory here
+    kv_parked_seqs: Count = 0
+    # The KV bytes per stage holding some, for the broker's eviction choice: a stage's resident
+    # bytes are its weights + its live KV.
+    kv_stage_bytes: PerStage = msgspec.field(default_factory=dict)
+    # -- the device: the prefault's seconds (None: switched off), the pinned host tier (0 on a
+    # CPU stand-in), NVML's figures (None without NVML)
+    prefault_s: Finite | None = None
+    host_tier_bytes: Count = 0
+    host_tier_used_bytes: Count = 0
+    host_tier_peak_bytes: Count = 0
+    host_tier_largest_free: Count = 0
+    host_tier_buffers: Count = 0
+    gpu_name: str | None = None
+    gpu_total_bytes: Count | None = None
+    gpu_used_bytes: Count | None = None
+    gpu_util_pct: Count | None = None
+    # -- the one arena, serving and training (`gpu_worker.memory.Memory.stats`)
+    arena_bytes: Count = 0
+    arena_in_use: Count = 0
+    arena_peak: Count = 0
+    arena_largest_free: Count = 0
+    serving_in_use: Count = 0
+    training_in_use: Count = 0
+    memory_claims: Count = 0
+    train_reclaimed_bytes: Count = 0
+    train_borrowed_peak: Count = 0
+    # -- answers and direct runs
+    lane_answers: Count = 0  # runs answered from a compute lane
+    reader_runs: Count = 0  # runs answered from the reader thread
+    hops_in: Count = 0
+    hops_early: Count = 0
+    hops_dropped: Count = 0
+    direct_runs: Count = 0
+    direct_pending: Count = 0  # announced runs not finished here
+    # -- training (`gpu_worker.train_executor.TrainingExecutor.stats`; 0 for a worker that
+    # takes no jobs)
+    train_jobs: Count = 0
+    train_steps: Count = 0
+    train_step_errors: Count = 0
+    train_budget_bytes: Count = 0
+    train_reserved_bytes: Count = 0
+    train_resident_bytes: Count = 0
+    train_evals: Count = 0
+    train_reserved_peak: Count = 0
+    train_resident_peak: Count = 0
+    train_bytes_in: Count = 0
+    train_tasks: Count = 0
+    train_tasks_admitted: Count = 0
+    train_tasks_started: Count = 0
+    train_job_switches: Count = 0
+    train_tasks_reclaimed: Count = 0
+    # -- every peer's (`flowmesh.peer.Peer.peer_stats`); the key counters only with CURVE keys
+    dropped_sends: Count = 0
+    reconnects: Count = 0
+    auth_refusals: Count | None = None
+    peer_refused: Count | None = None  # peer-socket keys no run named
+
+
+class PartitionerStats(_Row, tag="partitioner", tag_field="role"):
+    """A partitioner's heartbeat figures (`partitioner.service.PartitionerService.stats`)."""
+
+    planned: Count = 0
+    failed: Count = 0
+    inflight: Count = 0  # plans being computed
+    dropped_sends: Count = 0
+    reconnects: Count = 0
+    auth_refusals: Count | None = None
+
+
+PeerStats = WorkerStats | PartitionerStats
 
 
 # -- models
@@ -148,7 +271,7 @@ class PeerRow(_Row):
 
 class PartitionerRow(PeerRow):
     inflight: Count  # plans asked for, not answered
-    stats: Stats  # its latest heartbeat's figures
+    stats: PartitionerStats  # its latest heartbeat's figures
 
 
 class WorkerRow(PeerRow):
@@ -169,37 +292,29 @@ class WorkerRow(PeerRow):
     reserved_for: str | None  # draining for a starving model
     # Where the previous stage of a direct run sends it activations ("": relayed).
     peer_endpoint: str
-    stats: Stats  # its latest heartbeat's figures
+    stats: WorkerStats  # its latest heartbeat's figures
 
-    # Generation's KV cache here, from its heartbeat figures (counted in resident_bytes there):
-    # bytes and blocks held, the sequences holding them, and what its models' KV may take
-    # together (`gpu_worker.kv_cache.kv_limit_bytes`). Byte counts checked on receipt
-    # (`broker.checks.check_stats`); 0 from a worker that reports none.
+    # Generation's KV cache here, from its heartbeat figures (counted in resident_bytes there).
     @property
     def kv_bytes(self) -> int:
-        return _count(self.stats.get("kv_bytes"))
+        return self.stats.kv_bytes
 
     @property
     def kv_blocks(self) -> int:
-        return _count(self.stats.get("kv_blocks"))
+        return self.stats.kv_blocks
 
     @property
     def kv_seqs(self) -> int:
-        return _count(self.stats.get("kv_seqs"))
+        return self.stats.kv_seqs
 
     @property
     def kv_limit_bytes(self) -> int:
-        return _count(self.stats.get("kv_limit_bytes"))
+        return self.stats.kv_limit_bytes
 
     @property
     def kv_blocks_free(self) -> int:
         """KV blocks the limit still allows beside those held (the worker's `kv_blocks_free`)."""
-        return _count(self.stats.get("kv_blocks_free"))
-
-
-def _count(value: object) -> int:
-    """A heartbeat figure as a count: 0 for one missing or not a count."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+        return self.stats.kv_blocks_free or 0
 
 
 # -- training jobs

@@ -196,7 +196,7 @@ class WorkerHands:
         out.update(direct.counters)
         out["direct_pending"] = len(direct.runs)  # announced runs not finished here
         if self.trainer is not None:
-            # Flat figures: heartbeat stats are bounded in depth (broker.checks.check_stats).
+            # The trainer's totals, by the names `flowmesh.reports.WorkerStats` declares.
             t = self.trainer.stats()
             out.update(
                 train_jobs=len(t["jobs"]),

@@ -58,6 +58,7 @@ from gpu_worker.hands import WorkerHands
 
 class WorkerService(MeshPeer):
     role = "worker"
+    stats_type = p.WorkerStats
 
     def __init__(
         self,

@@ -104,6 +104,7 @@ def _state_count(optimizer: str) -> int:
 
 class PartitionerService(MeshPeer):
     role = "partitioner"
+    stats_type = p.PartitionerStats
 
     def __init__(
         self,

@@ -264,10 +264,10 @@ def main() -> None:
     for name, (x, y) in rows.items():
         print(f"  {name:44s} {x:9.2f} {y:9.2f}   ratio {y / x:5.2f}x")
     print(
-        f"  memory: serving claims {st.get('memory_claims', 0)}, training gave back "
-        f"{st.get('train_reclaimed_bytes', 0) / KIB:.0f} KiB, borrowed at most "
-        f"{st.get('train_borrowed_peak', 0) / KIB:.0f} KiB, arena peak "
-        f"{st.get('arena_peak', 0) / KIB:.0f} of {st.get('arena_bytes', 0) / KIB:.0f} KiB"
+        f"  memory: serving claims {st.memory_claims}, training gave back "
+        f"{st.train_reclaimed_bytes / KIB:.0f} KiB, borrowed at most "
+        f"{st.train_borrowed_peak / KIB:.0f} KiB, arena peak "
+        f"{st.arena_peak / KIB:.0f} of {st.arena_bytes / KIB:.0f} KiB"
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -380,7 +380,7 @@ def main() -> int:
     for m in status.models:
         for kind, n in m.preemptions_by_kind.items():
             kinds[kind] = kinds.get(kind, 0) + n
-    parked = {w.name: w.stats.get("kv_parked", 0) for w in status.workers}
+    parked = {w.name: w.stats.kv_parked for w in status.workers}
     print(
         f"flowmesh preemptions: {kinds['preempted']} (resumed from parked KV {kinds['swap']}, "
         f"recomputed {kinds['recompute']}; restarted {kinds['restart']}); KV parked by the "

@@ -148,7 +148,7 @@ def on_mesh(
     out = summary(lat, secs)
 
     def grew(name: str) -> int:
-        return int(after.get(name, 0)) - int(before.get(name, 0))
+        return int(getattr(after, name)) - int(getattr(before, name))
 
     out.update(
         budget_bytes=budget,

@@ -128,7 +128,10 @@ def base_message(rng: random.Random) -> tuple[dict[str, Any], list[bytes]]:
             },
             [],
         ),
-        lambda: ({"t": "heartbeat", "stats": {"inflight": rng.randint(0, 3)}}, []),
+        lambda: (
+            {"t": "heartbeat", "stats": {"role": "worker", "inflight": rng.randint(0, 3)}},
+            [],
+        ),
         lambda: tensors("run_result", id=mid, model=model, stage=0, info={}),
         lambda: (
             {"t": "loaded", "id": mid, "model": model, "stage": 0, "nbytes": 1, "seconds": 0.1},

@@ -123,7 +123,7 @@ def flood_errors(core: BrokerCore) -> None:
         id=1, role="worker", name="w", pid=1, device="cpu", kind="cpu", budget_bytes=1 << 20
     )
     core.on_backend(b"w", register, 0.0)
-    core.on_backend(b"w", p.Heartbeat(stats={}), 0.0)
+    core.on_backend(b"w", p.Heartbeat(), 0.0)
     for i in range(FLOOD):
         core.on_backend(b"w", p.Error(id=10**9 + i, code="internal", reason="forged"), 0.0)
 
@@ -140,7 +140,7 @@ def flood_expired_calls(core: BrokerCore) -> None:
     """Plans any client may ask for, which the partitioner never answers."""
     register = p.Register(id=1, role="partitioner", name="part", pid=1)
     core.on_backend(b"part", register, 0.0)
-    core.on_backend(b"part", p.Heartbeat(stats={}), 0.0)
+    core.on_backend(b"part", p.Heartbeat(), 0.0)
     for i in range(FLOOD):
         spec = ModelSpec(name="m", factory="flowmesh.examples:mlp", kwargs={"width": i + 1})
         core.on_client(b"client", p.PlanRequest(id=i, spec=spec, timeout_ms=1000), 0.0)
@@ -155,7 +155,7 @@ def flood_expired_steps(core: BrokerCore) -> None:
         id=1, role="worker", name="w", pid=1, device="cpu", kind="cpu", budget_bytes=1, info=info
     )
     core.on_backend(b"w", register, 0.0)
-    core.on_backend(b"w", p.Heartbeat(stats={}), 0.0)
+    core.on_backend(b"w", p.Heartbeat(), 0.0)
     spec = ModelSpec(name="j", factory="flowmesh.examples:mlp", seed=1)
     config = TrainConfig(optimizer={"name": "sgd"})
     core.on_client(b"client", p.TrainOpen(id=1, job="j", spec=spec, config=config, batch=4), 0.0)
@@ -164,7 +164,7 @@ def flood_expired_steps(core: BrokerCore) -> None:
     tensors = {"inputs": torch.zeros(4, 8), "targets": torch.zeros(4, dtype=torch.int64)}
     for i in range(FLOOD):
         core.on_client(b"client", p.TrainStep(id=i, job="j", seq=i + 1, tensors=tensors), 0.0)
-    core.on_backend(b"w", p.Heartbeat(stats={}), 100.0)
+    core.on_backend(b"w", p.Heartbeat(), 100.0)
     core.tick(100.0)
     assert core.training.totals["train_expired"] == FLOOD
 

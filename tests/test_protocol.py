@@ -387,7 +387,7 @@ HOT = [
     p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
     p.RunResult(id=2, model="m", stage=0, tensors={"0/": torch.ones(2)}, info={"compute_s": 1}),
     p.Result(id=1, tensors={"": torch.ones(1)}, info={"batch": 1, "workers": ["w"]}),
-    p.Heartbeat(stats={"runs": 3, "stages": {"m/0": "resident"}, "x": [1.5, None]}),
+    p.Heartbeat(stats=p.WorkerStats(runs=3, stages={"m/0": "resident"}, prefault_s=1.5)),
     p.Register(id=3, role="worker", name="w", pid=4, info=p.PeerInfo(compute_lanes=3)),
     p.Error(id=None, code="internal", reason="r"),
     p.PlanRequest(id=5, spec=SPEC, stages=2),

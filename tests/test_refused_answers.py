@@ -74,12 +74,12 @@ async def test_a_refused_plan_fails_the_deploy_at_once_through_the_real_sockets(
         await part.send_multipart(
             p.encode(p.Register(id=1, role="partitioner", name="p0", pid=2))
         )
-        await part.send_multipart(p.encode(p.Heartbeat(stats={})))
+        await part.send_multipart(p.encode(p.Heartbeat()))
         reg = p.Register(
             id=1, role="worker", name="w0", pid=3, device="cpu", kind="cpu", budget_bytes=MIB
         )
         await worker.send_multipart(p.encode(reg))
-        await worker.send_multipart(p.encode(p.Heartbeat(stats={})))
+        await worker.send_multipart(p.encode(p.Heartbeat()))
         # The deploy comes on the other socket: it must not overtake the registrations.
         peers = svc.core.peers
         await until(lambda: all(n in peers and peers[n].ready for n in ("p0", "w0")), "peers")

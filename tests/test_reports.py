@@ -100,5 +100,6 @@ def test_status_as_plain_data_keeps_the_wire_names() -> None:
     st = broker_status(models=[model_row("m", requests=2)], workers=[worker_row("w0")])
     plain = json.loads(json.dumps(msgspec.to_builtins(st)))
     assert plain["models"][0]["name"] == "m" and plain["models"][0]["requests"] == 2
-    assert plain["workers"][0]["stats"] == {} and plain["totals"]["requests"] == 0
+    assert plain["workers"][0]["stats"]["role"] == "worker" and plain["totals"]["requests"] == 0
+    assert plain["workers"][0]["stats"]["kv_blocks_free"] is None
     assert msgspec.convert(plain, p.BrokerStatus) == st

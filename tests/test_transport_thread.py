@@ -59,7 +59,7 @@ class Pair:
 
     async def joined(self) -> None:
         """The dealer's connection is up: the router can address it."""
-        await self.dealer.send_multipart(p.encode(p.Heartbeat(stats={})))
+        await self.dealer.send_multipart(p.encode(p.Heartbeat()))
         await asyncio.wait_for(self.router.recv_multipart(), 10)
 
     async def send(self, ident: int) -> None:
@@ -147,7 +147,7 @@ async def test_a_send_that_takes_the_fd_edge_still_wakes_the_reader(
     try:
         assert await asyncio.to_thread(in_window.wait, 10)
         await pair.send(7)  # inproc: in the dealer's queue once this returns
-        reply = p.encode(p.Heartbeat(stats={}))
+        reply = p.encode(p.Heartbeat())
         if sender == "loop":
             transport.send_frames(pair.dealer, reply)
         else:

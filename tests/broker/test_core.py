@@ -21,14 +21,14 @@ def test_worker_is_ready_only_after_its_first_heartbeat() -> None:
     )
     assert kinds(out) == [(b"w0", "register_ack")] and out[0][2].id == 7
     assert h.core.status(0).workers[0].ready is False
-    h.backend(b"w0", p.Heartbeat(stats={"peak_bytes": 5}))
+    h.backend(b"w0", p.Heartbeat(stats=p.WorkerStats(peak_bytes=5)))
     w = h.core.status(0).workers[0]
     assert w.ready is True and w.peak_bytes == 5
 
 
 def test_unknown_peer_is_told_to_register() -> None:
     h = Harness()
-    out = h.backend(b"stranger", p.Heartbeat(stats={}))
+    out = h.backend(b"stranger", p.Heartbeat())
     assert kinds(out) == [(b"stranger", "disconnect")]
 
 
@@ -174,7 +174,7 @@ def test_queued_request_past_its_deadline_gets_timeout() -> None:
     h.loaded(w0, out, 40 * MIB)
     rid, _ = h.infer("b", timeout_ms=500)
     h.now = 0.6
-    h.backend(w0, p.Heartbeat(stats={}))
+    h.backend(w0, p.Heartbeat())
     h.core.tick(h.now)
     (err,) = only(h.out(), p.Error)
     assert err.id == rid and err.code == Code.TIMEOUT
@@ -189,8 +189,8 @@ def test_dead_worker_requests_retry_on_another_replica() -> None:
     (dead,) = [a for _, a, m in out if isinstance(m, p.Run)]
     alive = w1 if dead == w0 else w0
     h.now = 3.5  # the dead one stops beating; the other keeps going
-    h.backend(alive, p.Heartbeat(stats={}))
-    h.backend(b"part", p.Heartbeat(stats={}))
+    h.backend(alive, p.Heartbeat())
+    h.backend(b"part", p.Heartbeat())
     h.core.tick(h.now)
     out = h.out()
     retried = [(a, m) for _, a, m in out if isinstance(m, p.Run)]
@@ -206,7 +206,7 @@ def test_dead_worker_without_another_replica_answers_worker_lost() -> None:
     h.deploy("m", [MIB], replicas=1)
     rid, _ = h.infer("m")
     h.now = 3.5
-    h.backend(b"part", p.Heartbeat(stats={}))
+    h.backend(b"part", p.Heartbeat())
     h.core.tick(h.now)
     errs = only(h.out(), p.Error)
     assert [(e.id, e.code) for e in errs] == [(rid, Code.WORKER_LOST)]
@@ -332,7 +332,7 @@ def live_until(h: Harness, until: float) -> list[tuple[str, bytes, p.Message]]:
     while h.now < until:
         h.now = min(until, h.now + 1.0)
         for peer in list(h.core.peers.values()):
-            out += h.backend(peer.addr, p.Heartbeat(stats={}))
+            out += h.backend(peer.addr, p.Heartbeat())
         h.core.tick(h.now)
         out += h.out()
     return out
@@ -432,7 +432,7 @@ def test_a_lost_stage_ready_of_a_repair_gives_it_up_and_tries_again_later() -> N
     # w1 dies; its replica is re-created on w2, whose StageReady is lost.
     h.now = 3.5
     for a in (w0, b"part", b"w2"):
-        h.backend(a, p.Heartbeat(stats={}))
+        h.backend(a, p.Heartbeat())
     h.core.tick(h.now)
     (first,) = only(h.out(), p.DeployStage)
     assert h.core.calls[first.id].peer == "w2"
@@ -556,19 +556,24 @@ def test_calls_are_answered_only_by_the_peer_they_were_sent_to() -> None:
 def test_bad_heartbeat_stats_are_refused_and_status_keeps_working() -> None:
     h = Harness()
     w0 = h.worker("w0")
-    h.backend(w0, p.Heartbeat(stats={"peak_bytes": 7, "lanes": [1, 2], "x": {"y": 1.5}}))
+    h.backend(w0, p.Heartbeat(stats=p.WorkerStats(peak_bytes=7, stages={"m/0": "resident"})))
     for bad in (
-        {"peak_bytes": "lots"},
-        {"host_bytes": -1},
-        {"deep": {"a": {"b": {"c": 1}}}},
-        {"n": float("nan")},
-        {"many": list(range(20_000))},
+        p.WorkerStats(peak_bytes="lots"),  # type: ignore[arg-type]
+        p.WorkerStats(host_bytes=-1),
+        p.WorkerStats(prefault_s=float("nan")),
+        p.WorkerStats(kv_stage_bytes={f"m/{i}": 1 for i in range(5000)}),
     ):
-        with pytest.raises(FlowmeshError) as info:  # types on receipt, bounds in the broker
+        with pytest.raises(FlowmeshError) as info:  # types and bounds, on receipt
             h.backend(w0, p.decode(p.encode(p.Heartbeat(stats=bad))))
-        assert info.value.code in (Code.BAD_MESSAGE, Code.BAD_REQUEST)
+        assert info.value.code == Code.BAD_MESSAGE
+    with pytest.raises(FlowmeshError) as info:  # a worker sending a partitioner's figures
+        h.backend(w0, p.Heartbeat(stats=p.PartitionerStats(planned=1)))
+    assert (info.value.code, info.value.reason) == (
+        Code.BAD_REQUEST,
+        "heartbeat stats: a worker reports WorkerStats, not PartitionerStats",
+    )
     (w,) = h.core.status(h.now).workers
-    assert w.peak_bytes == 7 and w.stats["lanes"] == [1, 2]
+    assert w.peak_bytes == 7 and w.stats.stages == {"m/0": "resident"}
 
 
 def test_the_same_process_registering_again_keeps_its_state() -> None:

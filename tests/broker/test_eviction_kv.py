@@ -34,7 +34,7 @@ def rig(budget: int, stages: dict[str, int], **cfg: str) -> tuple[Harness, bytes
 
 
 def heartbeat(h: Harness, w0: bytes, kv: dict[str, int]) -> None:
-    h.backend(w0, p.Heartbeat(stats={"kv_stage_bytes": kv}))
+    h.backend(w0, p.Heartbeat(stats=p.WorkerStats(kv_stage_bytes=kv)))
 
 
 def expected_victims(h: Harness, model: str) -> list[tuple[str, int]]:
@@ -104,12 +104,12 @@ def test_kv_figures_that_are_not_a_held_stage_s_byte_count_are_passed_over() -> 
     h, w0 = rig(100 * MIB, {"a": 30 * MIB})
     heartbeat(h, w0, {"a/0": 7, "gone/0": 5, "a/x": 3, "a/1": 2, "a": 1})
     assert kv_held(h.core.peers["w0"]) == {("a", 0): 7}
-    # A value that is not a byte count: the heartbeat is refused on receipt (broker.checks), the
-    # last good figures stand.
+    # A value that is not a byte count: the heartbeat is refused on receipt (its type,
+    # `flowmesh.reports.WorkerStats`), the last good figures stand.
     for bad in (-1, True, 1.5, "9"):
         with pytest.raises(FlowmeshError) as info:
             heartbeat(h, w0, {"a/0": bad})  # type: ignore[dict-item]
-        assert info.value.code == Code.BAD_REQUEST
+        assert info.value.code == Code.BAD_MESSAGE
         assert kv_held(h.core.peers["w0"]) == {("a", 0): 7}
     heartbeat(h, w0, {})
     assert kv_held(h.core.peers["w0"]) == {}

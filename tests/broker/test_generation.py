@@ -666,8 +666,8 @@ def test_a_lost_worker_with_no_other_replica_fails_its_calls(lm_dir: Path, files
     g.stage0(run)
     # w1 falls silent; w0 and the partitioner keep beating.
     g.h.now = 2.5
-    g.h.backend(g.w0, p.Heartbeat(stats={}))
-    g.h.backend(b"part", p.Heartbeat(stats={}))
+    g.h.backend(g.w0, p.Heartbeat())
+    g.h.backend(b"part", p.Heartbeat())
     out = g.tick(4.0)
     reason = "worker w1 was lost and 'lm' has no live replica left"
     # Every group's sequences: their KV was on the same workers (freed on the one left).
@@ -693,7 +693,7 @@ def test_sequences_of_a_lost_replica_start_again_on_another_from_their_tokens(
     # w1 falls silent mid-iteration; the others keep beating.
     g.h.now = 2.5
     for w in [g.w0, b"part", *[x for x in g.workers if x not in (g.w0, g.w1)]]:
-        g.h.backend(w, p.Heartbeat(stats={}))
+        g.h.backend(w, p.Heartbeat())
     out = g.tick(4.0)
     assert (BACKEND, g.w0, p.FreeSeqs(model="lm", stage=0, seqs=[a])) in out
     assert not [o for o in out if isinstance(o[2], p.Error | p.Generated)]
@@ -711,7 +711,7 @@ def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -
     for t in (1.5, 3.0, 4.5):  # everyone beats; stage 0 never answers
         g.h.now = t
         for w in (g.w0, g.w1, b"part"):
-            g.h.backend(w, p.Heartbeat(stats={}))
+            g.h.backend(w, p.Heartbeat())
     out = g.tick(5.0)
     reason = "worker w0 did not finish stage 0 of 'lm' within 5 s; its replica is being re-created"
     assert [o for o in out if isinstance(o[2], p.FreeSeqs | p.Error | p.Generated)] == [
@@ -805,7 +805,7 @@ def test_a_call_waiting_for_the_files_times_out(lm_dir: Path, files: LmFiles) ->
     assert g.client(p.TokenizerInfo(id=2, model="lm"), CLIENT_B) == []
     g.h.now = 0.5
     for w in (g.w0, g.w1, b"part"):
-        g.h.backend(w, p.Heartbeat(stats={}))
+        g.h.backend(w, p.Heartbeat())
     out = g.tick(1.0)
     reason = "'lm': its files were not read within 1.0 s"
     assert [o for o in out if o[0] == CLIENT] == [
@@ -1241,7 +1241,7 @@ def test_a_call_waits_for_a_replica_being_repaired(lm_dir: Path, files: LmFiles)
     w2 = g.h.worker("w2")
     g.h.now = 2.5
     for w in (g.w0, w2, b"part"):
-        g.h.backend(w, p.Heartbeat(stats={}))
+        g.h.backend(w, p.Heartbeat())
     out = g.tick(4.0)  # w1 is lost: the replica is placed again, on w0 and w2
     deploys = only(out, p.DeployStage)
     assert [(m.stage, a) for _, a, m in out if isinstance(m, p.DeployStage)] == [(0, g.w0), (1, w2)]
@@ -1260,7 +1260,7 @@ def test_a_replica_sharing_a_worker_does_not_generate(lm_dir: Path, files: LmFil
     g = Gen(lm_dir, files)
     g.h.now = 2.5
     for w in (g.w0, b"part"):
-        g.h.backend(w, p.Heartbeat(stats={}))
+        g.h.backend(w, p.Heartbeat())
     g.tick(4.0)  # w1 is lost: both stages placed again on w0
     assert [r.workers for r in g.core.models["lm"].replicas] == [["w0", "w0"]]
     err = refused(g, p.Generate(id=1, model="lm", prompts=[[1]]))

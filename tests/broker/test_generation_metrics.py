@@ -15,6 +15,7 @@ from broker.lm_files import LmFiles, read_lm_files
 from broker.status import TOKEN_BUCKETS, bucket_quantile
 from client_sdk import views
 from flowmesh import metrics
+from flowmesh.reports import WorkerStats
 from tests.support.generation import Gen, run_of
 from tests.support.lm import tiny_lm_dir
 from tests.support.reports import broker_status, model_row, worker_row
@@ -113,7 +114,7 @@ def test_preemptions_by_kind_and_kv_blocks_free_reach_status_and_metrics() -> No
         swaps=2,
         recomputes=1,
     )
-    stats = {"kv_bytes": 3, "kv_blocks": 3, "kv_seqs": 2, "kv_limit_bytes": 10, "kv_blocks_free": 7}
+    stats = WorkerStats(kv_bytes=3, kv_blocks=3, kv_seqs=2, kv_limit_bytes=10, kv_blocks_free=7)
     st = broker_status(models=[llm], workers=[worker_row("w0", stats=stats)])
     got = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -42,7 +42,7 @@ def trainer(h: Harness) -> bytes:
             info=p.PeerInfo(train_bytes=100 * KIB),
         ),
     )
-    h.backend(b"w", p.Heartbeat(stats={}))
+    h.backend(b"w", p.Heartbeat())
     return b"w"
 
 
@@ -127,7 +127,7 @@ def test_a_step_answered_late_counts_its_rows_and_a_failed_one_does_not() -> Non
     w = opened(h)
     late = send(h, 1, 4, 11)
     h.now = 6.0
-    h.backend(w, p.Heartbeat(stats={}))
+    h.backend(w, p.Heartbeat())
     h.core.tick(h.now)  # its call expires: the client is told
     assert [m.code for _, _, m in h.out() if isinstance(m, p.Error)] == ["timeout"]
     assert h.backend(w, answer(late, 1, 10, 20, 1.5)) == []  # applied all the same

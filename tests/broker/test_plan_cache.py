@@ -56,7 +56,7 @@ def rig() -> tuple[Context, Registry]:
         on_worker_lost=lambda name: None,
     )
     reg.register(b"part", p.Register(id=1, role="partitioner", name="part", pid=1), 0.0)
-    reg.heartbeat(ctx.peers["part"], p.Heartbeat(stats={}), 0.0)
+    reg.heartbeat(ctx.peers["part"], p.Heartbeat(), 0.0)
     ctx.drain()
     return ctx, reg
 

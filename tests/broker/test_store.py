@@ -203,7 +203,7 @@ def test_a_replica_whose_worker_never_returns_is_placed_anew(tmp_path: Path) -> 
     life.register("w2")
     life.now = life.core.restore_grace_s() + 0.1
     for peer in (b"part", b"w1", b"w2"):  # alive all along
-        life.backend(peer, p.Heartbeat(stats={}))
+        life.backend(peer, p.Heartbeat())
     life.out()
     life.core.tick(life.now)
     out = life.out()
@@ -252,7 +252,7 @@ def step(life: Harness, seq: int, rid: int) -> list[Any]:
 def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path: Path) -> None:
     life = Life(tmp_path)
     w0 = life.register("w0")
-    life.backend(b"w0", p.Heartbeat(stats={}))
+    life.backend(b"w0", p.Heartbeat())
     open_job(life, b"w0")
     assert Store(tmp_path).open().load_all().jobs["j"].config == RUN.to_dict()
     (fwd,) = only(step(life, 1, 60), p.TrainStep)
@@ -283,7 +283,7 @@ def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path
 def test_a_training_job_its_worker_lost_fails_the_held_steps(tmp_path: Path) -> None:
     life = Life(tmp_path)
     life.register("w0")
-    life.backend(b"w0", p.Heartbeat(stats={}))
+    life.backend(b"w0", p.Heartbeat())
     open_job(life, b"w0")
     life = Life(tmp_path)
     assert step(life, 1, 80) == []

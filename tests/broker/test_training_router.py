@@ -34,7 +34,7 @@ def trainer(h: Harness, name: str, train_bytes: int) -> bytes:
             info=p.PeerInfo(train_bytes=train_bytes),
         ),
     )
-    h.backend(addr, p.Heartbeat(stats={}))
+    h.backend(addr, p.Heartbeat())
     return addr
 
 
@@ -79,7 +79,7 @@ def tick(h: Harness, now: float, *alive: bytes) -> Out:
     """Move the clock to `now` (the workers `alive` heartbeat just before) and tick."""
     h.now = now
     for addr in alive:
-        h.backend(addr, p.Heartbeat(stats={}))
+        h.backend(addr, p.Heartbeat())
     h.core.tick(now)
     return [o for o in h.out() if not isinstance(o[2], p.Heartbeat)]
 

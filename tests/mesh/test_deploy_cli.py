@@ -13,7 +13,7 @@ from client_sdk.cli import main
 from client_sdk.mesh import LocalMesh
 from client_sdk.views import DeployWatch
 from flowmesh.modelio.build import build_seeded
-from flowmesh.reports import BrokerStatus
+from flowmesh.reports import BrokerStatus, WorkerStats
 from tests.support.cli import flowmesh
 from tests.support.mesh import fresh_stats, mesh_options, mlp_spec
 from tests.support.reports import broker_status, worker_row
@@ -38,7 +38,7 @@ def test_deploy_shows_the_weights_read_and_the_workers_report_reading(
     assert " MiB / " in done.stderr and " MB" not in done.stderr  # one unit: binary
     with mesh.client() as c:
         for w in c.status().workers:
-            assert fresh_stats(c, w.name)["preparing"] == {}  # nothing left half-read
+            assert fresh_stats(c, w.name).preparing == {}  # nothing left half-read
 
 
 def test_deploy_a_hugging_face_directory_then_infer_a_batch(
@@ -81,7 +81,7 @@ def test_deploy_watch_adds_up_the_stages_each_worker_reads() -> None:
     watch = DeployWatch("m")
 
     def status(**per_worker: dict[str, list[int]]) -> BrokerStatus:
-        rows = [worker_row(w, stats={"preparing": p}) for w, p in per_worker.items()]
+        rows = [worker_row(w, stats=WorkerStats(preparing=p)) for w, p in per_worker.items()]
         return broker_status(workers=rows)
 
     assert watch.update(status(a={"m/0": [0, 100]}, b={"other/0": [5, 9]})) == (0, 100)

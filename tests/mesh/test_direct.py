@@ -90,7 +90,7 @@ def test_under_curve_keys_activations_go_worker_to_worker_from_the_named_key_onl
         assert totals.direct_batches == 4 and totals.activation_bytes_relayed == 0
         last = path[-1]
         before = fresh_stats(c, last)
-        assert before["hops_in"] >= 4 and before["peer_refused"] == 0
+        assert before.hops_in >= 4 and before.peer_refused == 0
 
         # A key of this mesh (the operator's) that no run names, at the last worker's peer
         # socket with a well-formed Hop: ZAP refuses the connection, nothing reaches the worker.
@@ -107,13 +107,13 @@ def test_under_curve_keys_activations_go_worker_to_worker_from_the_named_key_onl
                 p.encode(p.Hop(id=1, ticket=1, model="sealed", stage=2, chunk=0)), zmq.NOBLOCK
             )
             wait_until(
-                lambda: fresh_stats(c, last)["peer_refused"] or None,
+                lambda: fresh_stats(c, last).peer_refused or None,
                 "the worker to refuse the operator's key on its peer socket",
                 timeout=20,
             )
         finally:
             sock.close(0)
             ctx.term()
-        assert fresh_stats(c, last)["hops_in"] == before["hops_in"]
+        assert fresh_stats(c, last).hops_in == before.hops_in
         x = torch.randn(2, 64)  # the workers' own connections are untouched
         assert_forward_close(c.infer("sealed", x), ref(x))

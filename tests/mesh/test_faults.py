@@ -192,7 +192,7 @@ def test_malformed_messages_are_answered_while_a_client_keeps_working(
     n, seen = asyncio.run(main())
     assert n >= 5 and len(seen) == 2 * len(MALFORMED)
     # A well-formed message from a peer that never registered is told to register.
-    reply = raw_exchange(mesh.backend, p.encode(p.Heartbeat(stats={})))
+    reply = raw_exchange(mesh.backend, p.encode(p.Heartbeat()))
     assert isinstance(reply, p.Disconnect)
     with mesh.client() as c:
         x = torch.randn(3, 64)

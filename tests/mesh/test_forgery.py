@@ -49,9 +49,9 @@ def impostor(backend: str, model: str, stop: threading.Event, sweeps: list[int])
             id=1, role="worker", name="impostor", pid=os.getpid(), kind="cpu", budget_bytes=1 << 20
         )
         put(reg)
-        put(p.Heartbeat(stats={"peak_bytes": 0}))
+        put(p.Heartbeat(stats=p.WorkerStats(peak_bytes=0)))
         # Stats that once broke every later status() call.
-        put(p.Heartbeat(stats={"peak_bytes": "lots"}))
+        put(p.Heartbeat(stats=p.WorkerStats(peak_bytes="lots")))  # type: ignore[arg-type]
         forged = torch.full((1, 64), 1e6)
         beat = time.monotonic()
         while not stop.is_set():
@@ -60,7 +60,7 @@ def impostor(backend: str, model: str, stop: threading.Event, sweeps: list[int])
                 put(p.Error(id=rid, code="model_error", reason="forged"))
                 if time.monotonic() - beat > 0.05:
                     beat = time.monotonic()
-                    put(p.Heartbeat(stats={}))
+                    put(p.Heartbeat())
                     while sock.poll(0):
                         refused += isinstance(p.decode(sock.recv_multipart()), p.Error)
                 if stop.is_set():

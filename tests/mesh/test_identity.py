@@ -99,7 +99,7 @@ def impostor(
             for rid in IDS:
                 put(p.RunResult(id=rid, model=SPEC.name, stage=0, tensors={"0/": forged}, info={}))
                 if rid % 100 == 0:
-                    put(p.Heartbeat(stats={}))
+                    put(p.Heartbeat())
                     read()
                 if stop.is_set():
                     break

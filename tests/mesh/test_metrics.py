@@ -159,20 +159,20 @@ def test_broker_status_maps_to_families_exactly() -> None:
     assert value(got, b + "train_final_errors", train_job="done", state="closed") == 1
 
 
-WORKER_STATS: dict[str, Any] = {
-    "loads": 3,
-    "evictions": 1,
-    "bytes_loaded": 300,
-    "resident_bytes": 100,
-    "budget_bytes": 1000,
-    "host_bytes": 500,
-    "host_tier_bytes": 4096,
-    "host_tier_used_bytes": 512,
-    "stages": {"m/0": "resident", "m/1": "host", "n/0": "host"},
-    "dropped_sends": 0,
-    "reconnects": 2,
-    "prefault_s": None,  # not a number: no sample
-}
+WORKER_STATS = p.WorkerStats(
+    loads=3,
+    evictions=1,
+    bytes_loaded=300,
+    resident_bytes=100,
+    budget_bytes=1000,
+    host_bytes=500,
+    host_tier_bytes=4096,
+    host_tier_used_bytes=512,
+    stages={"m/0": "resident", "m/1": "host", "n/0": "host"},
+    dropped_sends=0,
+    reconnects=2,
+    prefault_s=None,  # not a number: no sample
+)
 WORKER_TRAIN: dict[str, Any] = {
     "bytes_in": 64,
     "bytes_out": 32,
@@ -211,7 +211,7 @@ def missing_from(used: set[str], names: set[str]) -> set[str]:
     return {m for m in used if m not in names and suffix.sub("", m) not in names}
 
 
-def cpu_worker_figures() -> tuple[dict[str, Any], dict[str, Any]]:
+def cpu_worker_figures() -> tuple[p.WorkerStats, dict[str, Any]]:
     """A CPU worker's heartbeat figures (what its /metrics reads) and its trainer's, in process."""
     with InProcMesh(cpu_workers=1, memory_budget="8MiB", train_bytes="1MiB") as mesh:
         with mesh.client() as c:
@@ -227,7 +227,7 @@ def test_the_dashboard_plots_only_metrics_the_processes_export() -> None:
     workers = {f.name for f in metrics.worker_families("w", stats, train)}
     names = {f.name for f in metrics.broker_families(BROKER_STATUS)}
     names |= {f.name for f in Timings().collect()}
-    names |= {f.name for f in metrics.partitioner_families("p", {"planned": 1})}
+    names |= {f.name for f in metrics.partitioner_families("p", p.PartitionerStats(planned=1))}
     used = dashboard_series()
     assert not missing_from(used, names | workers), missing_from(used, names | workers)
     # Every worker series the dashboard plots has a sample from a CPU worker too (the stand-in
@@ -296,7 +296,9 @@ def test_the_endpoint_serves_the_collector() -> None:
 
     def families() -> list[Any]:
         calls.append(1)
-        return metrics.partitioner_families("p0", {"planned": 2, "failed": 1, "inflight": 0})
+        return metrics.partitioner_families(
+            "p0", p.PartitionerStats(planned=2, failed=1, inflight=0)
+        )
 
     stop = metrics.start(port, metrics.Collector(families), addr="127.0.0.1")
     try:
@@ -390,10 +392,10 @@ def test_metrics_and_status_report_the_same_serving_figures(mesh: LocalMesh) -> 
         # The worker's own endpoint: the figures its heartbeats carry.
         got, stats = workers[name], fresh[name]
         wm = "flowmesh_worker_"
-        assert value(got, wm + "loads_total", worker=name) == stats["loads"]
-        assert value(got, wm + "resident_bytes", worker=name) == stats["resident_bytes"]
-        assert value(got, wm + "budget_bytes", worker=name) == stats["budget_bytes"]
-        assert value(got, wm + "host_bytes", worker=name) == stats["host_bytes"] == w.host_bytes
+        assert value(got, wm + "loads_total", worker=name) == stats.loads
+        assert value(got, wm + "resident_bytes", worker=name) == stats.resident_bytes
+        assert value(got, wm + "budget_bytes", worker=name) == stats.budget_bytes
+        assert value(got, wm + "host_bytes", worker=name) == stats.host_bytes == w.host_bytes
         copied = value(
             got,
             wm + "copied_bytes_total",
@@ -401,7 +403,7 @@ def test_metrics_and_status_report_the_same_serving_figures(mesh: LocalMesh) -> 
             direction="host_to_device",
             purpose="serving",
         )
-        assert copied == stats["bytes_loaded"]
+        assert copied == stats.bytes_loaded
     assert (
         sum(
             value(

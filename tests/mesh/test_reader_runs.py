@@ -12,6 +12,7 @@ import torch
 
 from client_sdk import errors
 from client_sdk.mesh import LocalMesh
+from flowmesh import protocol as p
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
 from flowmesh.testing import assert_forward_close
@@ -34,8 +35,9 @@ def own_reference(spec: ModelSpec) -> Any:
     return forward
 
 
-def counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    return {k: after[k] - before[k] for k in ("runs", "reader_runs", "lane_answers")}
+def counts(before: p.WorkerStats, after: p.WorkerStats) -> dict[str, int]:
+    names = ("runs", "reader_runs", "lane_answers")
+    return {k: getattr(after, k) - getattr(before, k) for k in names}
 
 
 def test_a_quick_models_runs_are_computed_and_answered_on_the_reader_thread(

@@ -42,7 +42,7 @@ CLEAR = (errors.Unavailable, errors.Timeout, errors.WorkerLost)
 
 def prepared(mesh: LocalMesh, c: Any) -> dict[str, int]:
     return {
-        f"worker-{i}": fresh_stats(c, f"worker-{i}")["stages_prepared"]
+        f"worker-{i}": fresh_stats(c, f"worker-{i}").stages_prepared
         for i in range(mesh.n_workers)
     }
 

@@ -188,13 +188,13 @@ async def test_peer_counts_dropped_sends_and_never_raises() -> None:
     # Nobody listens there: one message fits the queue (high-water mark 1), the rest are dropped.
     peer.sock = connect_dealer(ctx, peer.broker, identity=peer.name, hwm=1)
     try:
-        sent = [peer.send(p.Heartbeat(stats={})) for _ in range(20)]
+        sent = [peer.send(p.Heartbeat()) for _ in range(20)]
         assert sent[0] and not all(sent), sent
         assert peer.dropped_sends == sent.count(False)
         peer.sock.close(linger=0)
-        assert peer.send(p.Heartbeat(stats={})) is False  # a closed socket: counted, no raise
+        assert peer.send(p.Heartbeat()) is False  # a closed socket: counted, no raise
         peer.sock = None
-        assert peer.send(p.Heartbeat(stats={})) is False  # between sockets
+        assert peer.send(p.Heartbeat()) is False  # between sockets
         assert peer.dropped_sends == sent.count(False) + 2
         assert peer.peer_stats()["dropped_sends"] == peer.dropped_sends
     finally:

@@ -37,9 +37,9 @@ def test_run_results_go_out_from_the_thread_that_computed_them(mesh: LocalMesh) 
             x = torch.randn(2, 32)
             assert_forward_close(c.infer(spec.name, x), ref(x))
         after = fresh_stats(c, worker)
-    assert after["runs"] - before["runs"] == 5
-    answered = (after["lane_answers"] + after["reader_runs"]) - (
-        before["lane_answers"] + before["reader_runs"]
+    assert after.runs - before.runs == 5
+    answered = (after.lane_answers + after.reader_runs) - (
+        before.lane_answers + before.reader_runs
     )
     assert answered == 5
 

@@ -93,7 +93,7 @@ class Counts:
             evictions=sum(m.evictions for m in st.models),
             batches=sum(m.batches for m in st.models),
             requests=sum(m.requests for m in st.models),
-            worker_evictions=sum(fresh_stats(c, w.name)["evictions"] for w in st.workers),
+            worker_evictions=sum(fresh_stats(c, w.name).evictions for w in st.workers),
         )
 
 

@@ -41,7 +41,7 @@ def test_four_stages_over_four_workers_pass_activations_directly() -> None:
         assert totals.direct_batches >= 1
         assert totals.activation_bytes_relayed == 0  # not one activation byte via us
         # Each later stage took micro-batches from its predecessor (its peer socket, in process).
-        hops = {w: fresh_stats(c, w)["hops_in"] for w in path}
+        hops = {w: fresh_stats(c, w).hops_in for w in path}
         assert hops[path[0]] == 0
         assert all(hops[w] >= totals.direct_batches for w in path[1:]), hops
         assert max(hops.values()) > totals.direct_batches  # a batch went in pieces
@@ -84,6 +84,6 @@ def test_a_failure_in_the_middle_stage_fails_that_request_alone_and_nothing_wait
                 assert not isinstance(out, BaseException), out
                 assert_forward_close(out, ref(x))
         # The stage after the failure was told to forget the run: nothing left waiting anywhere.
-        pending = {w: fresh_stats(c, w)["direct_pending"] for w in path}
+        pending = {w: fresh_stats(c, w).direct_pending for w in path}
         assert pending == dict.fromkeys(path, 0), pending
         assert c.status().totals.activation_bytes_relayed == 0

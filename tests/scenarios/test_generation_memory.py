@@ -21,7 +21,7 @@ from flowmesh import metrics
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lm_examples import hf_generate, tiny_lm_dir
 from flowmesh.modelio.decode import KV_BLOCK
-from flowmesh.reports import BrokerStatus
+from flowmesh.reports import BrokerStatus, WorkerStats
 from gpu_worker.kv_cache import kv_limit_bytes
 from tests.support.inproc import InProcMesh
 from tests.support.mesh import roots_at
@@ -79,9 +79,8 @@ def over_budget(st: BrokerStatus) -> list[str]:
     after it went to another)."""
     out = []
     for w in st.workers:
-        t: Any = w.stats
-        held = sum(t.get("resident_stages", {}).values()) + w.kv_bytes
-        for what, n in (("resident", t.get("resident_bytes", 0)), ("peak", w.peak_bytes)):
+        held = sum(w.stats.resident_stages.values()) + w.kv_bytes
+        for what, n in (("resident", w.stats.resident_bytes), ("peak", w.peak_bytes)):
             if n > w.budget_bytes:
                 out.append(f"{w.name}: {what} {n} > budget {w.budget_bytes}")
         if held > w.budget_bytes:
@@ -147,9 +146,9 @@ def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
         for w in st.workers:
             assert w.kv_bytes <= w.kv_limit_bytes <= w.budget_bytes
             assert w.kv_bytes == w.kv_blocks * BLOCK
-            if "kv_blocks_free" in w.stats:  # once a KV cache is made there
+            if w.stats.kv_blocks_free is not None:  # once a KV cache is made there
                 assert w.kv_blocks_free == (w.kv_limit_bytes - w.kv_bytes) // BLOCK
-    assert any("kv_blocks_free" in w.stats for st in seen for w in st.workers)
+    assert any(w.stats.kv_blocks_free is not None for st in seen for w in st.workers)
     for w in after.workers:
         assert w.budget_bytes == budget and w.kv_limit_bytes > 0 and w.kv_seqs == 0
         assert f"{w.name} KV cache: 0 B of " in views.format_status(after)
@@ -160,7 +159,7 @@ def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
 
 
 def test_kv_figures_reach_the_status_line_and_the_metrics() -> None:
-    stats = {"kv_bytes": 3 * BLOCK, "kv_blocks": 3, "kv_seqs": 2, "kv_limit_bytes": 10 * BLOCK}
+    stats = WorkerStats(kv_bytes=3 * BLOCK, kv_blocks=3, kv_seqs=2, kv_limit_bytes=10 * BLOCK)
     st = broker_status(workers=[worker_row("w0", stats=stats), worker_row("w1")])
     text = views.format_status(st)
     assert "w0 KV cache: 48.0 KiB of 160.0 KiB (3 blocks, 2 sequences)" in text

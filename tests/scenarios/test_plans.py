@@ -21,7 +21,7 @@ def test_plans_are_cached_by_spec(mesh: InProcMesh) -> None:
         def planned() -> int:
             # Plans the partitioners made, from heartbeats sent after every plan answered so far
             # (a plain status read may show figures a heartbeat old).
-            return sum(fresh_stats(c, name)["planned"] for name in names)
+            return sum(fresh_stats(c, name).planned for name in names)
 
         kwargs = {"width": 96, "depth": 5}
         first = c.plan("flowmesh.examples:mlp", kwargs=kwargs, stages=2)

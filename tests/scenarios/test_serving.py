@@ -87,7 +87,7 @@ def test_models_three_times_the_budget_are_all_served(mesh: InProcMesh) -> None:
         refs = {s.name: reference(s) for s in specs}
         residency = ResidencySampler()
         evictions_before = {
-            w.name: fresh_stats(c, w.name)["evictions"] for w in c.status().workers
+            w.name: fresh_stats(c, w.name).evictions for w in c.status().workers
         }
         for round_ in range(2):
             for s in specs:
@@ -102,7 +102,7 @@ def test_models_three_times_the_budget_are_all_served(mesh: InProcMesh) -> None:
             # (the worker chose its evictions; its reports keep the broker right).
             st = c.status()
             return all(
-                sorted(w.resident) == sorted(fresh_stats(c, w.name)["resident_stages"])
+                sorted(w.resident) == sorted(fresh_stats(c, w.name).resident_stages)
                 for w in st.workers
             )
 
@@ -112,8 +112,8 @@ def test_models_three_times_the_budget_are_all_served(mesh: InProcMesh) -> None:
     assert sum(models[s.name].evictions for s in specs) > 0
     # The workers themselves chose the evictions (the broker sends no Evict to make room), and
     # never held more stage bytes than their budget, neither when sampled nor at any load.
-    assert sum(final[n]["evictions"] - evictions_before[n] for n in final) > 0, final
-    assert sum(final[n]["evictions_chosen"] for n in final) > 0, final
+    assert sum(final[n].evictions - evictions_before[n] for n in final) > 0, final
+    assert sum(final[n].evictions_chosen for n in final) > 0, final
     residency.check(final, {w.name: w.budget_bytes for w in st.workers})
 
 

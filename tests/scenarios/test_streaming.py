@@ -43,5 +43,5 @@ def test_a_model_over_the_one_workers_budget_is_served_exactly_by_streaming(
         stats = fresh_stats(c, worker)
     # Every pass copied stages in, each the next one while the one before computed, and the
     # device never held more than its budget.
-    assert stats["prefetches"] > 0 and stats["evictions_chosen"] > 0, stats
-    assert 0 < stats["stage_bytes_peak"] <= BUDGET, stats
+    assert stats.prefetches > 0 and stats.evictions_chosen > 0, stats
+    assert 0 < stats.stage_bytes_peak <= BUDGET, stats

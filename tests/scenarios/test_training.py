@@ -102,8 +102,8 @@ def test_two_jobs_concurrently_while_serving(mesh: InProcMesh, tmp_path: Path) -
         close(out, forward(q), "inference beside training")
     with mesh.client(timeout=60) as c:
         stats = fresh_stats(c, "worker-0")
-    assert stats["train_budget_bytes"] == TRAIN_BYTES
-    assert 0 < stats["train_resident_peak"] <= stats["arena_bytes"]  # one arena, borrowed
+    assert stats.train_budget_bytes == TRAIN_BYTES
+    assert 0 < stats.train_resident_peak <= stats.arena_bytes  # one arena, borrowed
 
 
 def test_a_bad_step_fails_alone(mesh: InProcMesh) -> None:

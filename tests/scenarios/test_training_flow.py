@@ -24,7 +24,7 @@ import torch
 
 from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
-from flowmesh.reports import JobRow
+from flowmesh.reports import JobRow, WorkerStats
 from flowmesh.spec import ModelSpec
 from tests.support.inproc import InProcMesh
 from tests.support.mesh import fresh_stats, mesh_options
@@ -108,7 +108,7 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
         f"flow-{i}": (flow_spec(10 + i), features(10 + i, FLOW_STEPS, (8,), 5)) for i in range(4)
     }
     solo = {n: plain(s, FLOW_OPT, d)[0] for n, (s, d) in jobs.items()}
-    samples: list[tuple[dict[str, Any], list[JobRow]]] = []  # (worker's stats, job rows)
+    samples: list[tuple[WorkerStats, list[JobRow]]] = []  # (worker's stats, job rows)
     midway: list[list[JobRow]] = []
     finished: list[list[JobRow]] = []
     with InProcMesh(
@@ -124,7 +124,7 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
                 while not stop.is_set():
                     st = c.status()
                     (w,) = [w for w in st.workers if w.name == "worker-0"]
-                    samples.append((dict(w.stats), st.jobs))
+                    samples.append((w.stats, st.jobs))
                     time.sleep(0.05)  # the sampler's period, not a wait for anything
 
         async def run() -> tuple[dict[str, JobRow], dict[str, list[Any]]]:
@@ -178,18 +178,18 @@ def test_four_jobs_over_three_times_the_budget_flow_through_one_worker() -> None
 
     assert samples, "status was never sampled"
     for st, _ in samples:
-        if "train_budget_bytes" not in st:
+        if not st.train_budget_bytes:
             continue  # before the first heartbeat
-        assert st["train_budget_bytes"] == FLOW_BYTES and st["arena_bytes"] == FLOW_ARENA
+        assert st.train_budget_bytes == FLOW_BYTES and st.arena_bytes == FLOW_ARENA
         # What the worker reports resident never exceeds its one arena.
-        assert 0 <= st["train_resident_bytes"] + st["resident_bytes"] <= FLOW_ARENA, st
-        assert st["train_resident_peak"] <= FLOW_ARENA and st["arena_peak"] <= FLOW_ARENA, st
-    assert last["train_resident_peak"] > 0
+        assert 0 <= st.train_resident_bytes + st.resident_bytes <= FLOW_ARENA, st
+        assert st.train_resident_peak <= FLOW_ARENA and st.arena_peak <= FLOW_ARENA, st
+    assert last.train_resident_peak > 0
     # Nothing served: training borrowed the idle serving budget besides its own bytes.
-    assert last["train_borrowed_peak"] > 0, last
+    assert last.train_borrowed_peak > 0, last
     # Interleaving: one job after the other would switch jobs 3 times; a flow switches often.
-    assert last["train_job_switches"] > 4 * FLOW_STEPS, last
-    assert last["train_tasks_admitted"] >= last["train_tasks_started"] >= last["train_tasks"] > 0
+    assert last.train_job_switches > 4 * FLOW_STEPS, last
+    assert last.train_tasks_admitted >= last.train_tasks_started >= last.train_tasks > 0
     # ... and status showed it while they trained: several jobs part-way at the same moment.
     sampled = [rows for _, rows in samples]
     during = [

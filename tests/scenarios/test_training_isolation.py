@@ -143,7 +143,7 @@ def test_three_failing_jobs_on_one_worker_fail_alone() -> None:
     assert {n: rows[f"iso-{n}"].errors for n in jobs} == {n: 1 for n in jobs}
     assert {n: rows[f"iso-{n}"].state for n in jobs} == {n: "ready" for n in jobs}
     # The jobs are still open and idle: a failed step holds no device bytes.
-    assert stats["train_jobs"] == 4 and stats["train_step_errors"] == 2, stats
-    assert stats["train_reserved_bytes"] == 0 and stats["train_resident_bytes"] == 0, stats
+    assert stats.train_jobs == 4 and stats.train_step_errors == 2, stats
+    assert stats.train_reserved_bytes == 0 and stats.train_resident_bytes == 0, stats
     # Training borrowed what serving left free, within the one arena.
-    assert 0 < stats["train_resident_peak"] <= stats["arena_bytes"]
+    assert 0 < stats.train_resident_peak <= stats.arena_bytes

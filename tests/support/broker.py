@@ -82,12 +82,12 @@ class Harness:
                 id=1, role="worker", name=name, pid=1, device="cpu", kind="cpu", budget_bytes=budget
             ),
         )
-        self.backend(addr, p.Heartbeat(stats={}))
+        self.backend(addr, p.Heartbeat())
         return addr
 
     def partitioner(self) -> bytes:
         self.backend(b"part", p.Register(id=1, role="partitioner", name="part", pid=2))
-        self.backend(b"part", p.Heartbeat(stats={}))
+        self.backend(b"part", p.Heartbeat())
         return b"part"
 
     def deploy(

@@ -72,6 +72,7 @@ class _Peer:
     with its session, heartbeat, take the allow-list from the ack, answer a failed command."""
 
     role = "peer"
+    stats_type: type[p.WorkerStats] | type[p.PartitionerStats]
 
     def __init__(self, mesh: InProcMesh, name: str) -> None:
         self.mesh, self.name = mesh, name
@@ -110,7 +111,7 @@ class _Peer:
         self.send(msgspec.structs.replace(reg, info=info))
 
     def heartbeat(self) -> None:
-        self.send(p.Heartbeat(stats={**self.stats(), "dropped_sends": 0, "reconnects": 0}))
+        self.send(p.Heartbeat(stats=self.stats_type(**self.stats())))
 
     def receive(self, frames: list[bytes]) -> None:
         """A message from the broker, on the loop (`MeshPeer._on_message`)."""
@@ -141,6 +142,7 @@ class InProcWorker(_Peer):
     """A worker: its core, its hands and a CPU stand-in device."""
 
     role = "worker"
+    stats_type = p.WorkerStats
 
     def __init__(
         self,
@@ -221,6 +223,7 @@ class InProcPartitioner(_Peer):
     """The partitioner: `plan_for` on a thread for each PlanJob (`partitioner.service`)."""
 
     role = "partitioner"
+    stats_type = p.PartitionerStats
 
     def __init__(self, mesh: InProcMesh, name: str, roots: Roots) -> None:
         super().__init__(mesh, name)

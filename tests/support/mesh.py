@@ -128,7 +128,7 @@ def deploy(client, spec: ModelSpec, **kw) -> p.ModelRow:  # type: ignore[no-unty
     )
 
 
-def fresh_stats(client: Any, name: str, timeout: float = 10.0) -> dict[str, Any]:
+def fresh_stats(client: Any, name: str, timeout: float = 10.0) -> Any:
     """Peer `name`'s heartbeat stats from a message the broker received after this call began.
 
     Heartbeat stats lag by up to a heartbeat; this waits for the broker to hear from the peer
@@ -138,7 +138,7 @@ def fresh_stats(client: Any, name: str, timeout: float = 10.0) -> dict[str, Any]
     """
     asked = client.status().uptime_s
 
-    def probe() -> dict[str, Any] | None:
+    def probe() -> p.WorkerStats | p.PartitionerStats | None:
         st = client.status()
         (row,) = [r for r in (*st.workers, *st.partitioners) if r.name == name]
         # Both figures are rounded to the millisecond: 2 ms keeps the comparison strict.
@@ -164,17 +164,17 @@ class ResidencySampler:
     def take(self, status: p.BrokerStatus) -> None:
         self.samples += 1
         for w in status.workers:
-            stages: Any = w.stats.get("resident_stages", {})
+            stages = w.stats.resident_stages
             held = sum(stages.values())
             self.seen_resident |= set(stages)
             self.largest[w.name] = max(self.largest.get(w.name, 0), held)
             if held > w.budget_bytes:
                 self.over.append(f"{w.name}: {held} > {w.budget_bytes} in {stages}")
 
-    def check(self, final: dict[str, dict[str, Any]], budgets: dict[str, int]) -> None:
+    def check(self, final: dict[str, p.WorkerStats], budgets: dict[str, int]) -> None:
         """Nothing sampled over budget, nor the worker's own high-water mark of stage bytes
         (taken at every load, between samples too) in the fresh `final` stats."""
         assert self.samples > 0 and self.seen_resident, "no sample saw a resident stage"
         assert not self.over, self.over
         for name, stats in final.items():
-            assert 0 < stats["stage_bytes_peak"] <= budgets[name], (name, stats)
+            assert 0 < stats.stage_bytes_peak <= budgets[name], (name, stats)

@@ -10,10 +10,12 @@ from flowmesh.reports import (
     JobRow,
     ModelRow,
     PartitionerRow,
+    PartitionerStats,
     ReplicaRow,
     StageRow,
     Totals,
     WorkerRow,
+    WorkerStats,
 )
 
 
@@ -88,13 +90,13 @@ def worker_row(name: str = "w0", **fields: Any) -> WorkerRow:
         inflight=0,
         reserved_for=None,
         peer_endpoint="",
-        stats={},
+        stats=WorkerStats(),
     )
     return WorkerRow(**{**base, **fields})
 
 
 def partitioner_row(name: str = "part", **fields: Any) -> PartitionerRow:
-    return PartitionerRow(**{**_peer(name), "inflight": 0, "stats": {}, **fields})
+    return PartitionerRow(**{**_peer(name), "inflight": 0, "stats": PartitionerStats(), **fields})
 
 
 def job_row(name: str = "j", **fields: Any) -> JobRow:

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from broker.checks import check_stats
 from flowmesh import protocol as p
 from flowmesh.messages import GenStep, Sampling, SeqStep
 from flowmesh.spec import DEFAULT_ALLOW
@@ -46,11 +45,11 @@ async def executor(tmp_path):  # type: ignore[no-untyped-def]
     ex.close()
 
 
-def _heartbeat(stats: dict[str, Any]) -> dict[str, Any]:
-    """`stats` as the broker stores them: through the codec, then its checks."""
-    msg = p.decode(p.encode(p.Heartbeat(stats=stats)))
-    assert isinstance(msg, p.Heartbeat)
-    return check_stats(msg.stats)
+def _heartbeat(stats: dict[str, Any]) -> p.WorkerStats:
+    """`stats` as the broker stores them: typed, through the codec and its checks."""
+    msg = p.decode(p.encode(p.Heartbeat(stats=p.WorkerStats(**stats))))
+    assert isinstance(msg, p.Heartbeat) and isinstance(msg.stats, p.WorkerStats)
+    return msg.stats
 
 
 async def test_stats_report_each_stage_s_live_kv_bytes(executor: Executor) -> None:
@@ -62,9 +61,9 @@ async def test_stats_report_each_stage_s_live_kv_bytes(executor: Executor) -> No
     assert kv0 is not None and kv1 is not None
     # 20 tokens: 2 blocks of 16 tokens on each stage.
     stats = _heartbeat(ex.stats())
-    assert stats["kv_stage_bytes"] == {"lm/0": 2 * kv0.block_bytes, "lm/1": 2 * kv1.block_bytes}
-    assert sum(stats["kv_stage_bytes"].values()) == stats["kv_bytes"]
-    assert set(stats["kv_stage_bytes"]) <= set(stats["resident_stages"])
+    assert stats.kv_stage_bytes == {"lm/0": 2 * kv0.block_bytes, "lm/1": 2 * kv1.block_bytes}
+    assert sum(stats.kv_stage_bytes.values()) == stats.kv_bytes
+    assert set(stats.kv_stage_bytes) <= set(stats.resident_stages)
     # A second sequence's 4 tokens: one block more on each stage.
     await _iteration(ex, "lm", [_prefill(2, 4)], torch.tensor(prompt[:4]))
     assert ex.stats()["kv_stage_bytes"] == {
