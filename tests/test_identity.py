@@ -111,6 +111,7 @@ def test_the_routing_ids_a_router_gives_differ_between_processes() -> None:
 
 class _Peer(MeshPeer):
     role = "test-peer"
+    stats_type = p.WorkerStats
 
     def registration(self) -> p.Register:
         return p.Register(

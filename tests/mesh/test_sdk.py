@@ -177,6 +177,7 @@ async def test_reader_death_fails_calls_in_flight_at_once_and_the_next_call_reco
 
 class _Peer(MeshPeer):
     role = "test-peer"
+    stats_type = p.WorkerStats
 
     def registration(self) -> p.Register:
         return p.Register(id=1, role="worker", name=self.name, pid=os.getpid(), budget_bytes=1)
