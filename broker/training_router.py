@@ -66,10 +66,20 @@ MAX_HELD = 1024  # commands held per job while it waits for its worker after a r
 FINISHED_KEPT = 64
 
 
-def _check_batch(tensors: Mapping[str, Any], what: str) -> None:
-    inputs = [n for n in tensors if n == "inputs" or n.startswith("inputs/")]
-    if "targets" not in tensors or not inputs:
-        raise fail(Code.BAD_REQUEST, f"{what} needs 'inputs' and 'targets' tensors")
+def _check_batch(msg: p.TrainStep | p.TrainEval, what: str) -> None:
+    """A batch carries exactly the tensors its `inputs` names, and 'targets'."""
+    names = p.batch_names(msg.inputs)
+    if len(set(names)) != len(names):
+        raise fail(Code.BAD_REQUEST, f"{what} names an input twice: {msg.inputs}")
+    missing = [n for n in names if n not in msg.tensors]
+    if missing:
+        raise fail(Code.BAD_REQUEST, f"{what} needs tensors {missing}")
+    unnamed = sorted(set(msg.tensors) - set(names))
+    if unnamed:
+        raise fail(
+            Code.BAD_REQUEST,
+            f"{what} carries tensors {unnamed} that are not its inputs ({names[:-1]}) or 'targets'",
+        )
 
 
 def train_bytes_of(peer: Peer) -> int:
@@ -270,11 +280,14 @@ class TrainingRouter:
             self._step(addr, msg, now)
         elif isinstance(msg, p.TrainEval):
             job = self._ready_job(msg.job)
-            _check_batch(msg.tensors, "an evaluation")
+            _check_batch(msg, "an evaluation")
             # Sent at once, like a step: one connection keeps the order, so the worker queues
             # it behind every step forwarded before it.
             cid = self._call("eval", job, addr, msg.id, now, msg.timeout_ms)
-            self._to_worker(job.worker, p.TrainEval(id=cid, job=job.name, tensors=msg.tensors))
+            self._to_worker(
+                job.worker,
+                p.TrainEval(id=cid, job=job.name, inputs=msg.inputs, tensors=msg.tensors),
+            )
         elif isinstance(msg, p.TrainSave):
             job = self._ready_job(msg.job)
             if not msg.path:
@@ -373,12 +386,13 @@ class TrainingRouter:
         if job.ledger.taken(msg.seq):
             self._retried(job, addr, msg, now)
             return
-        _check_batch(msg.tensors, "a training step")
+        _check_batch(msg, "a training step")
         job.ledger.take(msg.seq)
         job.step_sent(msg.seq, msg.tensors)
         cid = self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
         self._to_worker(
-            job.worker, p.TrainStep(id=cid, job=job.name, seq=msg.seq, tensors=msg.tensors)
+            job.worker,
+            p.TrainStep(id=cid, job=job.name, seq=msg.seq, inputs=msg.inputs, tensors=msg.tensors),
         )
 
     def _retried(self, job: Job, addr: bytes, msg: p.TrainStep, now: float) -> None:

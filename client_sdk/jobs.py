@@ -39,14 +39,19 @@ class Runs(Protocol):
     runner: LoopThread
 
 
-def batch_tensors(inputs: Inputs, targets: torch.Tensor) -> dict[str, Any]:
-    """A step's tensors as they travel: 'inputs' (or 'inputs/<name>') and 'targets'."""
+def batch(inputs: Inputs, targets: torch.Tensor) -> tuple[list[str] | None, dict[str, Any]]:
+    """A step's batch as it travels (`p.TrainStep`): the names of its keyword inputs (None: one
+    input tensor) and its tensors."""
     if is_tensor(inputs):
-        tensors = {"inputs": sendable(inputs)}
+        names, tensors = None, {"inputs": sendable(inputs)}
     else:
-        tensors = {f"inputs/{k}": sendable(v) for k, v in inputs.items()}
+        if not inputs:
+            raise ValueError("a batch needs at least one input tensor")
+        if "targets" in inputs:
+            raise ValueError("a keyword input may not be named 'targets' (the batch's targets)")
+        names, tensors = list(inputs), {k: sendable(v) for k, v in inputs.items()}
     tensors["targets"] = sendable(targets)
-    return tensors
+    return names, tensors
 
 
 class AsyncJob:
@@ -65,11 +70,13 @@ class AsyncJob:
         """One training step on a batch (`inputs`: a tensor, or a dict of named tensors; dim 0
         is the batch). Steps run in the order of the calls, even with several in flight
         (`asyncio.gather(job.step_async(a, y), job.step_async(b, z))`)."""
+        names, tensors = batch(inputs, targets)
         msg = p.TrainStep(
             id=self.connection.next_id(),
             job=self.name,
             seq=next(self._seq),
-            tensors=batch_tensors(inputs, targets),
+            inputs=names,
+            tensors=tensors,
             timeout_ms=self.connection.timeout_ms(timeout),
         )
         reply = await self.connection.call(msg, timeout)
@@ -85,10 +92,12 @@ class AsyncJob:
         nothing: eval mode (dropout off, BatchNorm on its running statistics), no gradients,
         the job's random stream untouched. It runs after the steps sent before this call;
         `step` is how many of them were applied."""
+        names, tensors = batch(inputs, targets)
         msg = p.TrainEval(
             id=self.connection.next_id(),
             job=self.name,
-            tensors=batch_tensors(inputs, targets),
+            inputs=names,
+            tensors=tensors,
             timeout_ms=self.connection.timeout_ms(timeout),
         )
         reply = await self.connection.call(msg, timeout)

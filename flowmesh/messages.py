@@ -70,6 +70,16 @@ TensorMeta = tuple[str, Dtype, list[Count]]
 # In a process: name -> torch tensor or `codec.TensorRef`. On the wire: the header's list of
 # `TensorMeta`, one per frame after the header (the codec turns one into the other).
 Tensors = Union[dict[str, Any], list[TensorMeta]]  # noqa: UP007 (msgspec reads it at run time)
+# The keyword inputs of a training batch, each a tensor of that name: distinct, at least one,
+# none named 'targets' (the batch's targets).
+KeywordInputs = Annotated[
+    list[Annotated[str, Meta(min_length=1, pattern="^(?!targets$)")]], Meta(min_length=1)
+]
+
+
+def batch_names(inputs: list[str] | None) -> list[str]:
+    """The tensors a training batch (`TrainStep`, `TrainEval`) carries, inputs first."""
+    return [*(["inputs"] if inputs is None else inputs), "targets"]
 
 
 class Message(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True):
@@ -336,12 +346,14 @@ class JobOpened(Message, tag="job_opened"):
 
 class TrainStep(Message, tag="train_step"):
     """One step of `job`. `seq` numbers a job's steps: they run in that order, and a step whose
-    `seq` was already taken is never applied again. Tensors: 'inputs' (or 'inputs/<name>' per
-    named input) and 'targets'."""
+    `seq` was already taken is never applied again. Its batch: the tensors `batch_names`
+    lists, no more ('targets', and the model's input: one tensor 'inputs' when `inputs` is
+    None, else each keyword input that `inputs` names, by its name)."""
 
     id: Id
     job: str
     seq: Count
+    inputs: KeywordInputs | None = None
     tensors: Tensors = field(default_factory=dict)
     timeout_ms: int | None = None
 
@@ -368,11 +380,13 @@ class TrainStepResult(Message, tag="train_step_result"):
 
 class TrainEval(Message, tag="train_eval"):
     """Evaluate `job` on a batch after the steps sent before it: loss and metrics, nothing
-    updated (eval mode, no gradients, the job's RNG stream untouched). Tensors as in
-    `train_step`. No `seq`: an evaluation changes nothing, so running it twice is harmless."""
+    updated (eval mode, no gradients, the job's RNG stream untouched). Batch (`inputs`,
+    `tensors`) as in `train_step`. No `seq`: an evaluation changes nothing, so running it twice
+    is harmless."""
 
     id: Id
     job: str
+    inputs: KeywordInputs | None = None
     tensors: Tensors = field(default_factory=dict)
     timeout_ms: int | None = None
 
@@ -819,9 +833,11 @@ __all__ = [
     "StepAnswer",
     "StepFailed",
     "StepOk",
+    "KeywordInputs",
     "TensorMeta",
     "Tensors",
     "TokenId",
+    "batch_names",
     "message_types",
     "stage_digest",
 ]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from flowmesh.modelio.inputs import call_model
 from flowmesh.optimizers import make_optimizer, optimizer_maker
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -47,7 +48,8 @@ def train(
 ) -> list[float]:
     """Train `model` in place, one optimizer step per batch, and return each step's loss.
 
-    Each step: zero_grad; the batch as `accumulate` micro-batches, each contributing loss / N
+    A batch's inputs are one tensor or a dict of keyword inputs (`call_model`). Each step:
+    zero_grad; the batch as `accumulate` micro-batches, each contributing loss / N
     to the gradient (the step's loss is their sum); clip by global norm if `clip`; step.
     The caller's random state is left as it was; with `rng_seed`, the steps draw (dropout)
     from torch's generator seeded so.
@@ -62,7 +64,7 @@ def train(
             opt.zero_grad()
             total = 0.0
             for xm, ym in _micro_batches(x, y, accumulate):
-                value = loss(model(xm), ym)
+                value = loss(call_model(model, xm), ym)
                 if accumulate > 1:
                     value = value / accumulate
                 value.backward()
@@ -76,4 +78,10 @@ def train(
 
 def _micro_batches(x: Any, y: torch.Tensor, n: int) -> Iterable[tuple[Any, torch.Tensor]]:
     # One micro-batch is the batch itself, whatever its inputs are (a tensor or a dict of them).
-    return [(x, y)] if n == 1 else zip(x.chunk(n), y.chunk(n), strict=True)
+    if n == 1:
+        return [(x, y)]
+    if isinstance(x, torch.Tensor):
+        return zip(x.chunk(n), y.chunk(n), strict=True)
+    parts = zip(*(v.chunk(n) for v in x.values()), strict=True)  # one batch size: as many chunks
+    xs = [dict(zip(x, part, strict=True)) for part in parts]
+    return zip(xs, y.chunk(n), strict=True)

@@ -474,13 +474,13 @@ class WorkerCore:
                 "not run twice",
             )
         ledger.take(msg.seq)
-        inputs, targets = step_batch(msg.tensors, "a training step")
+        inputs, targets = step_batch(msg, "a training step")
         ledger.start(msg.seq)
         self.out.append(SubmitStep(msg, ledger, inputs, targets))
 
     def _train_eval(self, msg: p.TrainEval) -> None:
         self._ledger(msg.job)
-        inputs, targets = step_batch(msg.tensors, "an evaluation")
+        inputs, targets = step_batch(msg, "an evaluation")
         # Submitted in arrival order, as steps are: it runs after every step that came first.
         self.out.append(Evaluate(msg, inputs, targets))
 
@@ -635,17 +635,15 @@ def loaded(msg: p.Load, info: LoadInfo) -> p.Loaded:
     )
 
 
-def step_batch(tensors: dict[str, Any], what: str) -> tuple[Any, torch.Tensor]:
-    """(inputs, targets) of a step or an evaluation: 'inputs' or 'inputs/<name>', 'targets'."""
+def step_batch(msg: p.TrainStep | p.TrainEval, what: str) -> tuple[Any, torch.Tensor]:
+    """(inputs, targets) of a step or an evaluation: one tensor, or the keyword inputs by name
+    (`p.batch_names`)."""
+    missing = [n for n in p.batch_names(msg.inputs) if n not in msg.tensors]
+    if missing:
+        raise FlowmeshError(Code.BAD_REQUEST, f"{what} needs tensors {missing}")
     # Copies: the request keeps its batch until it ends, and model code may write its input
     # in place; a received frame is read-only.
-    t = {name: ref.tensor().clone() for name, ref in tensors.items()}
-    targets = t.pop("targets", None)
-    if targets is None:
-        raise FlowmeshError(Code.BAD_REQUEST, f"{what} needs 'targets'")
-    inputs: Any = t.pop("inputs", None)
-    if inputs is None:
-        inputs = {k.removeprefix("inputs/"): v for k, v in t.items()}
-    if not isinstance(inputs, torch.Tensor) and not inputs:
-        raise FlowmeshError(Code.BAD_REQUEST, f"{what} needs 'inputs'")
-    return inputs, targets
+    t = {name: ref.tensor().clone() for name, ref in msg.tensors.items()}
+    if msg.inputs is None:
+        return t["inputs"], t["targets"]
+    return {name: t[name] for name in msg.inputs}, t["targets"]

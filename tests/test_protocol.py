@@ -130,6 +130,8 @@ def header(**fields: object) -> bytes:
             Code.BAD_TENSOR,
         ),
         ([header(t="status", id=1, tensors=[["x", "float32", [1]]]), b"1234"], Code.BAD_FRAMES),
+        ([header(t="train_step", id=1, job="j", seq=1, inputs=["x", "targets"])], Code.BAD_MESSAGE),
+        ([header(t="train_eval", id=1, job="j", inputs=[])], Code.BAD_MESSAGE),
         ([], Code.BAD_MESSAGE),
     ],
     ids=[
@@ -149,6 +151,8 @@ def header(**fields: object) -> bytes:
         "bad-dtype",
         "negative-dim",
         "tensors-on-status",
+        "an-input-named-targets",
+        "no-keyword-inputs",
         "empty",
     ],
 )

@@ -284,6 +284,33 @@ def test_only_the_jobs_worker_may_answer_its_calls() -> None:
     assert only(h.backend(w, result(fwd, 0.25, 1)))[2].loss == 0.25  # type: ignore[attr-defined]
 
 
+def test_a_batch_carries_exactly_the_inputs_it_names_and_its_targets() -> None:
+    h = Harness()
+    trainer(h, "w", 100 * KIB)
+    open_job(h, "j")
+    x, y = ref(4, 8), ref(4, dtype="int64")
+    named = p.TrainStep(
+        id=11, job="j", seq=1, inputs=["x", "mask"], tensors={"x": x, "mask": x, "targets": y}
+    )
+    _, _, fwd = only(h.client(C, named))
+    assert isinstance(fwd, p.TrainStep) and fwd.inputs == ["x", "mask"]
+    assert set(fwd.tensors) == {"x", "mask", "targets"}
+    refused = {
+        "missing": (["x", "mask"], {"x": x, "targets": y}, "needs tensors ['mask']"),
+        "unnamed": (None, {"inputs": x, "mask": x, "targets": y}, "carries tensors ['mask']"),
+        "twice": (["x", "x"], {"x": x, "targets": y}, "names an input twice"),
+        "positional": (None, {"x": x, "targets": y}, "needs tensors ['inputs']"),
+    }
+    for seq, (inputs, tensors, reason) in enumerate(refused.values(), start=2):
+        for msg in (
+            p.TrainStep(id=20 + seq, job="j", seq=seq, inputs=inputs, tensors=tensors),
+            p.TrainEval(id=30 + seq, job="j", inputs=inputs, tensors=tensors),
+        ):
+            with pytest.raises(FlowmeshError) as info:
+                h.client(C, msg)
+            assert info.value.code == Code.BAD_REQUEST and reason in info.value.reason, msg
+
+
 def test_an_eval_is_forwarded_behind_the_steps_and_changes_no_job_figures() -> None:
     h = Harness()
     w = trainer(h, "w", 100 * KIB)

@@ -32,6 +32,7 @@ from tests.support.training import (
     ADAM,
     ADAMW,
     ALLOW_MODULES,
+    BATCH,
     STEPS,
     TRAIN_BYTES,
     close,
@@ -146,6 +147,38 @@ def test_save_close_resume_continues_the_same_run(mesh: InProcMesh, tmp_path: Pa
     got = saved_state(final["path"])
     for name, t in params.items():
         close(got[name], t, f"parameter {name} after resuming")
+
+
+def test_a_job_with_keyword_inputs_equals_plain_pytorch(mesh: InProcMesh) -> None:
+    """A model taking two keyword inputs (`x`, `mask`), trained with accumulation and evaluated;
+    a batch that lacks one of them, or names one 'targets', is refused and the job goes on."""
+    s = ModelSpec(name="gated", factory="tests.support.train_models:gated_mlp", seed=6)
+    g = torch.Generator().manual_seed(6)
+    batches = [
+        (
+            {"x": torch.randn(BATCH, 8, generator=g), "mask": torch.rand(BATCH, 4, generator=g)},
+            torch.randint(0, 5, (BATCH,), generator=g),
+        )
+        for _ in range(4)
+    ]
+    (hx, hy), ahead = batches[-1], batches[:-1]
+    model = build_seeded(s, ALLOW_MODULES)
+    expected = train(model, ADAMW, ahead, accumulate=2)
+    with torch.no_grad():
+        held_loss = F.cross_entropy(model(**hx), hy).item()
+    with mesh.client(timeout=60) as c:
+        job = c.train_open("gated", s.factory, **{**open_kw(s, ADAMW), "accumulate": 2})
+        losses = [job.step(x, y).loss for x, y in ahead[:2]]
+        with pytest.raises(errors.BadRequest) as info:
+            job.step({"x": hx["x"]}, hy)
+        with pytest.raises(ValueError, match="'targets'"):
+            job.step({**hx, "targets": hy}, hy)
+        losses.append(job.step(*ahead[2]).loss)
+        held = job.eval(hx, hy)
+        job.close()
+    close(losses, expected, "per-step losses with keyword inputs")
+    close(held.loss, held_loss, "eval loss with keyword inputs")
+    assert held.step == 3 and "mask" in info.value.reason
 
 
 def test_eval_between_steps_equals_plain_pytorch_and_changes_no_later_step(

@@ -2,7 +2,7 @@
 one with dropout and BatchNorm (an eval must switch both off), one whose own code raises on a
 marked input value (isolation of a failing job), one that raises deep inside on a NaN (a failure
 in the middle of a pipeline), one whose forward takes milliseconds whatever the machine (a slow
-model)."""
+model), one that takes two keyword inputs."""
 
 from __future__ import annotations
 
@@ -103,3 +103,26 @@ class Pause(nn.Module):
 def slow_mlp(pause_ms: float = 5.0) -> nn.Module:
     """A small MLP that pauses `pause_ms` in its forward: a run never counts as quick."""
     return _declare(nn.Sequential(nn.Linear(8, 16), Pause(pause_ms / 1000), nn.Linear(16, 5)))
+
+
+class Gated(nn.Module):
+    """Two keyword inputs, as a Hugging Face model takes `input_ids` and `attention_mask`: its
+    first block reads both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Linear(8, 16)
+        self.gate = nn.Linear(4, 16)
+        self.body = nn.Sequential(nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.body(self.value(x) * torch.sigmoid(self.gate(mask)))
+
+
+def gated_mlp() -> nn.Module:
+    model = Gated()
+    model.flowmesh_inputs = {  # type: ignore[assignment]
+        "x": {"dtype": "float32", "shape": [-1, 8]},
+        "mask": {"dtype": "float32", "shape": [-1, 4]},
+    }
+    return model

@@ -219,7 +219,7 @@ def test_steps_run_in_seq_order_with_gaps_and_a_seq_taken_is_never_run_twice() -
     ]
     assert ledger.answer(1) == {"seq": 1, "code": "model_error", "reason": "block 0 raised"}
     no_targets = received(p.TrainStep(id=9, job="j", seq=4, tensors={"inputs": x["inputs"]}))
-    assert refused(core, no_targets) == ("bad_request", "a training step needs 'targets'")
+    assert refused(core, no_targets) == ("bad_request", "a training step needs tensors ['targets']")
     assert ledger.last == 4  # taken all the same: a seq is never run twice, even a refused one
 
 
