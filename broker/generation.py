@@ -599,7 +599,7 @@ class GenerationRoom:
         g, k = next(found, (None, None))
         return None if g is None or k is None else (gm, g, k)
 
-    def iteration_done(self, batch: Batch, tensors: dict[str, Any], now: float) -> None:
+    def iteration_done(self, batch: Batch, tensors: list[dict[str, Any]], now: float) -> None:
         owner = self._owner(batch)
         if owner is None:
             return
@@ -656,11 +656,13 @@ class GenerationRoom:
             self._maybe_done(call, now)
 
     @staticmethod
-    def _tokens(tensors: dict[str, Any], n: int, model: Model) -> list[int]:
-        """The last stage's new tokens: int64, one per sequence, inside the vocabulary."""
-        ref = tensors.get("tokens", tensors.get("0/tokens"))
-        if ref is None or len(tensors) != 1:
-            raise fail(Code.BAD_REQUEST, f"expected one tensor 'tokens', got {sorted(tensors)}")
+    def _tokens(parts: list[dict[str, Any]], n: int, model: Model) -> list[int]:
+        """The last stage's new tokens: one part, one tensor 'tokens', int64, one per sequence,
+        inside the vocabulary."""
+        ref = parts[0].get("tokens") if len(parts) == 1 else None
+        if ref is None or len(parts[0]) != 1:
+            got = [sorted(part) for part in parts]
+            raise fail(Code.BAD_REQUEST, f"expected one part of one tensor 'tokens', got {got}")
         if ref.dtype != "int64" or tuple(ref.shape) != (n,):
             raise fail(
                 Code.BAD_REQUEST,

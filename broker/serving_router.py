@@ -405,9 +405,7 @@ class ServingRouter:
                 else:
                     keep.append(r)
             model.queue.extendleft(reversed(keep))
-        tensors = {
-            f"{k}/{name}": ref for k, r in enumerate(requests) for name, ref in r.tensors.items()
-        }
+        tensors = [r.tensors for r in requests]
         batch = Batch(
             run_id=next(self.ctx.ids),
             model=model.name,
@@ -430,7 +428,7 @@ class ServingRouter:
         model: Model,
         batch: Batch,
         parts: list[list[int]],
-        tensors: dict[str, Any],
+        tensors: list[dict[str, Any]],
         rows: int,
         now: float,
     ) -> None:
@@ -479,7 +477,7 @@ class ServingRouter:
         total = ids.shape[0]
         batch.parts = [[batch.run_id, total]]
         rep.inflight += 1
-        self._send_batch(model, batch, batch.parts, {"0/ids": ids}, total, now)
+        self._send_batch(model, batch, batch.parts, [{"ids": ids}], total, now)
         return batch
 
     def ensure_gen(self, model: Model, rep: Replica, now: float, *, starving: bool) -> bool:
@@ -528,7 +526,7 @@ class ServingRouter:
         model: Model,
         batch: Batch,
         parts: list[list[int]],
-        tensors: dict[str, Any],
+        tensors: list[dict[str, Any]],
         ends: list[Any],
         keys: list[str],
         rows: int,
@@ -557,7 +555,7 @@ class ServingRouter:
                     model=model.name,
                     stage=stage,
                     parts=parts,
-                    tensors=tensors if stage == 0 else {},
+                    tensors=tensors if stage == 0 else [],
                     ticket=ticket,
                     from_peer=stage > 0,
                     next_peer=ends[stage + 1] if stage + 1 < stages else "",
@@ -912,23 +910,23 @@ class ServingRouter:
 
     @staticmethod
     def _result_parts(
-        batch: Batch, tensors: dict[str, p.TensorRef], last: bool
+        batch: Batch, parts: list[dict[str, p.TensorRef]], last: bool
     ) -> list[dict[str, p.TensorRef]]:
-        """A stage's output tensors, split by request ('k/name'); every request needs some."""
-        parts: list[dict[str, p.TensorRef]] = [{} for _ in batch.requests]
-        for name, ref in tensors.items():
-            k, _, out = name.partition("/")
-            if not (k.isdigit() and int(k) < len(parts)):
-                raise fail(Code.BAD_REQUEST, f"run_result tensor {name!r}: expected 'k/name'")
-            parts[int(k)][out] = ref
+        """A stage's outputs, one part per request of the batch; the last stage's each have
+        some."""
+        if len(parts) != len(batch.requests):
+            raise fail(
+                Code.BAD_REQUEST,
+                f"run_result: {len(parts)} parts for a batch of {len(batch.requests)} requests",
+            )
         if last and not all(parts):
             raise fail(Code.BAD_REQUEST, "run_result: a request of the batch has no output")
         return parts
 
-    def _advance(self, model: Model, batch: Batch, tensors: dict[str, Any], now: float) -> None:
+    def _advance(self, model: Model, batch: Batch, parts: list[dict[str, Any]], now: float) -> None:
         """Send a batch's activations on to the next stage's worker (frames, not copies)."""
         self.totals["activation_bytes_relayed"] += sum(
-            getattr(t, "nbytes", 0) for t in tensors.values()
+            getattr(t, "nbytes", 0) for part in parts for t in part.values()
         )
         batch.stage += 1
         batch.worker = batch.replica.workers[batch.stage]
@@ -942,7 +940,7 @@ class ServingRouter:
                 model=model.name,
                 stage=batch.stage,
                 parts=batch.parts or [[r.tag, r.rows] for r in batch.requests],
-                tensors=tensors,
+                tensors=parts,
                 gen=batch.gen.step if batch.gen is not None else None,
             ),
         )

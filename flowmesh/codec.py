@@ -3,8 +3,9 @@
 A message is a multipart ZeroMQ message: routing frames (added and removed by the sockets), one
 msgpack header, then one raw frame per tensor. The header is the message's struct (its type `t`,
 its fields, the protocol version `v`) with `tensors` as `[name, dtype, shape]` per tensor frame,
-in frame order. Tensor bytes are never copied into the header; they are sent with `copy=False`
-and read back with `torch.frombuffer`, so a decoded tensor shares the received frame's memory.
+in frame order (a list of such lists, one per part, for a batch's parted tensors). Tensor bytes
+are never copied into the header; they are sent with `copy=False` and read back with
+`torch.frombuffer`, so a decoded tensor shares the received frame's memory.
 Processes that only forward tensors (the broker) never build tensors at all: they pass the
 received frames on as `TensorRef`s.
 
@@ -178,11 +179,11 @@ def encode(msg: Message) -> list[Any]:
     """Frames for `msg`: the msgpack header, then one buffer per tensor (not copied)."""
     if msg.HAS_TENSORS:
         frames: list[Any] = [b""]
-        meta = []
-        for name, t in msg.tensors.items():  # type: ignore[attr-defined]
-            dtype, shape, buf = tensor_frame(t)
-            meta.append((name, dtype, shape))
-            frames.append(buf)
+        tensors = msg.tensors  # type: ignore[attr-defined]
+        if msg.PARTED:
+            meta: list[Any] = [_listed(part, frames) for part in tensors]
+        else:
+            meta = _listed(tensors, frames)
         frames[0] = _ENCODER.encode(msgspec.structs.replace(msg, tensors=meta))  # type: ignore[type-var]
         return frames
     if type(msg) is Bundle:
@@ -286,9 +287,7 @@ def _refused(buf: Any, why: str, cause: BaseException | None = None) -> DecodeEr
         code = Code.BAD_TENSOR
     elif why.startswith("Object contains unknown field `tensors`"):
         code = Code.BAD_FRAMES
-    elif at and path.split(".", 1)[0].split("[", 1)[0].rstrip("`") in _payload_fields(
-        _TYPES[name]
-    ):
+    elif at and path.split(".", 1)[0].split("[", 1)[0].rstrip("`") in _payload_fields(_TYPES[name]):
         code = Code.BAD_REQUEST
         if isinstance(cause, FlowmeshError):  # its reason, without the code msgspec quoted
             why = f"{cause.reason} - at `$.{path}"
@@ -491,44 +490,68 @@ def _checked(
     return msg
 
 
+def _listed(tensors: Any, frames: list[Any]) -> list[Any]:
+    """The header's listing of `tensors` (a name -> tensor map), their frames appended."""
+    meta = []
+    for name, t in tensors.items():
+        dtype, shape, buf = tensor_frame(t)
+        meta.append((name, dtype, shape))
+        frames.append(buf)
+    return meta
+
+
 def _tensors(
     msg: Message, frames: list[Any], sizes: list[int], limits: Limits, ref: int | None
-) -> dict[str, TensorRef]:
+) -> dict[str, TensorRef] | list[dict[str, TensorRef]]:
+    """The tensors the header lists, over the frames that follow it: one name -> `TensorRef`
+    map, or one per part for a `PARTED` type."""
     meta = msg.tensors  # type: ignore[attr-defined]
-    if type(meta) is not list:
+    if msg.PARTED:
+        groups = meta
+        if any(type(g) is not list for g in groups):
+            raise DecodeError(Code.BAD_MESSAGE, f"{msg.TYPE}.tensors: expected lists", ref)
+    elif type(meta) is not list:
         if meta:
             raise DecodeError(Code.BAD_MESSAGE, f"{msg.TYPE}.tensors: expected a list", ref)
-        meta = []  # not on the wire: the default
-    if len(meta) > limits.max_tensors:
-        raise DecodeError(Code.TOO_LARGE, f"{len(meta)} tensors, limit {limits.max_tensors}", ref)
-    if len(meta) != len(frames) - 1:
+        groups = [[]]  # not on the wire: the default
+    else:
+        groups = [meta]
+    count = sum(len(g) for g in groups)
+    if count > limits.max_tensors:
+        raise DecodeError(Code.TOO_LARGE, f"{count} tensors, limit {limits.max_tensors}", ref)
+    if count != len(frames) - 1:
         raise DecodeError(
             Code.BAD_FRAMES,
-            f"header names {len(meta)} tensor(s) but {len(frames) - 1} tensor frame(s) arrived",
+            f"header names {count} tensor(s) but {len(frames) - 1} tensor frame(s) arrived",
             ref,
         )
-    out: dict[str, TensorRef] = {}
-    for i, (name, dtype, shape) in enumerate(meta):
-        if name in out:
-            raise DecodeError(Code.BAD_TENSOR, f"tensor {i}: repeated name {_short(name)}", ref)
-        if len(shape) > limits.max_dims:
-            raise DecodeError(
-                Code.BAD_TENSOR,
-                f"tensor {_short(name)}: {len(shape)} dims, limit {limits.max_dims}",
-                ref,
-            )
-        want = ITEMSIZE[dtype]
-        for d in shape:
-            want *= d
-        if sizes[i + 1] != want:
-            raise DecodeError(
-                Code.BAD_TENSOR,
-                f"tensor {_short(name)}: {sizes[i + 1]} bytes, but {dtype} x {_short(shape)} "
-                f"needs {want}",
-                ref,
-            )
-        out[name] = TensorRef(dtype, tuple(shape), frames[i + 1])
-    return out
+    parts: list[dict[str, TensorRef]] = []
+    i = 0
+    for group in groups:
+        out: dict[str, TensorRef] = {}
+        for name, dtype, shape in group:
+            if name in out:
+                raise DecodeError(Code.BAD_TENSOR, f"tensor {i}: repeated name {_short(name)}", ref)
+            if len(shape) > limits.max_dims:
+                raise DecodeError(
+                    Code.BAD_TENSOR,
+                    f"tensor {_short(name)}: {len(shape)} dims, limit {limits.max_dims}",
+                    ref,
+                )
+            want = ITEMSIZE[dtype]
+            for d in shape:
+                want *= d
+            if sizes[i + 1] != want:
+                raise DecodeError(
+                    Code.BAD_TENSOR,
+                    f"tensor {_short(name)}: {sizes[i + 1]} bytes, but {dtype} x "
+                    f"{_short(shape)} needs {want}",
+                    ref,
+                )
+            out[name] = TensorRef(dtype, tuple(shape), frames[i + 1])
+            i += 1
+        parts.append(out)
+    return parts if msg.PARTED else parts[0]
 
 
 def _members(counts: list[int], frames: list[Any]) -> list[list[Any]]:

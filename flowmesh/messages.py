@@ -70,6 +70,10 @@ TensorMeta = tuple[str, Dtype, list[Count]]
 # In a process: name -> torch tensor or `codec.TensorRef`. On the wire: the header's list of
 # `TensorMeta`, one per frame after the header (the codec turns one into the other).
 Tensors = Union[dict[str, Any], list[TensorMeta]]  # noqa: UP007 (msgspec reads it at run time)
+# A batch's tensors part by part (`Run`, `RunResult`; part k is the k-th of the run's `parts`):
+# in a process one name -> tensor map per part; on the wire one list of `TensorMeta` per part,
+# the frames following part after part.
+PartTensors = list[Union[dict[str, Any], list[TensorMeta]]]  # noqa: UP007 (as `Tensors`)
 # The keyword inputs of a training batch, each a tensor of that name: distinct, at least one,
 # none named 'targets' (the batch's targets).
 KeywordInputs = Annotated[
@@ -84,10 +88,13 @@ def batch_names(inputs: list[str] | None) -> list[str]:
 
 class Message(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True):
     """Base of all message types. `TYPE` is the wire name (the tag); `HAS_TENSORS`: whether
-    the type carries tensor frames. `v` is set for every message sent, checked on receipt."""
+    the type carries tensor frames; `PARTED`: whether its tensors are `PartTensors` (one map
+    per part of a batch) rather than `Tensors`. `v` is set for every message sent, checked on
+    receipt."""
 
     TYPE: ClassVar[str] = ""
     HAS_TENSORS: ClassVar[bool] = False
+    PARTED: ClassVar[bool] = False
 
     v: Annotated[int, Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)] = PROTOCOL_VERSION
 
@@ -655,13 +662,15 @@ class GenStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 class Run(Message, tag="run"):
     """Run one batch through a stage. `parts` is [[request tag, rows], ...] in batch order;
-    part k's tensors are named 'k/<input name>'."""
+    `tensors[k]` is part k's inputs by name (none for a direct run's later stages)."""
+
+    PARTED: ClassVar[bool] = True
 
     id: Id
     model: str
     stage: Count
     parts: list[tuple[Id, Count]]
-    tensors: Tensors = field(default_factory=dict)
+    tensors: PartTensors = field(default_factory=list)
     # A direct run (`ticket` non-zero): every stage's worker gets its Run at once; stage 0's
     # inputs travel with it, each later stage's arrive from the stage before as `Hop`s (the
     # batch cut into `chunks` micro-batches that flow through the stages one after another).
@@ -738,10 +747,14 @@ class RunInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RunResult(Message, tag="run_result"):
+    """A stage's outputs for a `Run`: `tensors[k]`, part k's, by name."""
+
+    PARTED: ClassVar[bool] = True
+
     id: Id
     model: str
     stage: Count
-    tensors: Tensors = field(default_factory=dict)
+    tensors: PartTensors = field(default_factory=list)
     info: RunInfo = field(default_factory=RunInfo)
 
 
@@ -834,6 +847,7 @@ __all__ = [
     "StepFailed",
     "StepOk",
     "KeywordInputs",
+    "PartTensors",
     "TensorMeta",
     "Tensors",
     "TokenId",

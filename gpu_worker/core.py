@@ -25,9 +25,10 @@ What it owns:
 - **Direct runs** (`gpu_worker.direct`): stage 0 cuts its inputs into micro-batches
   (`tensor_split`), each stage computes each micro-batch as it comes and passes it on to the next
   stage's worker, and the last stage merges them (`cat`) and answers the broker.
-- **Runs' parts**: a Run's tensors ('k/name') cut into its parts, and the parts of a RunResult.
-- **Generation**: a Run with `gen` is one iteration (one part, chunks=1): stage 0 takes '0/ids',
-  the last stage answers '0/tokens' (one sampled token per sequence); the KV cache is the
+- **Runs' parts**: a Run's tensors, one map per part, checked against its parts, and the parts
+  of a RunResult.
+- **Generation**: a Run with `gen` is one iteration (one part, chunks=1): stage 0 takes 'ids',
+  the last stage answers 'tokens' (one sampled token per sequence); the KV cache is the
   executor's, and `FreeSeqs` drops sequences from it (`FreeKV`, not answered), or with `park`
   preempts them, parking their KV in host memory where that pays (answered `SeqsParked`).
 - **Opening a job**: which spec, configuration, checkpoint and chunk target (`job_opening`).
@@ -420,7 +421,7 @@ class WorkerCore:
                 id=msg.id,
                 model=msg.model,
                 stage=msg.stage,
-                tensors={f"{k}/{n}": t for k, part in enumerate(parts) for n, t in part.items()},
+                tensors=parts,
                 info=p.RunInfo(compute_s=run.compute_s, wait_s=run.wait_s),
             )
         )
@@ -605,21 +606,20 @@ class WorkerCore:
 
 
 def run_parts(msg: p.Run) -> list[dict[str, Any]]:
-    """A Run's tensors ('k/name') as its parts: part k's inputs by name."""
-    parts: list[dict[str, Any]] = [{} for _ in msg.parts]
-    for name, ref in msg.tensors.items():
-        k, _, inner = name.partition("/")
-        if not k.isdigit() or int(k) >= len(parts):
-            raise FlowmeshError(Code.BAD_REQUEST, f"run tensor {name!r}: expected 'k/name'")
-        parts[int(k)][inner] = ref
-    if not msg.parts or any(not part for part in parts):
+    """A Run's inputs, part by part (`Run.tensors[k]`: part k's by name)."""
+    if not msg.parts or len(msg.tensors) != len(msg.parts):
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"a run of {len(msg.parts)} parts carries tensors for {len(msg.tensors)}",
+        )
+    if any(not part for part in msg.tensors):
         raise FlowmeshError(Code.BAD_REQUEST, "every part of a run needs its tensors")
-    return parts
+    return msg.tensors  # type: ignore[return-value]  # decoded: one name -> ref map per part
 
 
 def run_result(msg: p.Run, out: RunOutput) -> p.RunResult:
-    """The answer to `msg`: each part's outputs as 'k/name'. Safe on any thread."""
-    tensors = {f"{k}/{name}": t for k, part in enumerate(out.parts) for name, t in part.items()}
+    """The answer to `msg`: each part's outputs. Safe on any thread."""
+    tensors = list(out.parts)
     return p.RunResult(
         id=msg.id,
         model=msg.model,

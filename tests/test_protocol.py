@@ -53,6 +53,43 @@ def test_tensor_roundtrip_is_exact(tensor: torch.Tensor) -> None:
     assert torch.equal(out, tensor)
 
 
+def test_a_runs_tensors_travel_part_by_part_with_names_repeated_across_parts() -> None:
+    a, b, c = torch.ones(2, 3), torch.zeros(1, 3), torch.arange(4)
+    frames = p.encode(
+        p.Run(
+            id=2, model="m", stage=0, parts=[[1, 2], [2, 1]], tensors=[{"x": a, "n": c}, {"x": b}]
+        )
+    )
+    header = msgpack.unpackb(frames[0])
+    assert header["tensors"] == [
+        [["x", "float32", [2, 3]], ["n", "int64", [4]]],
+        [["x", "float32", [1, 3]]],
+    ]
+    assert len(frames) == 4
+    msg = p.decode(frames)
+    assert isinstance(msg, p.Run) and [list(part) for part in msg.tensors] == [["x", "n"], ["x"]]
+    assert torch.equal(msg.tensors[0]["x"].tensor(), a)  # bit for bit: data movement
+    assert torch.equal(msg.tensors[0]["n"].tensor(), c)
+    assert torch.equal(msg.tensors[1]["x"].tensor(), b)
+    run = dict(header, tensors=[[["x", "float32", [1]], ["x", "float32", [1]]]])
+    refused = {
+        "repeated in a part": ([msgpack.packb(run), b"1234", b"1234"], Code.BAD_TENSOR),
+        "a map for a part": (
+            [msgpack.packb(dict(header, tensors=[{"x": 1}])), b"1234"],
+            Code.BAD_MESSAGE,
+        ),
+        "one frame short": (frames[:-1], Code.BAD_FRAMES),
+        "flat": (
+            [msgpack.packb(dict(header, tensors=[["x", "float32", [1]]])), b"1234"],
+            Code.BAD_TENSOR,
+        ),
+    }
+    for why, (bad, code) in refused.items():
+        with pytest.raises(p.DecodeError) as info:
+            p.decode(bad)
+        assert info.value.code is code, (why, info.value)
+
+
 def test_frame_layout_is_one_header_plus_one_frame_per_tensor() -> None:
     frames = p.encode(p.Infer(id=9, model="m", tensors={"a": torch.ones(2), "b": torch.ones(3)}))
     assert len(frames) == 3
@@ -353,7 +390,7 @@ def test_any_value_anywhere_in_a_header_is_a_decode_error_or_valid(data: st.Data
         st.sampled_from(
             [
                 p.Infer(id=1, model="m", tensors={"x": torch.ones(2, 3), "y": torch.ones(0)}),
-                p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
+                p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors=[{"x": torch.ones(2)}]),
                 p.Register(id=3, role="worker", name="w", pid=4, info=p.PeerInfo(compute_lanes=3)),
                 p.Error(id=None, code="internal", reason="r"),
                 p.PlanRequest(id=5, spec=SPEC, stages=2),
@@ -388,8 +425,8 @@ LIBERAL = st.one_of(
 
 HOT = [
     p.Infer(id=1, model="m", tensors={"x": torch.ones(2, 3), "y": torch.ones(0)}),
-    p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors={"0/x": torch.ones(2)}),
-    p.RunResult(id=2, model="m", stage=0, tensors={"0/": torch.ones(2)}, info={"compute_s": 1}),
+    p.Run(id=2, model="m", stage=0, parts=[[1, 2]], tensors=[{"x": torch.ones(2)}]),
+    p.RunResult(id=2, model="m", stage=0, tensors=[{"": torch.ones(2)}], info={"compute_s": 1}),
     p.Result(id=1, tensors={"": torch.ones(1)}, info={"batch": 1, "workers": ["w"]}),
     p.Heartbeat(stats=p.WorkerStats(runs=3, stages={"m/0": "resident"}, prefault_s=1.5)),
     p.Register(id=3, role="worker", name="w", pid=4, info=p.PeerInfo(compute_lanes=3)),
@@ -404,8 +441,9 @@ def _same(a: p.Message, b: p.Message) -> bool:
     for f in msgspec.structs.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if f.name == "tensors":
-            if [(k, t.dtype, t.shape, t.frame) for k, t in x.items()] != [
-                (k, t.dtype, t.shape, t.frame) for k, t in y.items()
+            xs, ys = (v if a.PARTED else [v] for v in (x, y))
+            if [[(k, t.dtype, t.shape, t.frame) for k, t in part.items()] for part in xs] != [
+                [(k, t.dtype, t.shape, t.frame) for k, t in part.items()] for part in ys
             ]:
                 return False
         # Compared as msgpack bytes: NaN equals itself there, and 1, 1.0 and True differ.

@@ -82,7 +82,7 @@ def test_cold_request_loads_then_runs_and_result_reaches_its_client() -> None:
     rid, out = h.infer("m")
     assert kinds(out) == [(w0, "load"), (w0, "run")]
     run = only(out, p.Run)[0]
-    assert run.parts[0][1] == 1 and list(run.tensors) == ["0/"]
+    assert run.parts[0][1] == 1 and [list(part) for part in run.tensors] == [[""]]
     out = h.finish(w0, run)
     (res,) = only(out, p.Result)
     assert out[0][1] == CLIENT_A and res.id == rid and list(res.tensors) == [""]
@@ -141,7 +141,7 @@ def test_queued_requests_for_one_model_run_as_one_batch() -> None:
     out = h.finish(w0, first)
     (batch,) = only(out, p.Run)
     assert [rows for _, rows in batch.parts] == [1, 1, 1, 1]  # capped by max_batch_size
-    assert sorted(batch.tensors) == ["0/", "1/", "2/", "3/"]
+    assert [list(part) for part in batch.tensors] == [[""]] * 4
     out = h.finish(w0, batch)
     assert sorted(r.id for r in only(out, p.Result)) == waiting[:4]
     assert all(addr == CLIENT_B for _, addr, m in out if isinstance(m, p.Result))
@@ -503,7 +503,7 @@ def test_bad_info_in_a_run_result_fails_its_batch_instead_of_orphaning_it() -> N
         h.backend(
             w0,
             p.RunResult(
-                id=run.id, model="m", stage=0, tensors={"0/": ref(1, 4)}, info={"compute_s": "x"}
+                id=run.id, model="m", stage=0, tensors=[{"": ref(1, 4)}], info={"compute_s": "x"}
             ),
         )
     (err,) = only(h.out(), p.Error)

@@ -203,7 +203,7 @@ def test_a_second_call_joins_the_running_one_midway(lm_dir: Path, files: LmFiles
     assert g.figures() == (2, 2, 0, 2)
     run = g.stage0(run)
     assert g.figures() == (2, 2, 0, 2)
-    run = run_of(g.last(run, {"0/tokens": tokens([11])}), g.w0)
+    run = run_of(g.last(run, [{"tokens": tokens([11])}]), g.w0)
     # The first call's decode and the third's prefill, packed in one Run; the fourth waits
     # (max_seqs 3 for the whole replica).
     (_, (c, *_)) = steps(run)
@@ -299,14 +299,14 @@ def test_a_two_stage_replica_keeps_an_iteration_in_flight_per_stage(
     assert g.figures() == (2, 0, 0, 2)
     at1b = g.stage0(second)  # on to stage 1, and nothing else starts
     # Each group's next Run follows its own result only, the other's still in flight.
-    out = g.last(at1, {"0/tokens": tokens([10])})
+    out = g.last(at1, [{"tokens": tokens([10])}])
     first = run_of(out, g.w0)
     assert out == [(BACKEND, g.w0, first)] and steps(first) == [(a, 2, 1, 1)]
     at1 = g.stage0(first)
-    out = g.last(at1b, {"0/tokens": tokens([20])})
+    out = g.last(at1b, [{"tokens": tokens([20])}])
     second = run_of(out, g.w0)
     assert out == [(BACKEND, g.w0, second)] and steps(second) == [(b, 3, 1, 1)]
-    out = g.last(at1, {"0/tokens": tokens([11])})
+    out = g.last(at1, [{"tokens": tokens([11])}])
     first = run_of(out, g.w0)
     assert out == [(BACKEND, g.w0, first)] and steps(first) == [(a, 3, 1, 2)]
     assert g.step(second, [21]) == [
@@ -331,7 +331,7 @@ def test_by_default_one_iteration_holds_every_sequence_of_a_replica(
     # The second call waits for the iteration in flight, then joins it: one Run for both.
     assert g.generate(2, [[1, 6, 7]], max_tokens=2, addr=CLIENT_B) == []
     assert g.core.models["lm"].replicas[0].inflight == 1
-    out = g.last(at1, {"0/tokens": tokens([10])})
+    out = g.last(at1, [{"tokens": tokens([10])}])
     both = run_of(out, g.w0)
     ((_, *_), (b, *_)) = steps(both)
     assert out == [(BACKEND, g.w0, both)]
@@ -360,8 +360,8 @@ def test_direct_iterations_of_two_groups_are_in_flight_at_once(
     assert r0.id != r2.id and r0.ticket != r2.ticket and ids_of(r2) == [1, 6, 7]
     assert [g.core.peers[w].inflight_runs for w in ("w0", "w1")] == [2, 2]
     # The second group's answer comes first: the call waits for its first sequence.
-    assert g.last(r3, {"0/tokens": tokens([20])}) == freed(a + 1)
-    assert g.last(r1, {"0/tokens": tokens([10])}) == [
+    assert g.last(r3, [{"tokens": tokens([20])}]) == freed(a + 1)
+    assert g.last(r1, [{"tokens": tokens([10])}]) == [
         *freed(a),
         (
             CLIENT,
@@ -496,7 +496,7 @@ def test_stop_generate_mid_iteration_frees_after_its_result(lm_dir: Path, files:
     run = run_of(out, g.w0)
     assert out == [(CLIENT, CLIENT_A, p.GenChunk(id=1, index=0, ids=[11])), (BACKEND, g.w0, run)]
     assert steps(run) == [(a, 3, 1, 2)]
-    assert g.last(stage1, {"0/tokens": tokens([21])}) == freed(b)
+    assert g.last(stage1, [{"tokens": tokens([21])}]) == freed(b)
     # The whole call stopped mid-iteration: answered at once with what it has, freed after.
     stage1 = g.stage0(run)
     assert g.client(p.StopGenerate(id=1)) == [
@@ -510,7 +510,7 @@ def test_stop_generate_mid_iteration_frees_after_its_result(lm_dir: Path, files:
             ),
         ),
     ]
-    assert g.last(stage1, {"0/tokens": tokens([12])}) == freed(a)
+    assert g.last(stage1, [{"tokens": tokens([12])}]) == freed(a)
     # A late stop changes nothing.
     assert g.client(p.StopGenerate(id=1)) == []
     g.answered_once()
@@ -719,7 +719,7 @@ def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -
         (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason)),
     ]
     # Its answer, late, changes nothing.
-    late = p.RunResult(id=run.id, model="lm", stage=0, tensors={"0/h": ref(2, 8)})
+    late = p.RunResult(id=run.id, model="lm", stage=0, tensors=[{"h": ref(2, 8)}])
     assert [o for o in g.keep(g.h.backend(g.w0, late)) if o[0] == CLIENT] == []
     g.answered_once()
     assert g.figures() == (0, 0, 0, 1)
@@ -728,16 +728,16 @@ def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -
 @pytest.mark.parametrize(
     ("tensors", "why"),
     [
-        ({"0/tokens": tokens([10, 20], "int32")}, "tokens: expected int64 [2], got int32 [2]"),
-        ({"0/tokens": tokens([10])}, "tokens: expected int64 [2], got int64 [1]"),
-        ({"0/tokens": tokens([10, 20, 30])}, "tokens: expected int64 [2], got int64 [3]"),
-        ({"0/logits": ref(2, VOCAB)}, "expected one tensor 'tokens', got ['0/logits']"),
+        ([{"tokens": tokens([10, 20], "int32")}], "tokens: expected int64 [2], got int32 [2]"),
+        ([{"tokens": tokens([10])}], "tokens: expected int64 [2], got int64 [1]"),
+        ([{"tokens": tokens([10, 20, 30])}], "tokens: expected int64 [2], got int64 [3]"),
+        ([{"logits": ref(2, VOCAB)}], "expected one part of one tensor 'tokens', got [['logits']]"),
         (
-            {"0/tokens": tokens([10, 20]), "0/x": ref(1)},
-            "expected one tensor 'tokens', got ['0/tokens', '0/x']",
+            [{"tokens": tokens([10, 20]), "x": ref(1)}],
+            "expected one part of one tensor 'tokens', got [['tokens', 'x']]",
         ),
-        ({"0/tokens": tokens([10, VOCAB])}, f"token {VOCAB} is outside the vocabulary (0..319)"),
-        ({"0/tokens": tokens([-1, 20])}, "token -1 is outside the vocabulary (0..319)"),
+        ([{"tokens": tokens([10, VOCAB])}], f"token {VOCAB} is outside the vocabulary (0..319)"),
+        ([{"tokens": tokens([-1, 20])}], "token -1 is outside the vocabulary (0..319)"),
     ],
 )
 def test_a_malformed_answer_fails_the_calls_never_hangs(
@@ -794,7 +794,7 @@ def test_a_call_past_its_deadline_is_answered_timeout(lm_dir: Path, files: LmFil
     assert [o for o in out if o[2].TYPE != "heartbeat"] == [
         (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason))
     ]
-    assert g.last(stage1, {"0/tokens": tokens([11])}) == freed(a)
+    assert g.last(stage1, [{"tokens": tokens([11])}]) == freed(a)
     g.answered_once()
     assert g.figures() == (0, 0, 1, 2)
 
@@ -852,10 +852,10 @@ def test_an_answer_the_codec_refuses_fails_the_calls(lm_dir: Path, files: LmFile
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     ((a, *_),) = steps(run)
     short = p.TensorRef("int64", (1,), bytes(4))  # a frame shorter than its shape says
-    msg = p.RunResult(id=g.stage0(run).id, model="lm", stage=1, tensors={"0/tokens": short})
+    msg = p.RunResult(id=g.stage0(run).id, model="lm", stage=1, tensors=[{"tokens": short}])
     with pytest.raises(p.DecodeError):
         g.h.backend(g.w1, msg)
-    reason = "worker w1's answer was refused: tensor '0/tokens': 4 bytes, but int64 x [1] needs 8"
+    reason = "worker w1's answer was refused: tensor 'tokens': 4 bytes, but int64 x [1] needs 8"
     assert g.keep(g.h.out()) == [
         *freed(a),
         (CLIENT, CLIENT_A, p.Error(id=1, code="bad_tensor", reason=reason)),
@@ -1215,8 +1215,8 @@ def test_a_direct_iteration_is_announced_to_every_stage(lm_dir: Path, files: LmF
         "tcp://127.0.0.1:7001",
         [1, 5, 6],
     )
-    assert (r1.stage, r1.from_peer, r1.tensors, r1.chunks) == (1, True, {}, 1)
-    assert g.last(r1, {"0/tokens": tokens([9])}) == [
+    assert (r1.stage, r1.from_peer, r1.tensors, r1.chunks) == (1, True, [], 1)
+    assert g.last(r1, [{"tokens": tokens([9])}]) == [
         *freed(a),
         (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([9], "length", 3)])),
     ]

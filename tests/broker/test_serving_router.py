@@ -96,7 +96,7 @@ class Rig:
         return tensors["x"], self.ctx.drain()
 
     def result(self, worker: str, run: p.Run, now: float, **info: float) -> list[Outgoing]:
-        tensors = {f"{k}/y": ref(rows, 2) for k, (_tag, rows) in enumerate(run.parts)}
+        tensors = [{"y": ref(rows, 2)} for _tag, rows in run.parts]
         msg = p.RunResult(
             id=run.id, model=run.model, stage=run.stage, tensors=tensors, info=p.RunInfo(**info)
         )
@@ -112,7 +112,7 @@ def test_a_cold_request_loads_its_stage_and_runs_at_once() -> None:
     # ids: 1 is the request's tag, 2 the load call, 3 the run.
     assert out == [
         (BACKEND, b"w0", p.Load(id=2, model="m", stage=0)),
-        (BACKEND, b"w0", p.Run(id=3, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Run(id=3, model="m", stage=0, parts=[[1, 1]], tensors=[{"x": x}])),
     ]
     assert rig.ctx.calls[2].kind == "load" and rig.ctx.calls[2].deadline == 120.0
     res = rig.ctx.peers["w0"].resident[("m", 0)]
@@ -184,10 +184,7 @@ def test_requests_queued_behind_a_full_pipeline_run_as_one_batch() -> None:
                 model="m",
                 stage=0,
                 parts=[[5, 2], [6, 1]],
-                tensors={
-                    "0/x": x3,
-                    "1/x": x4,
-                },
+                tensors=[{"x": x3}, {"x": x4}],
             ),
         )
     ]
@@ -226,7 +223,7 @@ def test_loading_expects_the_least_recently_used_idle_stage_to_go_the_worker_evi
     # the load's) and names what must stay (nothing here: every stage is idle).
     assert out == [
         (BACKEND, b"w0", p.Load(id=2, model="d", stage=0, keep=[])),
-        (BACKEND, b"w0", p.Run(id=3, model="d", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Run(id=3, model="d", stage=0, parts=[[1, 1]], tensors=[{"x": x}])),
     ]
     assert sorted(peer.resident) == [("a", 0), ("c", 0), ("d", 0)]
     assert peer.leaving == {("b", 0): 2} and peer.evictions == 0
@@ -340,7 +337,7 @@ def test_a_batch_travels_stage_by_stage_with_its_activations() -> None:
     _, out = rig.infer("m", 1, 0.0)
     (first,) = [m for _, _, m in out]
     assert (first.id, first.stage) == (2, 0)
-    acts = {"0/h": ref(1, 16)}
+    acts = [{"h": ref(1, 16)}]
     rig.router.run_result(
         rig.ctx.peers["w0"],
         p.RunResult(id=2, model="m", stage=0, tensors=acts, info=p.RunInfo(compute_s=0.5)),
@@ -380,7 +377,7 @@ def test_a_batch_over_workers_with_peer_endpoints_is_announced_to_every_stage_at
         (
             BACKEND,
             b"w0",
-            p.Run(stage=0, tensors={"0/x": x}, next_peer="tcp://127.0.0.1:7001", **common),
+            p.Run(stage=0, tensors=[{"x": x}], next_peer="tcp://127.0.0.1:7001", **common),
         ),
         (
             BACKEND,
@@ -448,7 +445,7 @@ def test_a_lost_replica_fails_over_once_then_answers_worker_lost() -> None:
     rig.resident("w0", ("m", 0), MIB, 0.0)
     x, out = rig.infer("m", 1, 0.0)
     assert out == [
-        (BACKEND, b"w0", p.Run(id=2, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x}))
+        (BACKEND, b"w0", p.Run(id=2, model="m", stage=0, parts=[[1, 1]], tensors=[{"x": x}]))
     ]
     lost = model.replicas.pop(0)
     rig.ctx.peers.pop("w0")
@@ -456,7 +453,7 @@ def test_a_lost_replica_fails_over_once_then_answers_worker_lost() -> None:
     rig.router.pump(1.0)
     assert rig.ctx.drain() == [
         (BACKEND, b"w1", p.Load(id=3, model="m", stage=0)),
-        (BACKEND, b"w1", p.Run(id=4, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w1", p.Run(id=4, model="m", stage=0, parts=[[1, 1]], tensors=[{"x": x}])),
     ]
     assert rig.ctx.totals["retried"] == 1
     # The second replica is lost too: the request had its one retry.
@@ -522,7 +519,7 @@ def test_a_failed_load_is_asked_again_and_the_run_is_retried() -> None:
     assert rig.router.run_error(peer, p.Error(id=3, code="not_resident", reason="no"), 1.2)
     assert rig.ctx.drain() == [
         (BACKEND, b"w0", p.Load(id=4, model="m", stage=0, keep=[])),
-        (BACKEND, b"w0", p.Run(id=5, model="m", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Run(id=5, model="m", stage=0, parts=[[1, 1]], tensors=[{"x": x}])),
     ]
 
 
@@ -573,7 +570,7 @@ def test_requests_of_a_model_taking_one_per_forward_share_a_run_each_computed_al
     out = rig.result("w0", first[0], 0.1)
     (grouped,) = [m for _, _, m in out if isinstance(m, p.Run)]
     assert (grouped.parts, grouped.separate) == ([[5, 2], [6, 1], [7, 2], [8, 1]], True)
-    assert sorted(grouped.tensors) == ["0/x", "1/x", "2/x", "3/x"]
+    assert [list(part) for part in grouped.tensors] == [["x"]] * 4
     # Its answer: one Result per request (none shared a forward), and the last two go together.
     out = rig.result("w0", grouped, 0.3)
     answers = [m for _, _, m in out if isinstance(m, p.Result)]
@@ -652,7 +649,7 @@ def test_eviction_keeps_a_hot_model_over_a_one_off_used_more_recently() -> None:
     # is ten times once's: once goes.
     assert out == [
         (BACKEND, b"w0", p.Load(id=2, model="new", stage=0, keep=[])),
-        (BACKEND, b"w0", p.Run(id=3, model="new", stage=0, parts=[[1, 1]], tensors={"0/x": x})),
+        (BACKEND, b"w0", p.Run(id=3, model="new", stage=0, parts=[[1, 1]], tensors=[{"x": x}])),
     ]
     assert rig.ctx.peers["w0"].leaving == {("once", 0): 2}
 

@@ -56,7 +56,7 @@ def impostor(backend: str, model: str, stop: threading.Event, sweeps: list[int])
         beat = time.monotonic()
         while not stop.is_set():
             for rid in IDS:
-                put(p.RunResult(id=rid, model=model, stage=0, tensors={"0/": forged}, info={}))
+                put(p.RunResult(id=rid, model=model, stage=0, tensors=[{"": forged}], info={}))
                 put(p.Error(id=rid, code="model_error", reason="forged"))
                 if time.monotonic() - beat > 0.05:
                     beat = time.monotonic()

@@ -97,7 +97,7 @@ def impostor(
         forged = torch.full((1, WIDTH), 1e6)
         while not stop.is_set():
             for rid in IDS:
-                put(p.RunResult(id=rid, model=SPEC.name, stage=0, tensors={"0/": forged}, info={}))
+                put(p.RunResult(id=rid, model=SPEC.name, stage=0, tensors=[{"": forged}], info={}))
                 if rid % 100 == 0:
                     put(p.Heartbeat())
                     read()

@@ -149,7 +149,7 @@ class Harness:
         )
 
     def finish(self, addr: bytes, run: p.Run) -> list[tuple[str, bytes, p.Message]]:
-        tensors = {f"{k}/": ref(rows, 4) for k, (_tag, rows) in enumerate(run.parts)}
+        tensors = [{"": ref(rows, 4)} for _tag, rows in run.parts]
         return self.backend(
             addr,
             p.RunResult(

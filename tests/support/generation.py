@@ -27,10 +27,10 @@ def tokens(values: list[int], dtype: str = "int64") -> p.TensorRef:
 
 
 def ids_of(run: p.Run) -> list[int]:
-    """The token ids stage 0 was sent (`0/ids`, int64)."""
-    (name,) = run.tensors
-    t = run.tensors[name]
-    assert name == "0/ids" and t.dtype == "int64" and tuple(t.shape) == (t.shape[0],)
+    """The token ids stage 0 was sent (one part, `ids`, int64)."""
+    ((name, t),) = (item for part in run.tensors for item in part.items())
+    assert len(run.tensors) == 1 and name == "ids" and t.dtype == "int64"
+    assert tuple(t.shape) == (t.shape[0],)
     return numpy.frombuffer(bytes(t.frame), dtype="<i8").tolist()
 
 
@@ -147,16 +147,16 @@ class Gen:
         iteration."""
         w0, w1 = on or (self.w0, self.w1)
         assert (run.stage, run.gen) != (0, None)
-        hidden = {"0/h": ref(len(ids_of(run)), 8)}
+        hidden = [{"h": ref(len(ids_of(run)), 8)}]
         out = self.keep(
             self.h.backend(w0, p.RunResult(id=run.id, model="lm", stage=0, tensors=hidden))
         )
         nxt = run_of(out, w1)
-        assert (nxt.stage, nxt.gen, nxt.parts[0][1], list(nxt.tensors)) == (
+        assert (nxt.stage, nxt.gen, nxt.parts[0][1], [set(part) for part in nxt.tensors]) == (
             1,
             run.gen,
             len(ids_of(run)),
-            ["0/h"],
+            [{"h"}],
         )
         return nxt
 
@@ -169,7 +169,7 @@ class Gen:
 
     def step(self, run: p.Run, new: list[int], on: tuple[bytes, bytes] | None = None) -> Out:
         """One whole iteration: stage 0 then stage 1, which draws `new` (one per sequence)."""
-        return self.last(self.stage0(run, on), {"0/tokens": tokens(new)}, on)
+        return self.last(self.stage0(run, on), [{"tokens": tokens(new)}], on)
 
     def tick(self, now: float) -> Out:
         self.h.now = now

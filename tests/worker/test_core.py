@@ -58,7 +58,7 @@ def output(*parts: dict[str, torch.Tensor], compute_s: float = 0.5, wait_s: floa
 def test_a_run_is_cut_into_its_parts_and_answered_with_them() -> None:
     core = WorkerCore("w")
     a, b = torch.zeros(2, 4), torch.ones(1, 4)
-    run = p.Run(id=7, model="m", stage=1, parts=[(10, 2), (11, 1)], tensors={"0/x": a, "1/x": b})
+    run = p.Run(id=7, model="m", stage=1, parts=[(10, 2), (11, 1)], tensors=[{"x": a}, {"x": b}])
     core.handle(run, 0.0)
     (work,) = core.drain()
     assert isinstance(work, RunStage) and work.msg is run
@@ -68,8 +68,8 @@ def test_a_run_is_cut_into_its_parts_and_answered_with_them() -> None:
     (answer,) = sent(core.drain())
     assert isinstance(answer, p.RunResult)
     assert (answer.id, answer.model, answer.stage) == (7, "m", 1)
-    assert answer.tensors.keys() == {"0/", "1/"}
-    assert answer.tensors["0/"] is y0 and answer.tensors["1/"] is y1
+    assert [list(part) for part in answer.tensors] == [[""], [""]]
+    assert answer.tensors[0][""] is y0 and answer.tensors[1][""] is y1
     assert answer.info == p.RunInfo(compute_s=0.5, wait_s=0.25)
     # Answered from its compute lane already: nothing more goes out.
     core.handle(run, 2.0)
@@ -82,7 +82,7 @@ def test_a_run_is_cut_into_its_parts_and_answered_with_them() -> None:
 
 def test_a_failed_run_and_a_malformed_one_are_answered_with_code_and_reason() -> None:
     core = WorkerCore("w")
-    run = p.Run(id=7, model="m", stage=0, parts=[(1, 1)], tensors={"0/x": torch.zeros(1)})
+    run = p.Run(id=7, model="m", stage=0, parts=[(1, 1)], tensors=[{"x": torch.zeros(1)}])
     core.handle(run, 0.0)
     (work,) = core.drain()
     core.finished(work, FlowmeshError(Code.NOT_RESIDENT, "'m'/0 was evicted"), 1.0)
@@ -91,9 +91,11 @@ def test_a_failed_run_and_a_malformed_one_are_answered_with_code_and_reason() ->
     (work,) = core.drain()
     core.finished(work, RuntimeError("boom"), 3.0)  # not ours: internal, with its text
     assert sent(core.drain()) == [p.Error(id=7, code="internal", reason="RuntimeError: boom")]
-    bad = p.Run(id=8, model="m", stage=0, parts=[(1, 1)], tensors={"x": torch.zeros(1)})
-    assert refused(core, bad) == ("bad_request", "run tensor 'x': expected 'k/name'")
-    bad = p.Run(id=8, model="m", stage=0, parts=[(1, 1), (2, 1)], tensors={"0/x": torch.zeros(1)})
+    bad = p.Run(id=8, model="m", stage=0, parts=[(1, 1), (2, 1)], tensors=[{"x": torch.zeros(1)}])
+    assert refused(core, bad) == ("bad_request", "a run of 2 parts carries tensors for 1")
+    bad = p.Run(
+        id=8, model="m", stage=0, parts=[(1, 1), (2, 1)], tensors=[{"x": torch.zeros(1)}, {}]
+    )
     assert refused(core, bad) == ("bad_request", "every part of a run needs its tensors")
     assert refused(core, p.Status(id=9)) == ("bad_request", "a worker does not take status")
     assert core.drain() == []
@@ -273,7 +275,7 @@ def test_stage_zero_cuts_a_direct_run_into_micro_batches_and_passes_each_on() ->
         model="m",
         stage=0,
         parts=[(1, 2), (2, 3)],
-        tensors={"0/x": a, "1/x": b},
+        tensors=[{"x": a}, {"x": b}],
         ticket=77,
         next_peer="tcp://next:1",
         chunks=2,
@@ -296,7 +298,7 @@ def test_stage_zero_cuts_a_direct_run_into_micro_batches_and_passes_each_on() ->
     assert core.direct.runs.keys() == {5}  # one micro-batch still on its way
     core.finished(hop0, None, 4.0)
     assert core.direct.runs == {} and core.drain() == []  # only the last stage answers
-    too_many = p.Run(id=6, model="m", stage=0, parts=[(1, 2)], tensors={"0/x": a}, ticket=1,
+    too_many = p.Run(id=6, model="m", stage=0, parts=[(1, 2)], tensors=[{"x": a}], ticket=1,
                      chunks=3)  # fmt: skip
     assert refused(core, too_many) == ("bad_request", "run 6: 3 chunks of 2 rows")
 
@@ -329,10 +331,10 @@ def test_the_last_stage_merges_the_micro_batches_in_order_and_answers_the_whole_
     (answer,) = sent(core.drain())
     assert isinstance(answer, p.RunResult) and (answer.id, answer.stage) == (9, 1)
     assert answer.info == p.RunInfo(compute_s=3.0, wait_s=0.75)
-    assert answer.tensors.keys() == {"0/y", "1/y"}
+    assert [list(part) for part in answer.tensors] == [["y"], ["y"]]
     # bit-exact: cat then split by the parts' rows moves the outputs' rows, computes nothing
-    assert torch.equal(answer.tensors["0/y"], out[:2])
-    assert torch.equal(answer.tensors["1/y"], out[2:])  # bit-exact: as above
+    assert torch.equal(answer.tensors[0]["y"], out[:2])
+    assert torch.equal(answer.tensors[1]["y"], out[2:])  # bit-exact: as above
     assert core.direct.runs == {}
 
 
