@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from flowmesh.errors import Code, FlowmeshError, Invalid
+from flowmesh.errors import FlowmeshError, Invalid, bad_request
 from flowmesh.spec import FACTORY_RE, MAX_KWARGS_BYTES
 
 # An optimizer's name: a class of torch.optim in any case, resolved where torch is
@@ -30,10 +30,6 @@ ACTIVATION_POLICIES = ("auto", "recompute", "keep")
 # parameters, gradients and optimizer state kept float32 (mixed precision, as AMP does).
 COMPUTE_DTYPES = ("float32", "bfloat16")
 LossSpec = str | Mapping[str, Any]
-
-
-def _bad(reason: str) -> FlowmeshError:
-    return FlowmeshError(Code.BAD_REQUEST, reason)
 
 
 def loss_name(loss: LossSpec) -> str:
@@ -51,7 +47,7 @@ def check_loss_spec(loss: Any) -> LossSpec:
     if isinstance(loss, str):
         if loss in LOSS_NAMES or FACTORY_RE.match(loss):
             return loss
-        raise _bad(
+        raise bad_request(
             f"loss {loss!r}: expected one of {', '.join(LOSS_NAMES)}, or a loss factory "
             "'package.module:callable' from the worker's allow-list"
         )
@@ -59,20 +55,22 @@ def check_loss_spec(loss: Any) -> LossSpec:
         unknown = sorted(set(loss) - {"factory", "kwargs"})
         factory, kwargs = loss.get("factory"), loss.get("kwargs") or {}
         if unknown or not isinstance(factory, str) or not FACTORY_RE.match(factory):
-            raise _bad(
+            raise bad_request(
                 f"loss {dict(loss)!r}: a mapping needs 'factory': 'package.module:callable' "
                 "and optionally 'kwargs' (nothing else)"
             )
         if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-            raise _bad(f"loss {factory}: kwargs must be a mapping with string keys")
+            raise bad_request(f"loss {factory}: kwargs must be a mapping with string keys")
         try:
             size = len(json.dumps(dict(kwargs)))
         except (TypeError, ValueError) as exc:
-            raise _bad(f"loss {factory}: kwargs must be plain data: {exc}") from None
+            raise bad_request(f"loss {factory}: kwargs must be plain data: {exc}") from None
         if size > MAX_KWARGS_BYTES:
-            raise _bad(f"loss {factory}: kwargs are {size} bytes, limit {MAX_KWARGS_BYTES}")
+            raise bad_request(f"loss {factory}: kwargs are {size} bytes, limit {MAX_KWARGS_BYTES}")
         return {"factory": factory, "kwargs": dict(kwargs)}
-    raise _bad(f"loss must be a name, a factory string or a mapping, got {type(loss).__name__}")
+    raise bad_request(
+        f"loss must be a name, a factory string or a mapping, got {type(loss).__name__}"
+    )
 
 
 class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,17 +100,17 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def _check(self) -> None:
         if not isinstance(self.optimizer, Mapping):
-            raise _bad(f"optimizer must be a mapping with a name, got {self.optimizer!r}")
+            raise bad_request(f"optimizer must be a mapping with a name, got {self.optimizer!r}")
         factory = self.optimizer.get("factory")
         name = self.optimizer.get("name", self.optimizer.get("type"))
         if factory is not None:
             if name is not None or not isinstance(factory, str) or not FACTORY_RE.match(factory):
-                raise _bad(
+                raise bad_request(
                     f"optimizer factory {factory!r}: expected 'package.module:callable' "
                     "(and no 'name' beside it)"
                 )
         elif not isinstance(name, str) or not OPTIMIZER_NAME_RE.match(name):
-            raise _bad(
+            raise bad_request(
                 f"optimizer {name!r}: give 'name', a torch.optim optimizer (adam, sgd, rmsprop, "
                 "...), or 'factory', 'package.module:callable' from the worker's allow-list"
             )
@@ -125,24 +123,24 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             or not math.isfinite(clip)
             or clip <= 0
         ):
-            raise _bad(f"clip_grad_norm must be a positive number or null, got {clip!r}")
+            raise bad_request(f"clip_grad_norm must be a positive number or null, got {clip!r}")
         n = self.accumulate
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise _bad(f"accumulate must be a positive integer, got {n!r}")
+            raise bad_request(f"accumulate must be a positive integer, got {n!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise _bad(f"seed must be an integer, got {self.seed!r}")
+            raise bad_request(f"seed must be an integer, got {self.seed!r}")
         if self.compute_dtype == "float16":
-            raise _bad(
+            raise bad_request(
                 "compute_dtype 'float16' would need loss scaling (its small gradients underflow), "
                 "which flowmesh does not do: use 'bfloat16' for mixed precision"
             )
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise _bad(
+            raise bad_request(
                 f"compute_dtype {self.compute_dtype!r}: expected 'float32', or 'bfloat16' for "
                 "mixed precision (float32 parameters, the forward and the loss in bfloat16)"
             )
         if self.activations not in ACTIVATION_POLICIES:
-            raise _bad(
+            raise bad_request(
                 f"activations {self.activations!r}: expected one of "
                 f"{', '.join(ACTIVATION_POLICIES)}"
             )
@@ -179,7 +177,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         known = set(cls.__struct_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise _bad(f"unknown training option(s): {', '.join(unknown)}")
+            raise bad_request(f"unknown training option(s): {', '.join(unknown)}")
         if "optimizer" not in data:
-            raise _bad("a training configuration needs an optimizer")
+            raise bad_request("a training configuration needs an optimizer")
         return cls(**data)

@@ -59,9 +59,8 @@ from gpu_worker.train_executor import TrainConfig, config_from, read_meta, step_
 # Step answers kept per training job for the registration's inventory (see `WorkerCore`).
 KEEP_RESULTS = 32
 
-# A step's answer as the inventory carries it: {"seq", "loss", "step", "metrics"} or
-# {"seq", "code", "reason"}.
-Answer = dict[str, Any]
+# A step's answer as the inventory carries it.
+Answer = p.StepOk | p.StepFailed
 
 
 # ---------------------------------------------------------------------- what goes out
@@ -592,12 +591,12 @@ class WorkerCore:
         # step its client sends again, instead of running it twice.
         if isinstance(result, BaseException):
             err = p.error_for(result)
-            work.ledger.settle(msg.seq, {"seq": msg.seq, "code": err.code, "reason": err.reason})
+            work.ledger.settle(msg.seq, p.StepFailed(seq=msg.seq, code=err.code, reason=err.reason))
             self._fail(msg.id, result)
             return
         r: StepResult = result
         work.ledger.settle(
-            msg.seq, {"seq": msg.seq, "loss": r.loss, "step": r.step, "metrics": dict(r.metrics)}
+            msg.seq, p.StepOk(seq=msg.seq, loss=r.loss, step=r.step, metrics=dict(r.metrics))
         )
         self._send(step_answer(msg, r))
 

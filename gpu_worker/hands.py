@@ -153,11 +153,6 @@ class WorkerHands:
             for key, st in self.executor.stages.items()
         ]
 
-        def answer(r: Any) -> p.StepOk | p.StepFailed:  # the ledger's {"seq", ...} dicts
-            if isinstance(r, p.StepOk | p.StepFailed):
-                return r
-            return p.StepFailed(**r) if "code" in r else p.StepOk(**r)
-
         jobs = []
         trainer = self.trainer
         for name, ledger in self.core.jobs.items():
@@ -170,7 +165,7 @@ class WorkerHands:
                     step=job.step_count,
                     seq=ledger.last,
                     footprint=job.footprint(),
-                    results=[answer(r) for r in ledger.answers.values()],
+                    results=list(ledger.answers.values()),
                     running=sorted(ledger.running),
                 )
             )

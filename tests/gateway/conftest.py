@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from tests.support import prefork
 from tests.support.mesh import _test_keys
 from tests.support.ports import free_port
+from tests.support.waiting import until_blocking
 
 __all__ = ["_test_keys"]  # registered for tests/gateway/
 
@@ -41,16 +41,15 @@ def _gateway(broker: str, log: Path, cli: bool, args: Sequence[str]) -> Iterator
         proc = prefork.spawn("gateway", argv, log, ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def live() -> bool:
             if proc.poll() is not None:
                 pytest.fail(f"the gateway exited {proc.returncode}: {log.read_text()}")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"the gateway did not answer within 60 s: {log.read_text()}")
-            time.sleep(0.1)
+                return httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
+            return False
+
+        until_blocking(live, f"the gateway at {url} to answer", poll=0.1)
         yield url
     finally:
         proc.terminate()

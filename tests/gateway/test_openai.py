@@ -11,8 +11,7 @@ import asyncio
 import contextlib
 import json
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
 
 import httpx
@@ -27,6 +26,7 @@ from client_sdk.mesh import LocalMesh
 from flowmesh.auth import add_api_key
 from tests.support.lm import tiny_lm_dir
 from tests.support.mesh import FAST, roots_at
+from tests.support.waiting import until, until_blocking
 
 pytestmark = pytest.mark.slow
 
@@ -158,6 +158,19 @@ def test_refusals_answer_openai_statuses_and_bodies(
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
 
 
+async def settled(row: Callable[[], Awaitable[tuple[int, int]]]) -> tuple[int, int]:
+    """`row()` (the model's live sequences, tokens made) once it has no live sequence."""
+    last = (-1, -1)
+
+    async def idle() -> bool:
+        nonlocal last
+        last = await row()
+        return last[0] == 0
+
+    await until(idle, "the model's sequences to leave the broker", poll=0.05)
+    return last
+
+
 def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, str]) -> None:
     mesh, url = served
     ask = {
@@ -188,11 +201,7 @@ def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, st
                         seen += 1
                         if seen == 2:
                             break  # leaving the block closes the connection
-            for _ in range(200):
-                running, made = await row()
-                if not running:
-                    break
-                await asyncio.sleep(0.05)
+            running, made = await settled(row)
             # Freed on the broker well before its tokens were all made (a few were on their way).
             assert running == 0 and 0 < made - start < ENOUGH
 
@@ -215,20 +224,17 @@ def test_a_client_gone_before_a_blocking_answer_stops_its_sequence(
             _, start = await row()
             async with httpx.AsyncClient(timeout=30) as http:
                 call = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=ask))
-                for _ in range(400):  # until the sequence is on the broker
+
+                async def generating() -> bool:
                     running, made = await row()
-                    if running and made > start:
-                        break
-                    await asyncio.sleep(0.02)
-                assert running and not call.done()
+                    return bool(running and made > start)
+
+                await until(generating, "the sequence to generate on the broker", poll=0.02)
+                assert not call.done()
                 call.cancel()  # the client gives up: its connection closes
                 with contextlib.suppress(asyncio.CancelledError):
                     await call
-            for _ in range(200):
-                running, made = await row()
-                if not running:
-                    break
-                await asyncio.sleep(0.05)
+            running, made = await settled(row)
             assert running == 0 and 0 < made - start < ENOUGH
 
     asyncio.run(main())
@@ -322,10 +328,9 @@ def test_streams_past_the_per_key_limit_get_429_while_others_run(
         assert events and events[-1].choices[0].finish_reason == "length"
         assert _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2).choices
     # Gone: its slot is given back once the gateway sees it go.
-    for _ in range(400):
-        if _open_streams(url) == 0:
-            break
-        time.sleep(0.05)
+    until_blocking(
+        lambda: _open_streams(url) == 0, "the held stream's slot to be given back", poll=0.05
+    )
     events = list(
         _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2, stream=True)
     )

@@ -8,7 +8,6 @@ import contextlib
 import socket
 import ssl
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import trustme
 from tests.support import prefork
 from tests.support.cli import ROOT
 from tests.support.ports import free_port
+from tests.support.waiting import until_blocking
 
 
 @contextlib.contextmanager
@@ -36,16 +36,16 @@ def tls_gateway(tmp_path: Path, ca: trustme.CA) -> Iterator[int]:
     argv = ["--broker", f"tcp://127.0.0.1:{free_port()}", "--port", str(port)]
     proc = prefork.spawn("gateway", [*argv, "--config", str(config)], log, ROOT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def listening() -> bool:
             if proc.poll() is not None:
                 pytest.fail(f"the gateway exited {proc.returncode}: {log.read_text()}")
             with contextlib.suppress(OSError):
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"the gateway did not listen within 60 s: {log.read_text()}")
-            time.sleep(0.1)
+                return True
+            return False
+
+        until_blocking(listening, f"the gateway to listen on {port}", poll=0.1)
         yield port
     finally:
         proc.terminate()

@@ -23,6 +23,7 @@ from tests.support.preemption import (
     preempted_reference,
     three_blocks_share,
 )
+from tests.support.waiting import until
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1 2 3"]
 
@@ -161,15 +162,15 @@ def test_a_stream_closed_early_stops_its_sequence(lm: tuple[LocalMesh, Path]) ->
                         break
             assert len(got) == 2 and stream.generations is None
 
-            async def stopped() -> int:
-                row = next(m for m in (await c.status()).models if m.name == "lm")
-                return -1 if row.running_seqs or row.waiting_seqs else row.tokens_generated
+            made = -1
 
-            for _ in range(200):
-                made = await stopped()
-                if made >= 0:
-                    break
-                await asyncio.sleep(0.05)
+            async def stopped() -> bool:
+                nonlocal made
+                row = next(m for m in (await c.status()).models if m.name == "lm")
+                made = -1 if row.running_seqs or row.waiting_seqs else row.tokens_generated
+                return made >= 0
+
+            await until(stopped, "the closed stream's sequence to leave the broker", poll=0.05)
             # Freed on the broker well before its 40 tokens (a few were on their way).
             assert 0 <= made - start < 40
             # And the model generates on.

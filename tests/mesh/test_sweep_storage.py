@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from client_sdk.mesh import LocalMesh
 from client_sdk.sweep import _finished, open_storage
 from tests.support.mesh import mesh_options
 from tests.support.training import teacher
+from tests.support.waiting import until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = mesh_options(cpu_workers=1, train_bytes="256KiB")
@@ -125,16 +125,18 @@ def test_a_killed_drivers_trial_is_retried_by_the_other(
 ) -> None:
     # Long trials for the victim, so that it is killed mid-trial.
     victim = driver(mesh, tmp_path, storage, "victim", steps=3000)
-    deadline = time.monotonic() + 90
     running: list[optuna.trial.FrozenTrial] = []
-    while not running:
+
+    def started() -> bool:
+        nonlocal running
         assert victim.poll() is None, victim.communicate()[1]
-        assert time.monotonic() < deadline, "the victim never started a trial"
-        time.sleep(0.2)
         try:
             running = study(storage).get_trials(states=(optuna.trial.TrialState.RUNNING,))
         except KeyError:  # the study not created yet
-            continue
+            return False
+        return bool(running)
+
+    until_blocking(started, "the victim to start a trial", timeout=90, poll=0.2)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     finish(driver(mesh, tmp_path, storage, "survivor", steps=6))

@@ -27,26 +27,32 @@ class _Deadline:
 
 
 async def until(
-    probe: Callable[[], object | Awaitable[object]], what: str, timeout: float = 60.0
+    probe: Callable[[], object | Awaitable[object]],
+    what: str,
+    timeout: float = 60.0,
+    poll: float = POLL_S,
 ) -> None:
-    """Return once `probe()` is true (awaited, if it is a coroutine function's); fail after
-    `timeout` seconds naming `what`."""
+    """Return once `probe()` is true (awaited, if it is a coroutine function's), polled every
+    `poll` seconds (longer for a probe that costs its other party work: a status call, a
+    database query); fail after `timeout` seconds naming `what`."""
     deadline = _Deadline(what, timeout)
     while not await _value(probe()):
         deadline.check()
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll)
 
 
 async def _value(got: object) -> object:
     return await got if inspect.isawaitable(got) else got
 
 
-def until_blocking(probe: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+def until_blocking(
+    probe: Callable[[], object], what: str, timeout: float = 60.0, poll: float = POLL_S
+) -> None:
     """`until` for a caller without an event loop: blocks this thread between polls."""
     deadline = _Deadline(what, timeout)
     while not probe():
         deadline.check()
-        time.sleep(POLL_S)
+        time.sleep(poll)
 
 
 async def within_turns(probe: Callable[[], object], what: str, turns: int = 1000) -> None:

@@ -216,10 +216,10 @@ def test_steps_run_in_seq_order_with_gaps_and_a_seq_taken_is_never_run_twice() -
     ]
     assert ledger.running == set()
     assert list(ledger.answers.values()) == [
-        {"seq": 3, "loss": 0.5, "step": 2, "metrics": {"tasks": 4.0}},
-        {"seq": 1, "code": "model_error", "reason": "block 0 raised"},
+        p.StepOk(seq=3, loss=0.5, step=2, metrics={"tasks": 4.0}),
+        p.StepFailed(seq=1, code="model_error", reason="block 0 raised"),
     ]
-    assert ledger.answer(1) == {"seq": 1, "code": "model_error", "reason": "block 0 raised"}
+    assert ledger.answer(1) == p.StepFailed(seq=1, code="model_error", reason="block 0 raised")
     no_targets = received(p.TrainStep(id=9, job="j", seq=4, tensors={"inputs": x["inputs"]}))
     assert refused(core, no_targets) == ("bad_request", "a training step needs tensors ['targets']")
     assert ledger.last == 4  # taken all the same: a seq is never run twice, even a refused one
@@ -232,7 +232,7 @@ def test_only_the_latest_answers_are_kept_and_a_closed_job_s_late_step_stays_its
     for w in works:
         core.finished(w, StepResult(float(w.msg.seq), w.msg.seq), 1.0)
     assert [m.seq for m in sent(core.drain())] == [1, 2, 3]
-    assert [a["seq"] for a in core.jobs["j"].answers.values()] == [2, 3]
+    assert [a.seq for a in core.jobs["j"].answers.values()] == [2, 3]
     late = step(core, 4)
     core.handle(p.TrainClose(id=50, job="j"), 2.0)
     (close,) = core.drain()
