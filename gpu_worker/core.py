@@ -53,7 +53,8 @@ from flowmesh.roots import Roots
 from flowmesh.spec import DEFAULT_ALLOW, ModelSpec, check_factory
 from flowmesh.steps import StepLedger, StepResult
 from gpu_worker.direct import DirectRun, DirectRuns
-from gpu_worker.executor import LoadInfo, RunOutput, concat_parts, split_rows
+from gpu_worker.executor import LoadInfo, RunOutput
+from gpu_worker.run_rows import concat_parts, split_rows
 from gpu_worker.train_executor import TrainConfig, config_from, read_meta, step_answer
 
 # Step answers kept per training job for the registration's inventory (see `WorkerCore`).

@@ -76,6 +76,15 @@ from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
 from gpu_worker.kv_cache import Restore, SeqKV, StageKV, blocks_for, new_blocks_after
 from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import SERVING_CALLS
+from gpu_worker.run_rows import (
+    checked_parts,
+    concat_parts,
+    gen_input,
+    named_outputs,
+    on_device,
+    part_rows,
+    split_rows,
+)
 
 log = logging.getLogger("worker")
 
@@ -747,7 +756,7 @@ class Executor:
             self.counters["implicit_loads"] += 1
         restores: list[Restore] = []
         if gen is not None:
-            x = _gen_input(st, parts, gen)
+            x = gen_input(f"{st.key[0]!r}/{st.key[1]}", st.limits, parts, gen)
             seqs, placed, restores = self._place_kv(st, gen)
         with self._lock:
             done = self._admit(st, len(parts))
@@ -827,7 +836,7 @@ class Executor:
             return None
         with self._lock:
             forwards = len(parts) if separate else 1
-            expected = st.expected_s(forwards, _rows(parts))
+            expected = st.expected_s(forwards, part_rows(parts))
             if st.state is not State.RESIDENT or not 0.0 < expected < self.quick_run_s:
                 return None
             nxt = self.stages.get((key[0], key[1] + 1))
@@ -895,7 +904,7 @@ class Executor:
         marked = False
         try:
             if st.limits is not None:  # every part, before any of them computes
-                batches = [_checked(st.limits, parts) for parts in batches]
+                batches = [checked_parts(st.limits, parts) for parts in batches]
             with torch.inference_mode(), dev.compute(serving=True):
                 t0 = self.clock()
                 wait_s = 0.0
@@ -907,7 +916,7 @@ class Executor:
                         inputs, rows = concat_parts(parts, device)
                         x, waited = self._forward(st, ready, inputs, generation)
                         wait_s += waited
-                        outputs.append((self._off_arena(_named_outputs(x)), rows))
+                        outputs.append((self._off_arena(named_outputs(x)), rows))
                         total += sum(rows)
                 finally:
                     # Past this point of the compute stream the run no longer reads the stage's
@@ -1172,7 +1181,7 @@ class Executor:
 
                 try:
                     out, wait_s = self._forward(
-                        st, ready, _on(x, dev.torch_device), generation, step
+                        st, ready, on_device(x, dev.torch_device), generation, step
                     )
                     if isinstance(blocks[-1], HEADS):
                         generators = []
@@ -1295,119 +1304,6 @@ def _evicted(st: Stage) -> FlowmeshError:
     return FlowmeshError(Code.NOT_RESIDENT, f"{st.key[0]!r}/{st.key[1]} was evicted")
 
 
-def _gen_input(st: Stage, parts: list[Mapping[str, Any]], gen: GenStep) -> torch.Tensor:
-    """A generation run's one tensor, checked against its iteration: stage 0's packed token
-    ids (int64 `[tokens]`, within the vocabulary), a later stage's hidden states
-    `[tokens, hidden]`."""
-    where = f"{st.key[0]!r}/{st.key[1]}"
-    if len(parts) != 1 or len(parts[0]) != 1:
-        raise FlowmeshError(
-            Code.BAD_REQUEST, f"{where}: a generation run takes one part with one tensor"
-        )
-    if not gen.seqs:
-        raise FlowmeshError(Code.BAD_REQUEST, f"{where}: a generation run needs sequences")
-    if len({s.seq for s in gen.seqs}) != len(gen.seqs):
-        raise FlowmeshError(Code.BAD_REQUEST, f"{where}: a sequence is twice in one iteration")
-    ((name, ref),) = parts[0].items()
-    x = _tensor(ref)
-    total = sum(s.count for s in gen.seqs)
-    if st.limits is not None:
-        if x.dim() != 1:
-            raise FlowmeshError(
-                Code.BAD_REQUEST, f"{where}: token ids must be 1-D, got shape {tuple(x.shape)}"
-            )
-        st.limits.check({name: x})
-    elif x.dim() != 2:
-        raise FlowmeshError(
-            Code.BAD_REQUEST, f"{where}: hidden states must be 2-D, got shape {tuple(x.shape)}"
-        )
-    if x.shape[0] != total:
-        raise FlowmeshError(
-            Code.BAD_REQUEST,
-            f"{where}: {x.shape[0]} tokens in the run, its sequences have {total} new ones",
-        )
-    return x
-
-
 def _wait_all(markers: list[Any]) -> None:
     for m in markers:
         m.wait()
-
-
-def concat_parts(parts: list[Mapping[str, Any]], device: torch.device) -> tuple[Any, list[int]]:
-    """Concatenate the parts' inputs along dim 0; returns the inputs and rows per part."""
-    if len(parts) == 1:  # a run of one request, the common case: nothing to concatenate
-        merged = {n: _on(_tensor(t), device) for n, t in parts[0].items()}
-        if not merged:
-            raise FlowmeshError(Code.BAD_REQUEST, "a part of a run has no inputs")
-        first = next(iter(merged.values()))
-        return merged, [int(first.shape[0]) if first.dim() else 1]
-    tensors = [{n: _tensor(t) for n, t in p.items()} for p in parts]
-    names = list(tensors[0])
-    for p in tensors[1:]:
-        if list(p) != names:
-            raise FlowmeshError(Code.BAD_REQUEST, "parts of a batch name different inputs")
-    rows = [int(p[names[0]].shape[0]) if p[names[0]].dim() else 1 for p in tensors]
-    merged = {n: _on(torch.cat([p[n] for p in tensors], dim=0), device) for n in names}
-    return merged, rows
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device)
-
-
-def _rows(parts: list[Mapping[str, Any]]) -> int:
-    """The rows of a run's parts (dim 0 of each part's first input; a scalar is one row), read
-    from shapes only: a received TensorRef has one without becoming a tensor."""
-    rows = 0
-    for part in parts:
-        for t in part.values():
-            shape = t.shape
-            rows += int(shape[0]) if len(shape) else 1
-            break
-    return rows
-
-
-def _checked(limits: TokenLimits, parts: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The parts as tensors, each checked against the stage's limits where it arrived (host
-    memory: no device synchronisation); raises BAD_REQUEST naming what the model cannot take."""
-    out = []
-    for part in parts:
-        tensors = {n: _tensor(t) for n, t in part.items()}
-        limits.check(tensors)
-        out.append(tensors)
-    return out
-
-
-def _tensor(t: Any) -> torch.Tensor:
-    """A received TensorRef's tensor, or the tensor itself."""
-    return t.tensor() if hasattr(t, "tensor") else t
-
-
-def _named_outputs(x: Any) -> dict[str, torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return {"": x}
-    if isinstance(x, Mapping):
-        out = {k: v for k, v in x.items() if isinstance(v, torch.Tensor)}
-        if out:
-            return out
-    raise FlowmeshError(
-        Code.MODEL_ERROR, f"model returned {type(x).__name__}; expected a tensor or a dict of them"
-    )
-
-
-def split_rows(outputs: dict[str, torch.Tensor], rows: list[int]) -> list[dict[str, torch.Tensor]]:
-    if len(rows) == 1:
-        return [outputs]
-    total = sum(rows)
-    parts: list[dict[str, torch.Tensor]] = [{} for _ in rows]
-    for name, t in outputs.items():
-        if t.dim() == 0 or t.shape[0] != total:
-            raise FlowmeshError(
-                Code.MODEL_ERROR,
-                f"output {name!r} has shape {tuple(t.shape)}, not batch-first over {total} rows; "
-                "deploy this model with max_batch_size=1",
-            )
-        for i, piece in enumerate(torch.split(t, rows, dim=0)):
-            parts[i][name] = piece
-    return parts
