@@ -856,10 +856,18 @@ class GenerationRoom:
             s.sent = False
         if not ids:
             return
+        self._tell_free(gm, rep, ids, skip=skip)
+
+    def _tell_free(
+        self, gm: GenModel, rep: Replica, ids: list[int], *, park: bool = False, skip: str = ""
+    ) -> None:
+        """FreeSeqs (parking where `park`) to each stage's worker of `rep` but `skip`; the
+        model's replicas stop holding back their prefills, which may now fit."""
         gm.frees += 1
         for stage, w in enumerate(rep.workers):
             if w != skip and w in self.peers:
-                self.ctx.to_peer(w, p.FreeSeqs(model=gm.model.name, stage=stage, seqs=ids))
+                msg = p.FreeSeqs(model=gm.model.name, stage=stage, seqs=ids, park=park)
+                self.ctx.to_peer(w, msg)
         for g in gm.reps:
             g.hold = False
 
@@ -871,13 +879,7 @@ class GenerationRoom:
         s.parked_at = now
         s.preempted, s.sent = True, False
         self.parked[s.id] = s
-        gm.frees += 1
-        for stage, w in enumerate(rep.workers):
-            if w in self.peers:
-                msg = p.FreeSeqs(model=gm.model.name, stage=stage, seqs=[s.id], park=True)
-                self.ctx.to_peer(w, msg)
-        for g in gm.reps:
-            g.hold = False
+        self._tell_free(gm, rep, [s.id], park=True)
 
     def _unpark(self, s: Seq, *, tell: bool = True, skip: str = "") -> None:
         """Forget `s`'s parked KV; `tell`: its workers (but `skip`) drop their copies too."""
