@@ -567,8 +567,20 @@ class Connection:
             # the broker and one read there for all of them.
             self._outbox, self._outbox_sock = [], sock
             loop.call_soon(self._send_outbox)
+        return await self._answer(pending, ref, limit, first)
+
+    async def _answer(
+        self,
+        pending: PendingCall,
+        ref: int,
+        limit: float,
+        first: asyncio.TimerHandle | None = None,
+    ) -> p.Message:
+        """Wait for the answer of call `ref` (sent, or held, as `pending`) for `limit` seconds
+        and a grace; `first`: its connect timeout, ended with it."""
         # A timer on the call's own future, not wait_for (a task and two futures per call).
-        timer = loop.call_later(limit + GRACE_S, expire_call, fut)
+        fut = pending.fut
+        timer = asyncio.get_running_loop().call_later(limit + GRACE_S, expire_call, fut)
         try:
             return await fut
         except TimeoutError:

@@ -41,8 +41,8 @@ import torch
 from broker.core import BACKEND, CLIENT, BrokerConfig, BrokerCore
 from broker.lm_files import start_reads
 from client_sdk.client import AsyncClient, Client
-from client_sdk.connection import GRACE_S, Connection, PendingCall, expire_call
-from client_sdk.errors import ClientError, Timeout
+from client_sdk.connection import Connection, PendingCall
+from client_sdk.errors import ClientError
 from client_sdk.loop_thread import LoopThread
 from flowmesh import codec
 from flowmesh import protocol as p
@@ -303,21 +303,11 @@ class InProcConnection(Connection):
         loop = self._loop = asyncio.get_running_loop()
         frames, nbytes = self._encode(msg)
         ref: int = msg.id  # type: ignore[attr-defined]
-        fut: asyncio.Future[p.Message] = loop.create_future()
-        self._pending[ref] = PendingCall(fut, nbytes, msg.TYPE, on_part=on_part)
-        limit = self.seconds(timeout)
+        pending = PendingCall(loop.create_future(), nbytes, msg.TYPE, on_part=on_part)
+        self._pending[ref] = pending
         sent = [bytes(memoryview(f).cast("B")) for f in frames]  # as a socket copies them
         self.mesh.post(self.mesh.from_client, self, sent)
-        timer = loop.call_later(limit + GRACE_S, expire_call, fut)
-        try:
-            return await fut
-        except TimeoutError:
-            raise Timeout(
-                Code.TIMEOUT, f"no answer from the in-process broker within {limit:.1f} s"
-            ) from None
-        finally:
-            timer.cancel()
-            self._pending.pop(ref, None)
+        return await self._answer(pending, ref, self.seconds(timeout))
 
     async def close(self) -> None:
         self.mesh.post(self.mesh.clients.pop, self.addr, None)
