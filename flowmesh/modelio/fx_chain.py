@@ -14,6 +14,8 @@ a skip connection spans several children, the cut moves past them and one block 
 from __future__ import annotations
 
 import itertools
+import threading
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -51,10 +53,39 @@ def leaf_names(model: nn.Module) -> set[str]:
     return out
 
 
+# While it traces, torch.fx patches nn.Module.__call__ and __getattr__ for the whole process
+# and keeps its patcher in a global. So traces are taken one at a time, and a module that
+# another thread calls meanwhile (a serving run on a compute lane, another plan's shape
+# propagation) runs as if no trace were going on, not into the tracer (which refused it:
+# "module is not installed as a submodule").
+_ONE_TRACE = threading.Lock()
+
+
 class _LeafTracer(fx.Tracer):
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
         self.leaves = leaves
+        self._thread: int | None = None
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        with _ONE_TRACE:
+            self._thread = threading.get_ident()
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                self._thread = None
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(

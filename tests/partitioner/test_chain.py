@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import fx, nn
@@ -173,3 +176,44 @@ def test_registered_adapter_wins_over_fx(monkeypatch):
 
     register_adapter(Pair, lambda m: [("only_a", m.a), ("only_b", m.b)])
     assert names(chain_of(Pair())) == ["only_a", "only_b"]
+
+
+class _CallsBackWhileTraced(nn.Module):
+    """Two children with a call back between them: at trace time it runs on the tracing thread,
+    in the middle of the trace."""
+
+    def __init__(self, meanwhile: Callable[[], None]) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.meanwhile = meanwhile
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        self.meanwhile()
+        return self.b(torch.relu(x))
+
+
+def test_modules_called_on_another_thread_during_a_trace_run_as_usual():
+    # The partitioner plans on a pool and the worker serves on lanes while another stage's
+    # chain is read: torch.fx's patches are process-wide, and used to catch those calls.
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    x = torch.randn(2, 3)
+    expected = other(x)
+    seen: list[object] = []
+
+    def run_other() -> None:
+        try:
+            seen.append(other(x))
+        except Exception as exc:  # the failure is the finding: report it on the main thread
+            seen.append(exc)
+
+    def meanwhile() -> None:
+        thread = threading.Thread(target=run_other)
+        thread.start()
+        thread.join()
+
+    blocks = chain_of(_CallsBackWhileTraced(meanwhile))
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor), seen
+    torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
+    assert [b.name for b in blocks][:1] == ["a"]
