@@ -31,6 +31,8 @@ cmd=${1:-demo}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   demo) exec flowmesh demo "$@" ;;
-  test) ruff check . && exec python -m pytest -q "$@" ;;
+  # Two pytest processes, each taking a whole file at a time (a module's mesh is started once);
+  # FLOWMESH_TEST_JOBS=0 runs the suite in this one.
+  test) ruff check . && exec python -m pytest -q -n "${FLOWMESH_TEST_JOBS:-2}" --dist loadfile "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args...]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
-"""The exactness rule (flowmesh/testing.py, DESIGN §9) stays enforced: every bit-exact comparison
-in the tests and the demo is a documented case of pure data movement."""
+"""The exactness rule (flowmesh/testing.py, the README's "Exactness") stays enforced: every
+bit-exact comparison in the tests and the demo is a documented case of pure data movement."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
   gradient clipping) and Hugging Face GPT-2 with tied weights (Adam, accumulate=2), several
   sub-models each: per-step losses and the checkpointed parameters equal a plain PyTorch loop.
 
-Tolerance: `torch.testing.assert_close` at rtol 1e-5 / atol 1e-6 (DESIGN section 9).
+Tolerance: `torch.testing.assert_close` at rtol 1e-5 / atol 1e-6 (the README's exactness rule).
 """
 
 from __future__ import annotations

@@ -116,9 +116,10 @@ async def test_load_then_run_equals_direct_forward() -> None:
 
 
 async def test_a_cold_run_computes_its_first_block_before_its_last_block_is_copied() -> None:
-    # Layer-pipelined swap-in (DESIGN §4.5): one copy per block, and the copy of the last block
-    # is held back until block 0 has computed. An executor that waited for the whole load before
-    # computing would never get there: the hold gives up and the log shows the order.
+    # Layer-pipelined swap-in (the README: a load copies block by block): one copy per block,
+    # and the copy of the last block is held back until block 0 has computed. An executor that
+    # waited for the whole load before computing would never get there: the hold gives up and
+    # the log shows the order.
     dev = RecordingCpu(8 * MIB)
     ex = Executor(dev, copy_chunk_bytes=1)
     blocks, host, ref = stage_of(mlp("a", depth=6))

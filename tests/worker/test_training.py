@@ -1,8 +1,8 @@
 """The training executor in-process on a CPU stand-in: exact against plain PyTorch, memory flow
 between jobs within the budget, isolation of failing jobs, checkpoints; the scheduler's rules.
 
-Every training result is compared with `torch.testing.assert_close` (DESIGN section 9), never
-bit for bit, at rtol 1e-5 / atol 1e-6.
+Every training result is compared with `torch.testing.assert_close` (the README's exactness
+rule, flowmesh/testing.py), never bit for bit, at rtol 1e-5 / atol 1e-6.
 """
 
 from __future__ import annotations
