@@ -380,11 +380,19 @@ def main() -> int:
     for m in status.models:
         for kind, n in m.preemptions_by_kind.items():
             kinds[kind] = kinds.get(kind, 0) + n
-    parked = {w.name: w.stats.kv_parked for w in status.workers}
+    kv = {
+        w.name: {
+            "parked": w.stats.kv_parked,
+            "dropped": w.stats.kv_dropped,
+            "restored": w.stats.kv_restored,
+            "implicit_loads": w.stats.implicit_loads,
+        }
+        for w in status.workers
+    }
     print(
         f"flowmesh preemptions: {kinds['preempted']} (resumed from parked KV {kinds['swap']}, "
-        f"recomputed {kinds['recompute']}; restarted {kinds['restart']}); KV parked by the "
-        f"workers (their own evictions too): {parked}"
+        f"recomputed {kinds['recompute']}; restarted {kinds['restart']}); the workers' KV "
+        f"(their own evictions too) and the stages runs brought back: {kv}"
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -399,6 +407,7 @@ def main() -> int:
                 "wrong": wrong,
                 "near_tie_gaps": ties,
                 "preemptions": kinds,
+                "workers_kv": kv,
                 "single": {"flowmesh": asdict(fm_single), "hf": asdict(hf_single)},
             },
             indent=2,
