@@ -141,8 +141,8 @@ async def test_the_answer_to_a_sender_that_left_fails_in_one_throttled_line(
         sock.close(linger=0)
         ctx.destroy(linger=0)
     logged = [r.getMessage() for r in lines.records if r.name == "flood-test"]
-    first_words = [line.split(" ")[:2] for line in logged]
-    assert first_words == [["rejected", "message"], ["could", "not"]], logged
+    assert len(logged) == 2, logged
+    assert logged[0].startswith("rejected message") and logged[1].startswith("could not answer")
     assert throttle.suppressed == 8  # the other 4 refusals and 4 failed answers
 
 

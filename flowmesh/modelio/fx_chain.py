@@ -54,10 +54,13 @@ def leaf_names(model: nn.Module) -> set[str]:
 
 
 # While it traces, torch.fx patches nn.Module.__call__ and __getattr__ for the whole process
-# and keeps its patcher in a global. So traces are taken one at a time, and a module that
+# and keeps its patcher in a global. So these traces are taken one at a time, and a module that
 # another thread calls meanwhile (a serving run on a compute lane, another plan's shape
-# propagation) runs as if no trace were going on, not into the tracer (which refused it:
-# "module is not installed as a submodule").
+# propagation) is called and reads its parameters as usual, not through the tracer (which
+# refused it: "module is not installed as a submodule", or handed it a Proxy). What this cannot
+# reach: fx's global "tracing" flag, which torch.compile'd code on another thread would see
+# (flowmesh compiles nothing), and fx tracers other than this one. Not re-entrant: a forward
+# that reads a chain itself would wait forever.
 _ONE_TRACE = threading.Lock()
 
 

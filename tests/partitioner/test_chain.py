@@ -217,3 +217,27 @@ def test_modules_called_on_another_thread_during_a_trace_run_as_usual():
     assert len(seen) == 1 and isinstance(seen[0], torch.Tensor), seen
     torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
     assert [b.name for b in blocks][:1] == ["a"]
+
+
+def test_a_child_of_the_traced_model_called_on_another_thread_reads_its_own_parameters():
+    # The traced model's own parameters are what fx hands its trace as proxies.
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    seen: list[object] = []
+
+    def run_child() -> None:
+        try:
+            seen.append(model.a(x))
+        except Exception as exc:  # the failure is the finding: report it on the main thread
+            seen.append(exc)
+
+    def meanwhile() -> None:
+        thread = threading.Thread(target=run_child)
+        thread.start()
+        thread.join()
+
+    model = _CallsBackWhileTraced(meanwhile)
+    expected = nn.functional.linear(x, model.a.weight, model.a.bias)
+    chain_of(model)
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor), seen
+    torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
