@@ -689,10 +689,13 @@ class GenerationRoom:
             k.running = [s for s in k.running if s.finish is None]
             self._free(gm, g.rep, ended)
         if code == Code.NOT_RESIDENT:
-            # The stage was evicted, or holds no KV of a sequence: the prefills run again as
-            # they were, through a Load (the next pump). A decode's earlier tokens were in that
-            # stage's KV cache, which went with it (a worker drops a stage's KV on eviction):
-            # it starts again from its tokens, as a preempted sequence does.
+            # The stage was evicted (or could not be brought back for the run), or holds no KV
+            # of a sequence: the prefills run again as they were, through a Load (the next
+            # pump). A decode is preempted: a worker that evicted the stage parked its live
+            # sequences' KV where that paid, and the other stages still hold theirs, so each
+            # stage is told to park it (`_park`); it resumes from that KV where every stage
+            # kept it (answered `SeqsParked`), else from its tokens. Freeing it instead threw
+            # away the KV that the evicting worker had just parked.
             for s, kind in zip(it.seqs, it.resume, strict=True):
                 if kind == "swap":  # a stage lost its parked KV: recompute it instead
                     self._unpark(s)
@@ -702,11 +705,11 @@ class GenerationRoom:
                 if not pre and s.finish is None
             ]
             k.running = [s for s in k.running if s not in lost]
-            self._free(gm, g.rep, lost)
             for s in reversed(lost):
+                self._park(gm, g.rep, s, now)
                 s.rep, s.group, s.prefilled = None, None, False
                 gm.waiting.appendleft(s)
-            gm.restarts += len(lost)
+            gm.preemptions += len(lost)
             return
         if code == Code.NO_SPACE:
             self._no_space(gm, g, k, it, reason, now)

@@ -874,24 +874,62 @@ def test_a_prefill_whose_stage_was_evicted_runs_again(lm_dir: Path, files: LmFil
     assert steps(run_of(out, g.w0)) == [(a, 0, 2, 0)] and g.told == []
 
 
-def test_a_decode_whose_stage_lost_its_kv_starts_again_from_its_tokens(
-    lm_dir: Path, files: LmFiles
-) -> None:
-    g = Gen(lm_dir, files)
+def _a_decode_answered_not_resident(g: Gen) -> tuple[int, int, p.Run]:
+    """a (a decode) and b (a prefill) in one iteration, which stage 1 answers NOT_RESIDENT: a
+    is preempted, each stage told to park it; b runs again, through a Load, without a, which
+    waits for the stages' answers. Returns a, b and b's Run."""
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     assert only(g.generate(2, [[1, 9]], max_tokens=3, addr=CLIENT_B), p.Run)  # the other group
     assert g.generate(3, [[1, 6, 7]], max_tokens=2) == []
     run = run_of(g.step(run, [10]), g.w0)
     (a, *_), (b, *_) = steps(run)
-    why = f"'lm'/1 has no KV cache of sequence {a} here"
-    err = p.Error(id=g.stage0(run).id, code=str(Code.NOT_RESIDENT), reason=why)
+    err = p.Error(id=g.stage0(run).id, code=str(Code.NOT_RESIDENT), reason="evicted")
     out = g.keep(g.h.backend(g.w1, err))
-    # a's earlier tokens were in stage 1's KV cache: it is freed everywhere and starts again
-    # from them (no call fails); b, a prefill, runs again, through a Load, beside it.
     run = run_of(out, g.w0)
-    assert out == [*freed(a), (BACKEND, g.w1, only(out, p.Load)[0]), (BACKEND, g.w0, run)]
-    assert sorted(steps(run)) == sorted([(b, 0, 3, 0), (a, 0, 3, 1)])
-    assert g.figures() == (3, 0, 1, 4) and g.told == []
+    assert out == [*parked(a), (BACKEND, g.w1, only(out, p.Load)[0]), (BACKEND, g.w0, run)]
+    assert steps(run) == [(b, 0, 3, 0)] and g.told == []
+    return a, b, run
+
+
+def test_a_decode_whose_stage_was_evicted_resumes_from_the_kv_its_stages_parked(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    # The evicting worker parked the stage's live KV; the other stage held its own: freeing
+    # the sequence everywhere (as before) threw both away and recomputed it.
+    g = Gen(lm_dir, files)
+    a, b, run = _a_decode_answered_not_resident(g)
+    for w, stage in ((g.w0, 0), (g.w1, 1)):
+        answer = p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[])
+        assert g.keep(g.h.backend(w, answer)) == []
+    run = run_of(g.step(run, [20]), g.w0)
+    # a goes on from its parked KV (prompt and first token but the last), beside b's decode.
+    assert sorted(steps(run)) == sorted([(b, 3, 1, 1), (a, 2, 1, 1)])
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes, row.restarts) == (1, 0, 0, 0)
+    run = run_of(g.step(run, [21, 11]), g.w0)
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes, row.restarts) == (1, 1, 0, 0)
+    assert g.core.generation.parked == {}
+    assert not [m for _, m in g.told if isinstance(m, p.Error)]  # b ended; nobody failed
+
+
+def test_a_decode_whose_stage_lost_its_kv_starts_again_from_its_tokens(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    a, b, run = _a_decode_answered_not_resident(g)
+    answer = p.SeqsParked(model="lm", stage=0, parked=[a], dropped=[])
+    assert g.keep(g.h.backend(g.w0, answer)) == []
+    # Stage 1 held no KV of it: w0's copy is dropped at once, and a starts again from its
+    # tokens (no call fails) when it joins.
+    answer = p.SeqsParked(model="lm", stage=1, parked=[], dropped=[a])
+    assert g.keep(g.h.backend(g.w1, answer)) == freed(a)
+    run = run_of(g.step(run, [20]), g.w0)
+    assert sorted(steps(run)) == sorted([(b, 3, 1, 1), (a, 0, 3, 1)])
+    run = run_of(g.step(run, [21, 11]), g.w0)
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes, row.restarts) == (1, 0, 1, 0)
+    assert not [m for _, m in g.told if isinstance(m, p.Error)]  # b ended; nobody failed
 
 
 def _preempted(g: Gen) -> tuple[int, int, p.Run]:
