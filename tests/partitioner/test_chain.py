@@ -193,6 +193,24 @@ class _CallsBackWhileTraced(nn.Module):
         return self.b(torch.relu(x))
 
 
+def _on_another_thread(call: Callable[[], object], seen: list[object]) -> Callable[[], None]:
+    """A call back that runs `call` on a thread of its own and waits for it, keeping in `seen`
+    what it returned or raised (the failure is the finding: reported on the main thread)."""
+
+    def run() -> None:
+        try:
+            seen.append(call())
+        except Exception as exc:
+            seen.append(exc)
+
+    def meanwhile() -> None:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+
+    return meanwhile
+
+
 def test_modules_called_on_another_thread_during_a_trace_run_as_usual():
     # The partitioner plans on a pool and the worker serves on lanes while another stage's
     # chain is read: torch.fx's patches are process-wide, and used to catch those calls.
@@ -201,19 +219,7 @@ def test_modules_called_on_another_thread_during_a_trace_run_as_usual():
     x = torch.randn(2, 3)
     expected = other(x)
     seen: list[object] = []
-
-    def run_other() -> None:
-        try:
-            seen.append(other(x))
-        except Exception as exc:  # the failure is the finding: report it on the main thread
-            seen.append(exc)
-
-    def meanwhile() -> None:
-        thread = threading.Thread(target=run_other)
-        thread.start()
-        thread.join()
-
-    blocks = chain_of(_CallsBackWhileTraced(meanwhile))
+    blocks = chain_of(_CallsBackWhileTraced(_on_another_thread(lambda: other(x), seen)))
     assert len(seen) == 1 and isinstance(seen[0], torch.Tensor), seen
     torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
     assert [b.name for b in blocks][:1] == ["a"]
@@ -224,19 +230,7 @@ def test_a_child_of_the_traced_model_called_on_another_thread_reads_its_own_para
     torch.manual_seed(0)
     x = torch.randn(2, 4)
     seen: list[object] = []
-
-    def run_child() -> None:
-        try:
-            seen.append(model.a(x))
-        except Exception as exc:  # the failure is the finding: report it on the main thread
-            seen.append(exc)
-
-    def meanwhile() -> None:
-        thread = threading.Thread(target=run_child)
-        thread.start()
-        thread.join()
-
-    model = _CallsBackWhileTraced(meanwhile)
+    model = _CallsBackWhileTraced(_on_another_thread(lambda: model.a(x), seen))
     expected = nn.functional.linear(x, model.a.weight, model.a.bias)
     chain_of(model)
     assert len(seen) == 1 and isinstance(seen[0], torch.Tensor), seen
