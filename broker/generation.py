@@ -705,8 +705,8 @@ class GenerationRoom:
                 if not pre and s.finish is None
             ]
             k.running = [s for s in k.running if s not in lost]
+            self._park(gm, g.rep, lost, now)
             for s in reversed(lost):
-                self._park(gm, g.rep, s, now)
                 s.rep, s.group, s.prefilled = None, None, False
                 gm.waiting.appendleft(s)
             gm.preemptions += len(lost)
@@ -742,7 +742,7 @@ class GenerationRoom:
                     self._refuse_alone(gm, g, s, reason)
                 return
             k.running.remove(s)
-            self._park(gm, g.rep, s, now)
+            self._park(gm, g.rep, [s], now)
             s.rep, s.group, s.prefilled = None, None, False
             gm.waiting.appendleft(s)
             gm.preemptions += 1
@@ -758,8 +758,7 @@ class GenerationRoom:
         # again); the decodes run on.
         k.running = [s for s in k.running if s not in prefills]
         resumed = [s for s, kind in zip(it.seqs, it.resume, strict=True) if kind == "swap"]
-        for s in resumed:
-            self._park(gm, g.rep, s, now)
+        self._park(gm, g.rep, resumed, now)
         self._free(gm, g.rep, [s for s in prefills if s not in resumed])
         for s in reversed(live):
             s.rep, s.group, s.prefilled = None, None, False
@@ -874,15 +873,18 @@ class GenerationRoom:
         for g in gm.reps:
             g.hold = False
 
-    def _park(self, gm: GenModel, rep: Replica, s: Seq, now: float) -> None:
-        """Preempt `s`: its stages' workers free its blocks, each keeping its KV in host memory
-        where that costs less than recomputing it (`FreeSeqs` with park, answered
-        `SeqsParked`); a freed sequence lets waiting prefills of the model try again."""
-        s.parked, s.parked_rep, s.parked_ok = len(s.prompt) + len(s.out) - 1, rep, set()
-        s.parked_at = now
-        s.preempted, s.sent = True, False
-        self.parked[s.id] = s
-        self._tell_free(gm, rep, [s.id], park=True)
+    def _park(self, gm: GenModel, rep: Replica, seqs: list[Seq], now: float) -> None:
+        """Preempt `seqs`: their stages' workers free their blocks, each keeping a sequence's KV
+        in host memory where that costs less than recomputing it (one `FreeSeqs` with park a
+        stage, answered `SeqsParked`); freed sequences let waiting prefills try again."""
+        if not seqs:
+            return
+        for s in seqs:
+            s.parked, s.parked_rep, s.parked_ok = len(s.prompt) + len(s.out) - 1, rep, set()
+            s.parked_at = now
+            s.preempted, s.sent = True, False
+            self.parked[s.id] = s
+        self._tell_free(gm, rep, [s.id for s in seqs], park=True)
 
     def _unpark(self, s: Seq, *, tell: bool = True, skip: str = "") -> None:
         """Forget `s`'s parked KV; `tell`: its workers (but `skip`) drop their copies too."""
