@@ -510,8 +510,9 @@ class TrainingExecutor:
         """Serving claims memory: give back every range of a task that is not computing yet."""
         for task in self.sched.unadmit():
             adm: _Admission = task.payload.pop("adm")
-            self._give_back(adm, reclaimed=True)
+            # Counted before the memory goes: the load it wakes (on another thread) may look.
             self.counters["tasks_reclaimed"] += 1
+            self._give_back(adm, reclaimed=True)
 
     def _give_back(self, adm: _Admission, reclaimed: bool = False) -> None:
         with self._lock:
