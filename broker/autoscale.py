@@ -8,11 +8,12 @@ the replicas are placed and dropped by `broker.placement`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from broker.context import Context
 from broker.placement import Placement
 from broker.policy import place_replicas, scale_step
-from broker.state import ModelState
+from broker.state import Model, ModelState, Replica
 
 log = logging.getLogger("broker.autoscale")
 
@@ -23,12 +24,15 @@ class Autoscaler:
         self.cfg = ctx.cfg
         self.models = ctx.models  # the shared table (the very dict: never rebound)
         self.placement = placement
+        # Whether live sequences of a model keep their KV on a replica's workers (set by the
+        # core: `GenerationRoom.holds`): such a replica drains until they end.
+        self.holds: Callable[[Model, Replica], bool] = lambda model, rep: False
 
     def autoscale(self, now: float, means: dict[str, dict[str, float]]) -> None:
         """One more replica of a model its queue says one is not enough for, one fewer of a
         cooled one (`policy.scale_step`); `means` is `Timings.model_means()`. A replica being
-        removed takes no new batch and is dropped once its batches have answered, so a shrink
-        fails no request."""
+        removed takes no new batch nor sequence and is dropped once its batches have answered
+        and its sequences ended, so a shrink fails no request and cuts no generation short."""
         cfg = self.cfg
         for model in self.models.values():
             for rep in [r for r in model.replicas if r.draining]:
@@ -37,7 +41,7 @@ class Autoscaler:
                     rep.draining = False
                     model.desired_replicas += 1
                     log.info("keeping draining replica model=%s: the other was lost", model.name)
-                elif rep.inflight <= 0:
+                elif rep.inflight <= 0 and not self.holds(model, rep):
                     model.replicas.remove(rep)
                     self.placement.drop_replica(model.name, rep)
                     self.placement.persist(model)
@@ -85,14 +89,15 @@ class Autoscaler:
                 self.placement.persist(model)
                 log.info("scaling up model=%s workers=%s: %s", model.name, room[0], step.why)
             elif step.delta < 0:
-                # The idlest live replica, the newest among equals.
-                rep = min(reversed(live), key=lambda r: r.inflight)
+                # The idlest live replica (one without live sequences first), the newest among
+                # equals.
+                rep = min(reversed(live), key=lambda r: (self.holds(model, r), r.inflight))
                 rep.draining = True
                 model.desired_replicas -= 1
                 model.scale_downs += 1
                 model.last_scaled = now
                 log.info("scaling down model=%s workers=%s: %s", model.name, rep.workers, step.why)
-                if rep.inflight <= 0:
+                if rep.inflight <= 0 and not self.holds(model, rep):
                     model.replicas.remove(rep)
                     self.placement.drop_replica(model.name, rep)
                     self.placement.persist(model)

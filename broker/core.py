@@ -93,6 +93,7 @@ class BrokerCore:
         self.serving = ServingRouter(self.ctx, self.registry)
         self.generation = GenerationRoom(self.ctx, self.serving)
         self.serving.gen = self.generation
+        self.registry.autoscaler.holds = self.generation.holds
         self.training = TrainingRouter(
             peers=self.ctx.peers,
             ids=self.ctx.ids,

@@ -31,14 +31,18 @@ keeps the sequences of every Generate call (one per prompt):
 - **Memory**: a stage that cannot place a prefill's KV blocks answers NO_SPACE; that
   iteration's prefills wait again and no new prefill joins that replica until a sequence of the
   model frees memory; the decodes run on. A prefill that fails alone (nothing else running on
-  its replica, in any group) could never fit: TOO_BIG. Decodes that outgrow the memory preempt
-  the group's newest sequence: its workers are told to park it (`FreeSeqs` with `park`): each
-  keeps its KV in host memory, or drops it where recomputing costs less (the worker measures
-  both), and says which (`SeqsParked`). It waits at the head of the queue (on its replica, for
-  those answers, PARK_WAIT_S at most); when it joins again on the same replica and every stage
-  kept its KV, it resumes where it stopped (a step from its parked tokens: the workers copy the
-  KV back); else (another replica took it, or a stage dropped it) its KV is recomputed from its
-  tokens.
+  its replica, in any group) could never fit when nothing but its model is resident on those
+  workers: TOO_BIG; beside other models it waits for room (`_wait_for_room`: until a sequence
+  of any model frees memory or KV_RETRY_S passes, its call's deadline bounding the wait; past
+  the starvation limit its try may evict stages holding other models' live sequences).
+  Decodes that outgrow the memory preempt the group's newest sequence (a lone one beside other
+  models, too, which then waits for room as a lone prefill does): its workers are told to park
+  it (`FreeSeqs` with `park`): each keeps its KV in host memory, or drops it where recomputing
+  costs less (the worker measures both), and says which (`SeqsParked`). It waits at the head
+  of the queue (on its replica, for those answers, PARK_WAIT_S at most); when it joins again on
+  the same replica and every stage kept its KV, it resumes where it stopped (a step from its
+  parked tokens: the workers copy the KV back); else (another replica took it, or a stage
+  dropped it) its KV is recomputed from its tokens.
 - **Failures**: the sequences of a replica lost (its worker gone) start again from their
   tokens on another replica, as preempted ones do; with no live replica left their calls
   fail WORKER_LOST. A stage found not resident under a decode (its KV went with it) starts
@@ -72,6 +76,9 @@ MAX_INDEX = 1 << 31  # a token id the wire takes (`TokenId`)
 # How long a preempted sequence waits for its workers to say they parked its KV before it may
 # join its replica again: their answers take one round trip; past this it is recomputed.
 PARK_WAIT_S = 1.0
+# How long a model whose lone sequence found no KV room beside other models waits before it
+# tries again when no sequence frees memory meanwhile (each try is one refused Run).
+KV_RETRY_S = 0.25
 
 
 @dataclass(eq=False)
@@ -175,6 +182,11 @@ class GenModel:
     recomputes: int = 0  # preempted sequences resumed by recomputing their KV from the tokens
     restarts: int = 0  # sequences started again elsewhere after their replica was lost
     frees: int = 0  # FreeSeqs rounds sent: memory freed on the workers
+    # A lone sequence found no KV room beside other models (`_wait_for_room`): why ("" when
+    # not waiting), when it may try again, and how many times it had to wait.
+    room_wait: str = ""
+    retry_at: float = 0.0
+    room_waits: int = 0
     # New tokens per second, decayed over 10 s (a chat's burst, not the model's whole life).
     token_rate: ArrivalRate = field(default_factory=lambda: ArrivalRate(tau=10.0))
 
@@ -421,11 +433,13 @@ class GenerationRoom:
                 self.ctx.to_client(addr, p.Error(id=msg.id, code=str(Code.TIMEOUT), reason=reason))
             for call in [c for c in gm.calls.values() if c.deadline <= now]:
                 ended = sum(s.finish is not None for s in call.seqs)
+                waited = any(s in gm.waiting for s in call.seqs) and gm.room_wait
                 self._fail_call(
                     call,
                     Code.TIMEOUT,
                     f"generation not finished within {call.deadline - call.arrived:.1f} s "
-                    f"({ended} of {len(call.seqs)} sequences ended)",
+                    f"({ended} of {len(call.seqs)} sequences ended)"
+                    + (f"; waiting for {gm.room_wait}" if waited else ""),
                 )
         self.pump(now)
 
@@ -455,7 +469,7 @@ class GenerationRoom:
             if not gm.calls:
                 continue
             for g in [g for g in gm.reps if not self._usable(model, g)]:
-                # Its replica went (given up after a hang, scaled down): what ran there is lost.
+                # Its replica went (given up after a hang): what ran there is lost.
                 gm.reps.remove(g)
                 for call in {id(s.call): s.call for s in g.running()}.values():
                     self._fail_call(
@@ -468,7 +482,11 @@ class GenerationRoom:
             for g in list(gm.reps):
                 self._iterate(gm, g, now, starving)
             # Sequences that no replica in use has room for: open one more replica.
-            while gm.waiting and not any(self._has_room(gm, g) for g in gm.reps):
+            while (
+                gm.waiting
+                and now >= gm.retry_at
+                and not any(self._has_room(gm, g) for g in gm.reps)
+            ):
                 rep = self.router.pick_gen(model, [g.rep for g in gm.reps], now, starving=starving)
                 if rep is None:
                     break
@@ -496,7 +514,7 @@ class GenerationRoom:
         )
 
     def _has_room(self, gm: GenModel, g: GenRep) -> bool:
-        return not g.hold and len(g.running()) < gm.model.spec.max_seqs
+        return not g.hold and not g.rep.draining and len(g.running()) < gm.model.spec.max_seqs
 
     def _iterate(
         self, gm: GenModel, g: GenRep, now: float, starving: bool, ensured: bool = False
@@ -508,7 +526,8 @@ class GenerationRoom:
             return
         model = gm.model
         admit: list[tuple[Seq, Group]] = []
-        if not g.hold:
+        # (A draining replica takes no new sequence: it is dropped once its own have ended.)
+        if not g.hold and now >= gm.retry_at and not g.rep.draining:
             room = model.spec.max_seqs - len(g.running())
             if g.solo:
                 # Alone: nothing else may be in flight beside it (it is the verdict on it).
@@ -543,9 +562,12 @@ class GenerationRoom:
                 if j is k:
                     s.rep, s.group = g, k
                     k.running.append(s)
-            self._start(gm, g, k, now)
+            # Starved of KV room beside other models: their live stages may go for it.
+            self._start(gm, g, k, now, evict_live=starving and bool(gm.room_wait))
 
-    def _start(self, gm: GenModel, g: GenRep, k: Group, now: float) -> None:
+    def _start(
+        self, gm: GenModel, g: GenRep, k: Group, now: float, *, evict_live: bool = False
+    ) -> None:
         """Send group `k`'s next iteration: every running sequence of it, packed in one Run."""
         steps, ids, prefill, resume = [], [], [], []
         for s in k.running:
@@ -575,7 +597,8 @@ class GenerationRoom:
             prefill.append(not s.prefilled)
             resume.append(kind)
             s.sent = True
-        it = Iteration(p.GenStep(seqs=steps), list(k.running), prefill, gm.frees, resume)
+        step = p.GenStep(seqs=steps, evict_live=evict_live and any(prefill))
+        it = Iteration(step, list(k.running), prefill, gm.frees, resume)
         tensor = p.TensorRef("int64", (len(ids),), numpy.asarray(ids, dtype="<i8").tobytes())
         k.batch = self.router.start_gen(gm.model, g.rep, it, tensor, now)
         gm.iterations += 1
@@ -614,6 +637,8 @@ class GenerationRoom:
             return
         k.batch = None
         g.solo = False
+        if any(it.prefill):
+            gm.room_wait = ""  # its sequences found room
         ended: list[Seq] = []
         timings, name = self.router.timings, gm.model.name
         drawn = 0
@@ -738,9 +763,12 @@ class GenerationRoom:
                 return  # some of it ended while it ran: their memory is free, run again
             s = k.running[-1]
             if len(k.running) == 1 and not beside:
-                if not freed:
-                    self._refuse_alone(gm, g, s, reason)
-                return
+                if freed:
+                    return
+                if not self._beside(gm, g):
+                    self._too_big_alone(gm, s, reason)
+                    return
+                # Other models hold the room: it waits for theirs to free (`_wait_for_room`).
             k.running.remove(s)
             self._park(gm, g.rep, [s], now)
             s.rep, s.group, s.prefilled = None, None, False
@@ -749,10 +777,13 @@ class GenerationRoom:
             g.hold = True
             log.info("model=%s seq=%d preempted after %d tokens: %s", gm.model.name, s.id,
                      len(s.out), reason)  # fmt: skip
+            if len(k.running) == 0 and not beside:
+                self._wait_for_room(gm, g, reason, now)
             return
-        if len(prefills) == 1 and not others and not beside and live and not freed:
-            # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
-            self._refuse_alone(gm, g, prefills[0], reason)
+        alone = len(prefills) == 1 and not others and not beside and live and not freed
+        # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
+        if alone and not self._beside(gm, g):
+            self._too_big_alone(gm, prefills[0], reason)
             return
         # The prefills wait again (their blocks freed on every stage; a resumed one's KV parked
         # again); the decodes run on.
@@ -767,12 +798,13 @@ class GenerationRoom:
             g.hold = True
         else:
             g.solo = True
+        if alone:
+            self._wait_for_room(gm, g, reason, now)
 
-    def _refuse_alone(self, gm: GenModel, g: GenRep, s: Seq, reason: str) -> None:
-        """`s` found no KV room with nothing else of its model running: TOO_BIG when nothing but
-        this model is resident on the replica's workers (it could never fit), else NO_SPACE
-        (other models' stages and sequences hold the memory now: retry later)."""
-        others = sorted(
+    def _beside(self, gm: GenModel, g: GenRep) -> list[str]:
+        """The other models resident on `g`'s workers: what may hold the KV room a sequence of
+        `gm` found missing with nothing else of its model running."""
+        return sorted(
             {
                 key[0]
                 for w in g.rep.workers
@@ -781,17 +813,25 @@ class GenerationRoom:
                 if key[0] != gm.model.name
             }
         )
-        if not others:
-            self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
-            return
-        n = len(s.prompt) + s.call.sampling.max_tokens
-        self._fail_call(
-            s.call,
-            Code.NO_SPACE,
-            f"a sequence of {len(s.prompt)} prompt tokens + {s.call.sampling.max_tokens} new "
-            f"({n}) does not fit the KV memory of {gm.model.name!r}'s stages now, beside "
-            f"{', '.join(map(repr, others))} on the same workers: {reason}; retry later",
-        )
+
+    def _too_big_alone(self, gm: GenModel, s: Seq, reason: str) -> None:
+        """`s` found no KV room with nothing else of its model running and nothing but its
+        model resident on its workers: it could never fit."""
+        self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+
+    def _wait_for_room(self, gm: GenModel, g: GenRep, reason: str, now: float) -> None:
+        """A sequence of `gm` alone on its replica found no KV room: other models' stages and
+        sequences hold it. It waits at the head of the queue (its call's deadline bounds the
+        wait): no sequence of the model joins until one of any model frees memory or
+        KV_RETRY_S passes (room may come from elsewhere: a stage evicted, training giving
+        memory back); past the starvation limit its next try may evict stages holding other
+        models' live sequences (`GenStep.evict_live`)."""
+        beside = ", ".join(map(repr, self._beside(gm, g)))
+        if not gm.room_wait:
+            log.info("model=%s waits for KV room beside %s: %s", gm.model.name, beside, reason)
+        gm.room_wait = f"no KV room beside {beside} on the same workers: {reason}"
+        gm.retry_at = now + KV_RETRY_S
+        gm.room_waits += 1
 
     @staticmethod
     def _too_big(gm: GenModel, s: Seq, reason: str, *, alone: bool) -> str:
@@ -872,6 +912,8 @@ class GenerationRoom:
                 self.ctx.to_peer(w, msg)
         for g in gm.reps:
             g.hold = False
+        for other in self.by_model.values():
+            other.retry_at = 0.0  # memory freed: a model waiting for room tries again now
 
     def _park(self, gm: GenModel, rep: Replica, seqs: list[Seq], now: float) -> None:
         """Preempt `seqs`: their stages' workers free their blocks, each keeping a sequence's KV

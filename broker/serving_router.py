@@ -483,8 +483,9 @@ class ServingRouter:
     def ensure_gen(self, model: Model, rep: Replica, now: float, *, starving: bool) -> bool:
         """Whether a generation iteration may start on `rep` now, loading its stages first
         when they are not resident (victims chosen as for a request's load; `starving`: also
-        stages of models with work waiting). False: not now (blocked, or no room yet)."""
-        if not rep.live or rep.streamed or not any(r is rep for r in model.replicas):
+        stages of models with work waiting). False: not now (blocked, or no room yet). A
+        draining replica still runs the sequences it holds (no new one joins it)."""
+        if not all(rep.ready) or rep.streamed or not any(r is rep for r in model.replicas):
             return False
         if self._blocked(model, rep) and not starving:
             return False

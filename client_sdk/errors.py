@@ -34,8 +34,8 @@ class Unavailable(ClientError):
 
 
 class Overloaded(ClientError):
-    """Full for now, retry later: a queue or socket high-water mark reached, or (`no_space`) KV
-    memory that other sequences hold."""
+    """Full for now, retry later: a queue or socket high-water mark reached, or (`no_space`)
+    memory that others hold now."""
 
 
 class Timeout(ClientError):

@@ -655,9 +655,13 @@ class GenStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """A Run that is one iteration of generation: the sequences in it, in the order of their
     tokens in the Run's tensor (stage 0: `ids`, int64, every sequence's new tokens one after the
     other; later stages: the hidden states of those tokens, the previous stage's output). The
-    last stage answers with `tokens` (int64, one new token per sequence, in this order)."""
+    last stage answers with `tokens` (int64, one new token per sequence, in this order).
+    `evict_live`: its model has waited past the starvation limit for KV room, so the room its
+    new blocks need may be made by evicting other models' stages that hold live sequences (they
+    are preempted, their KV parked where that pays); else only idle stages go."""
 
     seqs: list[SeqStep]
+    evict_live: bool = False
 
 
 class Run(Message, tag="run"):

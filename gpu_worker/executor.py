@@ -999,9 +999,10 @@ class Executor:
 
     def _place_kv(self, st: Stage, gen: GenStep) -> tuple[list[SeqKV], list[Extent], list[Restore]]:
         """Ranges for the blocks the iteration adds, within the model's KV share of the serving
-        budget, making room in the budget by evicting idle stages of other models (never one
-        holding live KV) as a load does. Returns each step's sequence, the new ranges and the
-        parked sequences' bytes to copy back into them.
+        budget, making room in the budget by evicting idle stages of other models as a load does
+        (one holding live KV only when the broker says the model starves: `evict_live`).
+        Returns each step's sequence, the new ranges and the parked sequences' bytes to copy
+        back into them.
         Raises, having changed nothing: TOO_BIG for a sequence whose KV could never fit here,
         NO_SPACE when the blocks do not fit now (other sequences hold the room)."""
         kv = self._kv(st)
@@ -1033,8 +1034,10 @@ class Executor:
                 f"({held} held, {new} more blocks of {size}), over its share: kv_share "
                 f"{st.kv_share} x serving budget {budget} = {cap} bytes",
             )
-        # Never this model's stages: they run the iteration, before and after this one.
-        victims = self._victims(frozenset(k for k in self.stages if k[0] == model), live=False)
+        # Never this model's stages: they run the iteration, before and after this one. Stages
+        # holding other models' live sequences only for a model starved of room (`evict_live`).
+        mine = frozenset(k for k in self.stages if k[0] == model)
+        victims = self._victims(mine, live=gen.evict_live)
         promised = self._promised()
         if promised + need - budget > sum(self._need(v) for v in victims):
             self.counters["kv_refused"] += 1

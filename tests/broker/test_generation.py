@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker.core import BACKEND, CLIENT
-from broker.generation import PARK_WAIT_S
+from broker.generation import KV_RETRY_S, PARK_WAIT_S
 from broker.lm_files import LmFiles, read_lm_files
 from broker.state import Phase, Residency
 from flowmesh import protocol as p
@@ -615,24 +615,99 @@ def test_prefills_that_fail_together_join_one_at_a_time(lm_dir: Path, files: LmF
     assert steps(run) == [(a, 2, 1, 1)] and steps(other) == [(b, 0, 3, 0)]
 
 
-def test_a_prefill_alone_beside_another_models_stages_is_no_space_not_too_big(
+def _beside_ranker(g: Gen) -> None:
+    """Another model's stage holds memory on the last stage's worker (room may come later)."""
+    key = ("ranker", 0)
+    g.core.peers["w1"].resident[key] = Residency(key, 1 << 20, Phase.RESIDENT, 0.0)
+
+
+def test_a_prefill_alone_beside_another_models_stages_waits_for_room(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, starvation_s=0.5)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    assert run.gen.evict_live is False
+    _beside_ranker(g)
+    # Not TOO_BIG, not an error: it waits at the head of the queue, tried again KV_RETRY_S on.
+    assert no_space(g, g.stage0(run), g.w1) == freed(a)
+    assert g.finals(1) == [] and g.figures()[:2] == (0, 1)
+    assert g.tick(KV_RETRY_S / 2) == []
+    run = run_of(g.tick(KV_RETRY_S), g.w0)
+    assert steps(run) == [(a, 0, 3, 0)] and run.gen.evict_live is False
+    # Past the starvation limit (0.5 s since it came) its try may evict the stages that hold
+    # other models' live sequences.
+    g.h.now = KV_RETRY_S
+    assert no_space(g, g.stage0(run), g.w1) == freed(a)
+    run = run_of(g.tick(2 * KV_RETRY_S + 0.01), g.w0)
+    assert steps(run) == [(a, 0, 3, 0)] and run.gen.evict_live is True
+    # Room found: it runs on as any other, and the next prefill asks nothing of others.
+    run = run_of(g.step(run, [10]), g.w0)
+    assert steps(run) == [(a, 3, 1, 1)] and run.gen.evict_live is False
+    g.step(run, [11])
+    assert g.core.generation.by_model["lm"].room_wait == ""
+
+
+def test_a_sequence_waiting_for_room_tries_again_when_memory_is_freed(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, replicas=2, gen_groups=1, max_seqs=1)
+    w2, w3 = on = (g.workers[2], g.workers[3])
+    run_b = g.first(g.generate(1, [[1, 7]], max_tokens=2))
+    ((b, *_),) = steps(run_b)
+    run = g.first(g.generate(2, [[1, 5, 6]], max_tokens=4, addr=CLIENT_B), on=on)
+    ((a, *_),) = steps(run)
+    key = ("ranker", 0)
+    g.core.peers["w3"].resident[key] = Residency(key, 1 << 20, Phase.RESIDENT, 0.0)
+    assert no_space(g, g.stage0(run, on), w3) == [
+        (BACKEND, w2, p.FreeSeqs(model="lm", stage=0, seqs=[a])),
+        (BACKEND, w3, p.FreeSeqs(model="lm", stage=1, seqs=[a])),
+    ]
+    # b, on the other replica, ends before KV_RETRY_S: the memory it frees may be the room
+    # a waits for, so a tries again at once (there: the replica with room).
+    run_b = run_of(g.step(run_b, [20]), g.w0)
+    out = g.step(run_b, [21])
+    assert out[:3] == [
+        *freed(b),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([20, 21], "length", 2)])),
+    ]
+    assert steps(run_of(out[3:], g.w0)) == [(a, 0, 3, 0)]
+
+
+def test_a_call_waiting_for_room_past_its_deadline_says_what_it_waited_for(
     lm_dir: Path, files: LmFiles
 ) -> None:
     g = Gen(lm_dir, files)
-    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4, timeout_ms=400))
     ((a, *_),) = steps(run)
-    # Another model's stage holds memory on the last stage's worker: room may come later.
-    key = ("ranker", 0)
-    g.core.peers["w1"].resident[key] = Residency(key, 1 << 20, Phase.RESIDENT, 0.0)
+    _beside_ranker(g)
+    assert no_space(g, g.stage0(run), g.w1) == freed(a)
+    run = run_of(g.tick(KV_RETRY_S), g.w0)
+    assert no_space(g, g.stage0(run), g.w1) == freed(a)
     reason = (
-        "a sequence of 3 prompt tokens + 4 new (7) does not fit the KV memory of 'lm''s stages "
-        "now, beside 'ranker' on the same workers: no free KV blocks; retry later"
+        "generation not finished within 0.4 s (0 of 1 sequences ended); waiting for no KV "
+        "room beside 'ranker' on the same workers: no free KV blocks"
     )
-    assert no_space(g, g.stage0(run), g.w1) == [
-        *freed(a),
-        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.NO_SPACE), reason=reason)),
-    ]
+    assert g.tick(0.4) == [(CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason))]
     g.answered_once()
+    assert g.figures()[:2] == (0, 0)
+
+
+def test_a_lone_decode_out_of_memory_beside_another_model_is_parked_and_waits(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    run = run_of(g.step(run, [10]), g.w0)
+    _beside_ranker(g)
+    assert no_space(g, g.stage0(run), g.w1) == parked(a)
+    assert g.finals(1) == [] and g.figures()[:2] == (0, 1)
+    # Both stages kept its KV: once the wait is over it resumes from it.
+    for stage, w in enumerate((g.w0, g.w1)):
+        assert g.h.backend(w, p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[])) == []
+    run = run_of(g.tick(KV_RETRY_S), g.w0)
+    assert steps(run) == [(a, 2, 1, 1)]
 
 
 def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> None:
@@ -702,6 +777,37 @@ def test_sequences_of_a_lost_replica_start_again_on_another_from_their_tokens(
     assert steps(again) == [(a, 0, 3, 1)] and ids_of(again) == [1, 5, 10]
     row = g.core.status(g.h.now).models[0]
     assert (row.running_seqs, row.restarts) == (1, 1)
+
+
+def test_a_replica_scaled_down_runs_its_sequences_to_the_end_then_goes(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, replicas=2, gen_groups=1)
+    model = g.core.models["lm"]
+    first, second = model.replicas
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    out = g.step(run, [10])
+    # The autoscaler shrinks the model: the replica a runs on drains (it is dropped once
+    # nothing runs on it; between two iterations, nothing does).
+    first.draining = True
+    g.core.registry.autoscale(g.h.now, {})
+    assert model.replicas == [first, second]
+    # a goes on where its KV is; a new call takes the other replica.
+    run = run_of(out, g.w0)
+    assert steps(run) == [(a, 2, 1, 1)]
+    on = (g.workers[2], g.workers[3])
+    other = g.first(g.generate(2, [[1, 6]], max_tokens=1, addr=CLIENT_B), on=on)
+    assert ids_of(other) == [1, 6]
+    run = run_of(g.step(run, [11]), g.w0)
+    g.core.registry.autoscale(g.h.now, {})
+    assert model.replicas == [first, second]
+    assert g.step(run, [12]) == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12], "length", 2)])),
+    ]
+    g.core.registry.autoscale(g.h.now, {})
+    assert model.replicas == [second]
 
 
 def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -> None:

@@ -18,7 +18,6 @@ import pytest
 
 from client_sdk import views
 from flowmesh import metrics
-from flowmesh.errors import Code, FlowmeshError
 from flowmesh.lm_examples import hf_generate, tiny_lm_dir
 from flowmesh.modelio.decode import KV_BLOCK
 from flowmesh.reports import BrokerStatus, WorkerStats
@@ -128,14 +127,11 @@ def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
             return outs, seen, await c.status()
 
     outs, seen, after = asyncio.run(main())
-    failed = [(k, o) for k, o in enumerate(outs) if isinstance(o, BaseException)]
-    # Only "retry later" may fail a call, when the room could not help it.
-    assert all(isinstance(o, FlowmeshError) and o.code == Code.NO_SPACE for _, o in failed), failed
-    ok = [k for k, o in enumerate(outs) if not isinstance(o, BaseException)]
-    reasons = [f"call {k}: {o}" for k, o in failed[:3]]
-    assert len(ok) == len(seqs), f"{len(failed)} failed with no_space, first {reasons}"
-    assert [outs[k].ids for k in ok] == [want[k] for k in ok]
-    assert all(outs[k].finish_reason == "length" for k in ok)
+    # Every call completes: a sequence that finds no KV room beside other models waits for it.
+    failed = [f"call {k}: {o!r}" for k, o in enumerate(outs) if isinstance(o, BaseException)]
+    assert failed == []
+    assert [o.ids for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
 
     # Memory: no status during the run, nor after it, shows a worker over its budget.
     assert seen

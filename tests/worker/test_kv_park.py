@@ -16,9 +16,11 @@ import torch
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.messages import GenStep, Sampling, SeqStep
 from flowmesh.modelio.decode import KV_BLOCK
-from flowmesh.spec import ModelSpec
+from flowmesh.spec import DEFAULT_ALLOW, ModelSpec
 from gpu_worker.device import CpuStandIn
 from gpu_worker.executor import Executor
+from gpu_worker.stage_loader import prepare_stage
+from partitioner.stage_plans import make_stage_plan
 from tests.support.decode_models import (
     hf_greedy,
     prompts,
@@ -172,6 +174,45 @@ async def test_evicting_a_stage_under_live_sequences_parks_them(llama) -> None: 
     assert ex.stats()["kv_parked_seqs"] == 2
     ex.drop_stage(("lm", 1))
     assert ex.stats()["kv_parked_seqs"] == 0 and ex.stats()["kv_parked_bytes"] == 0
+    ex.close()
+
+
+async def test_a_starved_models_kv_may_evict_another_models_live_stage(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Room for a prefill's KV blocks comes from idle stages of other models; from stages that
+    hold other models' live sequences only with `evict_live` (the broker's starved model):
+    their sequences are parked (resumed as in the test above)."""
+    model, spec = llama
+    other = saved_spec(model, tmp_path / "b", "b", kv_share=0.25)
+    plan = make_stage_plan(other, stages=2)
+    weights = sum(
+        prepare_stage(other, plan, i, CpuStandIn(MIB), DEFAULT_ALLOW)[1].nbytes for i in (0, 1)
+    )
+    # Both models' weights, b's sequence of 40 tokens (3 blocks a stage: 12 KiB on stage 0,
+    # 6 KiB on stage 1) and 8 KiB more: two blocks of stage 0, not three.
+    ex = await two_stage_executor(spec, 2 * weights + 26 * 1024, kv_preempt="swap")
+    for i in (0, 1):
+        blocks, host = prepare_stage(other, plan, i, ex.device, DEFAULT_ALLOW)
+        ex.add_stage(("b", i), blocks, host, other.kv_share)
+        await ex.load(("b", i))
+    (pb,) = prompts([40], seed=3)
+    gb = GenStep(seqs=[SeqStep(seq=7, start=0, count=40, sampling=Sampling())])
+    hidden = (await ex.run(("b", 0), [{"ids": torch.tensor(pb)}], gen=gb)).parts[0][""]
+    await ex.run(("b", 1), [{"": hidden}], gen=gb)
+    assert ex.stages[("b", 0)].kv.block_bytes == 4096  # type: ignore[union-attr]
+    assert ex.memory.serving_bytes - ex.memory.used["serving"] == 8192
+    (pa,) = prompts([40])
+    step = SeqStep(seq=1, start=0, count=40, sampling=Sampling())
+    with pytest.raises(FlowmeshError) as err:
+        await ex.run(("lm", 0), [{"ids": torch.tensor(pa)}], gen=GenStep(seqs=[step]))
+    assert err.value.code == Code.NO_SPACE and "do not fit" in err.value.reason
+    assert [ex.stages[("b", i)].state.name for i in (0, 1)] == ["RESIDENT", "RESIDENT"]
+    starved = GenStep(seqs=[step], evict_live=True)
+    hidden = (await ex.run(("lm", 0), [{"ids": torch.tensor(pa)}], gen=starved)).parts[0][""]
+    (gone,) = [k for k in [("b", 0), ("b", 1)] if ex.stages[k].state.name == "HOST"]
+    assert sorted(ex.stages[gone].kv.parked) == [7]  # type: ignore[union-attr]
+    out = [int((await ex.run(("lm", 1), [{"": hidden}], gen=starved)).parts[0]["tokens"][0])]
+    await _generate(ex, 1, pa, 4, Sampling(), out)
+    assert out == hf_greedy(model, pa, 4)[0]
     ex.close()
 
 
