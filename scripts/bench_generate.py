@@ -22,7 +22,8 @@ ones are doing. Configurations, one after the other in the same run, same trace,
 Every flowmesh output is checked against `hf-resident`'s tokens for the same request (greedy:
 the same tokens, float32). Then, one request alone of `--single-new` tokens on one model:
 flowmesh's inter-token latency against `generate` in this process (the mesh's own cost per
-token). Prints the table and the ratios, writes `generate.json` under `--out`.
+token), `--single-rounds` times in turn, their medians compared. Prints the table and the
+ratios, writes `generate.json` under `--out`.
 
     python scripts/bench_generate.py [--models 4] [--fit 2] [--requests 64] [--rate 16] \
         [--cv 2] [--zipf 1.1] [--seed 0] [--out bench-out]
@@ -275,6 +276,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, nargs=2, default=[8, 32], metavar=("MIN", "MAX"))
     ap.add_argument("--new", type=int, nargs=2, default=[8, 32], metavar=("MIN", "MAX"))
     ap.add_argument("--single-new", type=int, default=48)
+    ap.add_argument("--single-rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the HF baselines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out")
@@ -314,7 +316,7 @@ def main() -> int:
     print(f"hf-lru done in {time.perf_counter() - t:.0f} s", flush=True)
     single = max(trace, key=lambda r: len(r.ids))
     single = Request(0.0, single.model, single.ids, args.single_new)
-    hf_single = hf_one(load(dirs[single.model]), single, time.perf_counter())
+    single_model = load(dirs[single.model])
     with LocalMesh(
         cpu_workers=args.workers,
         memory_budget=str(budget),
@@ -332,7 +334,12 @@ def main() -> int:
         t = time.perf_counter()
         results["flowmesh"] = asyncio.run(flowmesh_trace(mesh.frontend, trace))
         print(f"flowmesh done in {time.perf_counter() - t:.0f} s", flush=True)
-        fm_single = asyncio.run(flowmesh_single(mesh.frontend, single))
+        # One sequence alone, `--single-rounds` times, the mesh and generate in turn (the same
+        # machine state for both): one round's figure moves with the machine, their median less.
+        fm_singles, hf_singles = [], []
+        for _ in range(args.single_rounds):
+            fm_singles.append(asyncio.run(flowmesh_single(mesh.frontend, single)))
+            hf_singles.append(hf_one(single_model, single, time.perf_counter()))
         with mesh.client() as c:
             status = c.status()
     wrong = [
@@ -351,8 +358,9 @@ def main() -> int:
     fm, lru = table["flowmesh"], table["hf-lru"]
     # From the first token to the last, per token: chunks read together have tiny gaps between
     # them, but the time a sequence takes per token is the same however they are read.
-    itl_fm = statistics.fmean(fm_single.gaps_s) if fm_single.gaps_s else float("nan")
-    itl_hf = statistics.fmean(hf_single.gaps_s)
+    fm_itls = [statistics.fmean(o.gaps_s) if o.gaps_s else float("nan") for o in fm_singles]
+    hf_itls = [statistics.fmean(o.gaps_s) for o in hf_singles]
+    itl_fm, itl_hf = statistics.median(fm_itls), statistics.median(hf_itls)
     ratios = {
         "tokens_per_s_vs_hf_lru": fm["tokens_per_s"] / lru["tokens_per_s"],
         "tokens_per_s_vs_hf_resident": fm["tokens_per_s"] / table["hf-resident"]["tokens_per_s"],
@@ -362,9 +370,12 @@ def main() -> int:
     print(
         f"\nflowmesh / hf-lru: tokens/s {ratios['tokens_per_s_vs_hf_lru']:.2f}x, TTFT p99 "
         f"{ratios['ttft_p99_vs_hf_lru']:.2f}x; flowmesh / hf-resident tokens/s "
-        f"{ratios['tokens_per_s_vs_hf_resident']:.2f}x\none sequence alone: inter-token latency "
-        f"{itl_fm * 1000:.1f} ms through the mesh against {itl_hf * 1000:.1f} ms for generate "
-        f"in-process ({ratios['single_itl_vs_hf_generate']:.2f}x)"
+        f"{ratios['tokens_per_s_vs_hf_resident']:.2f}x\none sequence alone, median of "
+        f"{args.single_rounds} rounds: inter-token latency {itl_fm * 1000:.1f} ms through the "
+        f"mesh against {itl_hf * 1000:.1f} ms for generate in-process "
+        f"({ratios['single_itl_vs_hf_generate']:.2f}x; rounds, ms: mesh "
+        f"{', '.join(f'{v * 1000:.1f}' for v in fm_itls)}; generate "
+        f"{', '.join(f'{v * 1000:.1f}' for v in hf_itls)})"
     )
     print(
         f"outputs checked against hf-resident's: {len(wrong)} of {len(trace)} differ; at the first "
@@ -408,7 +419,10 @@ def main() -> int:
                 "near_tie_gaps": ties,
                 "preemptions": kinds,
                 "workers_kv": kv,
-                "single": {"flowmesh": asdict(fm_single), "hf": asdict(hf_single)},
+                "single": {
+                    "flowmesh": [asdict(o) for o in fm_singles],
+                    "hf": [asdict(o) for o in hf_singles],
+                },
             },
             indent=2,
         )

@@ -24,7 +24,9 @@ one block is one allocation of the worker's arena. Which blocks a sequence has i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,8 +80,7 @@ class KVShape:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of `KV_BLOCK` tokens (0 for a stage without attention layers)."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return self.layers * 2 * self.kv_heads * KV_BLOCK * self.head_dim * item
+        return self.layers * 2 * self.kv_heads * KV_BLOCK * self.head_dim * self.dtype.itemsize
 
 
 def kv_shape(blocks: list[nn.Module]) -> KVShape:
@@ -118,10 +119,19 @@ class SeqCache:
 @dataclass(frozen=True)
 class Packed:
     """Where each sequence's new tokens are in a packed iteration: `start` (the tokens before
-    it are cached) and `count` per sequence, in order."""
+    it are cached) and `count` per sequence, in order. It also keeps what every layer of the
+    iteration would otherwise compute again (`once`): the tokens' positions, the rotary cos and
+    sin (the model's forward computes those once for all its layers, too)."""
 
     starts: list[int]
     counts: list[int]
+    _once: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """`make()`, computed at the first call with `key` in this iteration."""
+        if key not in self._once:
+            self._once[key] = make()
+        return self._once[key]
 
     @property
     def total(self) -> int:
@@ -220,8 +230,12 @@ def _layer(
     q = attn.q_proj(h).view(1, n, -1, hd).transpose(1, 2)
     k = attn.k_proj(h).view(1, n, -1, hd).transpose(1, 2)
     v = attn.v_proj(h).view(1, n, -1, hd).transpose(1, 2)
-    positions = positions_of(packed, x.device).unsqueeze(0)
-    cos, sin = block.rope(h.unsqueeze(0), positions)
+    # The same for every layer of the iteration (one `Rope` per model; cos and sin in h's
+    # dtype, on its device).
+    cos, sin = packed.once(
+        (block.rope, h.dtype, h.device),
+        lambda: block.rope(h.unsqueeze(0), positions_of(packed, x.device).unsqueeze(0)),
+    )
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     window = block.config.sliding_window if block.sliding else None
     att = _cached_attention(
