@@ -183,8 +183,11 @@ class GenModel:
     restarts: int = 0  # sequences started again elsewhere after their replica was lost
     frees: int = 0  # FreeSeqs rounds sent: memory freed on the workers
     # A lone sequence found no KV room beside other models (`_wait_for_room`): why ("" when
-    # not waiting), when it may try again, and how many times it had to wait.
+    # not waiting), which sequence, since when, when it may try again, and how many times a
+    # sequence of the model had to wait.
     room_wait: str = ""
+    room_seq: Seq | None = None
+    room_since: float = 0.0
     retry_at: float = 0.0
     room_waits: int = 0
     # New tokens per second, decayed over 10 s (a chat's burst, not the model's whole life).
@@ -466,6 +469,9 @@ class GenerationRoom:
                         addr, p.Error(id=msg.id, code=str(Code.MODEL_NOT_FOUND), reason=reason)
                     )
                 continue
+            if gm.room_seq is not None and gm.room_seq.finish is not None:
+                # The sequence that waited for room ended (answered, timed out, stopped).
+                gm.room_wait, gm.room_seq, gm.retry_at = "", None, 0.0
             if not gm.calls:
                 continue
             for g in [g for g in gm.reps if not self._usable(model, g)]:
@@ -563,7 +569,8 @@ class GenerationRoom:
                     s.rep, s.group = g, k
                     k.running.append(s)
             # Starved of KV room beside other models: their live stages may go for it.
-            self._start(gm, g, k, now, evict_live=starving and bool(gm.room_wait))
+            starved = bool(gm.room_wait) and now - gm.room_since >= self.cfg.starvation_s
+            self._start(gm, g, k, now, evict_live=starved)
 
     def _start(
         self, gm: GenModel, g: GenRep, k: Group, now: float, *, evict_live: bool = False
@@ -638,7 +645,7 @@ class GenerationRoom:
         k.batch = None
         g.solo = False
         if any(it.prefill):
-            gm.room_wait = ""  # its sequences found room
+            gm.room_wait, gm.room_seq = "", None  # its sequences found room
         ended: list[Seq] = []
         timings, name = self.router.timings, gm.model.name
         drawn = 0
@@ -778,7 +785,7 @@ class GenerationRoom:
             log.info("model=%s seq=%d preempted after %d tokens: %s", gm.model.name, s.id,
                      len(s.out), reason)  # fmt: skip
             if len(k.running) == 0 and not beside:
-                self._wait_for_room(gm, g, reason, now)
+                self._wait_for_room(gm, g, s, reason, now)
             return
         alone = len(prefills) == 1 and not others and not beside and live and not freed
         # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
@@ -786,11 +793,12 @@ class GenerationRoom:
             self._too_big_alone(gm, prefills[0], reason)
             return
         # The prefills wait again (their blocks freed on every stage; a resumed one's KV parked
-        # again); the decodes run on.
+        # again); the decodes run on. What that frees is only what this try took: no model
+        # waiting for room is woken by it (two waiting models would wake each other at once).
         k.running = [s for s in k.running if s not in prefills]
         resumed = [s for s, kind in zip(it.seqs, it.resume, strict=True) if kind == "swap"]
-        self._park(gm, g.rep, resumed, now)
-        self._free(gm, g.rep, [s for s in prefills if s not in resumed])
+        self._park(gm, g.rep, resumed, now, wake=False)
+        self._free(gm, g.rep, [s for s in prefills if s not in resumed], wake=False)
         for s in reversed(live):
             s.rep, s.group, s.prefilled = None, None, False
             gm.waiting.appendleft(s)
@@ -799,7 +807,7 @@ class GenerationRoom:
         else:
             g.solo = True
         if alone:
-            self._wait_for_room(gm, g, reason, now)
+            self._wait_for_room(gm, g, prefills[0], reason, now)
 
     def _beside(self, gm: GenModel, g: GenRep) -> list[str]:
         """The other models resident on `g`'s workers: what may hold the KV room a sequence of
@@ -819,16 +827,17 @@ class GenerationRoom:
         model resident on its workers: it could never fit."""
         self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
 
-    def _wait_for_room(self, gm: GenModel, g: GenRep, reason: str, now: float) -> None:
-        """A sequence of `gm` alone on its replica found no KV room: other models' stages and
-        sequences hold it. It waits at the head of the queue (its call's deadline bounds the
-        wait): no sequence of the model joins until one of any model frees memory or
+    def _wait_for_room(self, gm: GenModel, g: GenRep, s: Seq, reason: str, now: float) -> None:
+        """Sequence `s` of `gm`, alone on its replica, found no KV room: other models' stages
+        and sequences hold it. It waits at the head of the queue (its call's deadline bounds
+        the wait): no sequence of the model joins until one of any model frees memory or
         KV_RETRY_S passes (room may come from elsewhere: a stage evicted, training giving
-        memory back); past the starvation limit its next try may evict stages holding other
-        models' live sequences (`GenStep.evict_live`)."""
+        memory back); once it has waited past the starvation limit, its tries may evict stages
+        holding other models' live sequences (`GenStep.evict_live`)."""
         beside = ", ".join(map(repr, self._beside(gm, g)))
-        if not gm.room_wait:
+        if not gm.room_wait or gm.room_seq is not s:
             log.info("model=%s waits for KV room beside %s: %s", gm.model.name, beside, reason)
+            gm.room_seq, gm.room_since = s, now
         gm.room_wait = f"no KV room beside {beside} on the same workers: {reason}"
         gm.retry_at = now + KV_RETRY_S
         gm.room_waits += 1
@@ -890,7 +899,9 @@ class GenerationRoom:
         k.running.remove(s)
         self._free(gm, g.rep, [s])
 
-    def _free(self, gm: GenModel, rep: Replica, seqs: list[Seq], skip: str = "") -> None:
+    def _free(
+        self, gm: GenModel, rep: Replica, seqs: list[Seq], skip: str = "", *, wake: bool = True
+    ) -> None:
         """FreeSeqs for `seqs` to each stage's worker; a freed sequence lets waiting prefills
         of the model try again."""
         ids = [s.id for s in seqs if s.sent]
@@ -898,13 +909,22 @@ class GenerationRoom:
             s.sent = False
         if not ids:
             return
-        self._tell_free(gm, rep, ids, skip=skip)
+        self._tell_free(gm, rep, ids, skip=skip, wake=wake)
 
     def _tell_free(
-        self, gm: GenModel, rep: Replica, ids: list[int], *, park: bool = False, skip: str = ""
+        self,
+        gm: GenModel,
+        rep: Replica,
+        ids: list[int],
+        *,
+        park: bool = False,
+        skip: str = "",
+        wake: bool = True,
     ) -> None:
         """FreeSeqs (parking where `park`) to each stage's worker of `rep` but `skip`; the
-        model's replicas stop holding back their prefills, which may now fit."""
+        model's replicas stop holding back their prefills, which may now fit, and (`wake`:
+        memory was freed, not only what a refused try had just taken) every model waiting
+        for room tries again."""
         gm.frees += 1
         for stage, w in enumerate(rep.workers):
             if w != skip and w in self.peers:
@@ -912,10 +932,13 @@ class GenerationRoom:
                 self.ctx.to_peer(w, msg)
         for g in gm.reps:
             g.hold = False
-        for other in self.by_model.values():
-            other.retry_at = 0.0  # memory freed: a model waiting for room tries again now
+        if wake:
+            for other in self.by_model.values():
+                other.retry_at = 0.0
 
-    def _park(self, gm: GenModel, rep: Replica, seqs: list[Seq], now: float) -> None:
+    def _park(
+        self, gm: GenModel, rep: Replica, seqs: list[Seq], now: float, *, wake: bool = True
+    ) -> None:
         """Preempt `seqs`: their stages' workers free their blocks, each keeping a sequence's KV
         in host memory where that costs less than recomputing it (one `FreeSeqs` with park a
         stage, answered `SeqsParked`); freed sequences let waiting prefills try again."""
@@ -926,7 +949,7 @@ class GenerationRoom:
             s.parked_at = now
             s.preempted, s.sent = True, False
             self.parked[s.id] = s
-        self._tell_free(gm, rep, [s.id for s in seqs], park=True)
+        self._tell_free(gm, rep, [s.id for s in seqs], park=True, wake=wake)
 
     def _unpark(self, s: Seq, *, tell: bool = True, skip: str = "") -> None:
         """Forget `s`'s parked KV; `tell`: its workers (but `skip`) drop their copies too."""

@@ -693,6 +693,74 @@ def test_a_call_waiting_for_room_past_its_deadline_says_what_it_waited_for(
     assert g.figures()[:2] == (0, 0)
 
 
+def _deploy_lm2(g: Gen, files: LmFiles) -> None:
+    """A second language model, "lm2", on the same two workers, its files read."""
+    spec = {"name": "lm2", "hf": g.hf, "stages": 2, "replicas": 1, "max_seqs": 4}
+    for _, addr, m in g.h.client(CLIENT_A, p.Deploy(id=2, spec=spec)):
+        ready = p.StageReady(id=m.id, model="lm2", stage=m.stage, nbytes=MIB, seconds=0.1)
+        g.h.backend(addr, ready)
+    g.core.files_read("lm2", g.hf, files, g.h.now)
+    g.h.out()
+
+
+def test_two_models_waiting_for_room_do_not_wake_each_other(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, gen_groups=1)
+    _deploy_lm2(g, files)
+    _beside_ranker(g)
+    run_a = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
+    msg = p.Generate(id=2, model="lm2", prompts=[[1, 5]], sampling=p.Sampling(max_tokens=4))
+    out = g.client(msg, CLIENT_B)
+    for load in only(out, p.Load):
+        done = p.Loaded(id=load.id, model="lm2", stage=load.stage, nbytes=MIB, seconds=0.1)
+        g.h.backend(g.w0 if load.stage == 0 else g.w1, done)
+    (run_b,) = only(out, p.Run)
+    # Both lone prefills refused at stage 0: what each refusal frees is only what its own try
+    # took, so neither wakes the other; each tries again KV_RETRY_S on.
+    for run in (run_a, run_b):
+        assert only(no_space(g, run, g.w0), p.Run) == []
+    runs = only(g.tick(KV_RETRY_S), p.Run)
+    assert sorted(r.model for r in runs) == ["lm", "lm2"]
+
+
+def test_a_wait_for_room_starves_from_when_it_began_and_ends_with_its_call(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, starvation_s=2.0)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=40, timeout_ms=4000))
+    ((a, *_),) = steps(run)
+    for i, t in enumerate([0.5, 1.0, 1.5, 2.0, 2.5]):
+        g.h.now = t
+        run = run_of(g.step(run, [10 + i]), g.w0)
+    # Generating for 2.6 s already, it is parked for room: its tries evict live stages only
+    # once it has waited 2 s for room, not at once.
+    _beside_ranker(g)
+    g.h.now = 2.6
+    assert no_space(g, g.stage0(run), g.w1) == parked(a)
+    for stage, w in enumerate((g.w0, g.w1)):
+        g.h.backend(w, p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[]))
+    run = run_of(g.tick(2.6 + KV_RETRY_S), g.w0)
+    assert steps(run) == [(a, 6, 1, 5)] and run.gen.evict_live is False
+    g.h.now = 4.0
+    assert no_space(g, g.stage0(run), g.w1) == parked(a)
+    for stage, w in enumerate((g.w0, g.w1)):
+        g.h.backend(w, p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[]))
+    # Its call times out: the wait ends with it, and a later call of the model that waits
+    # for something else (w0 busy) is no reason to evict anything.
+    out = g.tick(4.0)
+    assert out[-1][2].code == str(Code.TIMEOUT) and only(out, p.Run) == []
+    g.answered_once()
+    g.core.peers["w1"].resident.pop(("ranker", 0))
+    w0 = g.core.peers["w0"]
+    w0.inflight_runs = w0.max_inflight
+    assert g.generate(2, [[1, 7]], max_tokens=1, timeout_ms=9000) == []
+    w0.inflight_runs = 0
+    g.h.now = 6.5
+    for w in (g.w0, g.w1, b"part"):  # alive
+        g.h.backend(w, p.Heartbeat())
+    run = run_of(g.tick(6.5), g.w0)
+    assert steps(run)[0][1:] == (0, 2, 0) and run.gen.evict_live is False
+
+
 def test_a_lone_decode_out_of_memory_beside_another_model_is_parked_and_waits(
     lm_dir: Path, files: LmFiles
 ) -> None:
@@ -787,24 +855,33 @@ def test_a_replica_scaled_down_runs_its_sequences_to_the_end_then_goes(
     first, second = model.replicas
     run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
     ((a, *_),) = steps(run)
-    out = g.step(run, [10])
-    # The autoscaler shrinks the model: the replica a runs on drains (it is dropped once
-    # nothing runs on it; between two iterations, nothing does).
+    # w0 busy with other work when a's first token comes: its next iteration waits, so
+    # nothing runs on the replica while it is scaled down.
+    nxt = g.stage0(run)
+    w0 = g.core.peers["w0"]
+    w0.inflight_runs = w0.max_inflight
+    assert only(g.last(nxt, [{"tokens": tokens([10])}]), p.Run) == []
+    assert first.inflight == 0
+    # The autoscaler shrinks the model: the replica a runs on drains, kept while a lives.
     first.draining = True
     g.core.registry.autoscale(g.h.now, {})
     assert model.replicas == [first, second]
     # a goes on where its KV is; a new call takes the other replica.
-    run = run_of(out, g.w0)
+    w0.inflight_runs = 0
+    run = run_of(g.tick(0.1), g.w0)
     assert steps(run) == [(a, 2, 1, 1)]
-    on = (g.workers[2], g.workers[3])
-    other = g.first(g.generate(2, [[1, 6]], max_tokens=1, addr=CLIENT_B), on=on)
+    other = run_of(g.generate(2, [[1, 6]], max_tokens=1, addr=CLIENT_B), g.workers[2])
     assert ids_of(other) == [1, 6]
     run = run_of(g.step(run, [11]), g.w0)
     g.core.registry.autoscale(g.h.now, {})
     assert model.replicas == [first, second]
     assert g.step(run, [12]) == [
         *freed(a),
-        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12], "length", 2)])),
+        (
+            CLIENT,
+            CLIENT_A,
+            p.Generated(id=1, outputs=[out_of([10, 11, 12], "length", 2, gaps=[100.0, 0.0])]),
+        ),
     ]
     g.core.registry.autoscale(g.h.now, {})
     assert model.replicas == [second]
