@@ -63,7 +63,7 @@ from typing import Any
 import numpy
 
 from broker.context import Context, fail
-from broker.lm_files import LmFiles, not_generative
+from broker.lm_files import LEARNED_POSITIONS, LmFiles, not_generative
 from broker.serving_router import ServingRouter
 from broker.state import Batch, Model, ModelState, Replica
 from flowmesh import protocol as p
@@ -367,9 +367,16 @@ class GenerationRoom:
 
     @staticmethod
     def max_context(model: Model) -> int | None:
-        """The longest sequence (prompt + new tokens) `model` takes; None: no limit known."""
+        """The longest sequence (prompt + new tokens) `model` takes; None: no limit known. The
+        deploy's max_context, else the config's positions; never past a learned table of
+        positions (its embedding has no row for the next one)."""
         files: LmFiles | None = model.lm
-        return model.spec.max_context or (files.max_positions if files is not None else None)
+        table = files.max_positions if files is not None else None
+        if model.spec.max_context is None:
+            return table
+        if table is not None and files is not None and files.architecture in LEARNED_POSITIONS:
+            return min(model.spec.max_context, table)
+        return model.spec.max_context
 
     def _gen_model(self, model: Model) -> GenModel:
         gm = self.by_model.get(model.name)

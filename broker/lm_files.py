@@ -37,6 +37,9 @@ GEN_ARCHITECTURES = (
     "GPT2LMHeadModel",
     "OPTForCausalLM",
 )
+# Those whose positions are a learned table (`max_positions` rows): no sequence may run past it,
+# whatever the deploy's max_context says (rotary ones may, as their configs' limits are soft).
+LEARNED_POSITIONS = ("GPT2LMHeadModel", "OPTForCausalLM")
 
 
 @dataclass(frozen=True)

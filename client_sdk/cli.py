@@ -838,6 +838,11 @@ def run(argv: list[str] | None = None) -> int:
     except (ClientError, FlowmeshError) as exc:
         print(f"flowmesh {args.cmd}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: the call in flight is given up (a generation's connection closes, and the
+        # broker stops its sequences); a user pressing it wants no traceback.
+        print(f"\nflowmesh {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

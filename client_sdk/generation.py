@@ -23,10 +23,12 @@ from typing import Any
 
 import msgspec
 
-from client_sdk.errors import BadRequest, ClientError, ModelNotFound
+from client_sdk.errors import BadRequest, ClientError, ModelNotFound, error_from
 from flowmesh import protocol as p
-from flowmesh.errors import Code
+from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.tokenizer import StreamDecoder, TextCodec
+
+MAX_TOKEN_ID = 1 << 31  # the wire's bound on a token id (`flowmesh.messages.TokenId`)
 
 # The clients (client_sdk.client imports this module): typed by name only, no import cycle.
 AsyncClient = Any
@@ -139,7 +141,9 @@ def _prompts(ask: GenAsk) -> tuple[str, list[Any], bool]:
     given = [n for n in ("prompt", "ids", "messages") if getattr(ask, n) is not None]
     if len(given) != 1:
         raise BadRequest(
-            Code.BAD_REQUEST, "generate needs one of prompt=..., ids=... or messages=..."
+            Code.BAD_REQUEST,
+            "generate needs exactly one of prompt=..., ids=... or messages=..."
+            + (f" (got {' and '.join(given)})" if given else ""),
         )
     if ask.prompt is not None:
         batch = not isinstance(ask.prompt, str)
@@ -150,16 +154,22 @@ def _prompts(ask: GenAsk) -> tuple[str, list[Any], bool]:
         batch = bool(ids) and not isinstance(ids[0], int)
         items, kind = [list(x) for x in ids] if batch else [ids], "ids"
         ok = all(isinstance(i, int) for x in items for i in x)
+        bad = next((i for x in items for i in x if ok and not 0 <= i < MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise BadRequest(
+                Code.BAD_REQUEST, f"generate: token id {bad} is outside 0..{MAX_TOKEN_ID - 1}"
+            )
     else:
         chats = list(ask.messages or [])
         batch = bool(chats) and not isinstance(chats[0], dict)
         items, kind = [list(c) for c in chats] if batch else [chats], "chat"
-        ok = all(isinstance(m, dict) for c in items for m in c)
+        ok = all(c and all(isinstance(m, dict) for m in c) for c in items)
     if not items or not ok:
         raise BadRequest(
             Code.BAD_REQUEST,
             f"generate: {given[0]} must be one prompt or a non-empty list of them "
-            f"({'str' if kind == 'text' else 'int ids' if kind == 'ids' else 'message dicts'})",
+            f"({'str' if kind == 'text' else 'int ids' if kind == 'ids' else 'message dicts'}"
+            f"{', each chat at least one message' if kind == 'chat' else ''})",
         )
     return kind, items, batch
 
@@ -255,7 +265,14 @@ class GenRun:
         codec = await self.client.codecs.get(
             ask.model, needed=kind != "ids" or bool(stops), timeout=ask.timeout
         )
-        prompts = items if kind == "ids" else await asyncio.to_thread(_encode, codec, kind, items)
+        try:
+            prompts = (
+                items if kind == "ids" else await asyncio.to_thread(_encode, codec, kind, items)
+            )
+        except ClientError:
+            raise
+        except FlowmeshError as exc:  # a chat template that refuses the messages, say: typed
+            raise error_from(exc.code, exc.reason) from None
         self.seqs = [_SeqText(i, codec, stops) for i in range(len(prompts))]
         self.msg = p.Generate(
             id=conn.next_id(),

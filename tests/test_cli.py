@@ -221,3 +221,15 @@ def test_up_binds_the_gateway_where_told_and_opens_it_only_with_insecure(tmp_pat
         "10.1.2.3",
         "[::1]",
     ]
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", interrupted)
+    assert cli.main(["generate", "lm", "hi", "--broker", "tcp://127.0.0.1:9"]) == 130
+    err = capsys.readouterr().err
+    assert err == "\nflowmesh generate: interrupted\n"

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
+from client_sdk.errors import BadRequest
 from client_sdk.generation import Chunk, GenAsk, GenRun, _SeqText
 from flowmesh import protocol as p
+from flowmesh.errors import Code
 from flowmesh.modelio.tokenizer import TextCodec
 from tests.support.lm import build_tokenizer
 
@@ -96,3 +98,44 @@ def test_a_stop_string_ends_the_text_before_it_and_stops_the_sequence() -> None:
     # The broker was told to stop it once, as soon as the stop string showed.
     told = run.client.connection.sent
     assert told == [p.StopGenerate(id=7, indexes=[0])]
+
+
+class _NoChatCodecs:
+    """A model whose tokenizer has no chat template (`Codecs.get`'s answer)."""
+
+    async def get(self, model: str, *, needed: bool, timeout: float | None) -> TextCodec:
+        return TextCodec(build_tokenizer().to_str())
+
+
+def _refusal(ask: GenAsk) -> Exception:
+    client = Client()
+    client.codecs = _NoChatCodecs()  # type: ignore[attr-defined]
+    run = GenRun(client, ask, stream=False)  # type: ignore[arg-type]
+    try:
+        asyncio.run(run.start())
+    except Exception as exc:
+        assert client.connection.sent == []  # refused before anything was sent
+        return exc
+    raise AssertionError(f"{ask} was not refused")
+
+
+def test_what_the_client_refuses_is_a_typed_bad_request() -> None:
+    cases = [
+        (
+            GenAsk("lm", prompt="hi", ids=[1, 2]),
+            "generate needs exactly one of prompt=..., ids=... or messages=... (got prompt and "
+            "ids)",
+        ),
+        (GenAsk("lm", ids=[1, -5]), f"generate: token id -5 is outside 0..{(1 << 31) - 1}"),
+        (
+            GenAsk("lm", messages=[]),
+            "generate: messages must be one prompt or a non-empty list of them (message dicts, "
+            "each chat at least one message)",
+        ),
+        # The model's tokenizer refuses the chat (it has no template): typed as well.
+        (GenAsk("lm", messages=[{"role": "user", "content": "hi"}]), "no chat template"),
+    ]
+    for ask, words in cases:
+        exc = _refusal(ask)
+        assert isinstance(exc, BadRequest) and exc.code == Code.BAD_REQUEST, (ask, exc)
+        assert words in exc.reason, (words, exc.reason)

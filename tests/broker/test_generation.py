@@ -1457,6 +1457,22 @@ def test_gpt2s_context_is_its_n_positions(tmp_path: Path) -> None:
     )
 
 
+def test_a_max_context_past_a_learned_table_of_positions_stops_at_the_table(
+    tmp_path: Path,
+) -> None:
+    config = {"architectures": ["GPT2LMHeadModel"], "n_positions": 48, "vocab_size": 50}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    g = Gen(tmp_path, read_lm_files(str(tmp_path)), max_context=1024)
+    err = refused(
+        g, p.Generate(id=3, model="lm", prompts=[[1] * 40], sampling=p.Sampling(max_tokens=9))
+    )
+    assert (err.code, err.reason) == (
+        Code.BAD_REQUEST,
+        "prompt 0 has 40 tokens and max_tokens is 9: 49 is over the max_context of 'lm' (48)",
+    )
+    assert only(g.generate(4, [[1] * 40], max_tokens=8), p.Run)
+
+
 def test_a_call_waits_for_a_replica_being_repaired(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     w2 = g.h.worker("w2")
