@@ -160,6 +160,18 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad_request("max_seqs must be an integer in 1..4096")
         if not isinstance(self.kv_share, int | float) or not 0 < self.kv_share <= 1:
             raise bad_request("kv_share must be a number in (0, 1]")
+        if self.hf is None:
+            given = [
+                n
+                for n, default in (("max_context", None), ("max_seqs", 16), ("kv_share", 0.5))
+                if getattr(self, n) != default
+            ]
+            if given:
+                # Only a model from a Hugging Face directory generates: said, not ignored.
+                raise bad_request(
+                    f"{', '.join(given)}: generation's settings, for a language model deployed "
+                    "from a Hugging Face directory (hf=); this model is a factory's"
+                )
 
     def _check_hf(self) -> None:
         # Only the form here: the directory is read where the model is built (partitioner,

@@ -224,6 +224,17 @@ def test_spec_refuses_what_does_not_go_with_hf(fields, words):
     assert info.value.code == Code.BAD_REQUEST and words in info.value.reason
 
 
+@pytest.mark.parametrize("fields", [{"max_context": 100}, {"max_seqs": 4}, {"kv_share": 0.25}])
+def test_a_factory_spec_refuses_generations_settings(fields):
+    with pytest.raises(FlowmeshError) as info:
+        ModelSpec.from_dict({"name": "m", "factory": "flowmesh.examples:mlp", **fields})
+    assert info.value.code == Code.BAD_REQUEST
+    assert info.value.reason == (
+        f"{next(iter(fields))}: generation's settings, for a language model deployed from a "
+        "Hugging Face directory (hf=); this model is a factory's"
+    )
+
+
 def test_spec_without_factory_or_hf_is_refused():
     with pytest.raises(FlowmeshError) as info:
         ModelSpec.from_dict({"name": "m", "factory": None})
