@@ -6,9 +6,9 @@ job trains at under a budget. Figures are same-run ratios; machines are noisy.
 combined training footprint (the arena bytes of each job as one whole task) is R times the
 device budget. Samples/s of:
 
-- **flow** (flowmesh memory flow): every job cut into sub-models under one chunk target (a third
-  of the budget, or a half / the whole budget where a block needs more), so sub-models of all
-  jobs are of even size; every job's steps are submitted at once and the `TrainingExecutor`
+- **flow** (flowmesh memory flow): every job cut into sub-models under one chunk target (half
+  the budget, what a worker uses unless a job asks otherwise; the whole budget where a block
+  needs more), so sub-models of all jobs are of even size; every job's steps are submitted at once and the `TrainingExecutor`
   interleaves their tasks on one arena (one extra forward per sub-model: the recompute);
 - **(a) turns** (temporal sharing): each job is one sub-model: its whole state is copied in, it
   takes a step, its state is copied out, one job step at a time with no prefetch (what a user
@@ -242,9 +242,10 @@ def make_jobs(
 
 
 def flow_target(ws: list[int], args: argparse.Namespace, budget: int) -> int:
-    """The chunk target of memory flow: a third of the budget where every block fits it (so a
-    task computes while the next ones copy in), else a half, else the whole budget."""
-    for target in (budget // 3, budget // 2, budget):
+    """The chunk target of memory flow: half the budget, as a worker opens a job by default
+    (`gpu_worker.core`: half its training bytes, so that one task computes while the next one
+    copies in), else the whole budget where a block needs more."""
+    for target in (budget // 2, budget):
         try:
             js = make_jobs(ws, args, PROBE, target)
         except FlowmeshError:
