@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from client_sdk.client import AsyncClient
 from client_sdk.generation import AsyncGenStream, Chunk, Generation
@@ -36,6 +36,8 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Not in OpenAI's API, taken as vLLM's server takes it (the `openai` client's extra_body).
+    top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -58,6 +60,7 @@ class _Sampling(BaseModel):
             "max_tokens": max_tokens or 16,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
             "seed": self.seed,
             "stop": self.stop,
         }
@@ -68,7 +71,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Strict: a string of digits is text, never a token id ("1" is not 1).
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

@@ -98,6 +98,12 @@ def test_completions_equal_the_sdk_and_stream_to_the_same(
     assert finishes[-1] == sdk.finish_reason and not any(finishes[:-1])
     assert events[-1].usage is not None
     assert events[-1].usage.completion_tokens == sdk.completion_tokens
+    # top_k, as vLLM's server takes it: 1 keeps only the most likely token, so a draw at
+    # temperature 1 is the greedy text.
+    top1 = api.completions.create(
+        model="lm", prompt=PROMPT, max_tokens=10, temperature=1, seed=3, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].text == sdk.text
 
 
 def test_chat_equals_the_sdk_through_the_chat_template(
@@ -153,6 +159,11 @@ def test_refusals_answer_openai_statuses_and_bodies(
         api.completions.create(model="lm", prompt="hi", temperature=5)
     with pytest.raises(openai.BadRequestError, match="n: only 1"):
         api.completions.create(model="lm", prompt="hi", n=2)
+    # A prompt mixing text and ids is neither: "1" is not token 1.
+    mixed = httpx.post(
+        f"{served[1]}/v1/completions", json={"model": "lm", "prompt": ["1", 2]}, timeout=10
+    )
+    assert mixed.status_code == 400 and "prompt" in mixed.json()["error"]["message"]
     # A body that is not JSON at all: OpenAI's error body too.
     answer = httpx.post(f"{served[1]}/v1/completions", content=b"{", timeout=10)
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
