@@ -171,12 +171,17 @@ class Timing:
         pass
 
 
+# Where the Hugging Face baselines run: the first GPU with `--gpus`, as flowmesh's workers do.
+HF_DEVICE = torch.device("cpu")
+
+
 def load(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    model = model.to(HF_DEVICE)
     # No eos, as the mesh's ignore_eos: an eos of None in a call's config is filled in from
     # the model's own, so clear that one.
     model.generation_config.eos_token_id = None
@@ -193,8 +198,8 @@ def hf_one(model: Any, r: Request, t_arrival: float) -> Outcome:
     )
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([r.ids]),
-            attention_mask=torch.ones(1, len(r.ids), dtype=torch.long),
+            torch.tensor([r.ids], device=HF_DEVICE),
+            attention_mask=torch.ones(1, len(r.ids), dtype=torch.long, device=HF_DEVICE),
             generation_config=config,
             streamer=timing,
         )
@@ -281,8 +286,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    if args.gpus:  # one worker per device 0..N-1
+    if args.gpus:  # one worker per device 0..N-1; the baselines on the first
         args.workers = args.gpus
+        global HF_DEVICE
+        HF_DEVICE = torch.device("cuda:0")
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     names = [f"lm{i}" for i in range(args.models)]

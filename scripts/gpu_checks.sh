@@ -2,8 +2,10 @@
 # Every check that needs a GPU, as one command for a machine lent with one: the CUDA tests, then
 # the benchmarks whose figures BENCHMARKS.md records as GPU figures (swap-in and cold start
 # through the pinned host tier and the copy stream, training by memory flow on the GPU, serving
-# beside training on a GPU worker). Each step has its own time limit and the next one runs
-# whatever the last did; the whole fits well inside a device run's 10 minutes.
+# beside training on a GPU worker, generation on a GPU worker against Hugging Face `generate` on
+# the same GPU). Each step has its own time limit and the next one runs
+# whatever the last did; the limits add up to 10 minutes, a device run's longest (no step has
+# run on a GPU yet: how far under its limit each one ends there is not known).
 #
 #   bash scripts/gpu_wheels.sh               # here, once: the wheels that machine lacks
 #   bash scripts/gpu_checks.sh [OUT]         # there (carry .gpu-wheels); OUT defaults to $OUT
@@ -75,11 +77,13 @@ if [ "$cpu" = 1 ]; then
   # One round runs every phase that four do (alone, together, training alone): this check
   # needs each phase to run, not figures steadied over rounds.
   colo=(--jobs 2 --requests 10 --width 64 --rounds 1)
+  gen=(--models 2 --hidden 32 --layers 2 --requests 8 --rate 8 --single-rounds 1 --single-new 8)
 else
   swap=(--mib 1024 --layers 16 --repeats 5 --disk-mib 1024)
   cold=(--stages 8 --mib 256)
   train=(--device cuda:0 --width 4096 --depth 8 --batch 256 --threads 0)
   colo=(--gpu 0 --width 2048)
+  gen=(--gpus 1 --hidden 1024 --layers 8 --requests 64 --rate 32)
   cuda_tests=(-rs)
 fi
 step cuda-tests 90 "$PY" -m pytest -q -p no:cacheprovider "${cuda_tests[@]}" \
@@ -88,6 +92,7 @@ step swap 75 "$PY" scripts/bench_swap.py "${swap[@]}" --out "$bench"
 step coldstart 75 "$PY" scripts/bench_coldstart.py "${cold[@]}" --out "$bench"
 step training 150 "$PY" scripts/bench_training.py "${train[@]}" --out "$bench"
 step colocated 120 "$PY" scripts/bench_colocated.py "${colo[@]}" --out "$bench"
+step generate 90 "$PY" scripts/bench_generate.py "${gen[@]}" --out "$bench"
 
 tar -czf "$out/gpu_checks.tar.gz" -C "$bench" .
 rm -rf "$bench"

@@ -40,11 +40,17 @@ def test_every_step_of_the_gpu_checks_runs_on_cpu_stand_ins(tmp_path: Path) -> N
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_checks.log", "gpu_checks.tar.gz"]
     log = (tmp_path / "gpu_checks.log").read_text()
-    for step in ("cuda-tests", "swap", "coldstart", "training", "colocated"):
+    for step in ("cuda-tests", "swap", "coldstart", "training", "colocated", "generate"):
         assert f"=== {step}: exit status 0" in log, log[-3000:]
     with tarfile.open(tmp_path / "gpu_checks.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
-    assert {"swap-cpu.json", "coldstart.json", "training.json", "bench_colocated.json"} <= names
+    assert {
+        "swap-cpu.json",
+        "coldstart.json",
+        "training.json",
+        "bench_colocated.json",
+        "generate.json",
+    } <= names
 
 
 def test_without_a_gpu_the_checks_stop_at_once_and_say_why(tmp_path: Path) -> None:
