@@ -41,10 +41,7 @@ class Autoscaler:
                     rep.draining = False
                     model.desired_replicas += 1
                     log.info("keeping draining replica model=%s: the other was lost", model.name)
-                elif rep.inflight <= 0 and not self.holds(model, rep):
-                    model.replicas.remove(rep)
-                    self.placement.drop_replica(model.name, rep)
-                    self.placement.persist(model)
+                elif self._drop_if_drained(model, rep):
                     log.info("dropped drained replica model=%s workers=%s", model.name, rep.workers)
             if not cfg.autoscale or model.state is not ModelState.READY:
                 continue
@@ -97,7 +94,13 @@ class Autoscaler:
                 model.scale_downs += 1
                 model.last_scaled = now
                 log.info("scaling down model=%s workers=%s: %s", model.name, rep.workers, step.why)
-                if rep.inflight <= 0 and not self.holds(model, rep):
-                    model.replicas.remove(rep)
-                    self.placement.drop_replica(model.name, rep)
-                    self.placement.persist(model)
+                self._drop_if_drained(model, rep)
+
+    def _drop_if_drained(self, model: Model, rep: Replica) -> bool:
+        """Drop draining `rep` when nothing runs on it: no batch, no live sequence."""
+        if rep.inflight > 0 or self.holds(model, rep):
+            return False
+        model.replicas.remove(rep)
+        self.placement.drop_replica(model.name, rep)
+        self.placement.persist(model)
+        return True

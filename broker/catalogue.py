@@ -48,6 +48,7 @@ class Catalogue:
     def deploy(self, addr: bytes, msg: p.Deploy, now: float) -> None:
         spec = msg.spec
         check_factory(spec.factory, self.cfg.allow)
+        spec.check_generation_settings()
         if spec.name in self.models:
             raise fail(
                 Code.MODEL_EXISTS, f"model {spec.name!r} is already deployed; undeploy it first"

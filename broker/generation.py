@@ -7,10 +7,12 @@ keeps the sequences of every Generate call (one per prompt):
   architecture the workers generate with (`broker.lm_files`, read off the event loop once per
   deploy; a call that comes before the read is done waits for it), every prompt is non-empty,
   its ids inside the vocabulary, and prompt + max_tokens within the model's context
-  (`spec.max_context`, else its config's `max_position_embeddings`). Refusals name the numbers.
+  (`spec.max_context`, else its config's `max_position_embeddings`; never past a learned table
+  of positions, `max_context`). Refusals name the numbers.
 - **Waiting and running**: new sequences wait (FIFO; OVERLOADED only at the model's queue limit,
   as for requests); each live replica runs up to `spec.max_seqs` of them. A sequence stays on
-  the replica it was prefilled on: its KV cache lives on that replica's workers.
+  the replica it was prefilled on: its KV cache lives on that replica's workers. A replica
+  being scaled down (draining) takes no new sequence and runs its own to their end.
 - **Iterations**: a replica of P stages splits its running sequences into up to P groups
   (`BrokerConfig.gen_groups`, 1 by default: one iteration holding them all), each with one
   iteration in flight at a time, so that while one group's iteration is at a
@@ -72,7 +74,6 @@ from flowmesh.value import ArrivalRate
 
 log = logging.getLogger("broker.generation")
 
-MAX_INDEX = 1 << 31  # a token id the wire takes (`TokenId`)
 # How long a preempted sequence waits for its workers to say they parked its KV before it may
 # join its replica again: their answers take one round trip; past this it is recomputed.
 PARK_WAIT_S = 1.0
@@ -710,7 +711,7 @@ class GenerationRoom:
         buf = ref.frame.buffer if hasattr(ref.frame, "buffer") else memoryview(ref.frame)
         values = [int(v) for v in numpy.frombuffer(buf, dtype="<i8", count=n)]
         files: LmFiles | None = model.lm
-        top = files.vocab_size if files is not None and files.vocab_size else MAX_INDEX
+        top = files.vocab_size if files is not None and files.vocab_size else p.TOKEN_ID_LIMIT
         bad = [v for v in values if not 0 <= v < top]
         if bad:
             raise fail(Code.BAD_REQUEST, f"token {bad[0]} is outside the vocabulary (0..{top - 1})")

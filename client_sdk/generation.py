@@ -28,8 +28,6 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.tokenizer import StreamDecoder, TextCodec
 
-MAX_TOKEN_ID = 1 << 31  # the wire's bound on a token id (`flowmesh.messages.TokenId`)
-
 # The clients (client_sdk.client imports this module): typed by name only, no import cycle.
 AsyncClient = Any
 Client = Any
@@ -154,10 +152,10 @@ def _prompts(ask: GenAsk) -> tuple[str, list[Any], bool]:
         batch = bool(ids) and not isinstance(ids[0], int)
         items, kind = [list(x) for x in ids] if batch else [ids], "ids"
         ok = all(isinstance(i, int) for x in items for i in x)
-        bad = next((i for x in items for i in x if ok and not 0 <= i < MAX_TOKEN_ID), None)
+        bad = next((i for x in items for i in x if ok and not 0 <= i < p.TOKEN_ID_LIMIT), None)
         if bad is not None:
             raise BadRequest(
-                Code.BAD_REQUEST, f"generate: token id {bad} is outside 0..{MAX_TOKEN_ID - 1}"
+                Code.BAD_REQUEST, f"generate: token id {bad} is outside 0..{p.TOKEN_ID_LIMIT - 1}"
             )
     else:
         chats = list(ask.messages or [])

@@ -226,7 +226,8 @@ class Welcome(Message, tag="welcome"):
 # API server in front of an inference engine does.
 
 # A token id, a sequence's length: bounded so that no value from the wire overflows an int64.
-TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+TOKEN_ID_LIMIT = 1 << 31  # a token id on the wire is below this
+TokenId = Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 MAX_GEN_TOKENS = 1 << 20
 
 
@@ -854,6 +855,7 @@ __all__ = [
     "PartTensors",
     "TensorMeta",
     "Tensors",
+    "TOKEN_ID_LIMIT",
     "TokenId",
     "batch_names",
     "message_types",

@@ -41,6 +41,13 @@ MAX_STAGES = 64
 TENSOR_ALIGN = 64
 BLOCK_ALIGN = 256
 MAX_KWARGS_BYTES = 64 * 1024
+# Generation's settings and their defaults (`ModelSpec`'s): a spec that leaves them alone keeps
+# the form it had before they existed (`to_dict`), and a factory's may not set them.
+GENERATION_DEFAULTS: tuple[tuple[str, Any], ...] = (
+    ("max_context", None),
+    ("max_seqs", 16),
+    ("kv_share", 0.5),
+)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -160,18 +167,19 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad_request("max_seqs must be an integer in 1..4096")
         if not isinstance(self.kv_share, int | float) or not 0 < self.kv_share <= 1:
             raise bad_request("kv_share must be a number in (0, 1]")
-        if self.hf is None:
-            given = [
-                n
-                for n, default in (("max_context", None), ("max_seqs", 16), ("kv_share", 0.5))
-                if getattr(self, n) != default
-            ]
-            if given:
-                # Only a model from a Hugging Face directory generates: said, not ignored.
-                raise bad_request(
-                    f"{', '.join(given)}: generation's settings, for a language model deployed "
-                    "from a Hugging Face directory (hf=); this model is a factory's"
-                )
+
+    def check_generation_settings(self) -> None:
+        """Refuse generation's settings on a model that does not generate (a factory's): said at
+        deploy, not ignored. Not a check of the spec's form: a spec stored before it, with such
+        settings, still reads back (and deploys again) as it was."""
+        if self.hf is not None:
+            return
+        given = [n for n, default in GENERATION_DEFAULTS if getattr(self, n) != default]
+        if given:
+            raise bad_request(
+                f"{', '.join(given)}: generation's settings, for a language model deployed from "
+                "a Hugging Face directory (hf=); this model is a factory's"
+            )
 
     def _check_hf(self) -> None:
         # Only the form here: the directory is read where the model is built (partitioner,
@@ -201,7 +209,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         out["kwargs"] = dict(self.kwargs)
         if self.hf is None:
             del out["hf"]  # factory specs keep the form they had before hf existed
-        for name, default in (("max_context", None), ("max_seqs", 16), ("kv_share", 0.5)):
+        for name, default in GENERATION_DEFAULTS:
             if out[name] == default:
                 del out[name]  # and so do specs that leave generation's settings alone
         if self.inputs is not None:

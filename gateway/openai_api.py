@@ -36,8 +36,9 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    # Not in OpenAI's API, taken as vLLM's server takes it (the `openai` client's extra_body).
-    top_k: int = Field(default=0, ge=0)
+    # Not in OpenAI's API, taken as vLLM's server takes it (the `openai` client's extra_body):
+    # -1, 0 or null for no cut.
+    top_k: int | None = Field(default=None, ge=-1, lt=1 << 31)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -60,7 +61,7 @@ class _Sampling(BaseModel):
             "max_tokens": max_tokens or 16,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "top_k": self.top_k,
+            "top_k": max(self.top_k or 0, 0),
             "seed": self.seed,
             "stop": self.stop,
         }

@@ -8,8 +8,9 @@ device budget. Samples/s of:
 
 - **flow** (flowmesh memory flow): every job cut into sub-models under one chunk target (half
   the budget, what a worker uses unless a job asks otherwise; the whole budget where a block
-  needs more), so sub-models of all jobs are of even size; every job's steps are submitted at once and the `TrainingExecutor`
-  interleaves their tasks on one arena (one extra forward per sub-model: the recompute);
+  needs more), so sub-models of all jobs are of even size; every job's steps are submitted at
+  once and the `TrainingExecutor` interleaves their tasks on one arena (each sub-model's
+  forward graph kept or recomputed in the backward, as its activation policy chooses);
 - **(a) turns** (temporal sharing): each job is one sub-model: its whole state is copied in, it
   takes a step, its state is copied out, one job step at a time with no prefetch (what a user
   does by hand today); only where every job fits the budget whole;

@@ -51,6 +51,18 @@ def test_deploy_refuses_factories_outside_the_allow_list() -> None:
     assert info.value.code is Code.NOT_ALLOWED
 
 
+def test_deploy_refuses_generations_settings_on_a_factory_model() -> None:
+    h = Harness()
+    h.partitioner()
+    h.worker("w0")
+    spec = {"name": "x", "factory": "flowmesh.examples:mlp", "max_seqs": 4}
+    with pytest.raises(FlowmeshError) as info:
+        h.client(CLIENT_A, p.Deploy(id=1, spec=spec))
+    assert info.value.code is Code.BAD_REQUEST
+    assert info.value.reason.startswith("max_seqs: generation's settings, for a language model")
+    assert h.core.models == {}
+
+
 def test_deploy_refuses_a_stage_larger_than_any_device() -> None:
     h = Harness()
     part = h.partitioner()

@@ -104,6 +104,10 @@ def test_completions_equal_the_sdk_and_stream_to_the_same(
         model="lm", prompt=PROMPT, max_tokens=10, temperature=1, seed=3, extra_body={"top_k": 1}
     )
     assert top1.choices[0].text == sdk.text
+    off = api.completions.create(
+        model="lm", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"top_k": -1}
+    )  # vLLM's "no cut"
+    assert off.choices[0].text == sdk.text
 
 
 def test_chat_equals_the_sdk_through_the_chat_template(

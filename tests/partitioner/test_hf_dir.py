@@ -225,9 +225,12 @@ def test_spec_refuses_what_does_not_go_with_hf(fields, words):
 
 
 @pytest.mark.parametrize("fields", [{"max_context": 100}, {"max_seqs": 4}, {"kv_share": 0.25}])
-def test_a_factory_spec_refuses_generations_settings(fields):
+def test_a_factory_spec_with_generations_settings_reads_but_does_not_deploy(fields):
+    # A spec stored with them (before deploys refused them) still reads back as it was.
+    spec = ModelSpec.from_dict({"name": "m", "factory": "flowmesh.examples:mlp", **fields})
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(FlowmeshError) as info:
-        ModelSpec.from_dict({"name": "m", "factory": "flowmesh.examples:mlp", **fields})
+        spec.check_generation_settings()
     assert info.value.code == Code.BAD_REQUEST
     assert info.value.reason == (
         f"{next(iter(fields))}: generation's settings, for a language model deployed from a "
