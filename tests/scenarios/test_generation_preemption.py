@@ -74,12 +74,16 @@ def test_a_generating_model_gives_way_to_a_starving_one_and_resumes_from_parked_
     root: Path = tmp_path_factory.getbasetemp() / "starving"
     root.mkdir(exist_ok=True)
     dirs = {
-        n: tiny_lm_dir(root / n, "llama", seed=s, max_positions=64) for n, s in (("a", 1), ("b", 2))
+        n: tiny_lm_dir(root / n, "llama", seed=s, max_positions=256)
+        for n, s in (("a", 1), ("b", 2))
     }
     weights = max(sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in dirs.values())
     budget = weights + weights // 2  # one model's weights and some KV, never both models
     prompt = [5, 17, 33, 9]
-    want = {n: hf_generate(d, [prompt], 40, ignore_eos=True)[0] for n, d in dirs.items()}
+    # a's sequence long enough that b's call comes while it generates, however loaded the
+    # machine (at 40 tokens it was once over before b's call reached the broker).
+    new = {"a": 120, "b": 40}
+    want = {n: hf_generate(d, [prompt], new[n], ignore_eos=True)[0] for n, d in dirs.items()}
     mesh = InProcMesh(
         cpu_workers=1,
         memory_budget=budget,
@@ -94,7 +98,7 @@ def test_a_generating_model_gives_way_to_a_starving_one_and_resumes_from_parked_
         async def both() -> list[list[int]]:
             async with mesh.async_client() as ac:
                 a = asyncio.create_task(
-                    ac.generate("a", ids=prompt, max_tokens=40, ignore_eos=True)
+                    ac.generate("a", ids=prompt, max_tokens=new["a"], ignore_eos=True)
                 )
 
                 async def a_generating() -> bool:
@@ -103,7 +107,7 @@ def test_a_generating_model_gives_way_to_a_starving_one_and_resumes_from_parked_
                     )
 
                 await until(a_generating, "a's first token")
-                b = await ac.generate("b", ids=prompt, max_tokens=40, ignore_eos=True)
+                b = await ac.generate("b", ids=prompt, max_tokens=new["b"], ignore_eos=True)
                 return [(await a).ids, b.ids]
 
         got = asyncio.run(both())
