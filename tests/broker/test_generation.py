@@ -693,6 +693,13 @@ def test_a_call_waiting_for_room_past_its_deadline_says_what_it_waited_for(
     assert g.figures()[:2] == (0, 0)
 
 
+def _both_parked(g: Gen, seq: int) -> None:
+    """Each stage's worker says it parked `seq`'s KV (its answer to a FreeSeqs with park)."""
+    for stage, w in enumerate((g.w0, g.w1)):
+        answer = p.SeqsParked(model="lm", stage=stage, parked=[seq], dropped=[])
+        assert g.keep(g.h.backend(w, answer)) == []
+
+
 def _deploy_lm2(g: Gen, files: LmFiles) -> None:
     """A second language model, "lm2", on the same two workers, its files read."""
     spec = {"name": "lm2", "hf": g.hf, "stages": 2, "replicas": 1, "max_seqs": 4}
@@ -736,14 +743,12 @@ def test_a_wait_for_room_starves_from_when_it_began_and_ends_with_its_call(
     _beside_ranker(g)
     g.h.now = 2.6
     assert no_space(g, g.stage0(run), g.w1) == parked(a)
-    for stage, w in enumerate((g.w0, g.w1)):
-        g.h.backend(w, p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[]))
+    _both_parked(g, a)
     run = run_of(g.tick(2.6 + KV_RETRY_S), g.w0)
     assert steps(run) == [(a, 6, 1, 5)] and run.gen.evict_live is False
     g.h.now = 4.0
     assert no_space(g, g.stage0(run), g.w1) == parked(a)
-    for stage, w in enumerate((g.w0, g.w1)):
-        g.h.backend(w, p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[]))
+    _both_parked(g, a)
     # Its call times out: the wait ends with it, and a later call of the model that waits
     # for something else (w0 busy) is no reason to evict anything.
     out = g.tick(4.0)
@@ -772,8 +777,7 @@ def test_a_lone_decode_out_of_memory_beside_another_model_is_parked_and_waits(
     assert no_space(g, g.stage0(run), g.w1) == parked(a)
     assert g.finals(1) == [] and g.figures()[:2] == (0, 1)
     # Both stages kept its KV: once the wait is over it resumes from it.
-    for stage, w in enumerate((g.w0, g.w1)):
-        assert g.h.backend(w, p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[])) == []
+    _both_parked(g, a)
     run = run_of(g.tick(KV_RETRY_S), g.w0)
     assert steps(run) == [(a, 2, 1, 1)]
 
@@ -1081,9 +1085,7 @@ def test_a_decode_whose_stage_was_evicted_resumes_from_the_kv_its_stages_parked(
     # the sequence everywhere (as before) threw both away and recomputed it.
     g = Gen(lm_dir, files)
     a, b, run = _a_decode_answered_not_resident(g)
-    for w, stage in ((g.w0, 0), (g.w1, 1)):
-        answer = p.SeqsParked(model="lm", stage=stage, parked=[a], dropped=[])
-        assert g.keep(g.h.backend(w, answer)) == []
+    _both_parked(g, a)
     run = run_of(g.step(run, [20]), g.w0)
     # a goes on from its parked KV (prompt and first token but the last), beside b's decode.
     assert sorted(steps(run)) == sorted([(b, 3, 1, 1), (a, 2, 1, 1)])
@@ -1193,9 +1195,7 @@ def test_a_preempted_sequence_every_stage_parked_resumes_from_its_kv(
 ) -> None:
     g = Gen(lm_dir, files)
     a, b, run = _preempted(g)
-    for w, stage in ((g.w0, 0), (g.w1, 1)):
-        answer = p.SeqsParked(model="lm", stage=stage, parked=[b], dropped=[])
-        assert g.keep(g.h.backend(w, answer)) == []
+    _both_parked(g, b)
     # Both stages kept its KV of prompt + first token but the last (4 - 1 = 3 tokens): it goes
     # on from there, its last token its one new id, as a decode does.
     run = run_of(_a_ends(g, a, run), g.w0)
