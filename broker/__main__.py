@@ -117,6 +117,13 @@ OPTIONS = Options(
             "generation iterations in flight per replica of a language model, each at its own "
             "stage (0: one per stage)",
         ),
+        Option(
+            "--gen-overlap",
+            INT,
+            1,
+            "1: a language model of one stage has its next iteration queued on its worker while "
+            "one runs (no round trip between two tokens); 0: sent once the last one answered",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batch_rows=args.micro_batch_rows,
         group_runs=args.group_runs,
         gen_groups=args.gen_groups,
+        gen_overlap=bool(args.gen_overlap),
         default_replicas=args.replicas,
         starvation_s=args.starvation,
         state_dir=args.state_dir,

@@ -61,6 +61,10 @@ class BrokerConfig:
     # where the stages' workers share a few cores the groups only add work per token
     # (BENCHMARKS.md, "Generation"); a worker per device is where they can overlap.
     gen_groups: int = 1
+    # A language model of one stage: the next iteration of a group is sent as soon as the one
+    # in flight is, to follow it on the worker (`GenStep.follows`), so that no round trip to
+    # the broker comes between two tokens. Off: each is sent once the last one answered.
+    gen_overlap: bool = True
     # Where the broker keeps what it promised (deployed models, training jobs, the allow-list),
     # in an SQLite database (`broker.store`); None: nothing is kept across a restart.
     state_dir: str | None = None

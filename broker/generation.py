@@ -138,10 +138,16 @@ class Iteration:
 
 @dataclass(eq=False)
 class Group:
-    """Running sequences of a replica that iterate together: one iteration of them in flight."""
+    """Running sequences of a replica that iterate together: one iteration of them in flight,
+    and on a replica of one stage a second one sent to follow it (`_follow`)."""
 
     running: list[Seq] = field(default_factory=list)
-    batch: Batch | None = None  # the iteration in flight
+    batch: Batch | None = None  # the iteration in flight (the older of two)
+    ahead: Batch | None = None  # the one sent to follow it on its worker
+    # `batch` failed while `ahead` was in flight: that one (now `batch`, whose answer is not
+    # taken) is waited for before the failure is dealt with, so that nothing is freed or
+    # parked on the worker under an iteration still queued there.
+    deferred: tuple[Iteration, str, str] | None = None
 
 
 @dataclass(eq=False)
@@ -182,6 +188,7 @@ class GenModel:
     swaps: int = 0  # preempted sequences resumed from their KV, parked in host memory
     recomputes: int = 0  # preempted sequences resumed by recomputing their KV from the tokens
     restarts: int = 0  # sequences started again elsewhere after their replica was lost
+    follows: int = 0  # iterations sent to follow the one in flight (`_follow`)
     frees: int = 0  # FreeSeqs rounds sent: memory freed on the workers
     # A lone sequence found no KV room beside other models (`_wait_for_room`): why ("" when
     # not waiting), which sequence, since when, when it may try again, and how many times a
@@ -617,6 +624,55 @@ class GenerationRoom:
         tensor = p.TensorRef("int64", (len(ids),), numpy.asarray(ids, dtype="<i8").tobytes())
         k.batch = self.router.start_gen(gm.model, g.rep, it, tensor, now)
         gm.iterations += 1
+        self._follow(gm, g, k, now)
+
+    def _follow(self, gm: GenModel, g: GenRep, k: Group, now: float) -> None:
+        """On a replica of one stage, send group `k`'s next iteration now, to follow the one in
+        flight on the worker (`GenStep.follows`: each sequence's token is the one that one
+        draws, taken in there). The worker starts it as soon as that one is done, with no round
+        trip to the broker between two tokens (SGLang's and vLLM's overlap scheduling). Not
+        when sequences wait that could join the group (they join at its next iteration sent
+        from here), nor for a sequence whose last token is the one in flight; a sequence that
+        draws a stop token in flight has one token drawn after it that is never taken."""
+        pred = k.batch
+        if (
+            not self.cfg.gen_overlap
+            or pred is None
+            or k.ahead is not None
+            or k.deferred is not None
+            or len(g.rep.workers) != 1
+            or (gm.waiting and self._has_room(gm, g))
+            or not self.router.may_follow(gm.model, g.rep)
+        ):
+            return
+        it: Iteration = pred.gen
+        steps, seqs = [], []
+        for s, step in zip(it.seqs, it.step.seqs, strict=True):
+            if s.finish is not None or step.drawn + 1 >= s.call.sampling.max_tokens:
+                continue
+            steps.append(
+                p.SeqStep(
+                    seq=s.id,
+                    start=step.start + step.count,
+                    count=1,
+                    sampling=step.sampling,
+                    drawn=step.drawn + 1,
+                )
+            )
+            seqs.append(s)
+        if not steps:
+            return
+        ahead = Iteration(
+            p.GenStep(seqs=steps, follows=pred.run_id),
+            seqs,
+            [False] * len(seqs),
+            gm.frees,
+            [""] * len(seqs),
+        )
+        zeros = p.TensorRef("int64", (len(steps),), bytes(8 * len(steps)))
+        k.ahead = self.router.start_gen(gm.model, g.rep, ahead, zeros, now)
+        gm.iterations += 1
+        gm.follows += 1
 
     # ================================================================== results
 
@@ -633,7 +689,9 @@ class GenerationRoom:
         gm = self.by_model.get(batch.model)
         if gm is None:
             return None
-        found = ((g, k) for g in gm.reps for k in g.groups if k.batch is batch)
+        found = (
+            (g, k) for g in gm.reps for k in g.groups if k.batch is batch or k.ahead is batch
+        )
         g, k = next(found, (None, None))
         return None if g is None or k is None else (gm, g, k)
 
@@ -642,6 +700,14 @@ class GenerationRoom:
         if owner is None:
             return
         gm, g, k = owner
+        if batch is k.ahead:
+            # Answered before the iteration it follows: not taken (the next iteration computes
+            # that token again, over the same positions of the KV).
+            k.ahead = None
+            return
+        if k.deferred is not None:  # the follower of an iteration that failed: not taken
+            self._settle_deferred(gm, g, k, now)
+            return
         it: Iteration = batch.gen
         try:
             tokens = self._tokens(tensors, len(it.seqs), gm.model)
@@ -650,7 +716,7 @@ class GenerationRoom:
             log.warning("%s", why)
             self.iteration_failed(batch, str(Code.INTERNAL), why, now)
             return
-        k.batch = None
+        k.batch, ahead, k.ahead = None, k.ahead, None
         g.solo = False
         if any(it.prefill):
             gm.room_wait, gm.room_seq = "", None  # its sequences found room
@@ -689,9 +755,14 @@ class GenerationRoom:
                 ended.append(s)
         if drawn:
             gm.token_rate.add(now, drawn)
+        held = {id(s) for s in ahead.gen.seqs} if ahead is not None else set()
         if ended:
             k.running = [s for s in k.running if s.finish is None]
-            self._free(gm, g.rep, ended)
+            # One that the follower holds too is freed once that one is back.
+            self._free(gm, g.rep, [s for s in ended if id(s) not in held])
+        if ahead is not None:
+            k.batch = ahead
+            self._follow(gm, g, k, now)
         for call in {id(s.call): s.call for s in ended}.values():
             self._maybe_done(call, now)
 
@@ -722,9 +793,36 @@ class GenerationRoom:
         if owner is None:
             return
         gm, g, k = owner
+        if batch is k.ahead:
+            # A follower that failed before the iteration it follows answered (no room for its
+            # block, or that one failed here first): that one's answer decides; the next
+            # iteration is sent from here as without a follower.
+            k.ahead = None
+            return
+        if k.deferred is not None:  # the follower of an iteration that failed: its answer
+            self._settle_deferred(gm, g, k, now)
+            return
+        if k.ahead is not None:
+            k.deferred = (batch.gen, code, reason)
+            k.batch, k.ahead = k.ahead, None
+            return
         k.batch = None
-        it: Iteration = batch.gen
-        ended = [s for s in k.running if s.finish is not None]  # stopped while it ran
+        self._failed(gm, g, k, batch.gen, code, reason, now)
+
+    def _settle_deferred(self, gm: GenModel, g: GenRep, k: Group, now: float) -> None:
+        """The follower of a failed iteration answered (whatever it says): the failure is dealt
+        with now."""
+        assert k.deferred is not None
+        it, code, reason = k.deferred
+        k.batch, k.deferred = None, None
+        self._failed(gm, g, k, it, code, reason, now)
+
+    def _failed(
+        self, gm: GenModel, g: GenRep, k: Group, it: Iteration, code: str, reason: str, now: float
+    ) -> None:
+        """Group `k`'s iteration `it` failed with `code` (nothing of it in flight any more)."""
+        # Stopped while it ran (also one its follower held after it drew its last token).
+        ended = [s for s in {id(s): s for s in [*k.running, *it.seqs]}.values() if s.finish]
         if ended:
             k.running = [s for s in k.running if s.finish is None]
             self._free(gm, g.rep, ended)
@@ -874,7 +972,7 @@ class GenerationRoom:
             gm.reps.remove(g)
             running = g.running()
             for k in g.groups:
-                k.batch, k.running = None, []
+                k.batch, k.ahead, k.deferred, k.running = None, None, None, []
             self._free(gm, rep, running, skip=lost)
             again = [s for s in running if s.finish is None]
             for s in reversed(again):

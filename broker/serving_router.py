@@ -497,6 +497,18 @@ class ServingRouter:
         self._load_replica(model, rep, victims, now, starving=starving)
         return True
 
+    def may_follow(self, model: Model, rep: Replica) -> bool:
+        """Whether one more generation iteration may be sent to `rep` to follow the one in
+        flight there (`GenStep.follows`): still live and placed, its worker not at its limit of
+        runs, nothing keeping it for another model."""
+        return (
+            any(r is rep for r in model.replicas)
+            and all(rep.ready)
+            and not rep.streamed
+            and self._placed(model, rep)
+            and not self._blocked(model, rep)
+        )
+
     def pick_gen(
         self, model: Model, taken: list[Replica], now: float, *, starving: bool
     ) -> Replica | None:

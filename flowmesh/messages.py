@@ -659,10 +659,19 @@ class GenStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     last stage answers with `tokens` (int64, one new token per sequence, in this order).
     `evict_live`: its model has waited past the starvation limit for KV room, so the room its
     new blocks need may be made by evicting other models' stages that hold live sequences (they
-    are preempted, their KV parked where that pays); else only idle stages go."""
+    are preempted, their KV parked where that pays); else only idle stages go.
+
+    `follows`: the id of the Run of this model's previous iteration on this stage, still in
+    flight when this one is sent (a model of one stage only: its worker samples the tokens).
+    Each sequence's one new token is the one that iteration draws for it, not `ids` (zeros,
+    as many): the worker takes it once that iteration is done, so that the next iteration is
+    already queued there and no round trip to the broker comes between two tokens (the
+    overlap scheduling of SGLang and vLLM). It fails, changing nothing, when that iteration
+    did not run or failed here."""
 
     seqs: list[SeqStep]
     evict_live: bool = False
+    follows: Id = 0
 
 
 class Run(Message, tag="run"):

@@ -90,18 +90,19 @@ class TorchLanes:
             item = self._queue.get()
             if item is None:
                 return
-            _run_one(*item)
+            run_one(*item)
             # What the call was given must not outlive it while the thread waits for the next
             # (a stage's host buffer goes back to its slab when nothing holds the stage).
             del item
 
 
-def _run_one(
+def run_one(
     loop: asyncio.AbstractEventLoop,
     fut: asyncio.Future[Any],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
+    """`fn(*args)` here, its result or error settling `fut` on `loop`."""
     try:
         result, error = fn(*args), None
     except BaseException as exc:  # the caller's future carries it, whatever it is

@@ -69,7 +69,7 @@ from flowmesh.modelio.decode import KV_BLOCK as KV_TOKENS
 from flowmesh.modelio.inputs import call_model
 from flowmesh.modelio.sampling import at_draw, new_generator, sample
 from flowmesh.modelio.token_limits import TokenLimits, limits_of
-from flowmesh.threads import TorchLanes, torch_pool
+from flowmesh.threads import TorchLanes, run_one, torch_pool
 from flowmesh.value import ArrivalRate, stage_value
 from gpu_worker.device import Device
 from gpu_worker.host_tier import ALIGN, BlockRegion, HostStage, view_of
@@ -104,6 +104,53 @@ KV_PREEMPT = ("auto", "swap", "recompute")  # `Executor(kv_preempt=...)`
 # slower again: the runs stayed there. A stage that really got slower counts once this many
 # runs in a row were.
 FORWARD_WINDOW = 16
+
+# How long an iteration that follows another (`GenStep.follows`) waits for it on its lane: that
+# one is computing or queued just before it, so this only bounds a wait that something else
+# went wrong in (the follower then fails instead of holding its lane).
+FOLLOW_WAIT_S = 120.0
+
+
+@dataclass(eq=False)
+class GenTail:
+    """A stage's latest generation iteration, for the one sent to follow it: `done` is set once
+    it ended (after its answer went out), `ok` whether it drew its tokens (each sequence's is
+    then its `SeqKV.token`). The follower, placed while it runs, is run right after it by the
+    same compute lane (`then`): no thread hand-off between two tokens."""
+
+    run: int
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    _next: tuple[Any, ...] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def then(self, job: tuple[Any, ...]) -> bool:
+        """Run `job` (`flowmesh.threads.run_one`'s arguments) on this iteration's lane as soon
+        as it ends; False when it has ended already."""
+        with self._lock:
+            if self.done.is_set():
+                return False
+            self._next = job
+            return True
+
+    def end(self, ok: bool) -> None:
+        with self._lock:
+            self.ok = ok
+            self.done.set()
+
+    def take_next(self) -> tuple[Any, ...] | None:
+        """The job to run next on this lane (once it ended: none comes after that)."""
+        with self._lock:
+            job, self._next = self._next, None
+            return job
+
+
+class FollowedFailed(FlowmeshError):
+    """The iteration a follower was sent after did not run here, or failed: the follower changed
+    nothing (its sequences' KV stays as that iteration left it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(Code.NOT_RESIDENT, reason)
 
 
 class State(Enum):
@@ -170,6 +217,8 @@ class Stage:
     bound_all: int = -1  # the generation every block is bound to (-1: none, or some not yet)
     # Held by the copy lane that binds the blocks: one load at a time, never a given-up one.
     binding: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Its latest generation iteration placed here: what the next one may follow.
+    gen_tail: GenTail | None = None
     # What the stage's inputs can take, when its first block embeds a language model's token
     # ids (`flowmesh.modelio.token_limits`): every run is checked against it before computing.
     limits: TokenLimits | None = field(init=False, default=None)
@@ -698,6 +747,7 @@ class Executor:
             after = [*st.ready, *st.users]
             extents = st.extents
             st.state, st.extents, st.users = State.HOST, [], []
+            st.gen_tail = None  # its live sequences go: no iteration follows one from before
             st.generation += 1
             st.next_up = False
         freed = 0
@@ -730,6 +780,7 @@ class Executor:
         separate: bool = False,
         on_lane: Callable[[RunOutput], bool] | None = None,
         gen: GenStep | None = None,
+        run_id: int = 0,
     ) -> asyncio.Future[RunOutput]:
         """Run one batch (the parts are concatenated along dim 0) through a loaded stage; with
         `separate`, each part through the stage on its own, one after the other (requests of a
@@ -742,7 +793,9 @@ class Executor:
         `gen`: an iteration of generation (`_run_gen`): one part, one tensor (stage 0: the
         packed token ids; later: the hidden states of those tokens); the sequences' KV blocks
         are placed here, on the loop, before it is queued (NO_SPACE, changing nothing, when
-        they cannot be)."""
+        they cannot be). `run_id` names it for an iteration that follows it (`GenStep.follows`:
+        its token ids are the ones the run it follows draws, taken on the lane once that one
+        is done)."""
         st = self._stage(key)
         if st.state is State.HOST:
             # Evicted since the broker last heard (the worker chooses its evictions): bring it
@@ -755,8 +808,11 @@ class Executor:
                 ) from None
             self.counters["implicit_loads"] += 1
         restores: list[Restore] = []
+        follows: GenTail | None = None
         if gen is not None:
             x = gen_input(f"{st.key[0]!r}/{st.key[1]}", st.limits, parts, gen)
+            if gen.follows:
+                follows = self._followed(st, gen)
             seqs, placed, restores = self._place_kv(st, gen)
         with self._lock:
             done = self._admit(st, len(parts))
@@ -780,25 +836,22 @@ class Executor:
             after = new_blocks_after(placed)
             if restores:
                 self.counters["kv_restored"] += len(restores)
-            fut = self._compute.submit(
-                loop,
-                self._run_gen,
-                on_lane,
-                st,
-                ready,
-                x,
-                gen,
-                seqs,
-                after,
-                done,
-                generation,
-                restores,
-            )
+            tail = GenTail(run_id)
+            fut = loop.create_future()
+            args = (follows, tail, on_lane, st, ready, x, gen, seqs, after, done, generation)
+            job = (loop, fut, self._run_gen_after, (*args, restores))
+            # Right after the iteration it follows, on its lane, when that one still runs.
+            if follows is None or not follows.then(job):
+                self._compute.submit(loop, _run_chain, job)
+            st.gen_tail = tail  # queued: what the next iteration may follow
 
         def settle(f: asyncio.Future[RunOutput]) -> None:
             self.memory.serving_ended()
             failed = f.cancelled() or f.exception() is not None
-            if failed and gen is not None and st.kv is not None:
+            # (A follower whose iteration failed ran nothing: the KV is that one's to settle.)
+            if failed and not f.cancelled() and isinstance(f.exception(), FollowedFailed):
+                pass
+            elif failed and gen is not None and st.kv is not None:
                 # Its sequences fail (the broker does not restart them, v1): their KV goes now.
                 st.kv.free((s.seq for s in gen.seqs), [done])
             self._finish_run(
@@ -1142,6 +1195,70 @@ class Executor:
         finally:
             dev.mark_done(marker)
 
+    def _followed(self, st: Stage, gen: GenStep) -> GenTail:
+        """The iteration `gen` follows, checked: the latest placed on this stage, of the same
+        sequences, one token each, on a stage that draws the tokens it then takes in. Raises
+        FollowedFailed (changing nothing) when it cannot follow it."""
+        where = f"{st.key[0]!r}/{st.key[1]}"
+        if not (st.blocks and isinstance(st.blocks[-1], HEADS) and st.limits is not None):
+            raise FlowmeshError(
+                Code.BAD_REQUEST,
+                f"{where}: only a stage that takes token ids and draws the next ones may run an "
+                "iteration that follows another",
+            )
+        if any(s.count != 1 for s in gen.seqs):
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"{where}: an iteration that follows another is one token each"
+            )
+        tail = st.gen_tail
+        if tail is None or tail.run != gen.follows:
+            raise FollowedFailed(
+                f"{where}: iteration {gen.follows}, which this one follows, did not run here"
+            )
+        if tail.done.is_set() and not tail.ok:
+            raise FollowedFailed(
+                f"{where}: iteration {gen.follows}, which this one follows, failed"
+            )
+        return tail
+
+    def _run_gen_after(
+        self,
+        follows: GenTail | None,
+        tail: GenTail,
+        on_lane: Callable[[RunOutput], bool] | None,
+        st: Stage,
+        ready: list[Any],
+        x: torch.Tensor,
+        gen: GenStep,
+        seqs: list[SeqKV],
+        *rest: Any,
+    ) -> RunOutput:
+        """`_run_gen`, once the iteration it follows (if any) is done, its tokens taken in as
+        this one's; `tail` is set when it ends (after its answer went out from here, so that the
+        one following it never answers first)."""
+        try:
+            if follows is not None:
+                # Before anything of the device is held: that iteration may still need it.
+                if not follows.done.wait(FOLLOW_WAIT_S):
+                    raise FollowedFailed(
+                        f"iteration {follows.run}, which this one follows, did not end within "
+                        f"{FOLLOW_WAIT_S:.0f} s"
+                    )
+                if not follows.ok:
+                    raise FollowedFailed(f"iteration {follows.run}, which this one follows, failed")
+                drawn = [s.token for s in seqs]
+                if any(t is None for t in drawn):
+                    raise FollowedFailed(
+                        f"iteration {follows.run}, which this one follows, drew no token for "
+                        "one of its sequences"
+                    )
+                x = torch.tensor(drawn, dtype=torch.int64)
+            out = self._run_gen(on_lane, st, ready, x, gen, seqs, *rest)
+            tail.end(True)
+            return out
+        finally:
+            tail.end(tail.ok)
+
     def _run_gen(
         self,
         on_lane: Callable[[RunOutput], bool] | None,
@@ -1195,9 +1312,8 @@ class Executor:
                                     seq.seed = seq.generator.initial_seed()
                                 at_draw(seq.generator, seq.seed, s.drawn)
                             generators.append(seq.generator)
-                        outputs = {
-                            "tokens": sample(out, [s.sampling for s in gen.seqs], generators)
-                        }
+                        tokens = sample(out, [s.sampling for s in gen.seqs], generators)
+                        outputs = {"tokens": tokens}
                     else:
                         outputs = {"": out}
                 finally:
@@ -1205,6 +1321,9 @@ class Executor:
                     marked = True
                 if dev.kind != "cpu":
                     outputs = {n: t.to("cpu") for n, t in outputs.items()}
+                if "tokens" in outputs:  # what an iteration following this one takes in
+                    for seq, t in zip(seqs, outputs["tokens"].tolist(), strict=True):
+                        seq.token = t
                 compute_s = self.clock() - t0 - wait_s
                 result = RunOutput([outputs], compute_s, wait_s, packed.total)
         finally:
@@ -1281,6 +1400,14 @@ class Executor:
     def close(self) -> None:
         for pool in (self._compute, *self._copies, self._waiter):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_chain(job: tuple[Any, ...]) -> None:
+    """On a compute lane: generation iteration `job`, then each one that follows it (attached
+    by `GenTail.then` while the one before ran), each settling its own future."""
+    while job is not None:
+        run_one(*job)
+        job = job[3][1].take_next()  # (loop, fut, fn, (follows, tail, ...))
 
 
 def _computing(st: Stage) -> bool:

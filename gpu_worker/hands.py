@@ -347,6 +347,7 @@ class WorkerHands:
             separate=msg.separate,
             on_lane=lambda out: self.send_from_thread(run_result(msg, out)),
             gen=msg.gen,
+            run_id=msg.id,
         )
         fut.add_done_callback(counted)
         self._feed(fut, work)

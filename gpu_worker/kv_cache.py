@@ -48,6 +48,7 @@ class SeqKV:
     tokens: int = 0
     generator: torch.Generator | None = None
     seed: int = 0
+    token: int | None = None  # the last token drawn for it here (`GenStep.follows`)
 
 
 @dataclass

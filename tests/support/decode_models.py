@@ -157,9 +157,14 @@ def greedy_batched(
 async def two_stage_executor(spec: ModelSpec, budget: int, **options: Any) -> Executor:
     """An executor over a CPU stand-in of `budget` bytes holding `spec` cut in two stages, both
     loaded (`options`: the Executor's)."""
+    return await staged_executor(spec, budget, 2, **options)
+
+
+async def staged_executor(spec: ModelSpec, budget: int, stages: int, **options: Any) -> Executor:
+    """`two_stage_executor` with `stages` stages."""
     ex = Executor(CpuStandIn(budget), **options)
-    plan = make_stage_plan(spec, stages=2)
-    for i in range(2):
+    plan = make_stage_plan(spec, stages=stages)
+    for i in range(stages):
         blocks, host = prepare_stage(spec, plan, i, ex.device, DEFAULT_ALLOW)
         ex.add_stage((spec.name, i), blocks, host, spec.kv_share)
         await ex.load((spec.name, i))

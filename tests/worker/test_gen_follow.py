@@ -1,0 +1,119 @@
+"""An iteration of generation that follows another (`GenStep.follows`), in process: a tiny Llama
+saved with save_pretrained on an executor over a CPU stand-in. Sent while the one it follows is
+still queued, it takes in the tokens that one draws and runs right after it on the same compute
+lane; a greedy generation of such iterations gives Hugging Face's tokens. One that cannot
+follow (the iteration named did not run here, failed, or is not the stage's latest; a stage
+that does not draw tokens) is refused and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.messages import GenStep, Sampling, SeqStep
+from gpu_worker.executor import Executor, FollowedFailed
+from tests.support.decode_models import (
+    hf_greedy,
+    prompts,
+    saved_spec,
+    staged_executor,
+    tiny_lm,
+    two_stage_executor,
+)
+from tests.support.stages import MIB
+from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
+
+KEY = ("lm", 0)
+GREEDY = Sampling()
+
+
+@pytest.fixture
+def llama(tmp_path):  # type: ignore[no-untyped-def]
+    model = tiny_lm("llama")
+    return model, saved_spec(model, tmp_path / "llama", "lm", kv_share=0.5)
+
+
+def _run(ex: Executor, run_id: int, steps: list[SeqStep], ids: list[int], follows: int = 0):  # type: ignore[no-untyped-def]
+    gen = GenStep(seqs=steps, follows=follows)
+    return ex.run(KEY, [{"ids": torch.tensor(ids, dtype=torch.int64)}], gen=gen, run_id=run_id)
+
+
+async def test_iterations_that_follow_take_in_the_tokens_drawn_before_them(llama) -> None:  # type: ignore[no-untyped-def]
+    model, spec = llama
+    ex = await staged_executor(spec, 8 * MIB, 1)
+    a, b = prompts([12, 5])
+    # Both prefills, then 19 iterations each following the one before, all sent at once (none
+    # has run yet): each runs right after the one it follows; their KV crosses a block.
+    prefill = [
+        SeqStep(seq=1, start=0, count=len(a), sampling=GREEDY),
+        SeqStep(seq=2, start=0, count=len(b), sampling=GREEDY),
+    ]
+    futs = [_run(ex, 100, prefill, a + b)]
+    for i in range(1, 20):
+        steps = [
+            SeqStep(seq=1, start=len(a) + i - 1, count=1, sampling=GREEDY, drawn=i),
+            SeqStep(seq=2, start=len(b) + i - 1, count=1, sampling=GREEDY, drawn=i),
+        ]
+        futs.append(_run(ex, 100 + i, steps, [0, 0], follows=99 + i))
+    outs = [(await f).parts[0]["tokens"].tolist() for f in futs]
+    assert [o[0] for o in outs] == hf_greedy(model, a, 20)[0]
+    assert [o[1] for o in outs] == hf_greedy(model, b, 20)[0]
+    ex.close()
+
+
+async def test_a_follower_of_an_iteration_that_did_not_run_changes_nothing(llama) -> None:  # type: ignore[no-untyped-def]
+    model, spec = llama
+    ex = await staged_executor(spec, 8 * MIB, 1)
+    (a,) = prompts([9])
+    first = await _run(ex, 1, [SeqStep(seq=1, start=0, count=9, sampling=GREEDY)], a)
+    out = [int(first.parts[0]["tokens"][0])]
+    # Iteration 2 is refused as it is placed (a step past the cached tokens) ...
+    with pytest.raises(FlowmeshError) as err:
+        _run(ex, 2, [SeqStep(seq=1, start=11, count=1, sampling=GREEDY, drawn=1)], [out[-1]])
+    assert err.value.code == Code.BAD_REQUEST
+    # ... so the one sent to follow it is refused too, as is one naming another iteration (the
+    # stage's latest is 1).
+    for follows in (2, 7):
+        with pytest.raises(FollowedFailed) as failed:
+            _run(ex, 3, [SeqStep(seq=1, start=9, count=1, sampling=GREEDY, drawn=1)], [0], follows)
+        assert failed.value.code == Code.NOT_RESIDENT
+        assert f"iteration {follows}, which this one follows, did not run here" in str(failed.value)
+    # Nothing changed: the sequence goes on exactly.
+    for i in range(1, 6):
+        step = SeqStep(seq=1, start=8 + i, count=1, sampling=GREEDY, drawn=i)
+        out.append(int((await _run(ex, 10 + i, [step], [out[-1]])).parts[0]["tokens"][0]))
+    assert out == hf_greedy(model, a, 6)[0]
+    ex.close()
+
+
+async def test_a_follower_of_an_iteration_that_failed_on_its_lane_fails_too(llama) -> None:  # type: ignore[no-untyped-def]
+    _, spec = llama
+    ex = await staged_executor(spec, 8 * MIB, 1)
+    (a,) = prompts([9])
+    await _run(ex, 1, [SeqStep(seq=1, start=0, count=9, sampling=GREEDY)], a)
+    # A projection of the wrong shape: iteration 2 fails as it computes, on its lane; iteration
+    # 3, sent to follow it before it ran, fails as it comes to run, having computed nothing.
+    attn = ex.stages[KEY].blocks[1].layer.self_attn
+    attn.q_proj, q_proj = torch.nn.Linear(3, 3), attn.q_proj
+    failing = _run(ex, 2, [SeqStep(seq=1, start=9, count=1, sampling=GREEDY, drawn=1)], [5])
+    follower = _run(ex, 3, [SeqStep(seq=1, start=10, count=1, sampling=GREEDY, drawn=2)], [0], 2)
+    results = await asyncio.gather(failing, follower, return_exceptions=True)
+    attn.q_proj = q_proj
+    assert isinstance(results[0], FlowmeshError) and results[0].code == Code.MODEL_ERROR
+    assert isinstance(results[1], FollowedFailed), results
+    assert "iteration 2, which this one follows, failed" in str(results[1])
+    ex.close()
+
+
+async def test_only_a_stage_that_draws_the_tokens_runs_a_follower(llama) -> None:  # type: ignore[no-untyped-def]
+    _, spec = llama
+    ex = await two_stage_executor(spec, 8 * MIB)
+    (a,) = prompts([4])
+    with pytest.raises(FlowmeshError) as err:
+        _run(ex, 2, [SeqStep(seq=1, start=0, count=4, sampling=GREEDY)], a, follows=1)
+    assert err.value.code == Code.BAD_REQUEST
+    assert "only a stage that takes token ids and draws the next ones" in err.value.reason
+    ex.close()
