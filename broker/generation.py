@@ -700,13 +700,7 @@ class GenerationRoom:
         if owner is None:
             return
         gm, g, k = owner
-        if batch is k.ahead:
-            # Answered before the iteration it follows: not taken (the next iteration computes
-            # that token again, over the same positions of the KV).
-            k.ahead = None
-            return
-        if k.deferred is not None:  # the follower of an iteration that failed: not taken
-            self._settle_deferred(gm, g, k, now)
+        if self._out_of_turn(gm, g, k, batch, now):
             return
         it: Iteration = batch.gen
         try:
@@ -793,14 +787,7 @@ class GenerationRoom:
         if owner is None:
             return
         gm, g, k = owner
-        if batch is k.ahead:
-            # A follower that failed before the iteration it follows answered (no room for its
-            # block, or that one failed here first): that one's answer decides; the next
-            # iteration is sent from here as without a follower.
-            k.ahead = None
-            return
-        if k.deferred is not None:  # the follower of an iteration that failed: its answer
-            self._settle_deferred(gm, g, k, now)
+        if self._out_of_turn(gm, g, k, batch, now):
             return
         if k.ahead is not None:
             k.deferred = (batch.gen, code, reason)
@@ -809,13 +796,21 @@ class GenerationRoom:
         k.batch = None
         self._failed(gm, g, k, batch.gen, code, reason, now)
 
-    def _settle_deferred(self, gm: GenModel, g: GenRep, k: Group, now: float) -> None:
-        """The follower of a failed iteration answered (whatever it says): the failure is dealt
-        with now."""
-        assert k.deferred is not None
-        it, code, reason = k.deferred
-        k.batch, k.deferred = None, None
-        self._failed(gm, g, k, it, code, reason, now)
+    def _out_of_turn(self, gm: GenModel, g: GenRep, k: Group, batch: Batch, now: float) -> bool:
+        """Whether `batch`'s answer (a result or an error) is not taken as its iteration's: a
+        follower answered before the iteration it follows (refused as it was placed, or out of
+        order): dropped, that one's answer decides and the next iteration is sent from here as
+        without a follower (one computing its token again, over the same positions of the KV);
+        or the follower of an iteration that failed, whose failure is dealt with now."""
+        if batch is k.ahead:
+            k.ahead = None
+            return True
+        if k.deferred is not None:
+            it, code, reason = k.deferred
+            k.batch, k.deferred = None, None
+            self._failed(gm, g, k, it, code, reason, now)
+            return True
+        return False
 
     def _failed(
         self, gm: GenModel, g: GenRep, k: Group, it: Iteration, code: str, reason: str, now: float

@@ -1236,6 +1236,7 @@ class Executor:
         """`_run_gen`, once the iteration it follows (if any) is done, its tokens taken in as
         this one's; `tail` is set when it ends (after its answer went out from here, so that the
         one following it never answers first)."""
+        ok = False
         try:
             if follows is not None:
                 # Before anything of the device is held: that iteration may still need it.
@@ -1254,10 +1255,10 @@ class Executor:
                     )
                 x = torch.tensor(drawn, dtype=torch.int64)
             out = self._run_gen(on_lane, st, ready, x, gen, seqs, *rest)
-            tail.end(True)
+            ok = True
             return out
         finally:
-            tail.end(tail.ok)
+            tail.end(ok)
 
     def _run_gen(
         self,
