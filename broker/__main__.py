@@ -124,6 +124,13 @@ OPTIONS = Options(
             "1: a language model of one stage has its next iteration queued on its worker while "
             "one runs (no round trip between two tokens); 0: sent once the last one answered",
         ),
+        Option(
+            "--undeploy-drain",
+            FLOAT,
+            30.0,
+            "seconds an undeploy waits for the model's running generations to end before it "
+            "goes (new calls refused meanwhile; 0: at once)",
+        ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
         Option("--replicas", INT, 2, "default replicas per model"),
         Option(
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         group_runs=args.group_runs,
         gen_groups=args.gen_groups,
         gen_overlap=bool(args.gen_overlap),
+        undeploy_drain_s=args.undeploy_drain,
         default_replicas=args.replicas,
         starvation_s=args.starvation,
         state_dir=args.state_dir,

@@ -43,7 +43,7 @@ class Autoscaler:
                     log.info("keeping draining replica model=%s: the other was lost", model.name)
                 elif self._drop_if_drained(model, rep):
                     log.info("dropped drained replica model=%s workers=%s", model.name, rep.workers)
-            if not cfg.autoscale or model.state is not ModelState.READY:
+            if not cfg.autoscale or model.state is not ModelState.READY or model.drain is not None:
                 continue
             live = [r for r in model.replicas if r.live]
             taken = {(s, w) for r in model.replicas for s, w in enumerate(r.workers)}

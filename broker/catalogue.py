@@ -4,8 +4,9 @@ Part of the broker's registry (`broker.registry`); a plain class, no sockets, no
 own. `deploy` asks a partitioner for a plan (cached by the spec's hash and the request:
 `broker.plan_cache`), has `broker.placement` place its replicas, then answers once every stage's
 `DeployStage` is answered (`stage_ready`), after keeping the model in the store (`--state-dir`).
-`undeploy` forgets a model; `plan_request` answers a client's plan request the same way. A plan
-or stage call that fails or expires fails what waited on it.
+`undeploy` forgets a model, at once or once its running generations have ended (a drain:
+`check_drain`); `plan_request` answers a client's plan request the same way. A plan or stage
+call that fails or expires fails what waited on it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import msgspec
 from broker.context import Context, fail
 from broker.placement import Placement
 from broker.plan_cache import PlanCache
-from broker.state import Call, Model, ModelState, Peer, Replica
+from broker.state import Call, Drain, Model, ModelState, Peer, Replica
 from broker.status import model_status
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
@@ -44,12 +45,21 @@ class Catalogue:
         self.placement = placement
         self.plan_cache = PlanCache()  # spec and request hash -> answer, bounded in bytes
         self.on_change = on_change
+        # The generation calls a model has running or waiting (`GenerationRoom.running_calls`;
+        # set by the broker core, which holds both rooms).
+        self.generating: Callable[[Model], int] = lambda model: 0
 
     def deploy(self, addr: bytes, msg: p.Deploy, now: float) -> None:
         spec = msg.spec
         check_factory(spec.factory, self.cfg.allow)
         spec.check_generation_settings()
         if spec.name in self.models:
+            if self.models[spec.name].drain is not None:
+                raise fail(
+                    Code.MODEL_EXISTS,
+                    f"model {spec.name!r} is being undeployed (its running generations are "
+                    "ending); deploy it again once the undeploy is answered",
+                )
             raise fail(
                 Code.MODEL_EXISTS, f"model {spec.name!r} is already deployed; undeploy it first"
             )
@@ -96,24 +106,68 @@ class Catalogue:
         self._ask_plan(request, {"for": "client", "addr": addr, "id": msg.id}, now, now + timeout)
 
     def undeploy(self, addr: bytes, msg: p.Undeploy, now: float) -> None:
-        if msg.model not in self.models:
+        """Forget a model: at once, or once its running generations have ended (a drain, up
+        to `drain_s`, the broker's `undeploy_drain_s` by default), refusing new calls
+        meanwhile. The answer says how many ended meanwhile and how many were cut."""
+        model = self.models.get(msg.model)
+        if model is None:
             raise fail(Code.MODEL_NOT_FOUND, f"no model {msg.model!r}")
+        drain = self.cfg.undeploy_drain_s if msg.drain_s is None else msg.drain_s
+        if model.drain is not None:  # asked again while it drains: the earlier end wins
+            model.drain.waiters.append((addr, msg.id))
+            model.drain.until = min(model.drain.until, now + drain)
+            self.check_drain(model, now)
+            return
+        running = self.generating(model)
+        self._forget(model)
+        if running and drain > 0:
+            model.drain = Drain(now, now + drain, running, [(addr, msg.id)])
+            log.info(
+                "undeploying model=%s once its %d running generation(s) end (up to %.1f s)",
+                model.name,
+                running,
+                drain,
+            )
+            return
+        self._remove(model, [(addr, msg.id)], now, drained=0, cut=running)
+
+    def check_drain(self, model: Model, now: float) -> None:
+        """A draining model goes once its generations and queued requests are done, or at the
+        end of its drain, whatever still runs."""
+        d = model.drain
+        if d is None or self.models.get(model.name) is not model:
+            return
+        left = self.generating(model)
+        if (left or model.queue) and now < d.until:
+            return
+        self._remove(model, d.waiters, now, drained=max(0, d.running - left), cut=left)
+
+    def _forget(self, model: Model) -> None:
         if self.placement.store is not None:
             try:
-                self.placement.store.drop_model(msg.model)
+                self.placement.store.drop_model(model.name)
             except Exception as exc:
-                raise fail(Code.INTERNAL, f"could not forget {msg.model!r}: {exc}") from None
-        model = self.models.pop(msg.model)
+                raise fail(Code.INTERNAL, f"could not forget {model.name!r}: {exc}") from None
+
+    def _remove(
+        self, model: Model, waiters: list[tuple[bytes, int]], now: float, *, drained: int, cut: int
+    ) -> None:
+        del self.models[model.name]
         for req in model.queue:
-            self.ctx.answer_error(req, Code.MODEL_NOT_FOUND, f"{msg.model!r} was undeployed")
+            self.ctx.answer_error(req, Code.MODEL_NOT_FOUND, f"{model.name!r} was undeployed")
         model.queue.clear()
         for rep in model.replicas:
             self.placement.drop_replica(model.name, rep)
-        for cid in [i for i, c in self.calls.items() if c.data.get("model") == msg.model]:
+        for cid in [i for i, c in self.calls.items() if c.data.get("model") == model.name]:
             del self.calls[cid]
-        self.ctx.to_client(addr, p.Undeployed(id=msg.id, model=msg.model))
-        log.info("undeployed model=%s", msg.model)
-        self.on_change(now)
+        waited = now - model.drain.since if model.drain is not None else 0.0
+        for addr, ref in waiters:
+            self.ctx.to_client(
+                addr,
+                p.Undeployed(id=ref, model=model.name, drained=drained, cut=cut, waited_s=waited),
+            )
+        log.info("undeployed model=%s drained=%d cut=%d", model.name, drained, cut)
+        self.on_change(now)  # the generation room answers the calls it cut (`pump`)
 
     def _ask_plan(
         self,

@@ -30,6 +30,10 @@ class BrokerConfig:
     # for the serving benchmark's ablations.
     eviction: str = "value"
     default_timeout_s: float = 60.0
+    # An undeploy lets the model's running generations end, for at most this long, before
+    # the model goes (new calls are refused meanwhile; what still runs then fails). An
+    # Undeploy's own `drain_s` wins; 0 here: at once unless asked.
+    undeploy_drain_s: float = 30.0
     deploy_timeout_s: float = 600.0
     default_replicas: int = 2
     starvation_s: float = 2.0  # a request waiting this long may evict models with queued work

@@ -67,7 +67,13 @@ class Context:
 
     @staticmethod
     def check_ready(model: Model) -> None:
-        """UNAVAILABLE unless `model` serves now."""
+        """UNAVAILABLE unless `model` serves now; MODEL_NOT_FOUND while it is undeployed."""
+        if model.drain is not None:
+            raise fail(
+                Code.MODEL_NOT_FOUND,
+                f"{model.name!r} is being undeployed (waiting for its running generations to "
+                "end); it takes no new calls",
+            )
         if model.state is ModelState.UNAVAILABLE:
             raise fail(
                 Code.UNAVAILABLE,

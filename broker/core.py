@@ -94,6 +94,8 @@ class BrokerCore:
         self.generation = GenerationRoom(self.ctx, self.serving)
         self.serving.gen = self.generation
         self.registry.autoscaler.holds = self.generation.holds
+        self.registry.catalogue.generating = self.generation.running_calls
+        self.generation.on_drained = self.registry.catalogue.check_drain
         self.training = TrainingRouter(
             peers=self.ctx.peers,
             ids=self.ctx.ids,
@@ -303,6 +305,7 @@ class BrokerCore:
         for model in list(self.models.values()):
             self.serving.expire_queued(model, now)
             self.registry.deploy_overdue(model, now)
+            self.registry.catalogue.check_drain(model, now)
         self.serving.expire_running(now)
         self.generation.tick(now)
         for cid, call in list(self.calls.items()):

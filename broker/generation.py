@@ -59,6 +59,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,6 +239,9 @@ class GenerationRoom:
         self.reads: list[tuple[str, str]] = []
         # Preempted sequences whose KV their workers were asked to park, by id (`seqs_parked`).
         self.parked: dict[int, Seq] = {}
+        # A model being undeployed has no generation left (`Catalogue.check_drain`; set by the
+        # broker core, which holds both rooms).
+        self.on_drained: Callable[[Model, float], None] = lambda model, now: None
 
     # ================================================================== the door
 
@@ -468,21 +472,29 @@ class GenerationRoom:
     # ================================================================== scheduling
 
     def pump(self, now: float) -> None:
-        """Start an iteration on every replica that has sequences to run and none in flight."""
+        """Start an iteration on every replica that has sequences to run and none in flight;
+        a model being undeployed whose generations have all ended goes on with its undeploy."""
+        drained: list[Model] = []
         for name, gm in list(self.by_model.items()):
             model = self.models.get(name)
             if model is not gm.model:  # undeployed (perhaps deployed again)
                 del self.by_model[name]
+                reason = f"{name!r} was undeployed"
+                if gm.model.drain is not None:
+                    d = gm.model.drain
+                    reason += f" after waiting {d.until - d.since:.1f} s for its generations to end"
                 for call in list(gm.calls.values()):
-                    self._fail_call(call, Code.MODEL_NOT_FOUND, f"{name!r} was undeployed")
+                    self._fail_call(call, Code.MODEL_NOT_FOUND, reason)
                 # Calls still waiting for its files: nobody else would answer them (the read,
                 # when it ends, is for nobody; `tick` looks only at models still here).
                 held, gm.held = gm.held, []
                 for addr, msg, _ in held:
-                    reason = f"{name!r} was undeployed"
                     self.ctx.to_client(
                         addr, p.Error(id=msg.id, code=str(Code.MODEL_NOT_FOUND), reason=reason)
                     )
+                continue
+            if model.drain is not None and not gm.calls and not gm.held:
+                drained.append(model)
                 continue
             if gm.room_seq is not None and gm.room_seq.finish is not None:
                 # The sequence that waited for room ended (answered, timed out, stopped).
@@ -518,6 +530,8 @@ class GenerationRoom:
                 self._iterate(gm, g, now, starving, ensured=True)
                 if g not in gm.reps:
                     break  # none of them could join it now (waiting for their parked KV)
+        for model in drained:
+            self.on_drained(model, now)
 
     @staticmethod
     def _usable(model: Model, g: GenRep) -> bool:
@@ -675,6 +689,14 @@ class GenerationRoom:
         gm.follows += 1
 
     # ================================================================== results
+
+    def running_calls(self, model: Model) -> int:
+        """The generation calls `model` has running, waiting to join, or waiting for its
+        files."""
+        gm = self.by_model.get(model.name)
+        if gm is None or gm.model is not model:
+            return 0
+        return len(gm.calls) + len(gm.held)
 
     def holds(self, model: Model, rep: Replica) -> bool:
         """Whether live sequences of `model` keep KV on `rep`'s workers."""

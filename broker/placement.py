@@ -59,6 +59,8 @@ class Placement:
         A failure is logged: the model stays deployed, and a restart re-creates what it lacks."""
         if self.store is None or model.state not in (ModelState.READY, ModelState.UNAVAILABLE):
             return
+        if model.drain is not None:  # forgotten already: being undeployed
+            return
         if self.models.get(model.name) is not model:
             return
         try:

@@ -279,6 +279,7 @@ class ServingRouter:
             m
             for m in self.models.values()
             if m.state is ModelState.READY
+            and m.drain is None
             and not m.queue
             and not m.prefetch_hold
             and m.rate.at(now) >= self.cfg.prefetch_min_rate

@@ -154,6 +154,17 @@ class ModelState(Enum):
 
 
 @dataclass
+class Drain:
+    """An undeploy waiting for the model's running generations to end (`broker.catalogue`):
+    new calls are refused meanwhile, and the model goes when they have ended or at `until`."""
+
+    since: float
+    until: float
+    running: int  # generation calls running when it began
+    waiters: list[tuple[bytes, int]] = field(default_factory=list)  # the Undeploys to answer
+
+
+@dataclass
 class Model:
     spec: ModelSpec
     state: ModelState
@@ -193,6 +204,7 @@ class Model:
     # the event loop once per deploy), and whether that read is under way.
     lm: Any = None
     lm_reading: bool = False
+    drain: Drain | None = None  # being undeployed, once its running generations end
 
     @property
     def name(self) -> str:

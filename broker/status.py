@@ -258,7 +258,7 @@ def model_status(
     timing = timing or {}
     return ModelRow(
         name=model.name,
-        state=model.state.value,
+        state="draining" if model.drain is not None else model.state.value,
         factory=model.spec.factory,
         dtype=model.spec.dtype,
         inputs=dict(model.inputs or {}),

@@ -387,8 +387,15 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_undeploy(args: argparse.Namespace) -> int:
     with connect(args) as c:
-        c.undeploy(args.name, timeout=args.timeout)
-    print(f"undeployed {args.name}")
+        timeout = args.timeout if args.drain is None else max(args.timeout, args.drain + 10)
+        done = c.undeploy(args.name, timeout=timeout, drain=args.drain)
+    said = f"undeployed {args.name}"
+    if done.drained or done.cut:
+        said += (
+            f" after {done.waited_s:.1f} s: {done.drained} generation(s) ended meanwhile, "
+            f"{done.cut} cut"
+        )
+    print(said)
     return 0
 
 

@@ -321,6 +321,14 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
 
     p = client_cmd("undeploy", "remove a model")
     p.add_argument("name")
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long its running generations may take to end first (default: the broker's "
+        "--undeploy-drain, 30 s; 0: at once)",
+    )
     p.set_defaults(fn=commands["undeploy"])
 
     p = client_cmd("infer", "run one request (random inputs of the declared shape by default)")

@@ -191,9 +191,20 @@ class AsyncClient:
         assert isinstance(reply, p.Deployed)
         return reply.model
 
-    async def undeploy(self, name: str, timeout: float | None = None) -> None:
-        """Undeploy model `name`: its stages leave the workers, its calls in queue fail."""
-        await self.connection.call(p.Undeploy(id=self.connection.next_id(), model=name), timeout)
+    async def undeploy(
+        self, name: str, timeout: float | None = None, *, drain: float | None = None
+    ) -> p.Undeployed:
+        """Undeploy model `name`: its stages leave the workers, its calls in queue fail. Its
+        running generations may first end, for up to `drain` seconds (None: the broker's
+        `--undeploy-drain`, 30 s by default; 0: at once), new calls refused meanwhile; the
+        answer counts those that ended (`drained`) and those still running then (`cut`)."""
+        if timeout is None and drain is not None:
+            timeout = max(self.connection.seconds(None), drain + 10.0)
+        reply = await self.connection.call(
+            p.Undeploy(id=self.connection.next_id(), model=name, drain_s=drain), timeout
+        )
+        assert isinstance(reply, p.Undeployed)
+        return reply
 
     async def infer(
         self,

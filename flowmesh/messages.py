@@ -116,11 +116,17 @@ class Deployed(Message, tag="deployed"):
 class Undeploy(Message, tag="undeploy"):
     id: Id
     model: str
+    # How long the model's running generations may take to end before it goes, refusing new
+    # calls meanwhile: None, the broker's `undeploy_drain_s`; 0, at once (they fail).
+    drain_s: Annotated[float, Meta(ge=0, le=86400)] | None = None
 
 
 class Undeployed(Message, tag="undeployed"):
     id: Id
     model: str
+    drained: Count = 0  # generations that ended while the undeploy waited for them
+    cut: Count = 0  # generations still running when it went (answered model_not_found)
+    waited_s: Seconds = 0.0
 
 
 class Infer(Message, tag="infer"):

@@ -1007,9 +1007,9 @@ def test_a_call_waiting_for_the_files_times_out(lm_dir: Path, files: LmFiles) ->
 def test_undeploying_answers_every_call(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     g.first(g.generate(1, [[1, 5]], max_tokens=3))
-    out = g.client(p.Undeploy(id=8, model="lm"), CLIENT_B)
+    out = g.client(p.Undeploy(id=8, model="lm", drain_s=0), CLIENT_B)
     assert [o for o in out if o[0] == CLIENT] == [
-        (CLIENT, CLIENT_B, p.Undeployed(id=8, model="lm")),
+        (CLIENT, CLIENT_B, p.Undeployed(id=8, model="lm", cut=1)),
         (
             CLIENT,
             CLIENT_A,
@@ -1022,9 +1022,9 @@ def test_undeploying_answers_every_call(lm_dir: Path, files: LmFiles) -> None:
 def test_undeploying_answers_calls_waiting_for_the_files(lm_dir: Path) -> None:
     g = Gen(lm_dir, None)
     assert g.generate(1, [[1, 5]]) == []
-    out = g.client(p.Undeploy(id=8, model="lm"), CLIENT_B)
+    out = g.client(p.Undeploy(id=8, model="lm", drain_s=0), CLIENT_B)
     assert [o for o in out if o[0] == CLIENT] == [
-        (CLIENT, CLIENT_B, p.Undeployed(id=8, model="lm")),
+        (CLIENT, CLIENT_B, p.Undeployed(id=8, model="lm", cut=1)),
         (
             CLIENT,
             CLIENT_A,

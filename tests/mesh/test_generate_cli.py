@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from client_sdk.cli import main
+from client_sdk.errors import ModelNotFound
 from client_sdk.mesh import LocalMesh
 from flowmesh.modelio.tokenizer import TextCodec, read_tokenizer
 from tests.support.cli import flowmesh
@@ -115,3 +116,21 @@ def test_generate_from_an_unknown_model_fails_on_stderr(
     run = cli(capsys, "generate", "nope", "hi", "--broker", mesh.frontend)
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.startswith("flowmesh generate: [model_not_found]"), run.stderr
+
+
+def test_undeploy_drain_cuts_a_running_generation_and_says_so(
+    lm: tuple[LocalMesh, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flowmesh undeploy --drain 0` under a running stream: the stream fails at once,
+    and the command says that one generation was cut."""
+    mesh, model_dir = lm
+    with mesh.client() as c:
+        c.deploy("lm-cut", hf=str(model_dir), stages=1, replicas=1)
+        with c.generate_stream("lm-cut", PROMPT, max_tokens=48, ignore_eos=True) as stream:
+            next(iter(stream))  # the first token: the rest are still to come
+            run = cli(capsys, "undeploy", "lm-cut", "--drain", "0", "--broker", mesh.frontend)
+            assert run.returncode == 0, run.stderr
+            assert run.stdout.startswith("undeployed lm-cut after "), run.stdout
+            assert run.stdout.endswith(": 0 generation(s) ended meanwhile, 1 cut\n"), run.stdout
+            with pytest.raises(ModelNotFound, match="'lm-cut' was undeployed"):
+                list(stream)

@@ -2,11 +2,12 @@
 stages on two workers (an iteration in flight per stage), its greedy tokens through the paged KV
 cache equal to Hugging Face's own `generate`; Llama, Qwen2, Mistral, GPT-2 and OPT directories in
 one and two stages too; streams that join to the call's result, stop strings, chats, the
-refusals at the door, and the demo's part."""
+refusals at the door, the demo's part, and an undeploy that lets a running stream end."""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from tests.support.preemption import (
     preempted_reference,
     three_blocks_share,
 )
-from tests.support.waiting import until
+from tests.support.waiting import until, until_blocking
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1 2 3"]
 
@@ -276,3 +277,35 @@ def test_a_seeded_draw_is_the_same_alone_and_batched(lm: tuple[LocalMesh, Path])
 
     alone, crowd, other = asyncio.run(main())
     assert crowd[0] == alone and other != alone
+
+
+def test_an_undeploy_lets_a_running_generation_end_and_refuses_new_calls(
+    lm: tuple[LocalMesh, Path],
+) -> None:
+    """An operator undeploys a model mid-stream: the stream runs to its end with the tokens it
+    would have had undisturbed, a new call is refused meanwhile, the undeploy is answered once
+    the stream has ended, saying so, and the model is gone."""
+    mesh, model_dir = lm
+    prompt, n = "Once upon a time", 48
+    with mesh.client() as c, mesh.client() as op, mesh.client() as look:
+        c.deploy("lm-drain", hf=str(model_dir), stages=1, replicas=1)
+        whole = c.generate("lm-drain", prompt, max_tokens=n, ignore_eos=True)
+
+        def state() -> str | None:
+            row = next((m for m in look.status().models if m.name == "lm-drain"), None)
+            return None if row is None else row.state
+
+        got: list[int] = []
+        with ThreadPoolExecutor(1) as pool:
+            with c.generate_stream("lm-drain", prompt, max_tokens=n, ignore_eos=True) as stream:
+                for chunk in stream:
+                    if not got:  # the first token: undeploy while the rest are to come
+                        undeploy = pool.submit(op.undeploy, "lm-drain")
+                        until_blocking(lambda: state() == "draining", "the model draining")
+                        with pytest.raises(errors.ModelNotFound, match="being undeployed"):
+                            look.generate("lm-drain", "Hi", max_tokens=2)
+                    got += chunk.ids
+            done = undeploy.result(timeout=60)
+        assert got == whole.ids
+        assert (done.drained, done.cut) == (1, 0) and done.waited_s > 0
+        assert state() is None
