@@ -1,0 +1,375 @@
+"""One stage of a training job cut into pipeline stages over several workers (issue 23 §2).
+
+The model's chain is cut into contiguous block ranges, one per stage; a stage holds its blocks
+on its worker's device with a torch optimizer over the parameters it owns, and computes, per
+micro-batch of a step (the step's `accumulate` micro-batches: the pipeline's):
+
+    forward(m, x, rng)          -> (y, rng')         y goes on to the next stage
+    last(m, x, target, rng)     -> (loss, dx, rng')  the last stage: loss / M, its backward
+    backward(m, dy)             -> dx                dx goes back to the previous stage
+
+then, once every micro-batch's backward has run, `norms` (what a global gradient clip needs
+from this stage) and `update` (clip with the global norm, step, zero the gradients). The
+driver that moves activations and gradients between stages is not here: this is plain torch
+on one device, driven in process by the tests and by the worker's shell alike.
+
+What keeps it exact against plain PyTorch (`flowmesh.reference.train`, the same rule as the
+memory-flow job, `gpu_worker.train_job`):
+
+- randomness: the job's RNG state travels with the activation. A stage's forward starts from
+  the state the previous stage's forward left (stage 0: the one the last stage left after the
+  previous micro-batch, or the job's at the first), so dropout draws what it would in one
+  process running the micro-batches one after the other.
+- tied weights: a parameter used by two stages (GPT-2's embedding and its LM head) is owned by
+  the first that uses it; a later stage holds a copy (`borrowed`), sends its gradient to the
+  owner before the update (`tied_grads` / `add_tied_grads`) and takes the owner's updated value
+  after it (`tied_values` / `set_tied_values`).
+- clipping: the owner of each parameter gives its gradient's norm with the parameter's place
+  in the model (`norms`); the driver stacks them all in that order and takes the norm, as
+  `clip_grad_norm_` does, and every stage clips with that total.
+- parameters that get no gradient keep `grad=None`, and the optimizer skips them, as after
+  `zero_grad()`.
+- buffers: each forward updates a fresh copy of the stage's buffers (`_fresh_buffers`), so a
+  micro-batch's backward, run after later micro-batches' forwards, sees them as its own forward
+  did; BatchNorm's statistics move once per forward, in micro-batch order.
+- mixed precision (`compute_dtype` "bfloat16"): forward and loss under one `torch.autocast`,
+  the backward and the update outside it, as a PyTorch AMP loop does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from flowmesh.errors import Code, FlowmeshError, bad_request
+from flowmesh.modelio.chain import Block
+from flowmesh.modelio.dtypes import TORCH_DTYPES
+from flowmesh.modelio.inputs import call_model
+from gpu_worker.train_config import TrainConfig, make_optimizer, resolve_loss
+from gpu_worker.train_job import RngState, _as_output, _model_error, _rng_get, _rng_scope
+from gpu_worker.train_layout import TensorInfo, check_ranges, collect
+
+Inputs = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def job_rng(seed: int, cuda: int | None = None) -> RngState:
+    """A job's RNG state before its first step: torch's generators seeded with `seed`."""
+    cuda_state = None
+    if cuda is not None:
+        cuda_state = torch.Generator(device=f"cuda:{cuda}").manual_seed(seed).get_state()
+    return torch.Generator().manual_seed(seed).get_state(), cuda_state
+
+
+def total_norm(norms: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The global gradient norm from every stage's `norms`, stacked in the model's order (as
+    `clip_grad_norm_` stacks per-parameter norms)."""
+    ordered = [n for _, n in sorted(norms, key=lambda item: item[0])]
+    if not ordered:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([n.to("cpu") for n in ordered]), 2.0)
+
+
+class PipeStage:
+    """Stage `stage` of the chain `blocks` cut at `ranges`, on `device`.
+
+    Built from the whole chain (every stage's worker builds the same seeded model and keeps
+    its own blocks), so that ownership of shared tensors and the parameters' order in the model
+    are the same on every stage."""
+
+    def __init__(
+        self,
+        job: str,
+        blocks: Sequence[Block],
+        ranges: Sequence[tuple[int, int]],
+        stage: int,
+        config: TrainConfig,
+        device: torch.device | str = "cpu",
+        *,
+        allow: Iterable[str] | None = None,
+    ) -> None:
+        self.job = job
+        self.config = config
+        self.ranges = [(int(a), int(b)) for a, b in ranges]
+        check_ranges(self.ranges, len(blocks))
+        if not 0 <= stage < len(self.ranges):
+            raise bad_request(f"stage {stage} of {len(self.ranges)}")
+        self.stage = stage
+        self.first = stage == 0
+        self.is_last = stage == len(self.ranges) - 1
+        self.device = torch.device(device)
+        self.loss_fn = resolve_loss(config.loss, allow) if self.is_last else None
+        self._autocast: torch.dtype | None = (
+            None if config.compute_dtype == "float32" else TORCH_DTYPES[config.compute_dtype]
+        )
+        self._cuda = self.device.index if self.device.type == "cuda" else None
+        if self.device.type == "cuda" and self._cuda is None:
+            self._cuda = torch.cuda.current_device()
+        tensors, subs = collect(blocks, self.ranges)
+        sub = subs[stage]
+        self.modules = list(sub.modules)
+        for m in self.modules:
+            m.to(self.device)
+            m.train()
+        self.tensors: dict[str, TensorInfo] = {n: tensors[n] for n in sub.uses}
+        self.owned = [tensors[n] for n in sub.owned if tensors[n].trainable]
+        self.borrowed = [tensors[n] for n in sub.borrowed if tensors[n].trainable]
+        # This stage's parameters that later stages borrow, by name: their gradients come in
+        # before the update, their values go out after it.
+        self.lent = sorted(
+            {n for s in subs[stage + 1 :] for n in s.borrowed if tensors[n].owner == stage}
+        )
+        params = [i.tensor for i in self.owned]
+        self.optimizer = make_optimizer(config.optimizer, params, allow) if params else None
+        for info in self.tensors.values():
+            if info.is_param:
+                info.tensor.grad = None
+        # Per micro-batch of the step under way: the input (a leaf that collects its gradient)
+        # and the output whose graph the backward runs.
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.losses: list[float] = []
+        self.nonfinite = False
+
+    # -- per micro-batch ---------------------------------------------------------------------
+
+    def _compute(self) -> AbstractContextManager[Any]:
+        if self._autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast)
+
+    def _take(self, x: Any) -> Any:
+        """The micro-batch's input on this device; after stage 0, a leaf whose gradient is what
+        goes back to the previous stage."""
+        if isinstance(x, Mapping):
+            return {k: v.to(self.device) for k, v in x.items()}
+        x = x.to(self.device)
+        if not self.first:
+            if not x.is_floating_point():
+                raise FlowmeshError(
+                    Code.PLAN_ERROR,
+                    f"job {self.job!r}: stage {self.stage} receives a {x.dtype} tensor; a "
+                    "pipeline can only be cut where a floating activation passes",
+                )
+            x = x.detach().requires_grad_(True)
+        return x
+
+    def _fresh_buffers(self) -> None:
+        """Every buffer replaced by a copy before a forward: what the forward updates in place
+        (BatchNorm's statistics, a running scale) is the copy, and what an earlier micro-batch's
+        graph saved stays as that forward saw it, though its backward runs after this one."""
+        fresh: dict[int, torch.Tensor] = {}
+        for module in self.modules:
+            for sub in module.modules():
+                for name, buf in sub._buffers.items():
+                    if buf is not None:
+                        sub._buffers[name] = fresh.setdefault(id(buf), buf.clone())
+        for info in self.tensors.values():
+            if not info.is_param and id(info.tensor) in fresh:
+                info.tensor = fresh[id(info.tensor)]
+
+    def _run(self, x: Any, rng: RngState) -> tuple[torch.Tensor, RngState]:
+        self._fresh_buffers()
+        with _rng_scope(rng, self._cuda), self._compute():
+            out: Any = x
+            try:
+                for j, module in enumerate(self.modules):
+                    out = call_model(module, out) if self.first and j == 0 else module(out)
+                out = _as_output(out)
+            except FlowmeshError:
+                raise
+            except Exception as exc:
+                raise _model_error(self.job, f"stage {self.stage}'s forward", exc) from None
+            return out, _rng_get(self._cuda)
+
+    def forward(self, micro: int, x: Any, rng: RngState) -> tuple[torch.Tensor, RngState]:
+        """Micro-batch `micro` through this (not last) stage: its output, detached (what the
+        next stage receives), and the RNG state after it."""
+        x = self._take(x)
+        out, rng = self._run(x, rng)
+        self._graphs[micro] = (x, out)
+        return out.detach(), rng
+
+    def last(
+        self, micro: int, x: Any, target: torch.Tensor, rng: RngState
+    ) -> tuple[float, torch.Tensor | None, RngState]:
+        """Micro-batch `micro` through the last stage: forward, loss / M, backward. Returns the
+        loss, the gradient of its input (None on a one-stage pipeline) and the RNG state."""
+        assert self.loss_fn is not None
+        x = self._take(x)
+        out, rng = self._run(x, rng)
+        target = target.to(self.device)
+        with self._compute():
+            try:
+                loss = self.loss_fn(out, target)
+            except Exception as exc:
+                raise bad_request(
+                    f"job {self.job!r}: the loss failed on outputs of shape "
+                    f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
+                ) from None
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise FlowmeshError(
+                    Code.MODEL_ERROR, f"job {self.job!r}: the loss is not a scalar tensor"
+                )
+            loss = loss.reshape(()) / self.config.accumulate
+        value = float(loss.detach().item())
+        if not math.isfinite(value):
+            self.nonfinite = True
+            if self.config.stop_on_nonfinite:
+                raise FlowmeshError(
+                    Code.MODEL_ERROR,
+                    f"job {self.job!r}: the loss is {value} (micro-batch {micro}); the step "
+                    "was not applied",
+                )
+        self.losses.append(value)
+        try:
+            loss.backward()
+        except Exception as exc:
+            raise _model_error(self.job, f"stage {self.stage}'s backward", exc) from None
+        return value, self._input_grad(x), rng
+
+    def backward(self, micro: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The backward of micro-batch `micro` with the gradient of this stage's output; the
+        gradient of its input (None on stage 0)."""
+        x, out = self._graphs.pop(micro)
+        try:
+            out.backward(grad.to(device=self.device, dtype=out.dtype))
+        except Exception as exc:
+            raise _model_error(self.job, f"stage {self.stage}'s backward", exc) from None
+        return self._input_grad(x)
+
+    def _input_grad(self, x: Any) -> torch.Tensor | None:
+        if self.first or not isinstance(x, torch.Tensor):
+            return None
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    # -- ending the step ---------------------------------------------------------------------
+
+    def tied_grads(self) -> dict[str, torch.Tensor]:
+        """The gradients of the parameters this stage borrows, for their owners (and dropped
+        here: only the owner updates)."""
+        out = {}
+        for info in self.borrowed:
+            grad = info.tensor.grad
+            if grad is not None:
+                out[info.name] = grad
+            info.tensor.grad = None
+        return out
+
+    def add_tied_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Another stage's gradients of parameters lent by this one, added to their own."""
+        for name, grad in grads.items():
+            if name not in self.lent:
+                raise bad_request(f"stage {self.stage} lends no parameter {name!r}")
+            t = self.tensors[name].tensor
+            g = grad.to(device=self.device, dtype=t.dtype)
+            t.grad = g.clone() if t.grad is None else t.grad.add_(g)
+
+    def norms(self) -> list[tuple[int, torch.Tensor]]:
+        """The norm of every owned parameter's gradient, with its place in the model."""
+        return [
+            (info.order, torch.linalg.vector_norm(info.tensor.grad.detach(), 2.0))
+            for info in self.owned
+            if info.tensor.grad is not None
+        ]
+
+    def update(self, total: torch.Tensor | None) -> float:
+        """Clip with the global norm `total` (when the job clips), step the optimizer, zero the
+        gradients; the step's loss on the last stage (0 elsewhere)."""
+        if self._graphs:
+            raise bad_request(
+                f"job {self.job!r}: stage {self.stage} updated with the backward of "
+                f"micro-batches {sorted(self._graphs)} not run"
+            )
+        params = [i.tensor for i in self.owned]
+        if self.optimizer is not None:
+            if self.config.clip_grad_norm is not None and total is not None:
+                torch.nn.utils.clip_grads_with_norm_(
+                    params, self.config.clip_grad_norm, total.to(self.device)
+                )
+            try:
+                self.optimizer.step()
+            except Exception as exc:
+                raise _model_error(self.job, f"stage {self.stage}'s optimizer", exc) from None
+        self._zero()
+        loss, self.losses = sum(self.losses), []
+        self.nonfinite = False
+        return loss
+
+    def abort(self) -> None:
+        """Drop what a failed step left: graphs, gradients, losses; the weights are untouched
+        unless `update` ran."""
+        self._graphs.clear()
+        self._zero()
+        self.losses, self.nonfinite = [], False
+
+    def _zero(self) -> None:
+        for info in self.tensors.values():
+            if info.is_param:
+                info.tensor.grad = None
+
+    def tied_values(self) -> dict[str, torch.Tensor]:
+        """The values of the parameters this stage lends, after its update."""
+        return {n: self.tensors[n].tensor.detach() for n in self.lent}
+
+    def set_tied_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for info in self.borrowed:
+                if info.name in values:
+                    info.tensor.copy_(values[info.name])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors this stage owns, by their names in the model's state_dict."""
+        return {
+            n: i.tensor.detach().to("cpu") for n, i in self.tensors.items() if i.owner == self.stage
+        }
+
+
+def step_in_process(
+    stages: Sequence[PipeStage],
+    inputs: Inputs,
+    targets: torch.Tensor,
+    rng: RngState,
+) -> tuple[float, RngState, torch.Tensor | None]:
+    """One step of `stages` run in this process, in GPipe order (every micro-batch's forward,
+    then every backward, last first): the step's loss, the job's RNG state after it and the
+    global gradient norm (None without clipping). What the workers do over sockets, in one
+    place: the reference the in-process tests hold the stages to."""
+    accumulate = stages[0].config.accumulate
+    xs = _micro(inputs, accumulate)
+    ys = targets.chunk(accumulate) if accumulate > 1 else [targets]
+    grads: list[torch.Tensor | None] = []
+    for m, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        act: Any = x
+        for stage in stages[:-1]:
+            act, rng = stage.forward(m, act, rng)
+        _, grad, rng = stages[-1].last(m, act, y, rng)
+        grads.append(grad)
+    for m in reversed(range(accumulate)):
+        grad = grads[m]
+        for stage in reversed(stages[:-1]):
+            assert grad is not None
+            grad = stage.backward(m, grad)
+    for k, stage in enumerate(stages):
+        tied = stage.tied_grads()
+        for owner in stages[:k]:
+            owner.add_tied_grads({n: g for n, g in tied.items() if n in owner.lent})
+    total = None
+    if stages[0].config.clip_grad_norm is not None:
+        total = total_norm(n for s in stages for n in s.norms())
+    loss = sum(s.update(total) for s in stages)
+    for k, stage in enumerate(stages):
+        for later in stages[k + 1 :]:
+            later.set_tied_values(stage.tied_values())
+    return loss, rng, total
+
+
+def _micro(inputs: Inputs, n: int) -> list[Inputs]:
+    if n == 1:
+        return [inputs]
+    if isinstance(inputs, torch.Tensor):
+        return list(inputs.chunk(n))
+    parts = {k: v.chunk(n) for k, v in inputs.items()}
+    return [{k: parts[k][i] for k in inputs} for i in range(n)]
