@@ -342,6 +342,9 @@ class TrainOpen(Message, tag="train_open"):
     resume: str | None = None
     chunk_bytes: Count | None = None
     timeout_ms: int | None = None
+    # Its sub-models over this many workers, activations and gradients going worker to
+    # worker (pipeline-parallel); 0 or 1: one worker, by memory flow.
+    pipeline: Annotated[int, Meta(ge=0, le=64)] = 0
 
 
 class TrainOpened(Message, tag="train_opened"):
@@ -441,6 +444,57 @@ class TrainClose(Message, tag="train_close"):
 class TrainClosed(Message, tag="train_closed"):
     id: Id
     job: str
+
+
+class PipePeer(msgspec.Struct, forbid_unknown_fields=True):
+    """A stage's worker in a pipelined training job: its peer endpoint and key."""
+
+    worker: str
+    endpoint: str
+    key: str = ""
+
+
+class PipeOpen(Message, tag="pipe_open"):
+    """Broker -> each worker of a pipelined training job (`TrainOpen` with `pipeline` above 1):
+    open stage `stage`, blocks `ranges[stage]` of the model's chain. `peers`: every stage's
+    worker, in stage order; the stages' hops carry `ticket`. Answered `JobOpened`."""
+
+    id: Id
+    job: str
+    spec: ModelSpec
+    config: TrainConfig
+    batch: Count
+    stage: Count
+    ranges: list[tuple[Count, Count]]
+    ticket: Annotated[int, Meta(ge=1)]
+    peers: list[PipePeer]
+
+
+PIPE_HOPS = ("target", "act", "grad", "rng", "tied_grad", "norms", "total", "tied_value", "done",
+             "fail", "abort")  # fmt: skip
+
+
+class PipeHop(Message, tag="pipe_hop"):
+    """Worker -> worker of one pipelined training job, on the peer sockets (`stage`: the
+    sender's): a step's targets, a micro-batch's activation or gradient, the RNG state, tied
+    weights' gradients and values, gradient norms and their total, a stage's end of the step,
+    a failure and the abort that follows it (`gpu_worker.pipe_runner`)."""
+
+    id: Id
+    job: str
+    ticket: Annotated[int, Meta(ge=1)]
+    seq: Count
+    stage: Count
+    kind: Literal[PIPE_HOPS]  # type: ignore[valid-type]
+    micro: Count = 0
+    tensors: Tensors = field(default_factory=dict)
+    orders: list[Count] = field(default_factory=list)  # norms: each parameter's place
+    values: list[float] = field(default_factory=list)  # norms, or the total
+    loss: float = 0.0
+    drew: bool = False  # its forwards drew random numbers
+    code: str = ""
+    reason: str = ""
+    updated: bool = False  # a failure after this stage's update: the job is broken
 
 
 class Jobs(Message, tag="jobs"):

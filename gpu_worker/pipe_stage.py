@@ -118,10 +118,19 @@ class PipeStage:
         self.owned = [tensors[n] for n in sub.owned if tensors[n].trainable]
         self.borrowed = [tensors[n] for n in sub.borrowed if tensors[n].trainable]
         # This stage's parameters that later stages borrow, by name: their gradients come in
-        # before the update, their values go out after it.
+        # before the update, their values go out after it; by borrowing stage, and the stages
+        # this one borrows from.
         self.lent = sorted(
             {n for s in subs[stage + 1 :] for n in s.borrowed if tensors[n].owner == stage}
         )
+        self.borrowers: dict[int, list[str]] = {}
+        for s in subs[stage + 1 :]:
+            names = [n for n in s.borrowed if tensors[n].owner == stage and tensors[n].trainable]
+            if names:
+                self.borrowers[s.index] = names
+        self.owners: dict[int, list[str]] = {}
+        for info in (tensors[n] for n in sub.borrowed if tensors[n].trainable):
+            self.owners.setdefault(info.owner, []).append(info.name)
         params = [i.tensor for i in self.owned]
         self.optimizer = make_optimizer(config.optimizer, params, allow) if params else None
         for info in self.tensors.values():

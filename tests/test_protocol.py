@@ -250,6 +250,9 @@ def _required(cls: type[msgspec.Struct]) -> dict[str, object]:
             if tp in PAYLOAD_SAMPLES:
                 kwargs[f.name] = PAYLOAD_SAMPLES[tp]
                 continue
+            if origin is typing.Literal:
+                kwargs[f.name] = typing.get_args(tp)[0]
+                continue
             if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
                 kwargs[f.name] = tp(**_required(tp))
                 continue

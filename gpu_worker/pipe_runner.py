@@ -1,0 +1,381 @@
+"""One worker's stage of a pipelined training job, driven by messages (issue 23 §2).
+
+The broker opens the job's stages on as many workers (`p.PipeOpen`) and sends each step
+(`p.TrainStep`) to stage 0's worker, the step's coordinator. From there the step goes worker
+to worker over the peer sockets, as `p.PipeHop`s carrying the job's ticket:
+
+- the coordinator sends the step's targets to the last stage ("target"), then each
+  micro-batch's input through its own forward; each stage passes its output on ("act", with
+  the job's RNG state), the last one computes the loss and its backward and sends its input's
+  gradient back ("grad"), and each stage passes the gradient of its own input back in turn
+  (GPipe: every forward, then the backwards as their gradients come);
+- a model whose forwards draw random numbers (dropout) has its micro-batches' forwards run one
+  after the other across the stages: the last stage sends the RNG state back to the
+  coordinator ("rng"), which starts the next micro-batch from it, so every forward draws what
+  it would in one process. A model that drew nothing in a step has its forwards overlap in the
+  steps that follow (`random` off); one that draws after all is put back to the first way;
+- once a stage's backwards are done: a stage borrowing a tied weight sends its gradient to the
+  weight's owner ("tied_grad"), and an owner waits for its borrowers'; with a clip, every stage
+  sends its gradients' norms to the coordinator ("norms"), which sends back the global norm
+  ("total"); the stage updates, an owner sends the new value of a lent weight to its borrowers
+  ("tied_value"), and the stage reports to the coordinator ("done", the loss from the last
+  stage). The coordinator answers the broker once every stage is done, and only then begins the
+  next step (a synchronous update, as GPipe's flush).
+
+A failure on any stage ("fail") fails the step everywhere ("abort"): no stage updates from it
+(a failure in an update breaks the job: its stages no longer agree). Plain logic: `on_step` and
+`on_hop` are called on the job's own thread, where the stage computes; `send(stage, hop)` and
+`answer(msg)` take what goes out. A hop this stage sends itself is handled after the one being
+handled, never inside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from gpu_worker.pipe_stage import PipeStage, _micro, job_rng, total_norm
+from gpu_worker.train_job import RngState
+
+log = logging.getLogger("gpu_worker.pipe_runner")
+
+
+def rng_tensors(rng: RngState) -> dict[str, torch.Tensor]:
+    out = {"rng": rng[0]}
+    if rng[1] is not None:
+        out["rng_cuda"] = rng[1]
+    return out
+
+
+def _tensor(t: Any) -> torch.Tensor:
+    """A received tensor (a `TensorRef` off the wire, a tensor in process)."""
+    return t.tensor() if hasattr(t, "tensor") else t
+
+
+def rng_of(tensors: dict[str, Any]) -> RngState:
+    cuda = tensors.get("rng_cuda")
+    state = _tensor(tensors["rng"]).to("cpu", torch.uint8).clone()
+    return state, (_tensor(cuda).to("cpu", torch.uint8).clone() if cuda is not None else None)
+
+
+def _failure(exc: BaseException) -> FlowmeshError:
+    if isinstance(exc, FlowmeshError):
+        return exc
+    return FlowmeshError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class _Step:
+    seq: int
+    serial: bool = True  # the coordinator's: forwards one after the other
+    bwd: int = 0  # backwards done here (the last stage: its forward-loss-backwards)
+    drew: bool = False
+    targets: list[torch.Tensor] | None = None
+    early: list[p.PipeHop] = field(default_factory=list)  # acts before the targets came
+    tied_in: int = 0
+    sent_norms: bool = False
+    total: torch.Tensor | None = None
+    updated: bool = False
+    values_in: int = 0
+    loss: float = 0.0
+    failed: bool = False
+    ended: bool = False
+    # The coordinator's: the broker's call, the inputs, what came back from the stages.
+    call: int = 0
+    inputs: list[Any] = field(default_factory=list)
+    norms: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    norms_in: int = 0
+    done: int = 0
+    drew_any: bool = False
+    result: float = 0.0
+
+
+class PipeRunner:
+    """Stage `stage.stage` of pipelined job `stage.job` on this worker."""
+
+    def __init__(
+        self,
+        stage: PipeStage,
+        ticket: int,
+        send: Callable[[int, p.PipeHop], None],
+        answer: Callable[[p.Message], None],
+        step_count: int = 0,
+    ) -> None:
+        if len(stage.ranges) < 2:
+            raise FlowmeshError(Code.BAD_REQUEST, "a pipelined job has at least two stages")
+        self.stage = stage
+        self.job = stage.job
+        self.ticket = ticket
+        self.n = len(stage.ranges)
+        self._send = send
+        self._answer = answer
+        self.coordinator = stage.first
+        self.micros = stage.config.accumulate
+        self.clip = stage.config.clip_grad_norm is not None
+        self.step_count = step_count  # steps applied
+        self.last_seq = 0  # the last step begun here
+        self.current: _Step | None = None
+        self.later: list[p.PipeHop] = []  # hops of a step after the current one
+        self.queued: deque[tuple[p.TrainStep, Any, torch.Tensor]] = deque()
+        self.broken: str | None = None
+        self.random = True
+        self.rng: RngState = job_rng(stage.config.seed)
+        self._local: deque[p.PipeHop] = deque()
+        self._busy = False
+
+    # -- entry points ------------------------------------------------------------------------
+
+    def on_step(self, msg: p.TrainStep, inputs: Any, targets: torch.Tensor) -> None:
+        """The broker's step (stage 0 only): begun now, or once the one under way has ended."""
+        if not self.coordinator:
+            raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: steps go to stage 0")
+        self.queued.append((msg, inputs, targets))
+        self._drain(self._next)
+
+    def on_hop(self, hop: p.PipeHop) -> None:
+        """A hop from another stage's worker (its ticket checked by the caller, or here)."""
+        if hop.ticket != self.ticket or hop.job != self.job:
+            raise FlowmeshError(Code.NOT_ALLOWED, f"job {self.job!r}: a hop of another job")
+        self._drain(lambda: self._take(hop))
+
+    def _drain(self, first: Callable[[], None]) -> None:
+        if self._busy:  # called from inside a handler: later, in order
+            raise AssertionError("PipeRunner entered twice")
+        self._busy = True
+        try:
+            first()
+            while self._local:
+                self._take(self._local.popleft())
+        finally:
+            self._busy = False
+
+    def _hop(self, to: int, kind: str, seq: int, micro: int = 0, **kw: Any) -> None:
+        hop = p.PipeHop(
+            id=0, job=self.job, ticket=self.ticket, seq=seq, stage=self.stage.stage,
+            kind=kind, micro=micro, **kw,
+        )  # fmt: skip
+        if to == self.stage.stage:
+            self._local.append(hop)
+        else:
+            self._send(to, hop)
+
+    # -- the coordinator ---------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Begin the next queued step if none is under way."""
+        while self.current is None and self.queued:
+            msg, inputs, targets = self.queued.popleft()
+            if self.broken is not None:
+                self._answer(p.Error(id=msg.id, code=str(Code.MODEL_ERROR), reason=self.broken))
+                continue
+            step = self.current = _Step(msg.seq, serial=self.random, call=msg.id)
+            self.last_seq = msg.seq
+            try:
+                step.inputs = _micro(inputs, self.micros)
+                ys = list(targets.chunk(self.micros)) if self.micros > 1 else [targets]
+                if len(ys) != self.micros or len(step.inputs) != self.micros:
+                    raise FlowmeshError(
+                        Code.BAD_REQUEST,
+                        f"job {self.job!r}: a batch of {targets.shape[0]} rows cannot make "
+                        f"{self.micros} micro-batches",
+                    )
+                self._hop(self.n - 1, "target", step.seq,
+                          tensors={f"y{i}": y for i, y in enumerate(ys)})  # fmt: skip
+                for m in range(1 if step.serial else self.micros):
+                    self._forward_first(step, m, self.rng)
+            except Exception as exc:
+                self._fail(step, _failure(exc))
+
+    def _forward_first(self, step: _Step, m: int, rng: RngState) -> None:
+        y, after = self.stage.forward(m, step.inputs[m], rng)
+        step.drew |= not torch.equal(after[0], rng[0])
+        self._hop(1, "act", step.seq, m, tensors={"x": y, **rng_tensors(after)})
+
+    # -- every stage -------------------------------------------------------------------------
+
+    def _take(self, hop: p.PipeHop) -> None:
+        if hop.kind == "abort":
+            self._aborted(hop.seq, hop.reason, hop.updated)
+            return
+        step = self.current
+        if step is None and not self.coordinator and hop.seq > self.last_seq:
+            step = self.current = _Step(hop.seq)
+            self.last_seq = hop.seq
+        if step is None or hop.seq != step.seq:
+            if hop.seq > self.last_seq or (step is not None and hop.seq > step.seq):
+                self.later.append(hop)  # its step begins here after the current one
+            return  # else a step given up
+        if step.failed:
+            return
+        try:
+            self._handle(step, hop)
+        except Exception as exc:
+            self._fail(step, _failure(exc))
+
+    def _handle(self, step: _Step, hop: p.PipeHop) -> None:
+        kind, stage = hop.kind, self.stage
+        if kind == "target":
+            step.targets = [_tensor(hop.tensors[f"y{i}"]) for i in range(self.micros)]
+            early, step.early = step.early, []
+            for h in early:
+                self._handle(step, h)
+        elif kind == "act":
+            x, rng = _tensor(hop.tensors["x"]), rng_of(hop.tensors)
+            if not stage.is_last:
+                y, after = stage.forward(hop.micro, x, rng)
+                step.drew |= not torch.equal(after[0], rng[0])
+                self._hop(stage.stage + 1, "act", step.seq, hop.micro,
+                          tensors={"x": y, **rng_tensors(after)})  # fmt: skip
+            elif step.targets is None:
+                step.early.append(hop)
+            else:
+                _, dx, after = stage.last(hop.micro, x, step.targets[hop.micro], rng)
+                step.drew |= not torch.equal(after[0], rng[0])
+                self._hop(0, "rng", step.seq, hop.micro, tensors=rng_tensors(after))
+                assert dx is not None
+                self._hop(stage.stage - 1, "grad", step.seq, hop.micro, tensors={"g": dx})
+                step.bwd += 1
+                self._maybe_end(step)
+        elif kind == "grad":
+            dx = stage.backward(hop.micro, _tensor(hop.tensors["g"]))
+            if not stage.first:
+                assert dx is not None
+                self._hop(stage.stage - 1, "grad", step.seq, hop.micro, tensors={"g": dx})
+            step.bwd += 1
+            self._maybe_end(step)
+        elif kind == "rng":  # the coordinator's: where the next forward starts
+            rng = rng_of(hop.tensors)
+            if hop.micro + 1 == self.micros:
+                self.rng = rng
+            elif step.serial:
+                self._forward_first(step, hop.micro + 1, rng)
+        elif kind == "tied_grad":
+            stage.add_tied_grads({n: _tensor(t) for n, t in hop.tensors.items()})
+            step.tied_in += 1
+            self._maybe_end(step)
+        elif kind == "norms":
+            step.norms += [(o, torch.tensor(v, dtype=torch.float32))
+                           for o, v in zip(hop.orders, hop.values, strict=True)]  # fmt: skip
+            step.norms_in += 1
+            if step.norms_in == self.n:
+                total = float(total_norm(step.norms))
+                for s in range(self.n):
+                    self._hop(s, "total", step.seq, values=[total])
+        elif kind == "total":
+            step.total = torch.tensor(hop.values[0], dtype=torch.float32)
+            self._maybe_end(step)
+        elif kind == "tied_value":
+            stage.set_tied_values({n: _tensor(t) for n, t in hop.tensors.items()})
+            step.values_in += 1
+            self._maybe_end(step)
+        elif kind == "done":
+            step.done += 1
+            step.result += hop.loss
+            step.drew_any |= hop.drew
+            if step.done == self.n:
+                self._answered(step)
+        elif kind == "fail":
+            self._fail(step, FlowmeshError(hop.code or Code.INTERNAL, hop.reason), hop.updated)
+
+    def _maybe_end(self, step: _Step) -> None:
+        """Once every backward has run here: tied gradients and norms out, the update, tied
+        values out, done."""
+        stage = self.stage
+        if step.ended or step.bwd < self.micros or step.tied_in < len(stage.borrowers):
+            return
+        if not step.sent_norms:
+            step.sent_norms = True
+            tied = stage.tied_grads()
+            for owner, names in stage.owners.items():
+                self._hop(owner, "tied_grad", step.seq,
+                          tensors={n: tied[n] for n in names if n in tied})  # fmt: skip
+            if self.clip:
+                norms = stage.norms()
+                self._hop(0, "norms", step.seq, orders=[o for o, _ in norms],
+                          values=[float(v) for _, v in norms])  # fmt: skip
+        if self.clip and step.total is None:
+            return
+        if not step.updated:
+            step.updated = True  # a failure from here on breaks the job
+            step.loss = stage.update(step.total)
+            values = stage.tied_values()
+            for borrower, names in stage.borrowers.items():
+                self._hop(borrower, "tied_value", step.seq,
+                          tensors={n: values[n] for n in names})  # fmt: skip
+        if step.values_in < len(stage.owners):
+            return
+        step.ended = True
+        self._hop(0, "done", step.seq, loss=step.loss, drew=step.drew)
+        if not self.coordinator:
+            self.step_count += 1
+            self._ended()
+
+    def _answered(self, step: _Step) -> None:
+        """The coordinator: every stage is done with the step."""
+        self.step_count += 1
+        if step.serial and not step.drew_any:
+            self.random = False
+        elif not step.serial and step.drew_any:
+            log.warning(
+                "job=%s drew random numbers in step %d with its forwards overlapping: they run "
+                "one after the other from the next step",
+                self.job,
+                step.seq,
+            )
+            self.random = True
+        self._answer(
+            p.TrainStepResult(
+                id=step.call, job=self.job, seq=step.seq, loss=step.result, step=self.step_count,
+                metrics={"pipeline_stages": float(self.n), "serial_forwards": float(step.serial)},
+            )
+        )  # fmt: skip
+        self._ended()
+
+    def _ended(self) -> None:
+        """The current step is over here: the next one begins (hops that came early)."""
+        self.current = None
+        if self.coordinator:
+            self._next()
+            return
+        if self.later:
+            seq = min(h.seq for h in self.later)
+            hops = [h for h in self.later if h.seq == seq]
+            self.later = [h for h in self.later if h.seq != seq]
+            self._local.extend(hops)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _fail(self, step: _Step, exc: FlowmeshError, updated: bool = False) -> None:
+        updated = updated or step.updated
+        if not self.coordinator:
+            step.failed = True
+            self._hop(0, "fail", step.seq, code=str(exc.code), reason=exc.reason,
+                      updated=updated)  # fmt: skip
+            return
+        for s in range(1, self.n):
+            self._hop(s, "abort", step.seq, reason=exc.reason, updated=updated)
+        self._aborted(step.seq, exc.reason, updated)
+        self._answer(p.Error(id=step.call, code=str(exc.code), reason=exc.reason))
+        self._ended()
+
+    def _aborted(self, seq: int, reason: str, updated: bool) -> None:
+        step = self.current
+        if updated and self.broken is None:
+            self.broken = (
+                f"job {self.job!r} is broken: step {seq} failed after a stage's update "
+                f"({reason}); reopen it from a checkpoint"
+            )
+        self.later = [h for h in self.later if h.seq != seq]
+        if step is not None and step.seq == seq:
+            self.stage.abort()
+            if not self.coordinator:
+                self._ended()
+        elif not self.coordinator:
+            self.last_seq = max(self.last_seq, seq)

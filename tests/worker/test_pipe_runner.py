@@ -1,0 +1,157 @@
+"""Pipelined training's message logic (`gpu_worker.pipe_runner`) in process: the stages'
+runners joined by a bus that delivers their hops in a seeded random order (each sender's hops
+to one receiver in the order sent, as one ZeroMQ connection keeps them), every step submitted
+at once to the coordinator. Losses and final parameters equal plain PyTorch's within the
+tolerance rule, with dropout (forwards one after the other), without it (forwards overlapping
+after the first step), a tied weight, a clip and accumulation; a failing step is answered
+with its error and applied nowhere."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+
+from flowmesh import protocol as p
+from flowmesh.errors import Code
+from gpu_worker.pipe_runner import PipeRunner
+from gpu_worker.pipe_stage import PipeStage
+from gpu_worker.train_config import TrainConfig
+from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
+from tests.worker.test_training import (
+    blocks_of,
+    boom_net,
+    build,
+    close,
+    data_for,
+    even_ranges,
+    plain_step_loop,
+    seeded,
+)
+
+
+class Bus:
+    """Runners of one job and the hops between them, delivered in a seeded random order."""
+
+    def __init__(self, stages: list[PipeStage], seed: int) -> None:
+        self.rand = random.Random(seed)
+        self.lanes: dict[tuple[int, int], deque[p.PipeHop]] = {}
+        self.answers: list[p.Message] = []
+        self.runners = [
+            PipeRunner(s, 7, self._sender(s.stage), self.answers.append) for s in stages
+        ]
+
+    def _sender(self, frm: int) -> Any:
+        def send(to: int, hop: p.PipeHop) -> None:
+            assert hop.stage == frm and to != frm
+            self.lanes.setdefault((frm, to), deque()).append(hop)
+
+        return send
+
+    def run(self) -> None:
+        for _ in range(1_000_000):
+            busy = [k for k, q in self.lanes.items() if q]
+            if not busy:
+                return
+            frm, to = self.rand.choice(busy)
+            self.runners[to].on_hop(self.lanes[(frm, to)].popleft())
+        raise AssertionError("the hops never settled")
+
+    def steps(self, data: list[tuple[Any, torch.Tensor]]) -> list[p.Message]:
+        for seq, (x, y) in enumerate(data, 1):
+            msg = p.TrainStep(id=100 + seq, job="job", seq=seq)
+            self.runners[0].on_step(msg, x, y)
+        self.run()
+        return self.answers
+
+
+def stages_of(kind: str, cfg: TrainConfig, n: int, make: Any = None) -> list[PipeStage]:
+    out = []
+    for s in range(n):
+        model = make() if make is not None else build(kind)
+        blocks = blocks_of(kind, model)
+        out.append(PipeStage("job", blocks, even_ranges(len(blocks), n), s, cfg))
+    return out
+
+
+CASES = [
+    # model, optimizer, stages, clip, accumulate
+    ("mlp", {"name": "adam", "lr": 0.01}, 3, 0.3, 4),
+    ("dropout", {"name": "sgd", "lr": 0.05, "momentum": 0.9}, 2, 0.3, 2),
+    ("mixed", {"name": "adam", "lr": 0.01}, 3, None, 2),
+    # The tied embedding's gradient sums its two uses in another order than one process does
+    # (each stage's micro-batches, then the two stages'): within float noise, which Adam turns
+    # into whole steps on the parameters whose true gradient is zero (the attention's key
+    # bias), so a tied model is held to Adam with one micro-batch, to SGD with several.
+    ("gpt2", {"name": "adam", "lr": 0.01}, 3, 0.3, 1),
+    ("gpt2", {"name": "sgd", "lr": 0.1, "momentum": 0.9}, 2, None, 2),
+    ("resnet", {"name": "sgd", "lr": 0.05, "momentum": 0.9}, 2, None, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "optimizer", "stages", "clip", "accumulate"),
+    CASES,
+    ids=[f"{c[0]}-p{c[2]}-clip{c[3]}-acc{c[4]}" for c in CASES],
+)
+@pytest.mark.parametrize("order", [1, 2])
+def test_pipelined_steps_through_messages_match_plain_pytorch(
+    kind: str, optimizer: dict[str, Any], stages: int, clip: float | None, accumulate: int,
+    order: int,
+) -> None:  # fmt: skip
+    cfg = TrainConfig(optimizer, clip_grad_norm=clip, accumulate=accumulate, seed=21)
+    data = data_for(kind, steps=8)
+    bus = Bus(stages_of(kind, cfg, stages), seed=order)
+    answers = bus.steps(data)
+    assert [type(a) for a in answers] == [p.TrainStepResult] * len(data), answers
+    assert [(a.id, a.seq, a.step) for a in answers] == [(100 + i, i, i) for i in range(1, 9)]
+    expected = plain_step_loop(build(kind), cfg, data)
+    close([a.loss for a in answers], expected, "per-step losses")
+    reference = build(kind)
+    plain_step_loop(reference, cfg, data)
+    got: dict[str, torch.Tensor] = {}
+    for r in bus.runners:
+        got.update(r.stage.state_dict())
+    for n, t in reference.state_dict().items():
+        if n in got:
+            close(got[n], t, f"tensor {n}")
+    # Dropout draws: its forwards stay one after the other; the others overlap after step 1.
+    serial = [a.metrics["serial_forwards"] for a in answers]
+    draws = kind in ("dropout", "mixed", "gpt2")  # GPT-2: its dropout of 0.1
+    assert serial == [1.0] * 8 if draws else serial == [1.0] + [0.0] * 7
+
+
+def test_a_failing_step_is_answered_and_applied_nowhere() -> None:
+    """Step 4 fails in stage 0's model code, step 6 in the last stage's loss on its second
+    micro-batch, after the first's backward ran on every stage: each is answered with its
+    error and leaves nothing behind (gradients, graphs), so the others train as without it."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, clip_grad_norm=0.3, accumulate=2, seed=21)
+    data = data_for("mlp", steps=8)
+    boom_x = data[3][0].clone()
+    boom_x[0, 0] = 12345.0  # Boom raises on it
+    bad_y = data[5][1].clone()
+    bad_y[-1] = 99  # no such class: the loss of the second micro-batch fails
+    steps = [*data[:3], (boom_x, data[3][1]), data[4], (data[5][0], bad_y), *data[6:]]
+
+    def make() -> torch.nn.Module:
+        return seeded(boom_net, 14)
+
+    bus = Bus(stages_of("boom", cfg, 3, make), seed=3)
+    answers = bus.steps(steps)
+    kinds = [type(a).__name__ for a in answers]
+    assert (
+        kinds
+        == ["TrainStepResult"] * 3 + ["Error", "TrainStepResult", "Error"] + ["TrainStepResult"] * 2
+    )
+    boom, loss = answers[3], answers[5]
+    assert isinstance(boom, p.Error) and boom.id == 104 and boom.code == str(Code.MODEL_ERROR)
+    assert "boom: the model's own code failed" in boom.reason
+    assert isinstance(loss, p.Error) and loss.id == 106 and loss.code == str(Code.BAD_REQUEST)
+    assert "the loss failed" in loss.reason
+    done = [a for a in answers if isinstance(a, p.TrainStepResult)]
+    assert [a.step for a in done] == [1, 2, 3, 4, 5, 6]
+    good = [*data[:3], data[4], *data[6:]]
+    close([a.loss for a in done], plain_step_loop(make(), cfg, good), "losses")
