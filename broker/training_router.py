@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -143,6 +144,16 @@ class Job:
     memory_wait_s: float = 0.0
     # After a restart: commands held until the worker brings the job back.
     held: list[tuple[bytes, p.Message]] = field(default_factory=list)
+    # A pipelined job: its stages' workers, in stage order (`worker` is stage 0's, where its
+    # steps go), those not opened yet, and each one's sub-model row and footprint once open.
+    workers: list[str] = field(default_factory=list)
+    opening: set[str] = field(default_factory=set)
+    opened_rows: dict[str, tuple[SubModelRow, int]] = field(default_factory=dict)
+
+    @property
+    def holders(self) -> list[str]:
+        """Every worker that holds a part of it."""
+        return self.workers or [self.worker]
 
     @property
     def last_seq(self) -> int:
@@ -280,6 +291,7 @@ class TrainingRouter:
             self._step(addr, msg, now)
         elif isinstance(msg, p.TrainEval):
             job = self._ready_job(msg.job)
+            self._not_pipelined(job, "evaluate")
             _check_batch(msg, "an evaluation")
             # Sent at once, like a step: one connection keeps the order, so the worker queues
             # it behind every step forwarded before it.
@@ -290,6 +302,7 @@ class TrainingRouter:
             )
         elif isinstance(msg, p.TrainSave):
             job = self._ready_job(msg.job)
+            self._not_pipelined(job, "save checkpoints")
             if not msg.path:
                 raise fail(Code.BAD_REQUEST, "train_save needs a checkpoint directory")
             cid = self._call("save", job, addr, msg.id, now, msg.timeout_ms)
@@ -299,10 +312,17 @@ class TrainingRouter:
             job.state = "closing"
             cid = self._call("close", job, addr, msg.id, now, msg.timeout_ms)
             self._to_worker(job.worker, p.TrainClose(id=cid, job=job.name))
+            self._close_everywhere(job, but=job.worker)
         elif isinstance(msg, p.Jobs):
             self._to_client(addr, p.JobsReply(id=msg.id, jobs=self.status(now)))
         else:
             raise fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training message")
+
+    @staticmethod
+    def _not_pipelined(job: Job, what: str) -> None:
+        if job.workers:
+            raise fail(Code.BAD_REQUEST, f"training job {job.name!r} is pipelined: it does not "
+                       f"{what} yet")  # fmt: skip
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -326,11 +346,13 @@ class TrainingRouter:
         now: float,
         timeout_ms: int | None,
         seq: int = 0,
+        worker: str | None = None,
     ) -> int:
         default = self.open_timeout_s if kind == "open" else self.step_timeout_s
         timeout = timeout_ms / 1000 if timeout_ms else default
         cid = next(self._ids)
-        self.calls[cid] = JobCall(kind, job.name, job.worker, addr, ref, now + timeout, seq)
+        to = job.worker if worker is None else worker
+        self.calls[cid] = JobCall(kind, job.name, to, addr, ref, now + timeout, seq)
         return cid
 
     def place(self) -> str:
@@ -361,6 +383,9 @@ class TrainingRouter:
             raise fail(Code.BAD_REQUEST, f"chunk_bytes must be positive, got {msg.chunk_bytes}")
         if msg.config is None and msg.resume is None:
             raise fail(Code.BAD_REQUEST, "give a training configuration, or resume= a checkpoint")
+        if msg.pipeline > 1:
+            self._open_pipelined(addr, msg, now)
+            return
         worker = self.place()
         job = Job(msg.job, worker, spec, msg.config, msg.batch, now)
         self.jobs[job.name] = job
@@ -378,6 +403,64 @@ class TrainingRouter:
             ),
         )
         log.info("opening training job=%s worker=%s", job.name, worker)
+
+    def _open_pipelined(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
+        """A job over `msg.pipeline` workers: each opens its stage (`p.PipeOpen`); the job is
+        ready, and the client answered, once every one has."""
+        n = msg.pipeline
+        if msg.config is None or msg.resume is not None:
+            raise fail(
+                Code.BAD_REQUEST,
+                "a pipelined job starts from its configuration: it does not resume from a "
+                "checkpoint yet",
+            )
+        if msg.batch % msg.config.accumulate:
+            raise fail(
+                Code.BAD_REQUEST,
+                f"batch {msg.batch} does not split into {msg.config.accumulate} micro-batches "
+                "(accumulate: a pipeline's micro-batches)",
+            )
+        committed: dict[str, int] = {}
+        for job in self.jobs.values():
+            for w in job.holders:
+                committed[w] = committed.get(w, 0) + job.footprint // len(job.holders)
+        able = sorted(
+            (w for w in self.peers.values()
+             if w.role == "worker" and w.ready and train_bytes_of(w) > 0
+             and w.info.peer_endpoint),
+            key=lambda w: (committed.get(w.name, 0) - train_bytes_of(w), w.name),
+        )  # fmt: skip
+        if len(able) < n:
+            raise fail(
+                Code.UNAVAILABLE,
+                f"a pipeline of {n} stages needs {n} ready workers that take training jobs "
+                f"(--train-bytes) and have a peer endpoint; {len(able)} do",
+            )
+        workers = [w.name for w in able[:n]]
+        peers = [
+            p.PipePeer(worker=w, endpoint=self.peers[w].info.peer_endpoint, key=self.peers[w].key)
+            for w in workers
+        ]
+        ticket = secrets.randbits(62) + 1
+        job = Job(msg.job, workers[0], msg.spec, msg.config, msg.batch, now, workers=workers)
+        job.opening = set(workers)
+        self.jobs[job.name] = job
+        for stage, w in enumerate(workers):
+            cid = self._call("open", job, addr, msg.id, now, msg.timeout_ms, worker=w)
+            self._to_worker(
+                w,
+                p.PipeOpen(
+                    id=cid, job=job.name, spec=msg.spec, config=msg.config, batch=msg.batch,
+                    stage=stage, ticket=ticket, peers=peers,
+                ),
+            )  # fmt: skip
+        log.info("opening pipelined training job=%s workers=%s", job.name, workers)
+
+    def _close_everywhere(self, job: Job, but: str = "") -> None:
+        """Tell every worker holding a part of `job` (except `but`) to close it, unanswered."""
+        for w in job.holders:
+            if w != but and w in self.peers:
+                self._to_worker(w, p.TrainClose(id=next(self._ids), job=job.name))
 
     def _step(self, addr: bytes, msg: p.TrainStep, now: float) -> None:
         job = self._ready_job(msg.job)
@@ -443,19 +526,28 @@ class TrainingRouter:
             name = msg.job.name
             call = self._pop(worker, msg.id, "open", name)
             job = self.jobs.get(name)
-            if job is None or job.worker != worker:
+            if job is None or worker not in job.holders:
                 # Opened after its call expired: nobody can reach it, so it must not hold the
                 # worker's memory.
                 self._to_worker(worker, p.TrainClose(id=next(self._ids), job=name))
                 return
             if call is None:
                 return
-            job.sub_models, job.footprint = msg.job.sub_models, msg.job.footprint
+            if job.workers:
+                job.opening.discard(worker)
+                job.opened_rows[worker] = (msg.job.sub_models[0], msg.job.footprint)
+                if job.opening:
+                    return  # the other stages' answers are still to come
+                rows = [job.opened_rows[w] for w in job.workers]
+                job.sub_models = [r for r, _ in rows]
+                job.footprint = sum(f for _, f in rows)
+            else:
+                job.sub_models, job.footprint = msg.job.sub_models, msg.job.footprint
             job.step = msg.job.step
             job.config = msg.job.config  # what the worker runs (from a checkpoint, say)
             if not self._keep_job(job):
                 del self.jobs[job.name]
-                self._to_worker(worker, p.TrainClose(id=next(self._ids), job=job.name))
+                self._close_everywhere(job)
                 self._answer(
                     call,
                     p.Error(
@@ -538,6 +630,11 @@ class TrainingRouter:
         job = self.jobs.get(call.job)
         if call.kind == "open" and job is not None and job.state == "opening":
             del self.jobs[call.job]
+            if job.workers:  # the other stages: closed, their open calls answered nobody
+                self._close_everywhere(job, but=worker)
+                for cid, c in list(self.calls.items()):
+                    if c.job == job.name and c.kind == "open":
+                        del self.calls[cid]
         elif call.kind == "step" and job is not None:
             job.errors += 1
             job.rows.pop(call.seq, None)
@@ -703,13 +800,17 @@ class TrainingRouter:
             if call.kind == "open" and job is not None and job.state == "opening":
                 # It may open later: close it there, so it holds nothing nobody can reach.
                 del self.jobs[call.job]
-                self._to_worker(call.worker, p.TrainClose(id=next(self._ids), job=call.job))
+                self._close_everywhere(job)
+                for other, c in list(self.calls.items()):
+                    if c.job == job.name and c.kind == "open":
+                        del self.calls[other]
             self.log_throttle.warning("training call expired: %s", reason)
             self._answer(call, p.Error(id=call.client_id, code=str(Code.TIMEOUT), reason=reason))
 
     def worker_lost(self, worker: str) -> None:
-        for job in [j for j in self.jobs.values() if j.worker == worker]:
+        for job in [j for j in self.jobs.values() if worker in j.holders]:
             log.warning("training job=%s lost with worker=%s", job.name, worker)
+            self._close_everywhere(job, but=worker)
             self._forget(
                 job.name,
                 Code.WORKER_LOST,
@@ -746,6 +847,7 @@ class TrainingRouter:
             bytes_in=job.bytes_in,
             bytes_out=job.bytes_out,
             memory_wait_s=round(job.memory_wait_s, 6),
+            pipeline=list(job.workers),
         )
 
     def status(self, now: float) -> list[JobRow]:

@@ -374,6 +374,7 @@ class AsyncClient:
         rng_seed: int | None = None,
         stop_on_nonfinite: bool = True,
         chunk_bytes: int | None = None,
+        pipeline: int = 0,
         timeout: float = 600.0,
     ) -> AsyncJob:
         """Open training job `name` of model `factory(**kwargs)` on the worker with the most
@@ -393,7 +394,9 @@ class AsyncClient:
         each sub-model's backward does for its forward's activations, "recompute" (run the
         forward again), "keep" (the first forward's graph kept until the backward) or "auto"
         (the default: per sub-model, whichever the worker measured cheaper). With `resume` and
-        no `optimizer`, the checkpoint's."""
+        no `optimizer`, the checkpoint's. `pipeline`: the model cut into this many stages on as
+        many workers (pipeline-parallel, each stage's weights resident on its worker), its
+        `accumulate` micro-batches flowing through them; 0 or 1, one worker by memory flow."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
         if optimizer is None and (dtype is not None or activations is not None):
@@ -433,6 +436,7 @@ class AsyncClient:
             resume=str(resume) if resume is not None else None,
             chunk_bytes=chunk_bytes,
             timeout_ms=self.connection.timeout_ms(timeout),
+            pipeline=pipeline,
         )
         reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.TrainOpened)

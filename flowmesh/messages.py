@@ -456,8 +456,9 @@ class PipePeer(msgspec.Struct, forbid_unknown_fields=True):
 
 class PipeOpen(Message, tag="pipe_open"):
     """Broker -> each worker of a pipelined training job (`TrainOpen` with `pipeline` above 1):
-    open stage `stage`, blocks `ranges[stage]` of the model's chain. `peers`: every stage's
-    worker, in stage order; the stages' hops carry `ticket`. Answered `JobOpened`."""
+    open stage `stage` of the model's chain cut into as many stages as `peers` (every worker
+    cuts it alike: `gpu_worker.pipe_stage.cut_even`). `peers`: every stage's worker, in stage
+    order; the stages' hops carry `ticket`. Answered `JobOpened`."""
 
     id: Id
     job: str
@@ -465,7 +466,6 @@ class PipeOpen(Message, tag="pipe_open"):
     config: TrainConfig
     batch: Count
     stage: Count
-    ranges: list[tuple[Count, Count]]
     ticket: Annotated[int, Meta(ge=1)]
     peers: list[PipePeer]
 
@@ -908,6 +908,8 @@ __all__ = [
     "SubModelRow",
     "PAYLOADS",
     "PeerInfo",
+    "PIPE_HOPS",
+    "PipePeer",
     "PlanAsk",
     "ResultInfo",
     "RunInfo",

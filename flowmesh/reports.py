@@ -19,7 +19,7 @@ import sys
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta
+from msgspec import Meta, field
 
 from flowmesh.spec import TensorSpec
 from flowmesh.train_spec import TrainConfig
@@ -383,6 +383,8 @@ class JobRow(_Row):
     bytes_in: Count = 0
     bytes_out: Count = 0
     memory_wait_s: Finite = 0.0
+    # A pipelined job's stages' workers, in stage order (empty: one worker, `worker`).
+    pipeline: list[str] = field(default_factory=list)
 
 
 # -- the broker as a whole

@@ -9,7 +9,8 @@ to `out` what must happen next, in order:
 - work for the shell to do, on its sockets, executors and threads: `SendHop` (a direct run's
   activations to the next stage's worker), `RunStage`, `RunChunk`,
   `LoadStage`, `EvictStage`, `DropStage`, `FreeKV`, `PrepareStage`, `AddStage`, `OpenJob`,
-  `SubmitStep`, `Evaluate`, `SaveJob`, `CloseJob`.
+  `SubmitStep`, `Evaluate`, `SaveJob`, `CloseJob`, and for a stage of a pipelined job
+  (`gpu_worker.pipe_runner`) `PipeStep` and `PipeHopIn`.
 
 The shell drains `out` (`drain`), does each item, and feeds back what each piece of work ended
 with (`finished`: its result, or the exception it failed with). Tests drive it in-process with
@@ -155,9 +156,10 @@ class AddStage:
 
 @dataclass
 class OpenJob:
-    """Open a training job (on the thread that opens jobs); its `p.OpenedJob` comes back."""
+    """Open a training job (on the thread that opens jobs), or a stage of a pipelined one
+    (`p.PipeOpen`); its `p.OpenedJob` comes back."""
 
-    msg: p.TrainOpen
+    msg: p.TrainOpen | p.PipeOpen
     epoch: int
 
 
@@ -199,6 +201,23 @@ class SaveJob:
     path: Path
 
 
+@dataclass
+class PipeStep:
+    """A step of a pipelined job, for its coordinator (the job's thread); answered by the
+    runner (`WorkerCore.pipe_answered`)."""
+
+    msg: p.TrainStep
+    inputs: Any
+    targets: torch.Tensor
+
+
+@dataclass
+class PipeHopIn:
+    """A hop of a pipelined job from another stage's worker, for the job's thread."""
+
+    hop: p.PipeHop
+
+
 Work = (
     SendHop
     | RunStage
@@ -214,6 +233,8 @@ Work = (
     | SubmitStep
     | Evaluate
     | SaveJob
+    | PipeStep
+    | PipeHopIn
 )
 Action = Send | AllowPeer | Work
 
@@ -244,6 +265,11 @@ class WorkerCore:
         self.out: list[Action] = []
         # The job ledger: each open training job's steps (see the module docstring).
         self.jobs: dict[str, StepLedger[Answer]] = {}
+        # The stages of pipelined jobs held here, by job: what the broker opened them with
+        # (their ticket and their peers), once open; the steps handed to their coordinators,
+        # by the broker's call id: their seq.
+        self.pipes: dict[str, p.PipeOpen] = {}
+        self.pipe_steps: dict[int, int] = {}
         # What each stage was built from (`protocol.stage_digest`), reported with it.
         self.digests: dict[StageKey, str] = {}
         self.last_load = 0  # id of the last Load handled, carried by each `Resident` report
@@ -302,6 +328,8 @@ class WorkerCore:
             self._train_eval(msg)
         elif isinstance(msg, p.TrainOpen):
             self.out.append(OpenJob(msg, self.epoch))
+        elif isinstance(msg, p.PipeOpen):
+            self._pipe_open(msg)
         elif isinstance(msg, p.TrainSave):
             self._train_save(msg)
         elif isinstance(msg, p.TrainClose):
@@ -373,6 +401,17 @@ class WorkerCore:
         sender's CURVE key ("" without keys). Raises what refuses it."""
         if isinstance(msg, p.Error):
             self.log_throttle.warning("a peer answered %s: %s %s", msg.id, msg.code, msg.reason)
+            return
+        if isinstance(msg, p.PipeHop):
+            pipe = self.pipes.get(msg.job)
+            if pipe is None or msg.ticket != pipe.ticket or not msg.stage < len(pipe.peers):
+                raise FlowmeshError(Code.NOT_ALLOWED, f"no pipelined job {msg.job!r} here")
+            sender = pipe.peers[msg.stage]
+            if sender.key and key != sender.key:
+                raise FlowmeshError(
+                    Code.NOT_ALLOWED, f"job {msg.job!r}: stage {msg.stage}'s hop from another key"
+                )
+            self.out.append(PipeHopIn(msg))
             return
         if not isinstance(msg, p.Hop):
             raise FlowmeshError(Code.BAD_REQUEST, f"a worker's peer socket takes no {msg.TYPE}")
@@ -474,19 +513,66 @@ class WorkerCore:
                 f"step seq {msg.seq} of {msg.job!r} was already taken (last {ledger.last}); "
                 "not run twice",
             )
+        pipe = self.pipes.get(msg.job)
+        if pipe is not None and pipe.stage != 0:
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"job {msg.job!r}: its steps go to its stage 0's worker"
+            )
         ledger.take(msg.seq)
         inputs, targets = step_batch(msg, "a training step")
         ledger.start(msg.seq)
-        self.out.append(SubmitStep(msg, ledger, inputs, targets))
+        if pipe is not None:
+            self.pipe_steps[msg.id] = msg.seq
+            self.out.append(PipeStep(msg, inputs, targets))
+        else:
+            self.out.append(SubmitStep(msg, ledger, inputs, targets))
+
+    def _not_pipelined(self, job: str, what: str) -> None:
+        if job in self.pipes:
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"job {job!r} is pipelined: it does not {what} yet"
+            )
+
+    def _pipe_open(self, msg: p.PipeOpen) -> None:
+        self._trains()
+        check_factory(msg.spec.factory, self.allow, f"worker {self.name}")
+        self._check_files(msg.spec)
+        if len(msg.peers) < 2 or msg.stage >= len(msg.peers):
+            raise FlowmeshError(
+                Code.BAD_REQUEST, f"stage {msg.stage} of a pipeline of {len(msg.peers)} workers"
+            )
+        if msg.job in self.jobs:
+            raise FlowmeshError(Code.MODEL_EXISTS, f"training job {msg.job!r} is open here")
+        for peer in msg.peers:
+            if peer.key:
+                self.out.append(AllowPeer(peer.key))
+        self.out.append(OpenJob(msg, self.epoch))
+
+    def pipe_answered(self, job: str, msg: p.Message) -> None:
+        """The coordinator of pipelined job `job` answered a step (`TrainStepResult`, or an
+        `Error` with the step's id)."""
+        ledger = self.jobs.get(job)
+        seq = self.pipe_steps.pop(getattr(msg, "id", -1), None)
+        if ledger is not None and seq is not None:
+            answer: Answer
+            if isinstance(msg, p.TrainStepResult):
+                answer = p.StepOk(seq=seq, loss=msg.loss, step=msg.step, metrics=dict(msg.metrics))
+            else:
+                assert isinstance(msg, p.Error)
+                answer = p.StepFailed(seq=seq, code=msg.code, reason=msg.reason)
+            ledger.settle(seq, answer)
+        self._send(msg)
 
     def _train_eval(self, msg: p.TrainEval) -> None:
         self._ledger(msg.job)
+        self._not_pipelined(msg.job, "evaluate")
         inputs, targets = step_batch(msg, "an evaluation")
         # Submitted in arrival order, as steps are: it runs after every step that came first.
         self.out.append(Evaluate(msg, inputs, targets))
 
     def _train_save(self, msg: p.TrainSave) -> None:
         self._ledger(msg.job)
+        self._not_pipelined(msg.job, "save checkpoints")
         self.out.append(SaveJob(msg, self.roots.writable(msg.path, "checkpoint")))
 
     # ================================================================== work finished
@@ -503,6 +589,9 @@ class WorkerCore:
                 self.direct.finished(work.run)
         elif isinstance(work, SubmitStep):
             self._step_done(work, result)
+        elif isinstance(work, PipeHopIn):
+            if failed:  # a hop has no id to answer: the step it belongs to fails on its own
+                self.log_throttle.error("a pipelined job's hop failed: %r", result)
         elif isinstance(work, OpenJob):
             self._job_opened(work, result)
         elif isinstance(work, CloseJob):
@@ -572,13 +661,17 @@ class WorkerCore:
             self.log.info("training job opened for a broker that forgot it, closed job=%s", msg.job)
             self.out.append(CloseJob(p.TrainClose(id=0, job=msg.job), answer=False))
             return
+
         self.jobs[msg.job] = StepLedger(self.keep_results)
+        if isinstance(msg, p.PipeOpen):
+            self.pipes[msg.job] = msg
         self.log.info("training job open job=%s sub_models=%d", msg.job, len(result.sub_models))
         self._send(p.JobOpened(id=msg.id, job=result))
 
     def _job_closed(self, work: CloseJob, result: Any) -> None:
         msg = work.msg
         self.jobs.pop(msg.job, None)
+        self.pipes.pop(msg.job, None)
         if not work.answer:
             return
         if isinstance(result, BaseException):

@@ -26,6 +26,8 @@ from typing import Any
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.optimizers import state_count
+from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.threads import torch_pool
 from gpu_worker.core import (
     AddStage,
@@ -37,6 +39,8 @@ from gpu_worker.core import (
     FreeKV,
     LoadStage,
     OpenJob,
+    PipeHopIn,
+    PipeStep,
     PrepareStage,
     RunChunk,
     RunStage,
@@ -53,6 +57,8 @@ from gpu_worker.executor import Executor, RunOutput
 from gpu_worker.host_tier import ALIGN
 from gpu_worker.kv_cache import kv_limit_bytes
 from gpu_worker.memory import DeviceMemory
+from gpu_worker.pipe_runner import PipeRunner
+from gpu_worker.pipe_stage import build_stage
 from gpu_worker.stage_loader import prepare_stage
 from gpu_worker.train_executor import TrainingExecutor, start_job
 
@@ -78,6 +84,7 @@ class WorkerHands:
         eviction: str = "value",
         kv_preempt: str = "auto",
         log: logging.Logger | None = None,
+        send_pipe: Callable[[p.PipePeer, p.PipeHop], None] | None = None,
     ) -> None:
         if not 0 <= train_bytes <= device.budget_bytes:
             raise ValueError("training bytes must be within the device's arena")
@@ -85,6 +92,10 @@ class WorkerHands:
         self.device = device
         self.send, self.send_from_thread = send, send_from_thread
         self.send_hop, self.allow_peer = send_hop, allow_peer
+        self.send_pipe = send_pipe
+        # The stages of pipelined jobs held here: each job's runner and the one thread it runs
+        # on (its compute, and its messages in the order they came).
+        self.pipes: dict[str, tuple[PipeRunner, Any]] = {}
         self.clock = clock
         self.log = log or logging.getLogger("worker")
         self.train_bytes = train_bytes
@@ -110,6 +121,8 @@ class WorkerHands:
         if self.trainer is not None:
             self.trainer.close()
         self._deploys.shutdown(wait=False, cancel_futures=True)
+        for _, pool in self.pipes.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ what the worker holds
 
@@ -279,7 +292,18 @@ class WorkerHands:
         elif isinstance(work, AddStage):
             self.executor.add_stage(work.key, work.blocks, work.host, work.kv_share)
         elif isinstance(work, OpenJob):
-            self._feed(loop.run_in_executor(self._deploys, self.open_job, work.msg), work)
+            msg = work.msg
+            if isinstance(msg, p.PipeOpen):
+                self._feed(loop.run_in_executor(self._deploys, self.open_pipe, msg, loop), work)
+            else:
+                self._feed(loop.run_in_executor(self._deploys, self.open_job, msg), work)
+        elif isinstance(work, PipeStep):
+            runner, pool = self._pipe(work.msg.job)
+            fut = pool.submit(runner.on_step, work.msg, work.inputs, work.targets)
+            self._feed(asyncio.wrap_future(fut), work)
+        elif isinstance(work, PipeHopIn):
+            runner, pool = self._pipe(work.hop.job)
+            self._feed(asyncio.wrap_future(pool.submit(runner.on_hop, work.hop)), work)
         elif isinstance(work, CloseJob):
             # On the thread that opens jobs: a close never overtakes the open before it.
             self._feed(loop.run_in_executor(self._deploys, self._close_job, work.msg.job), work)
@@ -380,7 +404,73 @@ class WorkerHands:
         )
 
     def _close_job(self, name: str) -> None:
+        pipe = self.pipes.pop(name, None)
+        if pipe is not None:
+            pipe[1].shutdown(wait=False, cancel_futures=True)  # a step under way is given up
+            return
         self._trainer().close_job(name)
+
+    # ------------------------------------------------------------------ pipelined jobs
+
+    def _pipe(self, job: str) -> tuple[PipeRunner, Any]:
+        pipe = self.pipes.get(job)
+        if pipe is None:
+            raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no pipelined job {job!r} here")
+        return pipe
+
+    def open_pipe(self, msg: p.PipeOpen, loop: asyncio.AbstractEventLoop) -> OpenedJob:
+        """On a thread: build this worker's stage of a pipelined job, its runner and thread."""
+        self._trainer()
+        if self.send_pipe is None:
+            raise FlowmeshError(Code.UNAVAILABLE, f"worker {self.core.name} has no peer socket")
+        stage = build_stage(
+            msg.job, msg.spec, msg.config, msg.stage, len(msg.peers),
+            self.device.torch_device, self.core.allow,
+        )  # fmt: skip
+        held = {id(i.tensor): i.tensor for i in stage.tensors.values()}
+        nbytes = sum(t.numel() * t.element_size() for t in held.values())
+        trainable = sum(i.tensor.numel() * i.tensor.element_size() for i in stage.owned)
+        footprint = nbytes + trainable * (1 + state_count(msg.config.optimizer, self.core.allow))
+        if footprint > self.train_bytes:
+            raise FlowmeshError(
+                Code.TOO_BIG,
+                f"job {msg.job!r}: stage {msg.stage} of {len(msg.peers)} holds {footprint} "
+                f"bytes with its gradients and optimizer state, over the {self.train_bytes} "
+                f"training bytes of worker {self.core.name}: cut it into more stages",
+            )
+        peers, job = list(msg.peers), msg.job
+
+        def send(to: int, hop: p.PipeHop) -> None:  # on the job's thread
+            loop.call_soon_threadsafe(self._send_pipe, peers[to], hop)
+
+        def answer(out: p.Message) -> None:  # on the job's thread
+            loop.call_soon_threadsafe(self._pipe_answered, job, out)
+
+        runner = PipeRunner(stage, msg.ticket, send, answer)
+        self.pipes[job] = (runner, torch_pool(1, f"pipe-{job}"))
+        a, b = stage.ranges[msg.stage]
+        return OpenedJob(
+            name=job,
+            worker=self.core.name,
+            step=0,
+            sub_models=[SubModelRow(blocks=[a, b], host_bytes=0, task_bytes=footprint)],
+            footprint=footprint,
+            host_bytes=0,
+            largest_task=footprint,
+            config=msg.config,
+        )
+
+    def _send_pipe(self, peer: p.PipePeer, hop: p.PipeHop) -> None:
+        assert self.send_pipe is not None
+        try:
+            self.send_pipe(peer, hop)
+        except Exception as exc:  # the step waits on it: its deadline on the broker fails it
+            self.log.error("a hop to %s failed: %r", peer.worker, exc)
+
+    def _pipe_answered(self, job: str, msg: p.Message) -> None:
+        if job in self.pipes:
+            self.core.pipe_answered(job, msg)
+            self.flush()
 
     def _save(self, work: SaveJob) -> Future[tuple[str, int]]:
         msg = work.msg

@@ -41,6 +41,7 @@ import torch
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.pipe_stage import PipeStage, _micro, job_rng, total_norm
 from gpu_worker.train_job import RngState
 
@@ -150,9 +151,11 @@ class PipeRunner:
             raise AssertionError("PipeRunner entered twice")
         self._busy = True
         try:
-            first()
-            while self._local:
-                self._take(self._local.popleft())
+            # Model code sets torch's process-wide generator (`gpu_worker.model_code`).
+            with MODEL_CODE_LOCK:
+                first()
+                while self._local:
+                    self._take(self._local.popleft())
         finally:
             self._busy = False
 

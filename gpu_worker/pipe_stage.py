@@ -38,6 +38,7 @@ memory-flow job, `gpu_worker.train_job`):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -46,9 +47,12 @@ from typing import Any
 import torch
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
-from flowmesh.modelio.chain import Block
+from flowmesh.modelio.build import build_reference
+from flowmesh.modelio.chain import Block, chain_of
 from flowmesh.modelio.dtypes import TORCH_DTYPES
-from flowmesh.modelio.inputs import call_model
+from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
+from flowmesh.spec import ModelSpec
+from gpu_worker.model_code import building_model
 from gpu_worker.train_config import TrainConfig, make_optimizer, resolve_loss
 from gpu_worker.train_job import RngState, _as_output, _model_error, _rng_get, _rng_scope
 from gpu_worker.train_layout import TensorInfo, check_ranges, collect
@@ -334,6 +338,54 @@ class PipeStage:
         return {
             n: i.tensor.detach().to("cpu") for n, i in self.tensors.items() if i.owner == self.stage
         }
+
+
+def cut_even(blocks: Sequence[Block], stages: int) -> list[tuple[int, int]]:
+    """The chain cut into `stages` contiguous ranges of about even parameter and buffer bytes
+    (every stage's worker computes the same cut from the same chain); each range holds at
+    least one block."""
+    if not 1 <= stages <= len(blocks):
+        raise bad_request(
+            f"a pipeline of {stages} stages needs at least as many blocks; the model's chain "
+            f"has {len(blocks)}"
+        )
+    sizes = []
+    for block in blocks:
+        seen = {id(t): t for t in block.module.state_dict(keep_vars=True).values()}
+        sizes.append(sum(t.numel() * t.element_size() for t in seen.values()))
+    total = max(1, sum(sizes))
+    bounds, acc = [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        left = stages - len(bounds)  # cuts still to make
+        blocks_after = len(blocks) - (i + 1)
+        if left > 0 and (acc >= total * len(bounds) / stages or blocks_after == left):
+            bounds.append(i + 1)
+    bounds.append(len(blocks))
+    while len(bounds) < stages + 1:  # tiny blocks at the end: split the largest range
+        a, b = max(itertools.pairwise(bounds), key=lambda r: r[1] - r[0])
+        bounds.insert(bounds.index(b), (a + b) // 2)
+    return list(itertools.pairwise(bounds))
+
+
+def build_stage(
+    job: str,
+    spec: ModelSpec,
+    config: TrainConfig,
+    stage: int,
+    stages: int,
+    device: torch.device | str,
+    allow: Iterable[str],
+) -> PipeStage:
+    """Stage `stage` of `spec` cut into `stages`: the model built as deployed (its weights
+    file or directory, or its seed), its chain cut by `cut_even`."""
+    allow = tuple(allow)
+    with building_model():
+        model = build_reference(spec, allow)
+        model.train()
+        inputs = declared_inputs(spec, model)
+        blocks = chain_of(model, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
+    return PipeStage(job, blocks, cut_even(blocks, stages), stage, config, device, allow=allow)
 
 
 def step_in_process(

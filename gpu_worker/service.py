@@ -103,6 +103,7 @@ class WorkerService(MeshPeer):
             send=lambda msg: self.send(msg),
             send_from_thread=lambda msg: self.send_from_thread(msg),
             send_hop=self._hop,
+            send_pipe=self._pipe_hop,
             allow_peer=self.peer_keys.allow,
             clock=lambda: self.clock(),
             compute_lanes=compute_lanes,
@@ -265,18 +266,22 @@ class WorkerService(MeshPeer):
 
     def _hop(self, work: SendHop) -> None:
         msg = work.run.msg
-        to = (msg.next_peer, msg.next_key)
-        sock = self._to_peers.get(to)
+        send(self._peer(msg.next_peer, msg.next_key, f"run {msg.id}"), work.hop)
+
+    def _pipe_hop(self, peer: p.PipePeer, hop: p.PipeHop) -> None:
+        send(self._peer(peer.endpoint, peer.key, f"job {hop.job!r}"), hop)
+
+    def _peer(self, endpoint: str, key: str, what: str) -> zmq.asyncio.Socket:
+        """The socket to another worker's peer endpoint (one per endpoint and key, kept)."""
+        sock = self._to_peers.get((endpoint, key))
         if sock is None:
             assert self._ctx is not None
             curve = None
             if self.curve is not None:
-                if not msg.next_key:
-                    raise FlowmeshError(
-                        Code.BAD_REQUEST, f"run {msg.id}: no key for the next stage's worker"
-                    )
-                curve = dataclasses.replace(self.curve, server_public=msg.next_key.encode())
-            sock = self._to_peers[to] = connect_dealer(
-                self._ctx, msg.next_peer, limits=self.limits, curve=curve
+                if not key:
+                    raise FlowmeshError(Code.BAD_REQUEST, f"{what}: no key for the next worker")
+                curve = dataclasses.replace(self.curve, server_public=key.encode())
+            sock = self._to_peers[(endpoint, key)] = connect_dealer(
+                self._ctx, endpoint, limits=self.limits, curve=curve
             )
-        send(sock, work.hop)
+        return sock

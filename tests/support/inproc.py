@@ -170,6 +170,7 @@ class InProcWorker(_Peer):
             train_bytes=train_bytes,
             kv_preempt=kv_preempt,
             log=log,
+            send_pipe=self._pipe_hop,
         )
 
     @property
@@ -208,6 +209,10 @@ class InProcWorker(_Peer):
         """A direct run's micro-batch to the next stage's worker, by its peer endpoint."""
         to = self.mesh.by_endpoint[work.run.msg.next_peer]
         self.mesh.post(to.on_peer, frames_of(work.hop))
+
+    def _pipe_hop(self, peer: p.PipePeer, hop: p.PipeHop) -> None:
+        """A pipelined job's hop to another stage's worker, by its peer endpoint."""
+        self.mesh.post(self.mesh.by_endpoint[peer.endpoint].on_peer, frames_of(hop))
 
     def on_peer(self, frames: list[bytes]) -> None:
         try:
