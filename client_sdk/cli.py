@@ -584,6 +584,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             activations=args.activations,
             chunk_bytes=parse_size(args.chunk_bytes) if args.chunk_bytes else None,
+            pipeline=args.pipeline,
             timeout=args.timeout,
         )
         progress = TrainProgress(len(work), name)

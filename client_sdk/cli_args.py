@@ -417,6 +417,14 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     p.add_argument("--clip-grad-norm", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument(
+        "--pipeline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the model cut into N stages on N workers, its micro-batches (--accumulate) "
+        "flowing through them (default 0: one worker, by memory flow)",
+    )
+    p.add_argument(
         "--activations",
         default=None,
         help="what each sub-model's backward does for its forward's activations: recompute, "
