@@ -463,22 +463,24 @@ class PipeOpen(Message, tag="pipe_open"):
     id: Id
     job: str
     spec: ModelSpec
-    config: TrainConfig
+    config: TrainConfig | None  # None: the checkpoint's (`resume`)
     batch: Count
     stage: Count
     ticket: Annotated[int, Meta(ge=1)]
     peers: list[PipePeer]
+    resume: str | None = None  # a pipelined checkpoint's directory (any stage count)
 
 
 PIPE_HOPS = ("target", "act", "grad", "rng", "tied_grad", "norms", "total", "tied_value", "done",
-             "fail", "abort")  # fmt: skip
+             "fail", "abort", "save", "saved")  # fmt: skip
 
 
 class PipeHop(Message, tag="pipe_hop"):
     """Worker -> worker of one pipelined training job, on the peer sockets (`stage`: the
     sender's): a step's targets, a micro-batch's activation or gradient, the RNG state, tied
     weights' gradients and values, gradient norms and their total, a stage's end of the step,
-    a failure and the abort that follows it (`gpu_worker.pipe_runner`)."""
+    a failure and the abort that follows it, a checkpoint's save and each stage's answer
+    (`gpu_worker.pipe_runner`)."""
 
     id: Id
     job: str
@@ -495,6 +497,7 @@ class PipeHop(Message, tag="pipe_hop"):
     code: str = ""
     reason: str = ""
     updated: bool = False  # a failure after this stage's update: the job is broken
+    path: str = ""  # save: the checkpoint directory, as the client named it
 
 
 class Jobs(Message, tag="jobs"):

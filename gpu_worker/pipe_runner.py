@@ -22,6 +22,10 @@ to worker over the peer sockets, as `p.PipeHop`s carrying the job's ticket:
   stage). The coordinator answers the broker once every stage is done, and only then begins the
   next step (a synchronous update, as GPipe's flush).
 
+A save (`on_save`) waits for the step under way to end, like a step; the coordinator asks every
+stage to write its part of the checkpoint ("save": `gpu_worker.pipe_checkpoint`) and answers
+once each has ("saved").
+
 A failure on any stage ("fail") fails the step everywhere ("abort"): no stage updates from it
 (a failure in an update breaks the job: its stages no longer agree). Plain logic: `on_step` and
 `on_hop` are called on the job's own thread, where the stage computes; `send(stage, hop)` and
@@ -42,6 +46,7 @@ import torch
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.model_code import MODEL_CODE_LOCK
+from gpu_worker.pipe_checkpoint import save_stage
 from gpu_worker.pipe_stage import PipeStage, _micro, job_rng, total_norm
 from gpu_worker.train_job import RngState
 
@@ -98,6 +103,19 @@ class _Step:
     result: float = 0.0
 
 
+@dataclass
+class _Save:
+    ref: int
+    path: str
+    answers: int = 0
+    code: str = ""
+    reason: str = ""
+
+
+def save_to(stage: PipeStage, path: str, step: int, rng: RngState | None) -> None:
+    save_stage(stage, path, step, rng)
+
+
 class PipeRunner:
     """Stage `stage.stage` of pipelined job `stage.job` on this worker."""
 
@@ -108,6 +126,7 @@ class PipeRunner:
         send: Callable[[int, p.PipeHop], None],
         answer: Callable[[p.Message], None],
         step_count: int = 0,
+        save: Callable[[PipeStage, str, int, RngState | None], None] | None = None,
     ) -> None:
         if len(stage.ranges) < 2:
             raise FlowmeshError(Code.BAD_REQUEST, "a pipelined job has at least two stages")
@@ -124,7 +143,11 @@ class PipeRunner:
         self.last_seq = 0  # the last step begun here
         self.current: _Step | None = None
         self.later: list[p.PipeHop] = []  # hops of a step after the current one
-        self.queued: deque[tuple[p.TrainStep, Any, torch.Tensor]] = deque()
+        # The coordinator's: steps (a TrainStep, inputs, targets) and saves (its id and path)
+        # not begun, in the order they came; the save under way.
+        self.queued: deque[tuple[Any, ...]] = deque()
+        self._saving: _Save | None = None
+        self._save = save or save_to
         self.broken: str | None = None
         self.random = True
         self.rng: RngState = job_rng(stage.config.seed)
@@ -137,7 +160,14 @@ class PipeRunner:
         """The broker's step (stage 0 only): begun now, or once the one under way has ended."""
         if not self.coordinator:
             raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: steps go to stage 0")
-        self.queued.append((msg, inputs, targets))
+        self.queued.append(("step", msg, inputs, targets))
+        self._drain(self._next)
+
+    def on_save(self, ref: int, path: str) -> None:
+        """The broker's save (stage 0 only), after every step sent before it."""
+        if not self.coordinator:
+            raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: saves go to stage 0")
+        self.queued.append(("save", ref, path))
         self._drain(self._next)
 
     def on_hop(self, hop: p.PipeHop) -> None:
@@ -173,8 +203,15 @@ class PipeRunner:
 
     def _next(self) -> None:
         """Begin the next queued step if none is under way."""
-        while self.current is None and self.queued:
-            msg, inputs, targets = self.queued.popleft()
+        while self.current is None and self._saving is None and self.queued:
+            item = self.queued.popleft()
+            if item[0] == "save":
+                _, ref, path = item
+                self._saving = _Save(ref, path)
+                for s in range(self.n):
+                    self._hop(s, "save", self.last_seq, path=path)
+                return
+            _, msg, inputs, targets = item
             if self.broken is not None:
                 self._answer(p.Error(id=msg.id, code=str(Code.MODEL_ERROR), reason=self.broken))
                 continue
@@ -206,6 +243,18 @@ class PipeRunner:
     def _take(self, hop: p.PipeHop) -> None:
         if hop.kind == "abort":
             self._aborted(hop.seq, hop.reason, hop.updated)
+            return
+        if hop.kind == "save":  # between steps: the coordinator sends it when all are done
+            try:
+                rng = self.rng if self.coordinator else None
+                self._save(self.stage, hop.path, self.step_count, rng)
+                self._hop(0, "saved", hop.seq)
+            except Exception as exc:
+                err = _failure(exc)
+                self._hop(0, "saved", hop.seq, code=str(err.code), reason=err.reason)
+            return
+        if hop.kind == "saved":
+            self._saved(hop)
             return
         step = self.current
         if step is None and not self.coordinator and hop.seq > self.last_seq:
@@ -352,6 +401,24 @@ class PipeRunner:
             hops = [h for h in self.later if h.seq == seq]
             self.later = [h for h in self.later if h.seq != seq]
             self._local.extend(hops)
+
+    def _saved(self, hop: p.PipeHop) -> None:
+        save = self._saving
+        if save is None:
+            return
+        save.answers += 1
+        if hop.code and not save.code:
+            save.code, save.reason = hop.code, f"stage {hop.stage}: {hop.reason}"
+        if save.answers < self.n:
+            return
+        self._saving = None
+        if save.code:
+            self._answer(p.Error(id=save.ref, code=save.code, reason=save.reason))
+        else:
+            self._answer(
+                p.TrainSaved(id=save.ref, job=self.job, path=save.path, step=self.step_count)
+            )
+        self._next()
 
     # -- failures ----------------------------------------------------------------------------
 

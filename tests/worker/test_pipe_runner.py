@@ -4,7 +4,8 @@ to one receiver in the order sent, as one ZeroMQ connection keeps them), every s
 at once to the coordinator. Losses and final parameters equal plain PyTorch's within the
 tolerance rule, with dropout (forwards one after the other), without it (forwards overlapping
 after the first step), a tied weight, a clip and accumulation; a failing step is answered
-with its error and applied nowhere."""
+with its error and applied nowhere; a checkpoint resumes the run cut into another number of
+stages."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code
+from gpu_worker.pipe_checkpoint import load_stage, read_pipe_meta
 from gpu_worker.pipe_runner import PipeRunner
 from gpu_worker.pipe_stage import PipeStage
 from gpu_worker.train_config import TrainConfig
@@ -155,3 +157,38 @@ def test_a_failing_step_is_answered_and_applied_nowhere() -> None:
     assert [a.step for a in done] == [1, 2, 3, 4, 5, 6]
     good = [*data[:3], data[4], *data[6:]]
     close([a.loss for a in done], plain_step_loop(make(), cfg, good), "losses")
+
+
+@pytest.mark.parametrize(("kind", "saved_as", "resumed_as"), [("dropout", 3, 2), ("gpt2", 2, 3)])
+def test_a_checkpoint_resumes_the_same_run_cut_another_way(
+    tmp_path: Any, kind: str, saved_as: int, resumed_as: int
+) -> None:
+    """Four steps, a save, four more; the same job resumed from the save with another stage
+    count takes the last four steps to the same losses and weights."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=2, seed=21)
+    data = data_for(kind, steps=8)
+    bus = Bus(stages_of(kind, cfg, saved_as), seed=5)
+    for seq, (x, y) in enumerate(data[:4], 1):
+        bus.runners[0].on_step(p.TrainStep(id=seq, job="job", seq=seq), x, y)
+    bus.runners[0].on_save(50, str(tmp_path / "ck"))
+    for seq, (x, y) in enumerate(data[4:], 5):
+        bus.runners[0].on_step(p.TrainStep(id=seq, job="job", seq=seq), x, y)
+    bus.run()
+    saved = bus.answers[4]
+    assert saved == p.TrainSaved(id=50, job="job", path=str(tmp_path / "ck"), step=4)
+    whole = [a.loss for a in bus.answers if isinstance(a, p.TrainStepResult)]
+    assert len(whole) == 8
+    assert read_pipe_meta(tmp_path / "ck")["stages"] == saved_as
+
+    again = Bus(stages_of(kind, cfg, resumed_as), seed=6)
+    for r in again.runners:
+        r.step_count, r.rng = load_stage(r.stage, tmp_path / "ck")
+    answers = again.steps(data[4:])
+    assert [a.step for a in answers] == [5, 6, 7, 8]
+    close([a.loss for a in answers], whole[4:], "losses after the resume")
+    got: dict[str, torch.Tensor] = {}
+    for r in again.runners:
+        got.update(r.stage.state_dict())
+    for r in bus.runners:
+        for n, t in r.stage.state_dict().items():
+            close(got[n], t, f"tensor {n}")
