@@ -302,7 +302,6 @@ class TrainingRouter:
             )
         elif isinstance(msg, p.TrainSave):
             job = self._ready_job(msg.job)
-            self._not_pipelined(job, "save checkpoints")
             if not msg.path:
                 raise fail(Code.BAD_REQUEST, "train_save needs a checkpoint directory")
             cid = self._call("save", job, addr, msg.id, now, msg.timeout_ms)
@@ -408,13 +407,7 @@ class TrainingRouter:
         """A job over `msg.pipeline` workers: each opens its stage (`p.PipeOpen`); the job is
         ready, and the client answered, once every one has."""
         n = msg.pipeline
-        if msg.config is None or msg.resume is not None:
-            raise fail(
-                Code.BAD_REQUEST,
-                "a pipelined job starts from its configuration: it does not resume from a "
-                "checkpoint yet",
-            )
-        if msg.batch % msg.config.accumulate:
+        if msg.config is not None and msg.batch % msg.config.accumulate:
             raise fail(
                 Code.BAD_REQUEST,
                 f"batch {msg.batch} does not split into {msg.config.accumulate} micro-batches "
@@ -451,7 +444,7 @@ class TrainingRouter:
                 w,
                 p.PipeOpen(
                     id=cid, job=job.name, spec=msg.spec, config=msg.config, batch=msg.batch,
-                    stage=stage, ticket=ticket, peers=peers,
+                    stage=stage, ticket=ticket, peers=peers, resume=msg.resume,
                 ),
             )  # fmt: skip
         log.info("opening pipelined training job=%s workers=%s", job.name, workers)

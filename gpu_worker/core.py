@@ -10,7 +10,7 @@ to `out` what must happen next, in order:
   activations to the next stage's worker), `RunStage`, `RunChunk`,
   `LoadStage`, `EvictStage`, `DropStage`, `FreeKV`, `PrepareStage`, `AddStage`, `OpenJob`,
   `SubmitStep`, `Evaluate`, `SaveJob`, `CloseJob`, and for a stage of a pipelined job
-  (`gpu_worker.pipe_runner`) `PipeStep` and `PipeHopIn`.
+  (`gpu_worker.pipe_runner`) `PipeStep`, `PipeSave` and `PipeHopIn`.
 
 The shell drains `out` (`drain`), does each item, and feeds back what each piece of work ended
 with (`finished`: its result, or the exception it failed with). Tests drive it in-process with
@@ -212,6 +212,13 @@ class PipeStep:
 
 
 @dataclass
+class PipeSave:
+    """A save of a pipelined job, for its coordinator (after the steps sent before it)."""
+
+    msg: p.TrainSave
+
+
+@dataclass
 class PipeHopIn:
     """A hop of a pipelined job from another stage's worker, for the job's thread."""
 
@@ -234,6 +241,7 @@ Work = (
     | Evaluate
     | SaveJob
     | PipeStep
+    | PipeSave
     | PipeHopIn
 )
 Action = Send | AllowPeer | Work
@@ -543,6 +551,10 @@ class WorkerCore:
             )
         if msg.job in self.jobs:
             raise FlowmeshError(Code.MODEL_EXISTS, f"training job {msg.job!r} is open here")
+        if msg.resume is not None:
+            self.roots.readable(msg.resume, "checkpoint")
+        elif msg.config is None:
+            raise FlowmeshError(Code.BAD_REQUEST, "a training job needs a configuration")
         for peer in msg.peers:
             if peer.key:
                 self.out.append(AllowPeer(peer.key))
@@ -572,7 +584,10 @@ class WorkerCore:
 
     def _train_save(self, msg: p.TrainSave) -> None:
         self._ledger(msg.job)
-        self._not_pipelined(msg.job, "save checkpoints")
+        if msg.job in self.pipes:
+            self.roots.writable(msg.path, "checkpoint")  # each stage checks its own roots too
+            self.out.append(PipeSave(msg))
+            return
         self.out.append(SaveJob(msg, self.roots.writable(msg.path, "checkpoint")))
 
     # ================================================================== work finished

@@ -40,6 +40,7 @@ from gpu_worker.core import (
     LoadStage,
     OpenJob,
     PipeHopIn,
+    PipeSave,
     PipeStep,
     PrepareStage,
     RunChunk,
@@ -57,6 +58,7 @@ from gpu_worker.executor import Executor, RunOutput
 from gpu_worker.host_tier import ALIGN
 from gpu_worker.kv_cache import kv_limit_bytes
 from gpu_worker.memory import DeviceMemory
+from gpu_worker.pipe_checkpoint import config_of, load_stage, read_pipe_meta, save_stage
 from gpu_worker.pipe_runner import PipeRunner
 from gpu_worker.pipe_stage import build_stage
 from gpu_worker.stage_loader import prepare_stage
@@ -301,6 +303,10 @@ class WorkerHands:
             runner, pool = self._pipe(work.msg.job)
             fut = pool.submit(runner.on_step, work.msg, work.inputs, work.targets)
             self._feed(asyncio.wrap_future(fut), work)
+        elif isinstance(work, PipeSave):
+            runner, pool = self._pipe(work.msg.job)
+            fut = pool.submit(runner.on_save, work.msg.id, work.msg.path)
+            self._feed(asyncio.wrap_future(fut), work)
         elif isinstance(work, PipeHopIn):
             runner, pool = self._pipe(work.hop.job)
             self._feed(asyncio.wrap_future(pool.submit(runner.on_hop, work.hop)), work)
@@ -423,14 +429,21 @@ class WorkerHands:
         self._trainer()
         if self.send_pipe is None:
             raise FlowmeshError(Code.UNAVAILABLE, f"worker {self.core.name} has no peer socket")
+        resume = None
+        config = msg.config
+        if msg.resume is not None:
+            resume = self.core.roots.readable(msg.resume, "checkpoint")
+            config = config or config_of(read_pipe_meta(resume))
+        assert config is not None  # the core refused an open with neither
         stage = build_stage(
-            msg.job, msg.spec, msg.config, msg.stage, len(msg.peers),
+            msg.job, msg.spec, config, msg.stage, len(msg.peers),
             self.device.torch_device, self.core.allow,
         )  # fmt: skip
+        step, rng = load_stage(stage, resume) if resume is not None else (0, None)
         held = {id(i.tensor): i.tensor for i in stage.tensors.values()}
         nbytes = sum(t.numel() * t.element_size() for t in held.values())
         trainable = sum(i.tensor.numel() * i.tensor.element_size() for i in stage.owned)
-        footprint = nbytes + trainable * (1 + state_count(msg.config.optimizer, self.core.allow))
+        footprint = nbytes + trainable * (1 + state_count(config.optimizer, self.core.allow))
         if footprint > self.train_bytes:
             raise FlowmeshError(
                 Code.TOO_BIG,
@@ -446,18 +459,25 @@ class WorkerHands:
         def answer(out: p.Message) -> None:  # on the job's thread
             loop.call_soon_threadsafe(self._pipe_answered, job, out)
 
-        runner = PipeRunner(stage, msg.ticket, send, answer)
+        roots = self.core.roots
+
+        def save(stage: Any, path: str, step: int, rng: Any) -> None:  # on the job's thread
+            save_stage(stage, roots.writable(path, "checkpoint"), step, rng)
+
+        runner = PipeRunner(stage, msg.ticket, send, answer, step_count=step, save=save)
+        if rng is not None:
+            runner.rng = rng
         self.pipes[job] = (runner, torch_pool(1, f"pipe-{job}"))
         a, b = stage.ranges[msg.stage]
         return OpenedJob(
             name=job,
             worker=self.core.name,
-            step=0,
+            step=step,
             sub_models=[SubModelRow(blocks=[a, b], host_bytes=0, task_bytes=footprint)],
             footprint=footprint,
             host_bytes=0,
             largest_task=footprint,
-            config=msg.config,
+            config=config,
         )
 
     def _send_pipe(self, peer: p.PipePeer, hop: p.PipeHop) -> None:

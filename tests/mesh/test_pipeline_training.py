@@ -1,9 +1,10 @@
 """A pipelined training job through a real mesh (issue 23 §2): three worker processes, the
 job's stages one on each, every hop over the workers' own peer sockets. Its losses equal plain
 PyTorch's (`torch.testing.assert_close`, rtol 1e-5 / atol 1e-6); a stage's worker killed under
-pending steps fails them `worker_lost`, saying no checkpoint was saved, and the workers left
-hold nothing of the job (the name opens again on them); `flowmesh train --pipeline 2` trains
-on the two left. The in-process grid of models is tests/scenarios/test_pipeline_training.py."""
+pending steps fails them `worker_lost`, naming the last checkpoint, the workers left hold
+nothing of the job, and the job resumes from the checkpoint on them, cut into two stages, to
+the same losses; `flowmesh train --pipeline 2` trains on the two left. The in-process grid of
+models is tests/scenarios/test_pipeline_training.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     s, batches = spec(9), data(9, 8)
-    expected, _ = plain(s, ADAM, batches[:5], clip=0.5, accumulate=2)
+    expected, _ = plain(s, ADAM, batches, clip=0.5, accumulate=2)
+    ckpt = str(tmp_path / "ck")
     kw = {"kwargs": s.kwargs, "seed": s.seed, "optimizer": ADAM, "batch_size": BATCH,
           "clip_grad_norm": 0.5, "accumulate": 2, "timeout": 60}  # fmt: skip
     with (
@@ -38,8 +40,10 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
         job = c.train_open("piped", s.factory, pipeline=3, **kw)
         workers = job.info.pipeline
         assert len(set(workers)) == 3 and job.info.worker == workers[0]
-        losses = [job.step(x, y).loss for x, y in batches[:5]]
-        close(losses, expected, "losses over three workers")
+        losses = [job.step(x, y).loss for x, y in batches[:3]]
+        assert job.save(ckpt) == {"path": ckpt, "step": 3}
+        losses += [job.step(x, y).loss for x, y in batches[3:5]]
+        close(losses, expected[:5], "losses over three workers")
         (row,) = c.jobs()
         assert row.pipeline == workers and row.step == 5
 
@@ -52,12 +56,17 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
             with pytest.raises(errors.WorkerLost) as info:
                 fut.result(30)
             assert f"worker {workers[1]} was lost" in info.value.reason
-            assert "saved no checkpoint" in info.value.reason
+            assert f"last saved at step 3 to {ckpt!r}" in info.value.reason
         assert c.jobs() == []
-        # Its other stages were closed: the name opens again on the two workers left.
-        again = c.train_open("piped", s.factory, pipeline=2, **kw)
-        assert set(again.info.pipeline) == {workers[0], workers[2]}
-        assert again.step(*batches[0]).step == 1
+        # Its other stages were closed: it resumes from the checkpoint on the two workers left,
+        # cut into two stages, and goes on as if nothing had happened after step 3.
+        again = c.train_open("piped", s.factory, pipeline=2, resume=ckpt,
+                             **{**kw, "optimizer": None})  # fmt: skip
+        assert set(again.info.pipeline) == {workers[0], workers[2]} and again.info.step == 3
+        assert again.info.config.clip_grad_norm == 0.5  # the checkpoint's configuration
+        rest = [again.step(x, y) for x, y in batches[3:]]
+        assert [r.step for r in rest] == [4, 5, 6, 7, 8]
+        close([r.loss for r in rest], expected[3:], "losses after the resume")
         again.close()
         # The same from the command line: `flowmesh train --pipeline 2`.
         args = ["train", s.factory, "--kwargs", json.dumps(s.kwargs), "--steps", "3", "--batch",
