@@ -101,6 +101,7 @@ class _Step:
     done: int = 0
     drew_any: bool = False
     result: float = 0.0
+    grad_norm: float | None = None
 
 
 @dataclass
@@ -318,6 +319,7 @@ class PipeRunner:
             step.norms_in += 1
             if step.norms_in == self.n:
                 total = float(total_norm(step.norms))
+                step.grad_norm = total
                 for s in range(self.n):
                     self._hop(s, "total", step.seq, values=[total])
         elif kind == "total":
@@ -344,10 +346,11 @@ class PipeRunner:
             return
         if not step.sent_norms:
             step.sent_norms = True
+            stage.settle_tied()
             tied = stage.tied_grads()
             for owner, names in stage.owners.items():
-                self._hop(owner, "tied_grad", step.seq,
-                          tensors={n: tied[n] for n in names if n in tied})  # fmt: skip
+                self._hop(owner, "tied_grad", step.seq, tensors={
+                    k: g for k, g in tied.items() if k.rpartition("@")[0] in names})  # fmt: skip
             if self.clip:
                 norms = stage.norms()
                 self._hop(0, "norms", step.seq, orders=[o for o, _ in norms],
@@ -382,10 +385,13 @@ class PipeRunner:
                 step.seq,
             )
             self.random = True
+        metrics = {"pipeline_stages": float(self.n), "serial_forwards": float(step.serial)}
+        if step.grad_norm is not None:  # as a memory-flow job reports it
+            metrics["grad_norm"] = step.grad_norm
         self._answer(
             p.TrainStepResult(
                 id=step.call, job=self.job, seq=step.seq, loss=step.result, step=self.step_count,
-                metrics={"pipeline_stages": float(self.n), "serial_forwards": float(step.serial)},
+                metrics=metrics,
             )
         )  # fmt: skip
         self._ended()

@@ -22,8 +22,10 @@ memory-flow job, `gpu_worker.train_job`):
   process running the micro-batches one after the other.
 - tied weights: a parameter used by two stages (GPT-2's embedding and its LM head) is owned by
   the first that uses it; a later stage holds a copy (`borrowed`), sends its gradient to the
-  owner before the update (`tied_grads` / `add_tied_grads`) and takes the owner's updated value
-  after it (`tied_values` / `set_tied_values`).
+  owner before the update, one per micro-batch (`tied_grads` / `add_tied_grads`), and takes the
+  owner's updated value after it (`tied_values` / `set_tied_values`). The owner sums them as
+  one process does (`settle_tied`: per micro-batch both uses, then the micro-batches in order),
+  so that even Adam on a gradient of float noise takes the same step.
 - clipping: the owner of each parameter gives its gradient's norm with the parameter's place
   in the model (`norms`); the driver stacks them all in that order and takes the norm, as
   `clip_grad_norm_` does, and every stage clips with that total.
@@ -143,6 +145,11 @@ class PipeStage:
         # Per micro-batch of the step under way: the input (a leaf that collects its gradient)
         # and the output whose graph the backward runs.
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        # A tied weight's gradient per micro-batch: this stage's (lent or borrowed), and the
+        # borrowers' (lent ones), summed in one process's order by `settle_tied`.
+        self._tied = [*self.lent, *(i.name for i in self.borrowed)]
+        self._tied_own: dict[str, dict[int, torch.Tensor]] = {}
+        self._tied_in: dict[str, dict[int, list[torch.Tensor]]] = {}
         self.losses: list[float] = []
         self.nonfinite = False
 
@@ -237,21 +244,31 @@ class PipeStage:
                     "was not applied",
                 )
         self.losses.append(value)
-        try:
-            loss.backward()
-        except Exception as exc:
-            raise _model_error(self.job, f"stage {self.stage}'s backward", exc) from None
+        self._backward(micro, loss.backward)
         return value, self._input_grad(x), rng
 
     def backward(self, micro: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The backward of micro-batch `micro` with the gradient of this stage's output; the
         gradient of its input (None on stage 0)."""
         x, out = self._graphs.pop(micro)
+        self._backward(micro, lambda: out.backward(grad.to(device=self.device, dtype=out.dtype)))
+        return self._input_grad(x)
+
+    def _backward(self, micro: int, run: Any) -> None:
+        """Run a micro-batch's backward; a tied weight's gradient of it is kept apart, by
+        micro-batch, for `settle_tied`."""
+        tied = [self.tensors[n].tensor for n in self._tied]
+        for t in tied:
+            t.grad = None
         try:
-            out.backward(grad.to(device=self.device, dtype=out.dtype))
+            run()
         except Exception as exc:
             raise _model_error(self.job, f"stage {self.stage}'s backward", exc) from None
-        return self._input_grad(x)
+        finally:
+            for name, t in zip(self._tied, tied, strict=True):
+                if t.grad is not None:
+                    self._tied_own.setdefault(name, {})[micro] = t.grad
+                t.grad = None
 
     def _input_grad(self, x: Any) -> torch.Tensor | None:
         if self.first or not isinstance(x, torch.Tensor):
@@ -261,24 +278,39 @@ class PipeStage:
     # -- ending the step ---------------------------------------------------------------------
 
     def tied_grads(self) -> dict[str, torch.Tensor]:
-        """The gradients of the parameters this stage borrows, for their owners (and dropped
-        here: only the owner updates)."""
+        """The gradients of the parameters this stage borrows, per micro-batch, for their
+        owners ("name@m"; only the owner updates)."""
         out = {}
         for info in self.borrowed:
-            grad = info.tensor.grad
-            if grad is not None:
-                out[info.name] = grad
-            info.tensor.grad = None
+            for m, grad in self._tied_own.pop(info.name, {}).items():
+                out[f"{info.name}@{m}"] = grad
         return out
 
     def add_tied_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Another stage's gradients of parameters lent by this one, added to their own."""
-        for name, grad in grads.items():
-            if name not in self.lent:
-                raise bad_request(f"stage {self.stage} lends no parameter {name!r}")
+        """Another stage's gradients of parameters lent by this one ("name@m"), kept until
+        `settle_tied`."""
+        for key, grad in grads.items():
+            name, _, m = key.rpartition("@")
+            if name not in self.lent or not m.isdigit():
+                raise bad_request(f"stage {self.stage} lends no parameter {key!r}")
             t = self.tensors[name].tensor
-            g = grad.to(device=self.device, dtype=t.dtype)
-            t.grad = g.clone() if t.grad is None else t.grad.add_(g)
+            self._tied_in.setdefault(name, {}).setdefault(int(m), []).append(
+                grad.to(device=self.device, dtype=t.dtype)
+            )
+
+    def settle_tied(self) -> None:
+        """Each lent weight's gradient, summed as one process sums it: per micro-batch, this
+        stage's use and the others', then the micro-batches in order."""
+        for name in self.lent:
+            own, others = self._tied_own.pop(name, {}), self._tied_in.pop(name, {})
+            total: torch.Tensor | None = None
+            for m in sorted(set(own) | set(others)):
+                parts = ([own[m]] if m in own else []) + others.get(m, [])
+                step = parts[0]
+                for g in parts[1:]:
+                    step = step + g
+                total = step if total is None else total + step
+            self.tensors[name].tensor.grad = total
 
     def norms(self) -> list[tuple[int, torch.Tensor]]:
         """The norm of every owned parameter's gradient, with its place in the model."""
@@ -322,6 +354,8 @@ class PipeStage:
         for info in self.tensors.values():
             if info.is_param:
                 info.tensor.grad = None
+        self._tied_own.clear()
+        self._tied_in.clear()
 
     def tied_values(self) -> dict[str, torch.Tensor]:
         """The values of the parameters this stage lends, after its update."""
@@ -381,8 +415,7 @@ def build_stage(
     file or directory, or its seed), its chain cut by `cut_even`."""
     allow = tuple(allow)
     with building_model():
-        model = build_reference(spec, allow)
-        model.train()
+        model = build_reference(spec, allow)  # in eval mode: tracing it moves no statistic
         inputs = declared_inputs(spec, model)
         blocks = chain_of(model, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
     return PipeStage(job, blocks, cut_even(blocks, stages), stage, config, device, allow=allow)
@@ -416,7 +449,11 @@ def step_in_process(
     for k, stage in enumerate(stages):
         tied = stage.tied_grads()
         for owner in stages[:k]:
-            owner.add_tied_grads({n: g for n, g in tied.items() if n in owner.lent})
+            owner.add_tied_grads(
+                {n: g for n, g in tied.items() if n.rpartition("@")[0] in owner.lent}
+            )
+    for stage in stages:
+        stage.settle_tied()
     total = None
     if stages[0].config.clip_grad_norm is not None:
         total = total_norm(n for s in stages for n in s.norms())

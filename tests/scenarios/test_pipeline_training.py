@@ -1,20 +1,23 @@
 """Pipeline-parallel training through the mesh (issue 23 §2), on an in-process mesh of three
 workers (tests/support/inproc.py: the real broker core, worker cores and hands, every message
-through the real codec, the real SDK): jobs opened with `pipeline=2` and `pipeline=3`, their
-steps all in flight at once, each micro-batch's activations and gradients going worker to
-worker. Per-step losses equal a plain PyTorch loop's on the same seeds and data, with
-`torch.testing.assert_close` at rtol 1e-5 / atol 1e-6; the stages sit on distinct workers;
-the refusals of what a pipelined job cannot do are clear errors."""
+through the real codec, the real SDK): the models and optimizers of the exactness table, with
+and without a clip, opened with `pipeline=2` and `pipeline=3` and two micro-batches a step, all
+48 jobs' steps in flight at once, each micro-batch's activations and gradients going worker to
+worker. Per-step losses and the final tensors (read back from each job's checkpoint) equal a
+plain PyTorch loop's on the same seeds and data, with `torch.testing.assert_close` at rtol 1e-5
+/ atol 1e-6; the stages sit on distinct workers; what a pipelined job cannot do is refused."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from client_sdk import errors
 from flowmesh.modelio.build import build_seeded
@@ -27,66 +30,135 @@ from tests.support.train_grid import data_for as grid_data
 
 TRAIN_BYTES = 4 << 20  # each stage resident: no memory flow
 
-# model, optimizer, stages, clip, accumulate (the pipeline's micro-batches)
+ACCUMULATE = 2  # the pipeline's micro-batches per step
+STEPS = 8
+CLIP = 0.2
+# Every model and optimizer of the exactness table (tests/scenarios/test_training_exactness.py),
+# with and without a clip, over 2 and 3 workers: 48 jobs.
 CASES = [
-    ("mlp", "adam", 2, 0.5, 2),
-    ("mlp", "sgd+momentum", 3, None, 4),
-    ("gpt-dropout", "adamw", 3, 0.5, 2),
-    ("resnet-bn", "sgd+momentum", 2, None, 2),
-    ("resnet-bn", "adam", 3, 0.5, 1),
-    ("hf-gpt2-tied", "adam", 3, 0.5, 1),
-    ("hf-gpt2-tied", "sgd+momentum", 2, None, 2),
+    (model, opt, stages, clip)
+    for model in MODELS
+    for opt in OPTIMIZERS
+    for clip in (None, CLIP)
+    for stages in (2, 3)
 ]
 
 
-def plain(model: str, opt: str, clip: float | None, accumulate: int, data: Any) -> list[float]:
+def plain(model: str, opt: str, clip: float | None, data: Any) -> tuple[list[float], Any]:
     net = build_seeded(MODELS[model], ALLOW)
-    return train(net, OPTIMIZERS[opt], data, clip=clip, accumulate=accumulate,
-                 rng_seed=RNG_SEED)  # fmt: skip
+    losses = train(net, OPTIMIZERS[opt], data, clip=clip, accumulate=ACCUMULATE,
+                   rng_seed=RNG_SEED)  # fmt: skip
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-async def run(mesh: InProcMesh, data: dict[str, Any]) -> list[Any]:
-    async with mesh.async_client(timeout=300.0) as client:
+async def run(mesh: InProcMesh, data: dict[str, Any], out: Path) -> list[Any]:
+    async with mesh.async_client(timeout=600.0) as client:
 
         async def one(i: int, case: tuple[Any, ...]) -> Any:
-            model, opt, stages, clip, acc = case
+            model, opt, stages, clip = case
             s = MODELS[model]
             job = await client.train_open(
                 f"p{i}-{model}", s.factory, kwargs=s.kwargs, seed=s.seed,
                 optimizer=OPTIMIZERS[opt], batch_size=BATCH, clip_grad_norm=clip,
-                accumulate=acc, rng_seed=RNG_SEED, pipeline=stages, timeout=300.0,
+                accumulate=ACCUMULATE, rng_seed=RNG_SEED, pipeline=stages, timeout=600.0,
             )  # fmt: skip
-            results = await asyncio.gather(*(job.step_async(x, y) for x, y in data[model]))
+            steps = [job.step_async(x, y, timeout=600.0) for x, y in data[model]]
+            results = await asyncio.gather(*steps)
+            await job.save(str(out / f"p{i}"), timeout=600.0)
             info = job.info
             await job.close()
-            return info, results
+            state: dict[str, torch.Tensor] = {}
+            for f in sorted((out / f"p{i}").glob("stage-*.safetensors")):
+                state.update({k: v for k, v in load_file(str(f)).items() if "/" not in k})
+            return info, results, state
 
         return await asyncio.gather(*(one(i, c) for i, c in enumerate(CASES)))
 
 
+def rel(a: torch.Tensor, e: torch.Tensor) -> float:
+    a, e = a.double(), e.double()
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    diff = float((a - e).abs().max()) if e.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
 def test_pipelined_jobs_through_the_mesh_equal_plain_pytorch(tmp_path: Path) -> None:
+    """The pipeline exactness table: `pytest -s` prints it (model x optimizer x stages x clip
+    -> max relative difference of the losses and of the final tensors); it is also written to
+    `$FLOWMESH_PIPELINE_TABLE` when that is set."""
     pytest.importorskip("transformers")
-    data = {m: grid_data(m, seed=60 + i)[:8] for i, m in enumerate(MODELS)}
+    data = {m: grid_data(m, seed=60 + i)[:STEPS] for i, m in enumerate(MODELS)}
     with InProcMesh(
         cpu_workers=3, memory_budget="8MiB", train_bytes=TRAIN_BYTES, allow=ALLOW,
         **roots_at(tmp_path),
     ) as mesh:  # fmt: skip
-        got = asyncio.run(run(mesh, data))
-    for (model, opt, stages, clip, acc), (info, results) in zip(CASES, got, strict=True):
+        got = asyncio.run(run(mesh, data, tmp_path))
+    plains = {}
+    rows, failures = [], []
+    for (model, opt, stages, clip), (info, results, state) in zip(CASES, got, strict=True):
+        name = f"{model}/{opt}/p{stages}/clip{clip}"
         assert len(info.pipeline) == len(set(info.pipeline)) == stages, info.pipeline
         assert info.worker == info.pipeline[0] and len(info.sub_models) == stages
         blocks = [r.blocks for r in info.sub_models]
         assert blocks[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
-        assert [r.step for r in results] == list(range(1, len(data[model]) + 1))
-        want = plain(model, opt, clip, acc, data[model])
-        got_losses = [r.loss for r in results]
-        torch.testing.assert_close(got_losses, want, rtol=RTOL, atol=ATOL,
-                                   msg=f"{model}/{opt}/p{stages}")  # fmt: skip
+        assert [r.step for r in results] == list(range(1, STEPS + 1))
+        if (model, opt, clip) not in plains:
+            plains[(model, opt, clip)] = plain(model, opt, clip, data[model])
+        want, want_state = plains[(model, opt, clip)]
+        got_losses = torch.tensor([r.loss for r in results], dtype=torch.float64)
+        expect = torch.tensor(want, dtype=torch.float64)
+        loss_rel = float(((got_losses - expect).abs() / expect.abs()).max())
+        problems = []
+        try:
+            torch.testing.assert_close(got_losses.tolist(), want, rtol=RTOL, atol=ATOL)
+        except AssertionError as exc:
+            problems.append(f"losses: {str(exc).splitlines()[0]}")
+        params = {n for n, _ in build_seeded(MODELS[model], ALLOW).named_parameters()}
+        if params - set(state):
+            problems.append(f"tensors missing from the checkpoint: {sorted(params - set(state))}")
+        param_rel = 0.0
+        for n in sorted(set(state) & set(want_state)):
+            if want_state[n].is_floating_point():
+                param_rel = max(param_rel, rel(state[n], want_state[n]))
+            try:
+                torch.testing.assert_close(state[n], want_state[n], rtol=RTOL, atol=ATOL)
+            except AssertionError as exc:
+                problems.append(f"{n}: {str(exc).splitlines()[0]}")
+        if clip is not None and not any(r.metrics["grad_norm"] > clip for r in results):
+            problems.append(f"the clip at {clip} was never exercised")
         # Forwards one after the other only where the model draws random numbers.
         serial = [r.metrics["serial_forwards"] for r in results]
         draws = model in ("gpt-dropout", "hf-gpt2-tied")
-        overlap = [1.0] * len(serial) if draws else [1.0] + [0.0] * (len(serial) - 1)
-        assert serial == overlap, (model, serial)
+        if serial != ([1.0] * STEPS if draws else [1.0] + [0.0] * (STEPS - 1)):
+            problems.append(f"forwards one after the other: {serial}")
+        rows.append(
+            [
+                model,
+                opt,
+                str(stages),
+                "-" if clip is None else f"{clip:g}",
+                f"{loss_rel:.1e}",
+                f"{param_rel:.1e}",
+                "ok" if not problems else "FAIL",
+            ]
+        )
+        if problems:
+            failures.append(f"{name}: " + "; ".join(problems[:3]))
+    header = ["model", "optimizer", "stages", "clip", "losses rel", "params rel", ""]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in [header, *rows]]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    text = (
+        f"pipelined training through the mesh: {len(CASES)} jobs x {STEPS} steps of "
+        f"{ACCUMULATE} micro-batches vs plain PyTorch (assert_close rtol {RTOL:g}, atol "
+        f"{ATOL:g}); 'rel' = max |mesh - plain| / |plain| per loss, and per tensor relative to "
+        "its largest |plain| value\n" + "\n".join(lines)
+    )
+    print("\n" + text)
+    if os.environ.get("FLOWMESH_PIPELINE_TABLE"):
+        Path(os.environ["FLOWMESH_PIPELINE_TABLE"]).write_text(text + "\n")
+    assert not failures, f"{len(failures)} of {len(CASES)} jobs differ:\n" + "\n".join(failures)
 
 
 def test_what_a_pipelined_job_cannot_do_is_refused_clearly(tmp_path: Path) -> None:
