@@ -23,7 +23,7 @@ from gpu_worker.pipe_runner import PipeRunner
 from gpu_worker.pipe_stage import PipeStage
 from gpu_worker.train_config import TrainConfig
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
-from tests.worker.test_training import (
+from tests.support.train_cases import (
     blocks_of,
     boom_net,
     build,

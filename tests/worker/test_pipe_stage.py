@@ -18,11 +18,7 @@ from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from gpu_worker.pipe_stage import PipeStage, job_rng, step_in_process
 from gpu_worker.train_config import TrainConfig
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
-from tests.support.train_grid import ALLOW as GRID_ALLOW
-from tests.support.train_grid import MODELS, RNG_SEED
-from tests.support.train_grid import data_for as grid_data
-from tests.support.training import plain
-from tests.worker.test_training import (
+from tests.support.train_cases import (
     CASES,
     STEPS,
     blocks_of,
@@ -32,6 +28,10 @@ from tests.worker.test_training import (
     even_ranges,
     plain_step_loop,
 )
+from tests.support.train_grid import ALLOW as GRID_ALLOW
+from tests.support.train_grid import MODELS, RNG_SEED
+from tests.support.train_grid import data_for as grid_data
+from tests.support.training import plain
 
 PIPE_CASES = [(*case[:2], stages, *case[3:]) for case in CASES for stages in (2, 3)]
 
@@ -109,7 +109,7 @@ def test_an_update_before_every_backward_is_refused_and_abort_leaves_the_weights
         s.abort()
     after = merged(pipe)
     for n, t in before.items():
-        assert torch.equal(after[n], t), n  # pure data: nothing moved
+        assert torch.equal(after[n], t), n  # bit-exact: an abort moves no weight
 
 
 MP_CASES = [
