@@ -145,7 +145,8 @@ class Job:
     # After a restart: commands held until the worker brings the job back.
     held: list[tuple[bytes, p.Message]] = field(default_factory=list)
     # A pipelined job: its stages' workers, in stage order (`worker` is stage 0's, where its
-    # steps go), those not opened yet, and each one's sub-model row and footprint once open.
+    # steps go), those not opened (or, closing, not closed) yet, and each one's sub-model row
+    # and footprint once open.
     workers: list[str] = field(default_factory=list)
     opening: set[str] = field(default_factory=set)
     opened_rows: dict[str, tuple[SubModelRow, int]] = field(default_factory=dict)
@@ -291,7 +292,6 @@ class TrainingRouter:
             self._step(addr, msg, now)
         elif isinstance(msg, p.TrainEval):
             job = self._ready_job(msg.job)
-            self._not_pipelined(job, "evaluate")
             _check_batch(msg, "an evaluation")
             # Sent at once, like a step: one connection keeps the order, so the worker queues
             # it behind every step forwarded before it.
@@ -309,19 +309,16 @@ class TrainingRouter:
         elif isinstance(msg, p.TrainClose):
             job = self._job(msg.job)
             job.state = "closing"
-            cid = self._call("close", job, addr, msg.id, now, msg.timeout_ms)
-            self._to_worker(job.worker, p.TrainClose(id=cid, job=job.name))
-            self._close_everywhere(job, but=job.worker)
+            # Answered once every worker holding a part has closed it: its name may then be
+            # opened again on any of them.
+            job.opening = set(job.holders)
+            for w in job.holders:
+                cid = self._call("close", job, addr, msg.id, now, msg.timeout_ms, worker=w)
+                self._to_worker(w, p.TrainClose(id=cid, job=job.name))
         elif isinstance(msg, p.Jobs):
             self._to_client(addr, p.JobsReply(id=msg.id, jobs=self.status(now)))
         else:
             raise fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training message")
-
-    @staticmethod
-    def _not_pipelined(job: Job, what: str) -> None:
-        if job.workers:
-            raise fail(Code.BAD_REQUEST, f"training job {job.name!r} is pipelined: it does not "
-                       f"{what} yet")  # fmt: skip
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -579,6 +576,11 @@ class TrainingRouter:
             call = self._pop(worker, msg.id, "close", msg.job)
             if call is None:
                 return
+            job = self.jobs.get(msg.job)
+            if job is not None and job.workers:
+                job.opening.discard(worker)
+                if job.opening:
+                    return  # other stages still closing
             self._forget(msg.job, Code.BAD_REQUEST, f"training job {msg.job!r} was closed")
             self._answer(call, p.TrainClosed(id=call.client_id, job=msg.job))
         else:

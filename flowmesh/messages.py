@@ -498,6 +498,7 @@ class PipeHop(Message, tag="pipe_hop"):
     reason: str = ""
     updated: bool = False  # a failure after this stage's update: the job is broken
     path: str = ""  # save: the checkpoint directory, as the client named it
+    evaluating: bool = False  # the hops of an evaluation (no backward, nothing updated)
 
 
 class Jobs(Message, tag="jobs"):

@@ -10,7 +10,7 @@ to `out` what must happen next, in order:
   activations to the next stage's worker), `RunStage`, `RunChunk`,
   `LoadStage`, `EvictStage`, `DropStage`, `FreeKV`, `PrepareStage`, `AddStage`, `OpenJob`,
   `SubmitStep`, `Evaluate`, `SaveJob`, `CloseJob`, and for a stage of a pipelined job
-  (`gpu_worker.pipe_runner`) `PipeStep`, `PipeSave` and `PipeHopIn`.
+  (`gpu_worker.pipe_runner`) `PipeStep`, `PipeEval`, `PipeSave` and `PipeHopIn`.
 
 The shell drains `out` (`drain`), does each item, and feeds back what each piece of work ended
 with (`finished`: its result, or the exception it failed with). Tests drive it in-process with
@@ -212,6 +212,15 @@ class PipeStep:
 
 
 @dataclass
+class PipeEval:
+    """An evaluation of a pipelined job, for its coordinator (after the steps before it)."""
+
+    msg: p.TrainEval
+    inputs: Any
+    targets: torch.Tensor
+
+
+@dataclass
 class PipeSave:
     """A save of a pipelined job, for its coordinator (after the steps sent before it)."""
 
@@ -241,6 +250,7 @@ Work = (
     | Evaluate
     | SaveJob
     | PipeStep
+    | PipeEval
     | PipeSave
     | PipeHopIn
 )
@@ -535,12 +545,6 @@ class WorkerCore:
         else:
             self.out.append(SubmitStep(msg, ledger, inputs, targets))
 
-    def _not_pipelined(self, job: str, what: str) -> None:
-        if job in self.pipes:
-            raise FlowmeshError(
-                Code.BAD_REQUEST, f"job {job!r} is pipelined: it does not {what} yet"
-            )
-
     def _pipe_open(self, msg: p.PipeOpen) -> None:
         self._trains()
         check_factory(msg.spec.factory, self.allow, f"worker {self.name}")
@@ -577,8 +581,10 @@ class WorkerCore:
 
     def _train_eval(self, msg: p.TrainEval) -> None:
         self._ledger(msg.job)
-        self._not_pipelined(msg.job, "evaluate")
         inputs, targets = step_batch(msg, "an evaluation")
+        if msg.job in self.pipes:
+            self.out.append(PipeEval(msg, inputs, targets))
+            return
         # Submitted in arrival order, as steps are: it runs after every step that came first.
         self.out.append(Evaluate(msg, inputs, targets))
 

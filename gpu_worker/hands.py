@@ -39,6 +39,7 @@ from gpu_worker.core import (
     FreeKV,
     LoadStage,
     OpenJob,
+    PipeEval,
     PipeHopIn,
     PipeSave,
     PipeStep,
@@ -302,6 +303,10 @@ class WorkerHands:
         elif isinstance(work, PipeStep):
             runner, pool = self._pipe(work.msg.job)
             fut = pool.submit(runner.on_step, work.msg, work.inputs, work.targets)
+            self._feed(asyncio.wrap_future(fut), work)
+        elif isinstance(work, PipeEval):
+            runner, pool = self._pipe(work.msg.job)
+            fut = pool.submit(runner.on_eval, work.msg, work.inputs, work.targets)
             self._feed(asyncio.wrap_future(fut), work)
         elif isinstance(work, PipeSave):
             runner, pool = self._pipe(work.msg.job)

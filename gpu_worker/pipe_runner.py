@@ -22,9 +22,11 @@ to worker over the peer sockets, as `p.PipeHop`s carrying the job's ticket:
   stage). The coordinator answers the broker once every stage is done, and only then begins the
   next step (a synchronous update, as GPipe's flush).
 
-A save (`on_save`) waits for the step under way to end, like a step; the coordinator asks every
-stage to write its part of the checkpoint ("save": `gpu_worker.pipe_checkpoint`) and answers
-once each has ("saved").
+An evaluation (`on_eval`) waits for the step under way to end, like a step, and runs its
+micro-batches' forwards in eval mode through the stages, the last one summing their losses;
+nothing changes, the RNG state included. A save (`on_save`) waits likewise; the coordinator
+asks every stage to write its part of the checkpoint ("save": `gpu_worker.pipe_checkpoint`) and
+answers once each has ("saved").
 
 A failure on any stage ("fail") fails the step everywhere ("abort"): no stage updates from it
 (a failure in an update breaks the job: its stages no longer agree). Plain logic: `on_step` and
@@ -36,6 +38,7 @@ handled, never inside it.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +50,7 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.pipe_checkpoint import save_stage
-from gpu_worker.pipe_stage import PipeStage, _micro, job_rng, total_norm
+from gpu_worker.pipe_stage import PipeStage, _micro, _split_rows, job_rng, total_norm
 from gpu_worker.train_job import RngState
 
 log = logging.getLogger("gpu_worker.pipe_runner")
@@ -105,6 +108,20 @@ class _Step:
 
 
 @dataclass
+class _Eval:
+    """An evaluation under way: on the coordinator, its call; on the last stage, its targets,
+    each micro-batch's share of the rows, and the sums so far."""
+
+    ref: int
+    targets: list[torch.Tensor] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    done: int = 0
+    loss: float = 0.0
+    right: int = 0
+    counted: int = 0
+
+
+@dataclass
 class _Save:
     ref: int
     path: str
@@ -149,6 +166,11 @@ class PipeRunner:
         self.queued: deque[tuple[Any, ...]] = deque()
         self._saving: _Save | None = None
         self._save = save or save_to
+        # The evaluation under way (coordinator, last stage), early hops of one not begun here
+        # (last stage), and the highest evaluation id ended here: later hops of it are dropped.
+        self._eval: _Eval | None = None
+        self._eval_early: list[p.PipeHop] = []
+        self._eval_ended = 0
         self.broken: str | None = None
         self.random = True
         self.rng: RngState = job_rng(stage.config.seed)
@@ -162,6 +184,14 @@ class PipeRunner:
         if not self.coordinator:
             raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: steps go to stage 0")
         self.queued.append(("step", msg, inputs, targets))
+        self._drain(self._next)
+
+    def on_eval(self, msg: p.TrainEval, inputs: Any, targets: torch.Tensor) -> None:
+        """The broker's evaluation (stage 0 only), after every step sent before it: the loss
+        (and accuracy for class targets) of the model as it is, changing nothing."""
+        if not self.coordinator:
+            raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: evaluations go to stage 0")
+        self.queued.append(("eval", msg, inputs, targets))
         self._drain(self._next)
 
     def on_save(self, ref: int, path: str) -> None:
@@ -204,8 +234,11 @@ class PipeRunner:
 
     def _next(self) -> None:
         """Begin the next queued step if none is under way."""
-        while self.current is None and self._saving is None and self.queued:
+        while self.current is None and self._saving is None and self._eval is None and self.queued:
             item = self.queued.popleft()
+            if item[0] == "eval":
+                self._begin_eval(*item[1:])
+                continue
             if item[0] == "save":
                 _, ref, path = item
                 self._saving = _Save(ref, path)
@@ -234,6 +267,93 @@ class PipeRunner:
             except Exception as exc:
                 self._fail(step, _failure(exc))
 
+    def _begin_eval(self, msg: p.TrainEval, inputs: Any, targets: torch.Tensor) -> None:
+        """The coordinator: the evaluation's micro-batches (the step's count, the last one
+        shorter when the rows do not split evenly) through stage 0, on to the others."""
+        rows = int(targets.shape[0])
+        size = max(1, -(-rows // self.micros))
+        ys = list(targets.split(size))
+        xs = _split_rows(inputs, size)
+        ev = self._eval = _Eval(msg.id)
+        try:
+            self._hop(self.n - 1, "target", msg.id, evaluating=True,
+                      values=[len(y) / rows for y in ys],
+                      tensors={f"y{i}": y for i, y in enumerate(ys)})  # fmt: skip
+            for m, x in enumerate(xs):
+                y = self.stage.evaluate(x, self.rng)
+                self._hop(1, "act", msg.id, m, tensors={"x": y}, evaluating=True)
+        except Exception as exc:
+            self._eval_failed(ev, _failure(exc))
+
+    def _take_eval(self, hop: p.PipeHop) -> None:
+        """A hop of an evaluation: forwards on, the last stage's losses, the end, a failure."""
+        if hop.kind in ("done", "fail"):  # the coordinator
+            ev = self._eval
+            if ev is None or ev.ref != hop.seq:
+                return
+            if hop.kind == "fail":
+                self._eval_failed(ev, FlowmeshError(hop.code or Code.INTERNAL, hop.reason))
+                return
+            right, counted = int(hop.values[0]), int(hop.values[1])
+            metrics = {"nonfinite": float(not math.isfinite(hop.loss))}
+            if counted:
+                metrics["accuracy"] = right / counted
+            self._eval = None
+            self._answer(p.TrainEvalResult(id=ev.ref, job=self.job, loss=hop.loss,
+                                           step=self.step_count, metrics=metrics))  # fmt: skip
+            self._next()
+            return
+        if hop.seq <= self._eval_ended:
+            return  # of an evaluation that ended (failed) here already
+        if hop.kind == "abort":
+            self._eval_ended = max(self._eval_ended, hop.seq)
+            self._eval = None
+            self._eval_early = [h for h in self._eval_early if h.seq != hop.seq]
+            return
+        try:
+            if not self.stage.is_last:
+                if hop.kind == "act":
+                    y = self.stage.evaluate(_tensor(hop.tensors["x"]), self.rng)
+                    self._hop(self.stage.stage + 1, "act", hop.seq, hop.micro,
+                              tensors={"x": y}, evaluating=True)  # fmt: skip
+                return
+            if hop.kind == "target":
+                ys = [_tensor(hop.tensors[f"y{i}"]) for i in range(len(hop.values))]
+                self._eval = _Eval(hop.seq, ys, list(hop.values))
+                early = [h for h in self._eval_early if h.seq == hop.seq]
+                self._eval_early = [h for h in self._eval_early if h.seq != hop.seq]
+                for h in early:
+                    self._last_eval(h)
+            elif hop.kind == "act":
+                if self._eval is None or self._eval.ref != hop.seq:
+                    self._eval_early.append(hop)
+                else:
+                    self._last_eval(hop)
+        except Exception as exc:
+            err = _failure(exc)
+            self._eval, self._eval_ended = None, max(self._eval_ended, hop.seq)
+            self._hop(0, "fail", hop.seq, code=str(err.code), reason=err.reason, evaluating=True)
+
+    def _last_eval(self, hop: p.PipeHop) -> None:
+        ev = self._eval
+        assert ev is not None
+        out = self.stage.evaluate(_tensor(hop.tensors["x"]), self.rng)
+        loss, right, counted = self.stage.eval_loss(out, ev.targets[hop.micro],
+                                                    ev.weights[hop.micro])  # fmt: skip
+        ev.loss, ev.right, ev.counted = ev.loss + loss, ev.right + right, ev.counted + counted
+        ev.done += 1
+        if ev.done == len(ev.targets):
+            self._eval, self._eval_ended = None, max(self._eval_ended, ev.ref)
+            self._hop(0, "done", ev.ref, loss=ev.loss, values=[ev.right, ev.counted],
+                      evaluating=True)  # fmt: skip
+
+    def _eval_failed(self, ev: _Eval, exc: FlowmeshError) -> None:
+        """The coordinator: an evaluation failed on some stage; the last stage drops it."""
+        self._hop(self.n - 1, "abort", ev.ref, evaluating=True, reason=exc.reason)
+        self._eval = None
+        self._answer(p.Error(id=ev.ref, code=str(exc.code), reason=exc.reason))
+        self._next()
+
     def _forward_first(self, step: _Step, m: int, rng: RngState) -> None:
         y, after = self.stage.forward(m, step.inputs[m], rng)
         step.drew |= not torch.equal(after[0], rng[0])
@@ -242,6 +362,9 @@ class PipeRunner:
     # -- every stage -------------------------------------------------------------------------
 
     def _take(self, hop: p.PipeHop) -> None:
+        if hop.evaluating:
+            self._take_eval(hop)
+            return
         if hop.kind == "abort":
             self._aborted(hop.seq, hop.reason, hop.updated)
             return

@@ -190,8 +190,9 @@ class PipeStage:
             if not info.is_param and id(info.tensor) in fresh:
                 info.tensor = fresh[id(info.tensor)]
 
-    def _run(self, x: Any, rng: RngState) -> tuple[torch.Tensor, RngState]:
-        self._fresh_buffers()
+    def _run(self, x: Any, rng: RngState, fresh: bool = True) -> tuple[torch.Tensor, RngState]:
+        if fresh:
+            self._fresh_buffers()
         with _rng_scope(rng, self._cuda), self._compute():
             out: Any = x
             try:
@@ -211,6 +212,45 @@ class PipeStage:
         out, rng = self._run(x, rng)
         self._graphs[micro] = (x, out)
         return out.detach(), rng
+
+    def evaluate(self, x: Any, rng: RngState) -> torch.Tensor:
+        """A micro-batch of an evaluation through this stage: no grad, the modules in eval mode
+        (dropout off, BatchNorm on its running statistics), nothing written, the job's RNG
+        state left as it was."""
+        if isinstance(x, Mapping):
+            x = {k: v.to(self.device) for k, v in x.items()}
+        else:
+            x = x.to(self.device)
+        try:
+            for m in self.modules:
+                m.eval()
+            with torch.no_grad():
+                out, _ = self._run(x, rng, fresh=False)
+        finally:
+            for m in self.modules:
+                m.train()
+        return out
+
+    def eval_loss(
+        self, out: torch.Tensor, target: torch.Tensor, weight: float
+    ) -> tuple[float, int, int]:
+        """The last stage's loss of an evaluation's micro-batch, times `weight` (its share of
+        the batch's rows), and (right, counted) predictions for class targets."""
+        assert self.loss_fn is not None
+        target = target.to(self.device)
+        with torch.no_grad(), self._compute():
+            try:
+                loss = self.loss_fn(out, target)
+            except Exception as exc:
+                raise bad_request(
+                    f"job {self.job!r}: the loss failed on outputs of shape "
+                    f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
+                ) from None
+            value = float(loss.reshape(()).item()) * weight
+        right = counted = 0
+        if not target.is_floating_point() and out.dim() == target.dim() + 1:
+            right, counted = int((out.argmax(-1) == target).sum()), target.numel()
+        return value, right, counted
 
     def last(
         self, micro: int, x: Any, target: torch.Tensor, rng: RngState
@@ -462,6 +502,14 @@ def step_in_process(
         for later in stages[k + 1 :]:
             later.set_tied_values(stage.tied_values())
     return loss, rng, total
+
+
+def _split_rows(inputs: Inputs, rows: int) -> list[Inputs]:
+    """`inputs` in pieces of `rows` rows (the last may have fewer)."""
+    if isinstance(inputs, torch.Tensor):
+        return list(inputs.split(rows))
+    parts = {k: v.split(rows) for k, v in inputs.items()}
+    return [{k: parts[k][i] for k in inputs} for i in range(len(next(iter(parts.values()))))]
 
 
 def _micro(inputs: Inputs, n: int) -> list[Inputs]:

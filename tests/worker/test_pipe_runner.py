@@ -191,3 +191,33 @@ def test_a_checkpoint_resumes_the_same_run_cut_another_way(
     for r in bus.runners:
         for n, t in r.stage.state_dict().items():
             close(got[n], t, f"tensor {n}")
+
+
+def test_an_evaluation_equals_plain_eval_and_changes_nothing() -> None:
+    """Between steps, an evaluation of a model with dropout, BatchNorm and a running scale: its
+    loss and accuracy are the plain model's in eval mode at that point, and the steps after it
+    take the losses they take without it (its random state and statistics untouched)."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=2, seed=21)
+    data = data_for("mixed", steps=6)
+    held_x, held_y = data_for("mixed", steps=1, batch=10, seed=9)[0]  # 10 rows: 5 + 5
+    bus = Bus(stages_of("mixed", cfg, 3), seed=4)
+    for seq, (x, y) in enumerate(data, 1):
+        bus.runners[0].on_step(p.TrainStep(id=seq, job="job", seq=seq), x, y)
+        if seq == 3:
+            bus.runners[0].on_eval(p.TrainEval(id=70, job="job"), held_x, held_y)
+    bus.run()
+    kinds = [type(a).__name__ for a in bus.answers]
+    assert kinds == ["TrainStepResult"] * 3 + ["TrainEvalResult"] + ["TrainStepResult"] * 3
+    ev = bus.answers[3]
+    assert isinstance(ev, p.TrainEvalResult) and ev.id == 70 and ev.step == 3
+
+    reference = build("mixed")
+    plain_step_loop(reference, cfg, data[:3])
+    reference.eval()
+    with torch.no_grad():
+        out = reference(held_x)
+        want = torch.nn.functional.cross_entropy(out, held_y)
+    close(ev.loss, float(want), "the evaluation's loss")
+    assert ev.metrics["accuracy"] == int((out.argmax(-1) == held_y).sum()) / len(held_y)
+    steps = [a.loss for a in bus.answers if isinstance(a, p.TrainStepResult)]
+    close(steps, plain_step_loop(build("mixed"), cfg, data), "the steps around it")
