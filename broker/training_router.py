@@ -351,11 +351,18 @@ class TrainingRouter:
         self.calls[cid] = JobCall(kind, job.name, to, addr, ref, now + timeout, seq)
         return cid
 
+    def committed(self) -> dict[str, int]:
+        """The training bytes each worker's jobs hold (a pipelined job's, stage by stage)."""
+        out: dict[str, int] = {}
+        for job in self.jobs.values():
+            parts = {w: f for w, (_, f) in job.opened_rows.items()} or {job.worker: job.footprint}
+            for w, f in parts.items():
+                out[w] = out.get(w, 0) + f
+        return out
+
     def place(self) -> str:
         """The ready worker with the most free training bytes (ties: by name)."""
-        committed: dict[str, int] = {}
-        for job in self.jobs.values():
-            committed[job.worker] = committed.get(job.worker, 0) + job.footprint
+        committed = self.committed()
         options = [
             (train_bytes_of(w) - committed.get(w.name, 0), w.name)
             for w in self.peers.values()
@@ -410,10 +417,7 @@ class TrainingRouter:
                 f"batch {msg.batch} does not split into {msg.config.accumulate} micro-batches "
                 "(accumulate: a pipeline's micro-batches)",
             )
-        committed: dict[str, int] = {}
-        for job in self.jobs.values():
-            for w in job.holders:
-                committed[w] = committed.get(w, 0) + job.footprint // len(job.holders)
+        committed = self.committed()
         able = sorted(
             (w for w in self.peers.values()
              if w.role == "worker" and w.ready and train_bytes_of(w) > 0
@@ -678,8 +682,10 @@ class TrainingRouter:
     # ================================================================== restarts
 
     def _keep_job(self, job: Job) -> bool:
-        """Write `job` to the store (when there is one); False if that failed."""
-        if self.store is None:
+        """Write `job` to the store (when there is one); False if that failed. A pipelined job
+        is not kept: after a restart its workers are told to close it (their inventories name
+        it), and it continues from its checkpoint (`resume`)."""
+        if self.store is None or job.workers:
             return True
         try:
             self.store.save_job(

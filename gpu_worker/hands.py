@@ -172,6 +172,12 @@ class WorkerHands:
         jobs = []
         trainer = self.trainer
         for name, ledger in self.core.jobs.items():
+            pipe = self.pipes.get(name)
+            if pipe is not None:  # named, so that a broker that does not know it closes it
+                runner = pipe[0]
+                jobs.append(p.HeldJob(name=name, step=runner.step_count, seq=ledger.last,
+                                      footprint=0, results=[], running=[]))  # fmt: skip
+                continue
             job = trainer.jobs.get(name) if trainer is not None else None
             if job is None:
                 continue

@@ -179,6 +179,11 @@ def test_a_pipelined_job_is_refused_what_it_cannot_do_and_saves_and_evaluates(
         job = c.train_open("two", s.factory, pipeline=2, **kw)
         x, y = grid_data("mlp", 0)[0]
         assert job.step(x, y).step == 1
+        # Each stage's worker names the job in its inventory (a restarted broker, which does
+        # not keep pipelined jobs, then has each close it).
+        for w in job.info.pipeline:
+            held = mesh.worker(w).hands.inventory().jobs
+            assert [(j.name, j.step) for j in held] == [("two", 1)]
         assert job.save(str(tmp_path / "ck"))["step"] == 1
         assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
             "stage-0.safetensors",
