@@ -198,3 +198,24 @@ def test_a_pipelined_job_is_refused_what_it_cannot_do_and_saves_and_evaluates(
         # Closed on both workers: the name opens again.
         again = c.train_open("two", s.factory, pipeline=2, **kw)
         assert again.step(x, y).step == 1
+
+
+def test_a_stage_over_its_workers_training_bytes_is_refused_and_nothing_is_left(
+    tmp_path: Path,
+) -> None:
+    s = MODELS["mlp"]
+    big = {**s.kwargs, "width": 256}  # about 1 MiB a stage with Adam's state: over 512 KiB
+    with InProcMesh(
+        cpu_workers=2, memory_budget="8MiB", train_bytes=512 << 10, allow=ALLOW,
+        **roots_at(tmp_path),
+    ) as mesh, mesh.client(timeout=60) as c:  # fmt: skip
+        kw: dict[str, Any] = {"seed": s.seed, "optimizer": {"name": "adam", "lr": 0.01},
+                              "batch_size": BATCH}  # fmt: skip
+        with pytest.raises(errors.TooBig, match=r"training bytes of worker .*more stages"):
+            c.train_open("big", s.factory, kwargs=big, pipeline=2, **kw)
+        assert c.jobs() == []
+        mesh.wait_until(
+            lambda: all(not w.hands.pipes for w in mesh.workers) or None, "stages closed", 10
+        )
+        small = c.train_open("big", s.factory, kwargs=s.kwargs, pipeline=2, **kw)
+        assert small.step(*grid_data("mlp", 0)[0]).step == 1
