@@ -553,8 +553,8 @@ class WorkerCore:
             raise FlowmeshError(
                 Code.BAD_REQUEST, f"stage {msg.stage} of a pipeline of {len(msg.peers)} workers"
             )
-        if msg.job in self.jobs:
-            raise FlowmeshError(Code.MODEL_EXISTS, f"training job {msg.job!r} is open here")
+        # (A job of that name still open here is refused on the thread that opens jobs, after
+        # any close the broker sent before this open: `WorkerHands.open_pipe`.)
         if msg.resume is not None:
             self.roots.readable(msg.resume, "checkpoint")
         elif msg.config is None:

@@ -437,7 +437,9 @@ class WorkerHands:
 
     def open_pipe(self, msg: p.PipeOpen, loop: asyncio.AbstractEventLoop) -> OpenedJob:
         """On a thread: build this worker's stage of a pipelined job, its runner and thread."""
-        self._trainer()
+        trainer = self._trainer()
+        if msg.job in self.pipes or msg.job in trainer.jobs:
+            raise FlowmeshError(Code.MODEL_EXISTS, f"training job {msg.job!r} is open here")
         if self.send_pipe is None:
             raise FlowmeshError(Code.UNAVAILABLE, f"worker {self.core.name} has no peer socket")
         resume = None

@@ -135,6 +135,21 @@ def test_many_sequences_over_four_models_fit_the_budget_and_equal_hf(
 
     # Memory: no status during the run, nor after it, shows a worker over its budget.
     assert seen
+    held = {
+        w.name: max(
+            sum(x.stats.resident_stages.values()) + x.kv_bytes
+            for st in seen
+            for x in st.workers
+            if x.name == w.name
+        )
+        for w in after.workers
+    }
+    rows_now = {m.name: m for m in after.models}
+    print(  # the figures the closing note gives (`pytest -s`)
+        f"\n{len(seqs)} calls over {len(dirs)} models; budget {budget} B a worker; most "
+        f"stages + KV seen: {held}; peaks: {[w.peak_bytes for w in after.workers]}; "
+        f"preemptions: { {n: rows_now[n].preemptions for n in dirs} }"
+    )
     assert [bad for st in [*seen, after] for bad in over_budget(st)] == []
     # The KV figures: held while sequences ran, within each worker's limit, and all freed.
     assert any(w.kv_bytes > 0 and w.kv_blocks > 0 for st in seen for w in st.workers)
