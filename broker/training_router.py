@@ -467,10 +467,15 @@ class TrainingRouter:
         job.ledger.take(msg.seq)
         job.step_sent(msg.seq, msg.tensors)
         cid = self._call("step", job, addr, msg.id, now, msg.timeout_ms, msg.seq)
+        # A pipelined job's coordinator fails a step that outlives it, so that later ones go on.
+        timeout = (msg.timeout_ms or int(self.step_timeout_s * 1000)) if job.workers else None
         self._to_worker(
             job.worker,
-            p.TrainStep(id=cid, job=job.name, seq=msg.seq, inputs=msg.inputs, tensors=msg.tensors),
-        )
+            p.TrainStep(
+                id=cid, job=job.name, seq=msg.seq, inputs=msg.inputs, tensors=msg.tensors,
+                timeout_ms=timeout,
+            ),
+        )  # fmt: skip
 
     def _retried(self, job: Job, addr: bytes, msg: p.TrainStep, now: float) -> None:
         """A step whose seq was taken: replay its answer, or answer it when it comes."""

@@ -493,6 +493,12 @@ class WorkerHands:
             config=config,
         )
 
+    def tick(self) -> None:
+        """Each pipelined job's coordinator checks its step's deadline, on the job's thread."""
+        for runner, pool in list(self.pipes.values()):
+            if runner.coordinator and runner.current is not None:
+                pool.submit(runner.on_tick)
+
     def _send_pipe(self, peer: p.PipePeer, hop: p.PipeHop) -> None:
         assert self.send_pipe is not None
         try:

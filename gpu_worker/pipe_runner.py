@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ from gpu_worker.pipe_stage import PipeStage, _micro, _split_rows, job_rng, total
 from gpu_worker.train_job import RngState
 
 log = logging.getLogger("gpu_worker.pipe_runner")
+
+# How long a step may take from its start on the coordinator when its TrainStep names no
+# timeout: past it (a hop lost with its worker still alive, say), it fails everywhere.
+STEP_TIMEOUT_S = 120.0
 
 
 def rng_tensors(rng: RngState) -> dict[str, torch.Tensor]:
@@ -96,6 +101,7 @@ class _Step:
     loss: float = 0.0
     failed: bool = False
     ended: bool = False
+    deadline: float = math.inf  # the coordinator's: when it fails if not answered
     # The coordinator's: the broker's call, the inputs, what came back from the stages.
     call: int = 0
     inputs: list[Any] = field(default_factory=list)
@@ -145,6 +151,7 @@ class PipeRunner:
         answer: Callable[[p.Message], None],
         step_count: int = 0,
         save: Callable[[PipeStage, str, int, RngState | None], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if len(stage.ranges) < 2:
             raise FlowmeshError(Code.BAD_REQUEST, "a pipelined job has at least two stages")
@@ -176,6 +183,7 @@ class PipeRunner:
         self.rng: RngState = job_rng(stage.config.seed)
         self._local: deque[p.PipeHop] = deque()
         self._busy = False
+        self.clock = clock
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -193,6 +201,23 @@ class PipeRunner:
             raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: evaluations go to stage 0")
         self.queued.append(("eval", msg, inputs, targets))
         self._drain(self._next)
+
+    def on_tick(self) -> None:
+        """The coordinator: a step past its deadline fails everywhere (TIMEOUT), so that the
+        steps behind it go on (`timeout_ms` of its TrainStep, else STEP_TIMEOUT_S)."""
+        self._drain(self._check_deadline)
+
+    def _check_deadline(self) -> None:
+        step = self.current
+        if not self.coordinator or step is None or self.clock() < step.deadline:
+            return
+        late = FlowmeshError(
+            Code.TIMEOUT,
+            f"job {self.job!r}: step seq {step.seq} did not end within its time on the "
+            f"pipeline's {self.n} workers (one of them did not answer); "
+            + ("the job is broken" if step.updated else "it was applied on none"),
+        )
+        self._fail(step, late)
 
     def on_save(self, ref: int, path: str) -> None:
         """The broker's save (stage 0 only), after every step sent before it."""
@@ -250,6 +275,8 @@ class PipeRunner:
                 self._answer(p.Error(id=msg.id, code=str(Code.MODEL_ERROR), reason=self.broken))
                 continue
             step = self.current = _Step(msg.seq, serial=self.random, call=msg.id)
+            timeout = msg.timeout_ms / 1000 if msg.timeout_ms else STEP_TIMEOUT_S
+            step.deadline = self.clock() + timeout
             self.last_seq = msg.seq
             try:
                 step.inputs = _micro(inputs, self.micros)

@@ -195,10 +195,11 @@ class WorkerService(MeshPeer):
 
     async def _expire_early_hops(self) -> None:
         """Hops kept for runs not announced go when they are too old, whether or not more
-        Hops come (`DirectRuns.expire`)."""
+        Hops come (`DirectRuns.expire`); a pipelined job's step past its deadline fails."""
         while True:
             await asyncio.sleep(max(self.direct.early_ttl_s / 10, 0.1))
             self.core.tick(self.clock())
+            self.hands.tick()  # pipelined jobs' steps past their deadline
 
     def close(self) -> None:
         for sock in (*self._to_peers.values(), self._peer_sock):

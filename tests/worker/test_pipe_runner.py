@@ -221,3 +221,47 @@ def test_an_evaluation_equals_plain_eval_and_changes_nothing() -> None:
     assert ev.metrics["accuracy"] == int((out.argmax(-1) == held_y).sum()) / len(held_y)
     steps = [a.loss for a in bus.answers if isinstance(a, p.TrainStepResult)]
     close(steps, plain_step_loop(build("mixed"), cfg, data), "the steps around it")
+
+
+def test_a_step_whose_hop_is_lost_fails_at_its_deadline_and_the_rest_go_on() -> None:
+    """Step 2's first gradient never reaches stage 0 (its worker alive, the hop lost): the
+    coordinator waits, then at the step's deadline fails it everywhere (TIMEOUT), and the steps
+    queued behind it run as if it had never been sent."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, clip_grad_norm=0.3, accumulate=2, seed=21)
+    data = data_for("mlp", steps=5)
+    now = [0.0]
+    bus = Bus(stages_of("mlp", cfg, 3), seed=8)
+    for r in bus.runners:
+        r.clock = lambda: now[0]
+    lost: list[p.PipeHop] = []
+    send = bus.runners[1]._send
+
+    def lossy(to: int, hop: p.PipeHop) -> None:
+        if hop.seq == 2 and hop.kind == "grad" and not lost:
+            lost.append(hop)  # dropped on the way
+            return
+        send(to, hop)
+
+    bus.runners[1]._send = lossy
+    for seq, (x, y) in enumerate(data, 1):
+        msg = p.TrainStep(id=seq, job="job", seq=seq, timeout_ms=30_000)
+        bus.runners[0].on_step(msg, x, y)
+    bus.run()
+    assert [a.id for a in bus.answers] == [1] and lost  # step 2 waits, the rest behind it
+    now[0] = 29.0
+    bus.runners[0].on_tick()
+    assert len(bus.answers) == 1  # not yet
+    now[0] = 31.0
+    bus.runners[0].on_tick()
+    bus.run()
+    kinds = [type(a).__name__ for a in bus.answers]
+    assert kinds == ["TrainStepResult", "Error", "TrainStepResult", "TrainStepResult",
+                     "TrainStepResult"]  # fmt: skip
+    err = bus.answers[1]
+    assert isinstance(err, p.Error) and err.code == str(Code.TIMEOUT)
+    assert "step seq 2 did not end within its time" in err.reason
+    assert "it was applied on none" in err.reason
+    done = [a for a in bus.answers if isinstance(a, p.TrainStepResult)]
+    assert [a.step for a in done] == [1, 2, 3, 4]
+    good = [data[0], *data[2:]]
+    close([a.loss for a in done], plain_step_loop(build("mlp"), cfg, good), "losses")
