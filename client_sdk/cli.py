@@ -637,6 +637,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 SWEEP_KEYS = {
     "name", "factory", "trials", "steps", "eval_every", "concurrency", "pruner",
     "reduction_factor", "objective", "direction", "batch", "loss", "seed", "chunk_bytes", "out",
+    "pipeline",
     "kwargs", "optimizer", "data", "space",
 }  # fmt: skip
 SWEEP_DATA_KEYS = {"file", "eval_file", "samples", "seq", "seed", "holdout"}
@@ -719,6 +720,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 batch=int(cfg.get("batch", 16)),
                 seed=int(cfg.get("seed", 0)),
                 chunk_bytes=parse_size(chunk) if chunk is not None else None,
+                pipeline=int(cfg.get("pipeline", 0)),
                 out_dir=out,
                 show=not (args.quiet or args.json),
                 timeout=args.timeout,

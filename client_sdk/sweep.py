@@ -409,6 +409,7 @@ async def sweep_async(
     batch: int = 16,
     seed: int = 0,
     chunk_bytes: int | None = None,
+    pipeline: int = 0,
     out_dir: str | Path | None = None,
     show: bool = True,
     on_trial_end: Callback | None = None,
@@ -432,6 +433,7 @@ async def sweep_async(
     "hyperband" or "none", with `reduction_factor`. `seed` seeds the sampler (trial
     parameters) and every trial's initial weights, so trials differ only by their parameters.
     `out_dir` receives trials.json and curves.png; `show` draws the live table on stderr.
+    `pipeline`: each trial's job over that many workers (`train_open(pipeline=...)`).
     `timeout` bounds each call of a trial, not the sweep. `on_trial_end(record)` runs after a
     trial's job is closed, on the client's event loop (the blocking `Client`'s loop thread: it
     must not call that `Client`).
@@ -579,6 +581,7 @@ async def sweep_async(
                     loss=loss,
                     batch_size=batch,
                     chunk_bytes=chunk_bytes,
+                    pipeline=pipeline,
                     # A diverged step comes back as a loss to prune on, not as an error.
                     stop_on_nonfinite=False,
                     timeout=timeout,

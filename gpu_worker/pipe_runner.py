@@ -535,7 +535,11 @@ class PipeRunner:
                 step.seq,
             )
             self.random = True
-        metrics = {"pipeline_stages": float(self.n), "serial_forwards": float(step.serial)}
+        metrics = {
+            "pipeline_stages": float(self.n),
+            "serial_forwards": float(step.serial),
+            "nonfinite": float(not math.isfinite(step.result)),
+        }
         if step.grad_norm is not None:  # as a memory-flow job reports it
             metrics["grad_norm"] = step.grad_norm
         self._answer(

@@ -28,6 +28,7 @@ from tests.support.mesh import roots_at
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import ALLOW, ATOL, BATCH, MODELS, OPTIMIZERS, RNG_SEED, RTOL
 from tests.support.train_grid import data_for as grid_data
+from tests.support.training import teacher
 
 TRAIN_BYTES = 4 << 20  # each stage resident: no memory flow
 
@@ -219,3 +220,37 @@ def test_a_stage_over_its_workers_training_bytes_is_refused_and_nothing_is_left(
         )
         small = c.train_open("big", s.factory, kwargs=s.kwargs, pipeline=2, **kw)
         assert small.step(*grid_data("mlp", 0)[0]).step == 1
+
+
+def test_a_sweep_runs_its_trials_as_pipelined_jobs(tmp_path: Path) -> None:
+    """`sweep(pipeline=2)`: every trial's job over both workers, evaluated through its stages
+    for the pruner, each trial with its held-out loss."""
+    opened: list[list[str]] = []
+    with InProcMesh(
+        cpu_workers=2, memory_budget="8MiB", train_bytes=TRAIN_BYTES, allow=ALLOW,
+        **roots_at(tmp_path),
+    ) as mesh:  # fmt: skip
+
+        async def main() -> Any:
+            async with mesh.async_client(timeout=120) as c:
+                train_open = c.train_open
+
+                async def recorded(*args: Any, **kw: Any) -> Any:  # the jobs the sweep opens
+                    job = await train_open(*args, **kw)
+                    opened.append(job.info.pipeline)
+                    return job
+
+                c.train_open = recorded  # type: ignore[method-assign]
+                return await c.sweep(
+                    name="piped", factory="flowmesh.examples:mlp",
+                    space={"lr": {"type": "float", "low": 1e-3, "high": 0.1, "log": True}},
+                    data=teacher(), trials=3, steps=4, eval_every=2, concurrency=2,
+                    kwargs={"width": 16, "depth": 2, "in_features": 8, "out_features": 4},
+                    optimizer={"name": "adam"}, batch=16, pipeline=2, show=False,
+                    out_dir=tmp_path / "out",
+                )  # fmt: skip
+
+        result = asyncio.run(main())
+    assert len(result.trials) == 3 and len(opened) == 3
+    assert all(t.evals and t.state in ("COMPLETE", "PRUNED") for t in result.trials), result.trials
+    assert all(len(p) == 2 and len(set(p)) == 2 for p in opened), opened
