@@ -51,7 +51,7 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.pipe_checkpoint import save_stage
-from gpu_worker.pipe_stage import PipeStage, _micro, _split_rows, job_rng, total_norm
+from gpu_worker.pipe_stage import PipeStage, job_rng, micro_batches, split_rows, total_norm
 from gpu_worker.train_job import RngState
 
 log = logging.getLogger("gpu_worker.pipe_runner")
@@ -279,7 +279,7 @@ class PipeRunner:
             step.deadline = self.clock() + timeout
             self.last_seq = msg.seq
             try:
-                step.inputs = _micro(inputs, self.micros)
+                step.inputs = micro_batches(inputs, self.micros)
                 ys = list(targets.chunk(self.micros)) if self.micros > 1 else [targets]
                 if len(ys) != self.micros or len(step.inputs) != self.micros:
                     raise FlowmeshError(
@@ -300,7 +300,7 @@ class PipeRunner:
         rows = int(targets.shape[0])
         size = max(1, -(-rows // self.micros))
         ys = list(targets.split(size))
-        xs = _split_rows(inputs, size)
+        xs = split_rows(inputs, size)
         ev = self._eval = _Eval(msg.id)
         try:
             self._hop(self.n - 1, "target", msg.id, evaluating=True,

@@ -472,7 +472,7 @@ def step_in_process(
     global gradient norm (None without clipping). What the workers do over sockets, in one
     place: the reference the in-process tests hold the stages to."""
     accumulate = stages[0].config.accumulate
-    xs = _micro(inputs, accumulate)
+    xs = micro_batches(inputs, accumulate)
     ys = targets.chunk(accumulate) if accumulate > 1 else [targets]
     grads: list[torch.Tensor | None] = []
     for m, (x, y) in enumerate(zip(xs, ys, strict=True)):
@@ -504,7 +504,7 @@ def step_in_process(
     return loss, rng, total
 
 
-def _split_rows(inputs: Inputs, rows: int) -> list[Inputs]:
+def split_rows(inputs: Inputs, rows: int) -> list[Inputs]:
     """`inputs` in pieces of `rows` rows (the last may have fewer)."""
     if isinstance(inputs, torch.Tensor):
         return list(inputs.split(rows))
@@ -512,7 +512,8 @@ def _split_rows(inputs: Inputs, rows: int) -> list[Inputs]:
     return [{k: parts[k][i] for k in inputs} for i in range(len(next(iter(parts.values()))))]
 
 
-def _micro(inputs: Inputs, n: int) -> list[Inputs]:
+def micro_batches(inputs: Inputs, n: int) -> list[Inputs]:
+    """`inputs` in `n` micro-batches (`chunk`, as the reference loop cuts them)."""
     if n == 1:
         return [inputs]
     if isinstance(inputs, torch.Tensor):
