@@ -145,10 +145,10 @@ class Job:
     # After a restart: commands held until the worker brings the job back.
     held: list[tuple[bytes, p.Message]] = field(default_factory=list)
     # A pipelined job: its stages' workers, in stage order (`worker` is stage 0's, where its
-    # steps go), those not opened (or, closing, not closed) yet, and each one's sub-model row
-    # and footprint once open.
+    # steps go), those whose answer to the open (or, closing, to the close) is awaited, and
+    # each one's sub-model row and footprint once open.
     workers: list[str] = field(default_factory=list)
-    opening: set[str] = field(default_factory=set)
+    awaiting: set[str] = field(default_factory=set)
     opened_rows: dict[str, tuple[SubModelRow, int]] = field(default_factory=dict)
 
     @property
@@ -311,7 +311,7 @@ class TrainingRouter:
             job.state = "closing"
             # Answered once every worker holding a part has closed it: its name may then be
             # opened again on any of them.
-            job.opening = set(job.holders)
+            job.awaiting = set(job.holders)
             for w in job.holders:
                 cid = self._call("close", job, addr, msg.id, now, msg.timeout_ms, worker=w)
                 self._to_worker(w, p.TrainClose(id=cid, job=job.name))
@@ -437,7 +437,7 @@ class TrainingRouter:
         ]
         ticket = secrets.randbits(62) + 1
         job = Job(msg.job, workers[0], msg.spec, msg.config, msg.batch, now, workers=workers)
-        job.opening = set(workers)
+        job.awaiting = set(workers)
         self.jobs[job.name] = job
         for stage, w in enumerate(workers):
             cid = self._call("open", job, addr, msg.id, now, msg.timeout_ms, worker=w)
@@ -533,9 +533,9 @@ class TrainingRouter:
             if call is None:
                 return
             if job.workers:
-                job.opening.discard(worker)
+                job.awaiting.discard(worker)
                 job.opened_rows[worker] = (msg.job.sub_models[0], msg.job.footprint)
-                if job.opening:
+                if job.awaiting:
                     return  # the other stages' answers are still to come
                 rows = [job.opened_rows[w] for w in job.workers]
                 job.sub_models = [r for r, _ in rows]
@@ -587,8 +587,8 @@ class TrainingRouter:
                 return
             job = self.jobs.get(msg.job)
             if job is not None and job.workers:
-                job.opening.discard(worker)
-                if job.opening:
+                job.awaiting.discard(worker)
+                if job.awaiting:
                     return  # other stages still closing
             self._forget(msg.job, Code.BAD_REQUEST, f"training job {msg.job!r} was closed")
             self._answer(call, p.TrainClosed(id=call.client_id, job=msg.job))

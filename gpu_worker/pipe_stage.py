@@ -213,6 +213,23 @@ class PipeStage:
         self._graphs[micro] = (x, out)
         return out.detach(), rng
 
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The job's loss on a micro-batch, under the forward's autocast, checked scalar."""
+        assert self.loss_fn is not None
+        with self._compute():
+            try:
+                loss = self.loss_fn(out, target)
+            except Exception as exc:
+                raise bad_request(
+                    f"job {self.job!r}: the loss failed on outputs of shape "
+                    f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
+                ) from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise FlowmeshError(
+                Code.MODEL_ERROR, f"job {self.job!r}: the loss is not a scalar tensor"
+            )
+        return loss.reshape(())
+
     def evaluate(self, x: Any, rng: RngState) -> torch.Tensor:
         """A micro-batch of an evaluation through this stage: no grad, the modules in eval mode
         (dropout off, BatchNorm on its running statistics), nothing written, the job's RNG
@@ -236,17 +253,9 @@ class PipeStage:
     ) -> tuple[float, int, int]:
         """The last stage's loss of an evaluation's micro-batch, times `weight` (its share of
         the batch's rows), and (right, counted) predictions for class targets."""
-        assert self.loss_fn is not None
         target = target.to(self.device)
-        with torch.no_grad(), self._compute():
-            try:
-                loss = self.loss_fn(out, target)
-            except Exception as exc:
-                raise bad_request(
-                    f"job {self.job!r}: the loss failed on outputs of shape "
-                    f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
-                ) from None
-            value = float(loss.reshape(()).item()) * weight
+        with torch.no_grad():
+            value = float(self._loss(out, target).item()) * weight
         right = counted = 0
         if not target.is_floating_point() and out.dim() == target.dim() + 1:
             right, counted = int((out.argmax(-1) == target).sum()), target.numel()
@@ -257,23 +266,9 @@ class PipeStage:
     ) -> tuple[float, torch.Tensor | None, RngState]:
         """Micro-batch `micro` through the last stage: forward, loss / M, backward. Returns the
         loss, the gradient of its input (None on a one-stage pipeline) and the RNG state."""
-        assert self.loss_fn is not None
         x = self._take(x)
         out, rng = self._run(x, rng)
-        target = target.to(self.device)
-        with self._compute():
-            try:
-                loss = self.loss_fn(out, target)
-            except Exception as exc:
-                raise bad_request(
-                    f"job {self.job!r}: the loss failed on outputs of shape "
-                    f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
-                ) from None
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise FlowmeshError(
-                    Code.MODEL_ERROR, f"job {self.job!r}: the loss is not a scalar tensor"
-                )
-            loss = loss.reshape(()) / self.config.accumulate
+        loss = self._loss(out, target.to(self.device)) / self.config.accumulate
         value = float(loss.detach().item())
         if not math.isfinite(value):
             self.nonfinite = True

@@ -18,6 +18,7 @@ from flowmesh.modelio.chain import Block, chain_of
 from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
+from gpu_worker.pipe_stage import PipeStage
 from gpu_worker.train_config import TrainConfig
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -204,3 +205,15 @@ CASES = [
     ("gpt2", {"name": "sgd", "lr": 0.1, "momentum": 0.9}, 3, None, 2),
     ("unused", {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}, 2, None, 1),
 ]
+
+
+def pipe_stages(
+    kind: str, cfg: TrainConfig, n: int, make: Callable[[], nn.Module] | None = None
+) -> list[PipeStage]:
+    """Model `kind` (or `make()`'s) cut into `n` even pipeline stages, each built from its own
+    copy of the seeded model, as its worker builds it (a tied weight: a copy per stage)."""
+    out = []
+    for s in range(n):
+        blocks = blocks_of(kind, make() if make is not None else build(kind))
+        out.append(PipeStage("job", blocks, even_ranges(len(blocks), n), s, cfg))
+    return out

@@ -24,12 +24,11 @@ from gpu_worker.pipe_stage import PipeStage
 from gpu_worker.train_config import TrainConfig
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_cases import (
-    blocks_of,
     boom_net,
     build,
     close,
     data_for,
-    even_ranges,
+    pipe_stages,
     plain_step_loop,
     seeded,
 )
@@ -70,15 +69,6 @@ class Bus:
         return self.answers
 
 
-def stages_of(kind: str, cfg: TrainConfig, n: int, make: Any = None) -> list[PipeStage]:
-    out = []
-    for s in range(n):
-        model = make() if make is not None else build(kind)
-        blocks = blocks_of(kind, model)
-        out.append(PipeStage("job", blocks, even_ranges(len(blocks), n), s, cfg))
-    return out
-
-
 CASES = [
     # model, optimizer, stages, clip, accumulate
     ("mlp", {"name": "adam", "lr": 0.01}, 3, 0.3, 4),
@@ -105,7 +95,7 @@ def test_pipelined_steps_through_messages_match_plain_pytorch(
 ) -> None:  # fmt: skip
     cfg = TrainConfig(optimizer, clip_grad_norm=clip, accumulate=accumulate, seed=21)
     data = data_for(kind, steps=8)
-    bus = Bus(stages_of(kind, cfg, stages), seed=order)
+    bus = Bus(pipe_stages(kind, cfg, stages), seed=order)
     answers = bus.steps(data)
     assert [type(a) for a in answers] == [p.TrainStepResult] * len(data), answers
     assert [(a.id, a.seq, a.step) for a in answers] == [(100 + i, i, i) for i in range(1, 9)]
@@ -140,7 +130,7 @@ def test_a_failing_step_is_answered_and_applied_nowhere() -> None:
     def make() -> torch.nn.Module:
         return seeded(boom_net, 14)
 
-    bus = Bus(stages_of("boom", cfg, 3, make), seed=3)
+    bus = Bus(pipe_stages("boom", cfg, 3, make), seed=3)
     answers = bus.steps(steps)
     kinds = [type(a).__name__ for a in answers]
     assert (
@@ -166,7 +156,7 @@ def test_a_checkpoint_resumes_the_same_run_cut_another_way(
     count takes the last four steps to the same losses and weights."""
     cfg = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=2, seed=21)
     data = data_for(kind, steps=8)
-    bus = Bus(stages_of(kind, cfg, saved_as), seed=5)
+    bus = Bus(pipe_stages(kind, cfg, saved_as), seed=5)
     for seq, (x, y) in enumerate(data[:4], 1):
         bus.runners[0].on_step(p.TrainStep(id=seq, job="job", seq=seq), x, y)
     bus.runners[0].on_save(50, str(tmp_path / "ck"))
@@ -179,7 +169,7 @@ def test_a_checkpoint_resumes_the_same_run_cut_another_way(
     assert len(whole) == 8
     assert read_pipe_meta(tmp_path / "ck")["stages"] == saved_as
 
-    again = Bus(stages_of(kind, cfg, resumed_as), seed=6)
+    again = Bus(pipe_stages(kind, cfg, resumed_as), seed=6)
     for r in again.runners:
         r.step_count, r.rng = load_stage(r.stage, tmp_path / "ck")
     answers = again.steps(data[4:])
@@ -200,7 +190,7 @@ def test_an_evaluation_equals_plain_eval_and_changes_nothing() -> None:
     cfg = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=2, seed=21)
     data = data_for("mixed", steps=6)
     held_x, held_y = data_for("mixed", steps=1, batch=10, seed=9)[0]  # 10 rows: 5 + 5
-    bus = Bus(stages_of("mixed", cfg, 3), seed=4)
+    bus = Bus(pipe_stages("mixed", cfg, 3), seed=4)
     for seq, (x, y) in enumerate(data, 1):
         bus.runners[0].on_step(p.TrainStep(id=seq, job="job", seq=seq), x, y)
         if seq == 3:
@@ -230,7 +220,7 @@ def test_a_step_whose_hop_is_lost_fails_at_its_deadline_and_the_rest_go_on() -> 
     cfg = TrainConfig({"name": "adam", "lr": 0.01}, clip_grad_norm=0.3, accumulate=2, seed=21)
     data = data_for("mlp", steps=5)
     now = [0.0]
-    bus = Bus(stages_of("mlp", cfg, 3), seed=8)
+    bus = Bus(pipe_stages("mlp", cfg, 3), seed=8)
     for r in bus.runners:
         r.clock = lambda: now[0]
     lost: list[p.PipeHop] = []

@@ -21,11 +21,11 @@ from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_cases import (
     CASES,
     STEPS,
-    blocks_of,
     build,
     close,
     data_for,
     even_ranges,
+    pipe_stages,
     plain_step_loop,
 )
 from tests.support.train_grid import ALLOW as GRID_ALLOW
@@ -34,14 +34,6 @@ from tests.support.train_grid import data_for as grid_data
 from tests.support.training import plain
 
 PIPE_CASES = [(*case[:2], stages, *case[3:]) for case in CASES for stages in (2, 3)]
-
-
-def stages_of(kind: str, cfg: TrainConfig, n: int) -> list[PipeStage]:
-    stages = []
-    for s in range(n):
-        blocks = blocks_of(kind, build(kind))  # each stage's worker builds its own copy
-        stages.append(PipeStage("job", blocks, even_ranges(len(blocks), n), s, cfg))
-    return stages
 
 
 def merged(stages: list[PipeStage]) -> dict[str, torch.Tensor]:
@@ -61,7 +53,7 @@ def test_pipelined_steps_match_plain_pytorch(
 ) -> None:
     cfg = TrainConfig(optimizer, clip_grad_norm=clip, accumulate=accumulate, seed=21)
     data = data_for(kind)
-    pipe = stages_of(kind, cfg, stages)
+    pipe = pipe_stages(kind, cfg, stages)
     if kind == "gpt2":  # the tied embedding: lent by stage 0, borrowed by the last
         assert "transformer.wte.weight" in pipe[0].lent
         assert [i.name for i in pipe[-1].borrowed] == ["transformer.wte.weight"]
@@ -90,7 +82,7 @@ def test_pipelined_steps_match_plain_pytorch(
 
 def test_a_stage_cut_where_no_floating_activation_passes_is_refused() -> None:
     cfg = TrainConfig({"name": "sgd", "lr": 0.1})
-    pipe = stages_of("mlp", cfg, 2)
+    pipe = pipe_stages("mlp", cfg, 2)
     with pytest.raises(Exception, match="floating activation"):
         pipe[1].last(0, torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                      job_rng(0))  # fmt: skip
@@ -98,7 +90,7 @@ def test_a_stage_cut_where_no_floating_activation_passes_is_refused() -> None:
 
 def test_an_update_before_every_backward_is_refused_and_abort_leaves_the_weights() -> None:
     cfg = TrainConfig({"name": "sgd", "lr": 0.1})
-    pipe = stages_of("mlp", cfg, 2)
+    pipe = pipe_stages("mlp", cfg, 2)
     before = merged(pipe)
     x, y = data_for("mlp", steps=1)[0]
     act, rng = pipe[0].forward(0, x, job_rng(0))
