@@ -7,6 +7,7 @@ refusals at the door, the demo's part, and an undeploy that lets a running strea
 from __future__ import annotations
 
 import asyncio
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -295,15 +296,24 @@ def test_an_undeploy_lets_a_running_generation_end_and_refuses_new_calls(
             row = next((m for m in look.status().models if m.name == "lm-drain"), None)
             return None if row is None else row.state
 
+        (row,) = [m for m in look.status().models if m.name == "lm-drain"]
+        worker = mesh.child(row.replicas[0].workers[0]).proc
         got: list[int] = []
         with ThreadPoolExecutor(1) as pool:
             with c.generate_stream("lm-drain", prompt, max_tokens=n, ignore_eos=True) as stream:
                 for chunk in stream:
                     if not got:  # the first token: undeploy while the rest are to come
-                        undeploy = pool.submit(op.undeploy, "lm-drain")
-                        until_blocking(lambda: state() == "draining", "the model draining")
-                        with pytest.raises(errors.ModelNotFound, match="being undeployed"):
-                            look.generate("lm-drain", "Hi", max_tokens=2)
+                        # Its worker held still meanwhile (well within its heartbeats' grace),
+                        # so that the generation is surely still running when the undeploy
+                        # comes, however fast it would otherwise end.
+                        worker.send_signal(signal.SIGSTOP)
+                        try:
+                            undeploy = pool.submit(op.undeploy, "lm-drain")
+                            until_blocking(lambda: state() == "draining", "the model draining")
+                            with pytest.raises(errors.ModelNotFound, match="being undeployed"):
+                                look.generate("lm-drain", "Hi", max_tokens=2)
+                        finally:
+                            worker.send_signal(signal.SIGCONT)
                     got += chunk.ids
             done = undeploy.result(timeout=60)
         assert got == whole.ids
