@@ -7,9 +7,10 @@ made the promise:
   each stage), the replicas it wants, and its placement (which worker hosts which stage of each
   replica). Written when the deploy is answered, rewritten when the placement changes, deleted
   when the model is undeployed.
-- **jobs**: a training job's spec, configuration, batch size and worker, and its last checkpoint
-  (path and step) when one was saved. Written when the open is answered, rewritten on each save,
-  deleted when the job is closed or lost.
+- **jobs**: a training job's spec, configuration, batch size and worker (a pipelined job's: its
+  stages' workers, in stage order), and its last checkpoint (path and step) when one was saved.
+  Written when the open is answered, rewritten on each save, deleted when the job is closed or
+  lost.
 - **meta**: the allow-list in force, and a boot counter (`next_epoch`): each start of the broker
   takes the next number, and numbers its calls above `epoch << 40`, so that a late answer to a
   call of a previous life can never be taken for an answer to one of this life.
@@ -33,7 +34,7 @@ import msgpack
 
 FILE = "broker.sqlite3"
 LOCK = "broker.lock"  # held (flock) by the broker using the directory; the kernel drops it at exit
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
@@ -53,9 +54,29 @@ CREATE TABLE IF NOT EXISTS jobs (
     batch INTEGER NOT NULL,
     worker TEXT NOT NULL,
     saved_step INTEGER,
-    saved_path TEXT
+    saved_path TEXT,
+    pipeline BLOB
 );
 """
+# What takes a directory written by an older broker to this schema, by the version it was at.
+_MIGRATIONS = {
+    1: "ALTER TABLE jobs ADD COLUMN pipeline BLOB",  # pipelined jobs kept from version 2 on
+}
+
+
+def _migrate(db: sqlite3.Connection, version: int) -> None:
+    """Take a database at `version` to `SCHEMA_VERSION`, one step at a time, in one
+    transaction: a broker killed meanwhile leaves it as it was."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        while version != SCHEMA_VERSION:
+            db.execute(_MIGRATIONS[version])
+            version += 1
+        db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (_pack(version),))
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
 
 
 def _pack(value: Any) -> bytes:
@@ -91,6 +112,8 @@ class JobRecord:
     worker: str
     saved_step: int | None = None
     saved_path: str | None = None
+    # A pipelined job's stages' workers in stage order (`worker` is stage 0's); empty: one.
+    workers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +162,8 @@ class Store:
         row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         if row is None:
             db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(SCHEMA_VERSION),))
+        elif _unpack(row[0]) in _MIGRATIONS:
+            _migrate(db, _unpack(row[0]))
         elif _unpack(row[0]) != SCHEMA_VERSION:
             db.close()
             self.close()  # the lock too
@@ -195,7 +220,8 @@ class Store:
 
     def save_job(self, rec: JobRecord) -> None:
         self._write(
-            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO jobs (name, spec, config, batch, worker, saved_step, "
+            "saved_path, pipeline) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 rec.name,
                 _pack(rec.spec),
@@ -204,6 +230,7 @@ class Store:
                 rec.worker,
                 rec.saved_step,
                 rec.saved_path,
+                _pack(list(rec.workers)) if rec.workers else None,
             ),
         )
 
@@ -256,9 +283,11 @@ class Store:
                 worker=worker,
                 saved_step=saved_step,
                 saved_path=saved_path,
+                workers=list(_unpack(pipeline)) if pipeline is not None else [],
             )
-            for name, spec, config, batch, worker, saved_step, saved_path in db.execute(
-                "SELECT * FROM jobs ORDER BY name"
+            for name, spec, config, batch, worker, saved_step, saved_path, pipeline in db.execute(
+                "SELECT name, spec, config, batch, worker, saved_step, saved_path, pipeline "
+                "FROM jobs ORDER BY name"
             )
         }
         row = db.execute("SELECT value FROM meta WHERE key = 'allow'").fetchone()

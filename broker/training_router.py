@@ -25,7 +25,9 @@ own.
   holds the job's commands until its worker registers again with the job in its inventory:
   the job's step count, its highest `seq` and its latest answers come from there, so a step
   the client sends again after the restart is answered from them (or when it finishes), never
-  run twice. A job its worker did not bring back is lost as above.
+  run twice. A pipelined job waits for every stage's worker, and takes its steps' figures from
+  stage 0's (where its steps go). A job a worker did not bring back is lost as above (a
+  pipelined job's other stages are closed).
 - **Progress** (`JobRow`): rows trained per second (each step's rows read from its targets as
   it is forwarded), and what the worker measured of each step (`p.TrainStepResult`: bytes
   copied between the host tier and the device, seconds waited for memory), the last step's
@@ -687,10 +689,8 @@ class TrainingRouter:
     # ================================================================== restarts
 
     def _keep_job(self, job: Job) -> bool:
-        """Write `job` to the store (when there is one); False if that failed. A pipelined job
-        is not kept: after a restart its workers are told to close it (their inventories name
-        it), and it continues from its checkpoint (`resume`)."""
-        if self.store is None or job.workers:
+        """Write `job` to the store (when there is one); False if that failed."""
+        if self.store is None:
             return True
         try:
             self.store.save_job(
@@ -702,6 +702,7 @@ class TrainingRouter:
                     worker=job.worker,
                     saved_step=job.saved_step,
                     saved_path=job.saved_path,
+                    workers=list(job.workers),
                 )
             )
         except Exception as exc:
@@ -721,54 +722,74 @@ class TrainingRouter:
                 if self.store is not None:
                     self.store.drop_job(rec.name)
                 continue
-            job = Job(rec.name, rec.worker, spec, config, rec.batch, now)
+            job = Job(rec.name, rec.worker, spec, config, rec.batch, now, workers=rec.workers)
             job.state = "restoring"
+            job.awaiting = set(job.holders)  # the workers still to bring it back
             job.saved_step, job.saved_path = rec.saved_step, rec.saved_path
             self.jobs[job.name] = job
-            log.info("restored training job=%s (waiting for worker=%s)", job.name, job.worker)
+            log.info("restored training job=%s (waiting for workers=%s)", job.name, job.holders)
 
     def worker_joined(self, worker: str, held: list[p.HeldJob], now: float) -> None:
         """A worker registered afresh with the jobs it holds (its inventory's): a restored job
-        it holds is taken up where it is; one it should hold and does not is lost (the worker
-        restarted); one nobody knows is closed there."""
+        it holds is taken up where it is, once every worker holding a part of it is back; one it
+        should hold and does not is lost (the worker restarted); one nobody knows is closed
+        there."""
         have = {item.name: item for item in held}
         for name, item in have.items():
             job = self.jobs.get(name)
-            if job is None or job.worker != worker or job.state != "restoring":
+            if job is None or worker not in job.awaiting or job.state != "restoring":
                 log.info("closing training job=%s held by %s: not ours", name, worker)
                 self._to_worker(worker, p.TrainClose(id=next(self._ids), job=name))
                 continue
+            job.awaiting.discard(worker)
+            if job.workers:
+                row = SubModelRow(blocks=[], host_bytes=0, task_bytes=item.footprint)
+                job.opened_rows[worker] = (row, item.footprint)
+            if worker == job.worker:  # where its steps go: what they did is known there
+                job.step, job.last_seq = item.step, item.seq
+                job.awaited = set(item.running)
+                self._replay(job, item)
+            if job.awaiting:
+                log.info("training job=%s: worker=%s is back, waiting for %s",
+                         name, worker, sorted(job.awaiting))  # fmt: skip
+                continue
             job.state = "ready"
-            job.step, job.last_seq = item.step, item.seq
-            job.footprint = item.footprint
-            job.awaited = set(item.running)
-            for r in item.results:
-                if r.seq > job.last_seq:
-                    continue
-                if isinstance(r, p.StepFailed):
-                    answer: p.Message = p.Error(id=0, code=r.code, reason=r.reason)
-                else:
-                    answer = p.TrainStepResult(
-                        id=0, job=name, seq=r.seq, loss=r.loss, step=r.step, metrics=r.metrics
-                    )
-                    job.last_loss = r.loss
-                self._keep(job, r.seq, answer)
+            if job.workers:
+                job.footprint = sum(f for _, f in job.opened_rows.values())
+            else:
+                job.footprint = item.footprint
             log.info(
                 "training job=%s taken up on worker=%s at step %d (seq %d, %d running)",
                 name,
-                worker,
+                job.holders,
                 job.step,
                 job.last_seq,
                 len(job.awaited),
             )
             self._release(job, now)
-        for job in [j for j in self.jobs.values() if j.worker == worker and j.state == "restoring"]:
+        lost = [j for j in self.jobs.values() if j.state == "restoring" and worker in j.awaiting]
+        for job in lost:
+            self._close_everywhere(job, but=worker)
             self._forget(
                 job.name,
                 Code.WORKER_LOST,
                 f"worker {worker} came back without training job {job.name!r} (it restarted); "
                 f"{job.checkpoint_note()}",
             )
+
+    def _replay(self, job: Job, item: p.HeldJob) -> None:
+        """Keep the answers a worker brought back, for the steps its client sends again."""
+        for r in item.results:
+            if r.seq > job.last_seq:
+                continue
+            if isinstance(r, p.StepFailed):
+                answer: p.Message = p.Error(id=0, code=r.code, reason=r.reason)
+            else:
+                answer = p.TrainStepResult(
+                    id=0, job=job.name, seq=r.seq, loss=r.loss, step=r.step, metrics=r.metrics
+                )
+                job.last_loss = r.loss
+            self._keep(job, r.seq, answer)
 
     def _release(self, job: Job, now: float) -> None:
         """Run the commands held for `job` while it waited, in the order they came."""
@@ -784,11 +805,16 @@ class TrainingRouter:
     def finish_restore(self) -> None:
         """The wait for workers after a restart is over: a job still waiting is lost."""
         for job in [j for j in self.jobs.values() if j.state == "restoring"]:
+            # The stages whose workers came back are closed: nobody can reach them now.
+            back = [w for w in job.holders if w not in job.awaiting]
+            for w in back:
+                if w in self.peers:
+                    self._to_worker(w, p.TrainClose(id=next(self._ids), job=job.name))
             self._forget(
                 job.name,
                 Code.WORKER_LOST,
-                f"worker {job.worker} did not come back with training job {job.name!r} after "
-                f"the broker restarted; {job.checkpoint_note()}",
+                f"worker(s) {', '.join(sorted(job.awaiting))} did not come back with training "
+                f"job {job.name!r} after the broker restarted; {job.checkpoint_note()}",
             )
 
     # ================================================================== time and loss

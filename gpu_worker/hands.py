@@ -26,7 +26,6 @@ from typing import Any
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
-from flowmesh.optimizers import state_count
 from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.threads import torch_pool
 from gpu_worker.core import (
@@ -173,10 +172,18 @@ class WorkerHands:
         trainer = self.trainer
         for name, ledger in self.core.jobs.items():
             pipe = self.pipes.get(name)
-            if pipe is not None:  # named, so that a broker that does not know it closes it
+            if pipe is not None:  # its steps' answers and running seqs: stage 0's alone
                 runner = pipe[0]
-                jobs.append(p.HeldJob(name=name, step=runner.step_count, seq=ledger.last,
-                                      footprint=0, results=[], running=[]))  # fmt: skip
+                jobs.append(
+                    p.HeldJob(
+                        name=name,
+                        step=runner.step_count,
+                        seq=ledger.last,
+                        footprint=runner.stage.footprint(self.core.allow),
+                        results=list(ledger.answers.values()),
+                        running=sorted(ledger.running),
+                    )
+                )
                 continue
             job = trainer.jobs.get(name) if trainer is not None else None
             if job is None:
@@ -453,10 +460,7 @@ class WorkerHands:
             self.device.torch_device, self.core.allow,
         )  # fmt: skip
         step, rng = load_stage(stage, resume) if resume is not None else (0, None)
-        held = {id(i.tensor): i.tensor for i in stage.tensors.values()}
-        nbytes = sum(t.numel() * t.element_size() for t in held.values())
-        trainable = sum(i.tensor.numel() * i.tensor.element_size() for i in stage.owned)
-        footprint = nbytes + trainable * (1 + state_count(config.optimizer, self.core.allow))
+        footprint = stage.footprint(self.core.allow)
         if footprint > self.train_bytes:
             raise FlowmeshError(
                 Code.TOO_BIG,

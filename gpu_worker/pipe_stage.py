@@ -53,6 +53,7 @@ from flowmesh.modelio.build import build_reference
 from flowmesh.modelio.chain import Block, chain_of
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
+from flowmesh.optimizers import state_count
 from flowmesh.spec import ModelSpec
 from gpu_worker.model_code import building_model
 from gpu_worker.train_config import TrainConfig, make_optimizer, resolve_loss
@@ -152,6 +153,7 @@ class PipeStage:
         self._tied_in: dict[str, dict[int, list[torch.Tensor]]] = {}
         self.losses: list[float] = []
         self.nonfinite = False
+        self._footprint: int | None = None  # `footprint`
 
     # -- per micro-batch ---------------------------------------------------------------------
 
@@ -401,6 +403,17 @@ class PipeStage:
             for info in self.borrowed:
                 if info.name in values:
                     info.tensor.copy_(values[info.name])
+
+    def footprint(self, allow: Iterable[str]) -> int:
+        """The device bytes it holds: its tensors, and its trainable ones' gradients and
+        optimizer state (counted once: the optimizer's state is probed on a small tensor)."""
+        if self._footprint is None:
+            held = {id(i.tensor): i.tensor for i in self.tensors.values()}
+            nbytes = sum(t.numel() * t.element_size() for t in held.values())
+            trainable = sum(i.tensor.numel() * i.tensor.element_size() for i in self.owned)
+            states = state_count(self.config.optimizer, tuple(allow))
+            self._footprint = nbytes + trainable * (1 + states)
+        return self._footprint
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors this stage owns, by their names in the model's state_dict."""

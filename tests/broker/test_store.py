@@ -7,10 +7,11 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from broker.core import CLIENT
-from broker.store import FILE, JobRecord, ModelRecord, Store
+from broker.store import FILE, SCHEMA_VERSION, JobRecord, ModelRecord, Store
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.train_spec import TrainConfig
@@ -47,6 +48,30 @@ def test_the_store_reads_back_what_it_wrote_after_reopening(tmp_path: Path) -> N
     assert snap.models == {"m": model_record("m")}
     assert snap.jobs == {"j": job}
     assert snap.allow == ("flowmesh.examples", "my_zoo")
+
+
+def test_a_directory_an_older_broker_wrote_is_taken_to_this_schema(tmp_path: Path) -> None:
+    """Version 1 (before pipelined jobs were kept): its jobs read back as one-worker jobs, and
+    a pipelined one is kept beside them from then on."""
+    db = sqlite3.connect(tmp_path / FILE)
+    db.executescript(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);"
+        "CREATE TABLE jobs (name TEXT PRIMARY KEY, spec BLOB NOT NULL, config BLOB NOT NULL,"
+        " batch INTEGER NOT NULL, worker TEXT NOT NULL, saved_step INTEGER, saved_path TEXT);"
+    )
+    db.execute("INSERT INTO meta VALUES ('schema', ?)", (msgpack.packb(1),))
+    db.execute("INSERT INTO jobs VALUES ('old', ?, ?, 4, 'w0', 3, '/ck')",
+               (msgpack.packb({"name": "old"}), msgpack.packb({})))  # fmt: skip
+    db.commit()
+    db.close()
+    store = Store(tmp_path).open()
+    old = JobRecord("old", {"name": "old"}, {}, 4, "w0", saved_step=3, saved_path="/ck")
+    piped = JobRecord("piped", {"name": "piped"}, {}, 2, "w1", workers=["w1", "w0"])
+    store.save_job(piped)
+    store.close()
+    assert Store(tmp_path).open().load_all().jobs == {"old": old, "piped": piped}
+    schema = sqlite3.connect(tmp_path / FILE).execute("SELECT value FROM meta WHERE key='schema'")
+    assert msgpack.unpackb(schema.fetchone()[0]) == SCHEMA_VERSION == 2
 
 
 def test_the_store_runs_in_wal_mode_and_counts_starts(tmp_path: Path) -> None:
@@ -94,7 +119,9 @@ class Life(Harness):
         super().__init__(state_dir=str(state), **cfg)
         Life.lives[state] = self
 
-    def register(self, name: str, inventory: dict[str, Any] | None = None, pid: int = 1) -> Any:
+    def register(
+        self, name: str, inventory: dict[str, Any] | None = None, pid: int = 1, peer: str = ""
+    ) -> Any:
         # Through the codec, as the broker receives it: the inventory is typed on receipt.
         return self.backend(
             name.encode(),
@@ -107,7 +134,7 @@ class Life(Harness):
                     device="cpu",
                     kind="cpu",
                     budget_bytes=100 * MIB,
-                    info=p.PeerInfo(train_bytes=64 * MIB),
+                    info=p.PeerInfo(train_bytes=64 * MIB, peer_endpoint=peer),
                     inventory=inventory or {},
                 )
             ),
@@ -310,3 +337,89 @@ def test_a_job_nobody_here_opened_is_closed_on_its_worker() -> None:
         ("train_close", "x"),
     ]
     assert life.core.training.jobs == {}
+
+
+# ====================================================================== pipelined training jobs
+
+
+def open_pipelined(life: Life) -> list[str]:
+    """Job "j" over two workers w0 and w1 (each with a peer endpoint): their stages, in order."""
+    for w in ("w0", "w1"):
+        life.register(w, peer=f"tcp://127.0.0.1:{7000 + int(w[1])}")
+        life.backend(w.encode(), p.Heartbeat())
+    spec = {"name": "j", "factory": "flowmesh.examples:mlp", "seed": 0}
+    msg = p.TrainOpen(id=50, job="j", spec=spec, config=CONFIG, batch=4, pipeline=2)
+    opens = [(a.decode(), m) for _, a, m in life.client(CLIENT_A, msg)]
+    assert [type(m) for _, m in opens] == [p.PipeOpen, p.PipeOpen]
+    workers = [w for w, _ in sorted(opens, key=lambda o: o[1].stage)]
+    for w, m in opens:
+        info = opened_job("j", worker=w, footprint=MIB, config=RUN)
+        out = life.backend(w.encode(), p.JobOpened(id=m.id, job=info))
+    assert only(out, p.TrainOpened)
+    return workers
+
+
+def held(step: int, seq: int, results: list[dict[str, Any]], running: list[int]) -> dict[str, Any]:
+    """A pipelined job "j" as a worker's inventory lists it."""
+    return {"jobs": [{"name": "j", "step": step, "seq": seq, "footprint": MIB,
+                      "results": results, "running": running}]}  # fmt: skip
+
+
+def test_a_pipelined_job_is_kept_and_taken_up_once_every_stage_is_back(tmp_path: Path) -> None:
+    life = Life(tmp_path)
+    first, second = open_pipelined(life)
+    assert Store(tmp_path).open().load_all().jobs["j"].workers == [first, second]
+    assert [a for _, a, _ in step(life, 1, 60)] == [first.encode()]  # its steps go to stage 0
+    only(step(life, 2, 61), p.TrainStep)  # then the broker dies, step 2 still running
+
+    life = Life(tmp_path)
+    job = life.core.training.jobs["j"]
+    assert (job.state, job.workers, job.worker) == ("restoring", [first, second], first)
+    assert step(life, 2, 70) == [] and step(life, 3, 71) == []  # held
+    # Stage 1's worker comes back first: still waiting for stage 0's.
+    out = life.register(second, held(0, 0, [], []), peer="tcp://127.0.0.1:7001")
+    assert [m.TYPE for _, _, m in out] == ["register_ack"] and job.state == "restoring"
+    # Stage 0's, where the steps go, brings their figures: step 1 answered, step 2 running.
+    result = {"t": "ok", "seq": 1, "loss": 0.5, "step": 1, "metrics": {}}
+    out = life.register(first, held(1, 2, [result], [2]), peer="tcp://127.0.0.1:7000")
+    assert job.state == "ready" and job.footprint == 2 * MIB
+    (fwd,) = only(out, p.TrainStep)  # step 3 is new; step 2 waits for the worker's answer
+    assert fwd.seq == 3 and [a for _, a, m in out if m is fwd] == [first.encode()]
+    out = life.backend(first.encode(), p.TrainStepResult(id=9, job="j", seq=2, loss=0.25, step=2))
+    (res,) = [m for d, _, m in out if d == CLIENT]
+    assert (res.id, res.seq, res.loss) == (70, 2, 0.25)
+    (row,) = life.core.training.status(0.0)
+    assert (row.pipeline, row.step, row.state) == ([first, second], 2, "ready")
+
+
+def test_a_pipelined_job_a_stage_came_back_without_is_lost_and_closed(tmp_path: Path) -> None:
+    life = Life(tmp_path)
+    first, second = open_pipelined(life)
+    life = Life(tmp_path)
+    assert step(life, 1, 80) == []
+    out = life.register(first, held(0, 0, [], []), peer="tcp://127.0.0.1:7000")
+    assert [m.TYPE for _, _, m in out] == ["register_ack"]
+    out = life.register(second, {"jobs": []}, pid=2, peer="tcp://127.0.0.1:7001")  # restarted
+    (err,) = [m for d, _, m in out if d == CLIENT]
+    assert err.id == 80 and err.code == Code.WORKER_LOST
+    assert f"worker {second} came back without" in err.reason
+    # Stage 0's part, back but unreachable now, is closed.
+    assert [(a, m.job) for _, a, m in out if isinstance(m, p.TrainClose)] == [(first.encode(), "j")]
+    assert Store(tmp_path).open().load_all().jobs == {}
+
+
+def test_a_pipelined_job_whose_stage_never_returns_is_lost_at_the_grace(tmp_path: Path) -> None:
+    life = Life(tmp_path)
+    first, second = open_pipelined(life)
+    life = Life(tmp_path)
+    assert step(life, 1, 90) == []
+    life.register(first, held(0, 0, [], []), peer="tcp://127.0.0.1:7000")
+    life.now = life.core.restore_grace_s() + 0.1
+    life.backend(first.encode(), p.Heartbeat())
+    life.out()
+    life.core.tick(life.now)
+    out = life.out()
+    (err,) = [m for d, _, m in out if d == CLIENT]
+    assert err.id == 90 and err.code == Code.WORKER_LOST
+    assert f"worker(s) {second} did not come back" in err.reason
+    assert [(a, m.job) for _, a, m in out if isinstance(m, p.TrainClose)] == [(first.encode(), "j")]

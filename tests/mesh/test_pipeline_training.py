@@ -76,3 +76,40 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
         assert cli.main(args) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["steps"] == 3 and len(out["losses"]) == 3
+
+
+def test_a_pipelined_job_goes_on_across_a_broker_restart(tmp_path: Path) -> None:
+    """The broker killed (SIGKILL) and started again on its state directory: the job it kept
+    waits for both stages' workers, then goes on with the losses of an uninterrupted run; a
+    step sent to the frozen broker is sent again by the client and run once."""
+    s, batches = spec(10), data(10, 6)
+    expected, _ = plain(s, ADAM, batches, accumulate=2)
+    kw = {"kwargs": s.kwargs, "seed": s.seed, "optimizer": ADAM, "batch_size": BATCH,
+          "accumulate": 2, "timeout": 60}  # fmt: skip
+    with (
+        LocalMesh(
+            cpu_workers=2, memory_budget="8MiB", train_bytes=TRAIN_BYTES,
+            broker_args=["--state-dir", str(tmp_path / "state")], run_dir=tmp_path / "run",
+            **roots_at(tmp_path), **FAST,
+        ) as m,
+        m.client(timeout=60) as c,
+    ):  # fmt: skip
+        job = c.train_open("kept", s.factory, pipeline=2, **kw)
+        workers = job.info.pipeline
+        losses = [job.step(x, y).loss for x, y in batches[:2]]
+        m.restart_broker()
+        (row,) = c.jobs()
+        assert (row.name, row.state, row.pipeline, row.step) == ("kept", "ready", workers, 2)
+        losses += [job.step(x, y).loss for x, y in batches[2:4]]
+        # A step sent while the broker is frozen, then killed: its client sends it again to the
+        # broker that restarted, which holds it until the job's workers are back.
+        m.child("broker").proc.send_signal(signal.SIGSTOP)
+        pending = job.step_async(*batches[4])
+        m.restart_broker(wait=False)
+        assert pending.result(60).step == 5
+        losses.append(pending.result().loss)
+        losses.append(job.step(*batches[5]).loss)
+        close(losses, expected, "losses across two broker restarts")
+        assert c.jobs()[0].step == 6
+        job.close()
+        assert c.jobs() == []

@@ -180,11 +180,14 @@ def test_a_pipelined_job_is_refused_what_it_cannot_do_and_saves_and_evaluates(
         job = c.train_open("two", s.factory, pipeline=2, **kw)
         x, y = grid_data("mlp", 0)[0]
         assert job.step(x, y).step == 1
-        # Each stage's worker names the job in its inventory (a restarted broker, which does
-        # not keep pipelined jobs, then has each close it).
-        for w in job.info.pipeline:
-            held = mesh.worker(w).hands.inventory().jobs
-            assert [(j.name, j.step) for j in held] == [("two", 1)]
+        # Each stage's worker names the job in its inventory, with its stage's footprint; stage
+        # 0's, where the steps go, with their answers too (what a restarted broker takes up).
+        for stage, w in enumerate(job.info.pipeline):
+            (held,) = mesh.worker(w).hands.inventory().jobs
+            footprint = job.info.sub_models[stage].task_bytes
+            assert (held.name, held.step, held.footprint) == ("two", 1, footprint)
+            assert [(r.seq, r.step) for r in held.results] == ([(1, 1)] if stage == 0 else [])
+            assert held.seq == (1 if stage == 0 else 0) and held.running == []
         assert job.save(str(tmp_path / "ck"))["step"] == 1
         assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
             "stage-0.safetensors",
