@@ -7,8 +7,12 @@ to worker over the peer sockets, as `p.PipeHop`s carrying the job's ticket:
 - the coordinator sends the step's targets to the last stage ("target"), then each
   micro-batch's input through its own forward; each stage passes its output on ("act", with
   the job's RNG state), the last one computes the loss and its backward and sends its input's
-  gradient back ("grad"), and each stage passes the gradient of its own input back in turn
-  (GPipe: every forward, then the backwards as their gradients come);
+  gradient back ("grad"), and each stage passes the gradient of its own input back in turn;
+  every stage runs what comes in the order it comes, so the last one runs each micro-batch's
+  backward right after its forward, and the coordinator keeps at most as many micro-batches in
+  flight as there are stages, starting the next one's forward as each backward ends here
+  (1F1B's bound: a stage holds the activations of at most that many micro-batches, not of all
+  of the step's as in GPipe's fill-drain; the gradients add up in the same order either way);
 - a model whose forwards draw random numbers (dropout) has its micro-batches' forwards run one
   after the other across the stages: the last stage sends the RNG state back to the
   coordinator ("rng"), which starts the next micro-batch from it, so every forward draws what
@@ -89,6 +93,10 @@ def _failure(exc: BaseException) -> FlowmeshError:
 class _Step:
     seq: int
     serial: bool = True  # the coordinator's: forwards one after the other
+    sent: int = 0  # the coordinator's: micro-batches whose forward it began
+    # The coordinator's, forwards one after the other: where the next one starts, once known.
+    next_rng: RngState | None = None
+    held: int = 0  # the most micro-batches whose activations this stage held at once
     bwd: int = 0  # backwards done here (the last stage: its forward-loss-backwards)
     drew: bool = False
     targets: list[torch.Tensor] | None = None
@@ -289,8 +297,8 @@ class PipeRunner:
                     )
                 self._hop(self.n - 1, "target", step.seq,
                           tensors={f"y{i}": y for i, y in enumerate(ys)})  # fmt: skip
-                for m in range(1 if step.serial else self.micros):
-                    self._forward_first(step, m, self.rng)
+                step.next_rng = self.rng
+                self._feed(step)
             except Exception as exc:
                 self._fail(step, _failure(exc))
 
@@ -381,7 +389,21 @@ class PipeRunner:
         self._answer(p.Error(id=ev.ref, code=str(exc.code), reason=exc.reason))
         self._next()
 
+    def _feed(self, step: _Step) -> None:
+        """The coordinator: begin the forwards of the next micro-batches, keeping as many in
+        flight as there are stages (those whose backward has not run here), each one after
+        the last stage has sent the RNG state it starts from when forwards run one after the
+        other."""
+        while step.sent < self.micros and step.sent - step.bwd < self.n:
+            rng = self.rng
+            if step.serial:
+                if step.next_rng is None:
+                    return
+                rng, step.next_rng = step.next_rng, None
+            self._forward_first(step, step.sent, rng)
+
     def _forward_first(self, step: _Step, m: int, rng: RngState) -> None:
+        step.sent = m + 1
         y, after = self.stage.forward(m, step.inputs[m], rng)
         step.drew |= not torch.equal(after[0], rng[0])
         self._hop(1, "act", step.seq, m, tensors={"x": y, **rng_tensors(after)})
@@ -452,13 +474,16 @@ class PipeRunner:
                 assert dx is not None
                 self._hop(stage.stage - 1, "grad", step.seq, hop.micro, tensors={"g": dx})
             step.bwd += 1
+            if self.coordinator:
+                self._feed(step)  # one out, the next one in
             self._maybe_end(step)
         elif kind == "rng":  # the coordinator's: where the next forward starts
             rng = rng_of(hop.tensors)
             if hop.micro + 1 == self.micros:
                 self.rng = rng
             elif step.serial:
-                self._forward_first(step, hop.micro + 1, rng)
+                step.next_rng = rng
+                self._feed(step)
         elif kind == "tied_grad":
             stage.add_tied_grads({n: _tensor(t) for n, t in hop.tensors.items()})
             step.tied_in += 1
@@ -509,6 +534,7 @@ class PipeRunner:
             return
         if not step.updated:
             step.updated = True  # a failure from here on breaks the job
+            step.held = stage.held_peak
             step.loss = stage.update(step.total)
             values = stage.tied_values()
             for borrower, names in stage.borrowers.items():
@@ -538,6 +564,8 @@ class PipeRunner:
         metrics = {
             "pipeline_stages": float(self.n),
             "serial_forwards": float(step.serial),
+            # Micro-batches whose activations stage 0 held at once (at most the stages).
+            "held_micro_batches": float(step.held),
             "nonfinite": float(not math.isfinite(step.result)),
         }
         if step.grad_norm is not None:  # as a memory-flow job reports it

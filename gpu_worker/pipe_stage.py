@@ -154,6 +154,9 @@ class PipeStage:
         self.losses: list[float] = []
         self.nonfinite = False
         self._footprint: int | None = None  # `footprint`
+        # The most micro-batches whose forward graph this stage held at once in the step under
+        # way (their activations: what the pipeline's schedule bounds); reset by `_zero`.
+        self.held_peak = 0
 
     # -- per micro-batch ---------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class PipeStage:
         x = self._take(x)
         out, rng = self._run(x, rng)
         self._graphs[micro] = (x, out)
+        self.held_peak = max(self.held_peak, len(self._graphs))
         return out.detach(), rng
 
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -393,6 +397,7 @@ class PipeStage:
                 info.tensor.grad = None
         self._tied_own.clear()
         self._tied_in.clear()
+        self.held_peak = 0
 
     def tied_values(self) -> dict[str, torch.Tensor]:
         """The values of the parameters this stage lends, after its update."""

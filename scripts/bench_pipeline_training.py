@@ -73,6 +73,7 @@ def main() -> None:
     data = batches(args, args.steps)
     times: dict[str, list[float]] = {"pipeline": [], "flow": []}
     losses: dict[str, list[float]] = {"pipeline": [], "flow": []}
+    held = 0  # the most micro-batches whose activations the pipeline's stage 0 held at once
     with (
         tempfile.TemporaryDirectory() as tmp,
         LocalMesh(
@@ -102,6 +103,8 @@ def main() -> None:
                 results = [f.result(600) for f in [job.step_async(x, y) for x, y in data]]
                 times[name].append(time.perf_counter() - t0)
                 losses[name] += [r.loss for r in results]
+                if name == "pipeline":
+                    held = max([held, *(int(r.metrics["held_micro_batches"]) for r in results)])
         for job in jobs.values():
             job.close()
     samples = args.steps * args.batch
@@ -118,13 +121,15 @@ def main() -> None:
         "samples_per_s": rate,
         "turns_s": times,
         "pipeline_vs_flow": rate["pipeline"] / rate["flow"],
+        "held_micro_batches": held,
         "losses": same,
     }
     print(f"on {device}: MLP width {args.width} x depth {args.depth}, batch {args.batch} in "
           f"{args.accumulate} micro-batches, {args.steps} steps a turn, best of {args.rounds}")
     print(f"pipeline over 2 workers {rate['pipeline']:.1f} samples/s, memory flow on one "
           f"{rate['flow']:.1f} samples/s: pipeline / flow {result['pipeline_vs_flow']:.2f}x; "
-          f"losses {same}")  # fmt: skip
+          f"losses {same}; stage 0 held at most {held} of the step's {args.accumulate} "
+          "micro-batches' activations at once")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline_training.json").write_text(json.dumps(result, indent=2))

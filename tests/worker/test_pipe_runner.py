@@ -3,7 +3,8 @@ runners joined by a bus that delivers their hops in a seeded random order (each 
 to one receiver in the order sent, as one ZeroMQ connection keeps them), every step submitted
 at once to the coordinator. Losses and final parameters equal plain PyTorch's within the
 tolerance rule, with dropout (forwards one after the other), without it (forwards overlapping
-after the first step), a tied weight, a clip and accumulation; a failing step is answered
+after the first step, as many micro-batches in flight as there are stages), a tied weight, a
+clip and accumulation; a failing step is answered
 with its error and applied nowhere; a checkpoint resumes the run cut into another number of
 stages."""
 
@@ -72,6 +73,7 @@ class Bus:
 CASES = [
     # model, optimizer, stages, clip, accumulate
     ("mlp", {"name": "adam", "lr": 0.01}, 3, 0.3, 4),
+    ("mlp", {"name": "sgd", "lr": 0.05}, 2, None, 8),  # many more micro-batches than stages
     ("dropout", {"name": "sgd", "lr": 0.05, "momentum": 0.9}, 2, 0.3, 2),
     ("mixed", {"name": "adam", "lr": 0.01}, 3, None, 2),
     # The tied embedding's gradient is summed as one process sums it: Adam turns a difference of
@@ -113,6 +115,11 @@ def test_pipelined_steps_through_messages_match_plain_pytorch(
     serial = [a.metrics["serial_forwards"] for a in answers]
     draws = kind in ("dropout", "mixed", "gpt2")  # GPT-2: its dropout of 0.1
     assert serial == [1.0] * 8 if draws else serial == [1.0] + [0.0] * 7
+    # Stage 0 keeps at most as many micro-batches in flight as there are stages (1F1B's
+    # bound), not the step's every micro-batch (GPipe's); overlapping, exactly that many.
+    held = [a.metrics["held_micro_batches"] for a in answers]
+    for h, one_by_one in zip(held, serial, strict=True):
+        assert h <= stages if one_by_one else h == min(accumulate, stages), held
 
 
 def test_a_failing_step_is_answered_and_applied_nowhere() -> None:
