@@ -11,9 +11,11 @@ here and sets the creating thread's count in each of its threads at start.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,6 +23,9 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+
+# How long the interpreter's exit waits for each lane thread still finishing a call.
+EXIT_JOIN_S = 5.0
 
 
 def torch_pool(workers: int, name: str) -> ThreadPoolExecutor:
@@ -42,6 +47,12 @@ class TorchLanes:
     future through callbacks), which shows on every run of a small model
     (scripts/bench_lanes.py compares the two). Like a `torch_pool`, each thread runs torch with
     the thread count of the thread creating the lanes.
+
+    The threads are daemons, so that a call that never returns cannot hold the process up, but
+    the interpreter's exit stops and joins them first (`_join_at_exit`, each up to
+    `EXIT_JOIN_S`): a daemon thread still alive when the interpreter finalizes is ended where
+    it next takes the GIL, inside torch's C++ as likely as not, which aborts the process
+    ("terminate called without an active exception") after its work was done.
     """
 
     def __init__(self, workers: int, name: str) -> None:
@@ -54,6 +65,7 @@ class TorchLanes:
         ]
         for t in self._threads:
             t.start()
+        _LIVE_LANES.add(self)
 
     def submit(
         self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any
@@ -79,7 +91,7 @@ class TorchLanes:
                     with contextlib.suppress(RuntimeError):  # its loop is closed already
                         loop.call_soon_threadsafe(fut.cancel)
         for _ in self._threads:
-            self._queue.put(None)
+            self._queue.put(None)  # one each: a second shutdown's are never read
         if wait:
             for t in self._threads:
                 t.join()
@@ -94,6 +106,19 @@ class TorchLanes:
             # What the call was given must not outlive it while the thread waits for the next
             # (a stage's host buffer goes back to its slab when nothing holds the stage).
             del item
+
+
+_LIVE_LANES: weakref.WeakSet[TorchLanes] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """At the interpreter's exit (atexit runs before daemon threads are stopped): every lane
+    thread still alive ends its call and stops (see `TorchLanes`)."""
+    for lanes in list(_LIVE_LANES):
+        lanes.shutdown(wait=False, cancel_futures=True)
+        for t in lanes._threads:
+            t.join(EXIT_JOIN_S)
 
 
 def run_one(

@@ -4,6 +4,9 @@ included; shutting down cancels what has not started, so no caller waits for eve
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -52,3 +55,28 @@ async def test_shutdown_cancels_calls_not_started_and_refuses_new_ones() -> None
             await asyncio.wait_for(fut, 10)
     with pytest.raises(RuntimeError, match="shut down"):
         lanes.submit(loop, lambda: 1)
+
+
+def test_the_interpreters_exit_joins_lanes_still_running_a_call() -> None:
+    """A daemon lane thread alive when the interpreter finalizes is stopped wherever it next
+    takes the GIL, within torch's C++ as likely as not, which aborts the process after its work
+    is done. The exit joins them first: a check registered before the lanes' own (atexit runs
+    last in, first out) finds none alive, with a call still running and the lanes never shut
+    down, and the process exits 0."""
+    script = textwrap.dedent(
+        """
+        import atexit, threading
+        atexit.register(lambda: print("alive at exit:", sorted(
+            t.name for t in threading.enumerate() if t.name.startswith("exit-lane"))))
+        import asyncio, time
+        from flowmesh.threads import TorchLanes
+        lanes = TorchLanes(2, "exit-lane")
+        lanes.submit(asyncio.new_event_loop(), time.sleep, 0.5)
+        print("leaving")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["leaving", "alive at exit: []"], done.stdout
