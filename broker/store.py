@@ -161,9 +161,19 @@ class Store:
         db.executescript(_SCHEMA)
         row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         if row is None:
-            db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(SCHEMA_VERSION),))
-        elif _unpack(row[0]) in _MIGRATIONS:
-            _migrate(db, _unpack(row[0]))
+            # New, or made by a version-1 broker killed before it stamped it (its jobs table,
+            # which CREATE ... IF NOT EXISTS left as it was, has no pipeline column).
+            columns = {c[1] for c in db.execute("PRAGMA table_info(jobs)")}
+            version = SCHEMA_VERSION if "pipeline" in columns else 1
+            db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(version),))
+            row = (_pack(version),)
+        if _unpack(row[0]) in _MIGRATIONS:
+            try:
+                _migrate(db, _unpack(row[0]))
+            except BaseException:
+                db.close()
+                self.close()  # the lock too
+                raise
         elif _unpack(row[0]) != SCHEMA_VERSION:
             db.close()
             self.close()  # the lock too

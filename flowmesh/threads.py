@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ import torch
 
 T = TypeVar("T")
 
-# How long the interpreter's exit waits for each lane thread still finishing a call.
+# How long the interpreter's exit waits, in all, for lane threads still finishing a call.
 EXIT_JOIN_S = 5.0
 
 
@@ -49,8 +50,8 @@ class TorchLanes:
     the thread count of the thread creating the lanes.
 
     The threads are daemons, so that a call that never returns cannot hold the process up, but
-    the interpreter's exit stops and joins them first (`_join_at_exit`, each up to
-    `EXIT_JOIN_S`): a daemon thread still alive when the interpreter finalizes is ended where
+    the interpreter's exit stops and joins them first (`_join_at_exit`, up to `EXIT_JOIN_S` in
+    all): a daemon thread still alive when the interpreter finalizes is ended where
     it next takes the GIL, inside torch's C++ as likely as not, which aborts the process
     ("terminate called without an active exception") after its work was done.
     """
@@ -114,11 +115,15 @@ _LIVE_LANES: weakref.WeakSet[TorchLanes] = weakref.WeakSet()
 @atexit.register
 def _join_at_exit() -> None:
     """At the interpreter's exit (atexit runs before daemon threads are stopped): every lane
-    thread still alive ends its call and stops (see `TorchLanes`)."""
-    for lanes in list(_LIVE_LANES):
+    thread still alive ends its call and stops (see `TorchLanes`), within `EXIT_JOIN_S` for
+    them all."""
+    every = list(_LIVE_LANES)
+    for lanes in every:
         lanes.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for lanes in every:
         for t in lanes._threads:
-            t.join(EXIT_JOIN_S)
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_one(

@@ -80,3 +80,32 @@ def test_the_interpreters_exit_joins_lanes_still_running_a_call() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["leaving", "alive at exit: []"], done.stdout
+
+
+def test_the_exit_waits_for_busy_lanes_within_one_deadline_in_all() -> None:
+    """Lanes whose calls never return hold the exit up `EXIT_JOIN_S` in all, not that much per
+    thread: the joins' timeouts add up to the one deadline (checked in a child interpreter,
+    with four threads stuck in a call)."""
+    script = textwrap.dedent(
+        """
+        import asyncio, threading
+        from flowmesh import threads
+        threads.EXIT_JOIN_S = 0.3
+        stuck = threading.Event()
+        waits = []
+        lanes = [threads.TorchLanes(2, f"stuck-{i}") for i in range(2)]
+        for ln in lanes:
+            for t in ln._threads:
+                ln.submit(asyncio.new_event_loop(), stuck.wait)
+                join = t.join
+                t.join = lambda timeout=None, join=join: (waits.append(timeout), join(timeout))
+        threads._join_at_exit()
+        print(round(sum(waits), 2) <= 0.31, len(waits))
+        stuck.set()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "4"], done.stdout

@@ -74,6 +74,21 @@ def test_a_directory_an_older_broker_wrote_is_taken_to_this_schema(tmp_path: Pat
     assert msgpack.unpackb(schema.fetchone()[0]) == SCHEMA_VERSION == 2
 
 
+def test_a_version_1_directory_never_stamped_is_taken_to_this_schema(tmp_path: Path) -> None:
+    """A version-1 broker killed between making its tables and stamping their version."""
+    db = sqlite3.connect(tmp_path / FILE)
+    db.executescript(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);"
+        "CREATE TABLE jobs (name TEXT PRIMARY KEY, spec BLOB NOT NULL, config BLOB NOT NULL,"
+        " batch INTEGER NOT NULL, worker TEXT NOT NULL, saved_step INTEGER, saved_path TEXT);"
+    )
+    db.close()
+    store = Store(tmp_path).open()
+    piped = JobRecord("piped", {"name": "piped"}, {}, 2, "w1", workers=["w1", "w0"])
+    store.save_job(piped)
+    assert store.load_all().jobs == {"piped": piped}
+
+
 def test_the_store_runs_in_wal_mode_and_counts_starts(tmp_path: Path) -> None:
     store = Store(tmp_path).open()
     assert store.load_all().allow is None  # never recorded
