@@ -169,6 +169,18 @@ class Catalogue:
         log.info("undeployed model=%s drained=%d cut=%d", model.name, drained, cut)
         self.on_change(now)  # the generation room answers the calls it cut (`pump`)
 
+    def ask_plan(
+        self,
+        request: p.PlanAsk,
+        done: Callable[[dict[str, Any] | None, tuple[str, str] | None, float], None],
+        now: float,
+        deadline: float,
+    ) -> None:
+        """A plan for another room (the training router's `pipeline="auto"`): `done(answer,
+        None, now)` with the plan and inputs, or `done(None, (code, reason), now)`; perhaps
+        before this returns, from the plan cache. Raises UNAVAILABLE with no partitioner."""
+        self._ask_plan(request, {"for": "room", "done": done}, now, deadline)
+
     def _ask_plan(
         self,
         request: p.PlanAsk,
@@ -213,6 +225,9 @@ class Catalogue:
         self._plan_ready(call.data, answer, now)
 
     def _plan_ready(self, then: dict[str, Any], answer: dict[str, Any], now: float) -> None:
+        if then["for"] == "room":
+            then["done"](answer, None, now)
+            return
         if then["for"] == "client":
             self.ctx.to_client(
                 then["addr"],
@@ -230,7 +245,10 @@ class Catalogue:
             log.exception("placing model=%s failed", model.name)
             self.deploy_failed(model, Code.PLAN_ERROR, f"{type(exc).__name__}: {exc}")
 
-    def plan_failed(self, call: Call, code: str, reason: str) -> None:
+    def plan_failed(self, call: Call, code: str, reason: str, now: float) -> None:
+        if call.data["for"] == "room":
+            call.data["done"](None, (code, reason), now)
+            return
         if call.data["for"] == "client":
             self.ctx.to_client(
                 call.data["addr"], p.Error(id=call.data["id"], code=code, reason=reason)
@@ -324,7 +342,7 @@ class Catalogue:
         """`peer` answered a plan or stage call of ours with an error."""
         if call.kind == "plan":
             peer.inflight_plans -= 1
-            self.plan_failed(call, code, reason)
+            self.plan_failed(call, code, reason, now)
         elif call.kind == "stage":
             self.stage_failed(call, f"worker {peer.name}: {reason}", code, now)
 
@@ -336,7 +354,7 @@ class Catalogue:
             if peer is not None:
                 peer.inflight_plans -= 1
             why = undelivered or f"partitioner {call.peer} did not answer in time"
-            self.plan_failed(call, code, why)
+            self.plan_failed(call, code, why, now)
         elif call.kind == "stage":
             why = undelivered or (
                 f"worker {call.peer} did not prepare stage {call.data['stage']} in time"

@@ -105,6 +105,7 @@ class BrokerCore:
             step_timeout_s=self.cfg.default_timeout_s,
             open_timeout_s=self.cfg.deploy_timeout_s,
         )
+        self.training.ask_plan = self.registry.catalogue.ask_plan  # `pipeline="auto"`
         self.jobs_restore_until: float | None = None
         if self.store is not None and snapshot is not None:
             self._restore(self.store, snapshot, self.started)

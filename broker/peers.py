@@ -222,7 +222,10 @@ class Membership:
             del self.calls[cid]
             if call.kind == "plan":
                 self.catalogue.plan_failed(
-                    call, str(Code.UNAVAILABLE), f"partitioner {peer.name} was lost while planning"
+                    call,
+                    str(Code.UNAVAILABLE),
+                    f"partitioner {peer.name} was lost while planning",
+                    now,
                 )
             elif call.kind == "stage":
                 self.catalogue.stage_failed(

@@ -36,6 +36,7 @@ own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -111,7 +112,8 @@ class Job:
     config: TrainConfig | None  # None: a checkpoint's, until the worker opened the job
     batch: int
     opened: float
-    # "opening" | "ready" | "closing" | "restoring"; once it ended: "closed" | "lost"
+    # "planning" (`pipeline="auto"`: where it goes) | "opening" | "ready" | "closing" |
+    # "restoring"; once it ended: "closed" | "lost"
     state: str = "opening"
     step: int = 0
     last_loss: float | None = None
@@ -261,6 +263,9 @@ class TrainingRouter:
         self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
         # Where jobs are kept across restarts (`--state-dir`); None: nowhere.
         self.store: Store | None = None
+        # How a `pipeline="auto"` open asks a partitioner where the job goes (set by the core:
+        # `Catalogue.ask_plan`); None: such a job goes to one worker.
+        self.ask_plan: Callable[..., None] | None = None
         # For the line per expired call: a client's steps to a stuck worker are not one each.
         self.log_throttle = LogThrottle(log)
 
@@ -310,6 +315,10 @@ class TrainingRouter:
             self._to_worker(job.worker, p.TrainSave(id=cid, job=job.name, path=msg.path))
         elif isinstance(msg, p.TrainClose):
             job = self._job(msg.job)
+            if job.state == "planning":  # on no worker yet: its open is answered as closed
+                self._forget(job.name, Code.BAD_REQUEST, f"training job {job.name!r} was closed")
+                self._to_client(addr, p.TrainClosed(id=msg.id, job=job.name))
+                return
             job.state = "closing"
             # Answered once every worker holding a part has closed it: its name may then be
             # opened again on any of them.
@@ -388,6 +397,9 @@ class TrainingRouter:
             raise fail(Code.BAD_REQUEST, f"chunk_bytes must be positive, got {msg.chunk_bytes}")
         if msg.config is None and msg.resume is None:
             raise fail(Code.BAD_REQUEST, "give a training configuration, or resume= a checkpoint")
+        if msg.pipeline == "auto":
+            self._open_auto(addr, msg, now)
+            return
         if msg.pipeline > 1:
             self._open_pipelined(addr, msg, now)
             return
@@ -409,23 +421,92 @@ class TrainingRouter:
         )
         log.info("opening training job=%s worker=%s", job.name, worker)
 
+    def _pipe_workers(self) -> list[Peer]:
+        """The workers a pipelined job's stages may go to (ready, taking training jobs, with a
+        peer endpoint), the most free training bytes first (ties: by name)."""
+        committed = self.committed()
+        return sorted(
+            (w for w in self.peers.values()
+             if w.role == "worker" and w.ready and train_bytes_of(w) > 0
+             and w.info.peer_endpoint),
+            key=lambda w: (committed.get(w.name, 0) - train_bytes_of(w), w.name),
+        )  # fmt: skip
+
+    def _open_auto(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
+        """`pipeline="auto"`: one worker by memory flow, unless the job does not fit the free
+        training bytes of the worker it would go to and, cut into stages, fits those of
+        several: then pipelined over the fewest that hold it (a partitioner profiles the model
+        and plans: `planners.pipeline_stages`). The job's name is taken meanwhile ("planning");
+        a plan that fails leaves it to memory flow, which trains a job of any size."""
+        if msg.resume is not None:
+            raise fail(
+                Code.BAD_REQUEST,
+                'pipeline="auto" places a new job; to resume a checkpoint, give the stages to '
+                "cut it into (pipeline=N, or 1 for one worker)",
+            )
+        assert msg.config is not None  # (the open's checks: a config, or resume)
+        able = self._pipe_workers()
+        if len(able) < 2 or self.ask_plan is None:
+            self._open(addr, msgspec.structs.replace(msg, pipeline=1), now)
+            return
+        committed = self.committed()
+        free = [max(0, train_bytes_of(w) - committed.get(w.name, 0)) for w in able]
+        request = p.PlanAsk(
+            spec=msg.spec, kind="pipeline", optimizer=dict(msg.config.optimizer),
+            batch=msg.batch // msg.config.accumulate or 1, worker_bytes=free,
+        )  # fmt: skip
+        job = Job(msg.job, "", msg.spec, msg.config, msg.batch, now)  # on no worker yet
+        job.state = "planning"
+        self.jobs[job.name] = job
+        timeout = msg.timeout_ms / 1000 if msg.timeout_ms else self.open_timeout_s
+        planned = functools.partial(self._planned, addr, msg, job)
+        try:
+            self.ask_plan(request, planned, now, now + timeout)
+        except FlowmeshError as exc:  # no partitioner: memory flow needs no plan
+            if self.jobs.get(job.name) is job:
+                del self.jobs[job.name]
+            log.info("training job=%s: no plan (%s), one worker", job.name, exc.reason)
+            self._open(addr, msgspec.structs.replace(msg, pipeline=1), now)
+
+    def _planned(
+        self,
+        addr: bytes,
+        msg: p.TrainOpen,
+        job: Job,
+        answer: dict[str, Any] | None,
+        error: tuple[str, str] | None,
+        now: float,
+    ) -> None:
+        """The plan of a `pipeline="auto"` open came (or failed): open the job where it says."""
+        if self.jobs.get(job.name) is not job:
+            reason = f"training job {job.name!r} was closed before it was placed"
+            self._to_client(addr, p.Error(id=msg.id, code=str(Code.BAD_REQUEST), reason=reason))
+            return
+        del self.jobs[job.name]
+        plan = answer["plan"] if answer is not None else None
+        stages = len(plan.ranges) if plan is not None and plan.request.get("fits") else 1
+        if error is not None:
+            log.warning("training job=%s: planning failed (%s: %s), one worker", job.name, *error)
+        elif plan is not None and not plan.request.get("fits"):
+            log.info("training job=%s fits no pipeline of the free workers: memory flow",
+                     job.name)  # fmt: skip
+        try:
+            self._open(addr, msgspec.structs.replace(msg, pipeline=stages), now)
+        except FlowmeshError as exc:
+            self._to_client(addr, p.Error(id=msg.id, code=str(exc.code), reason=exc.reason))
+
     def _open_pipelined(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
         """A job over `msg.pipeline` workers: each opens its stage (`p.PipeOpen`); the job is
         ready, and the client answered, once every one has."""
         n = msg.pipeline
+        assert isinstance(n, int)
         if msg.config is not None and msg.batch % msg.config.accumulate:
             raise fail(
                 Code.BAD_REQUEST,
                 f"batch {msg.batch} does not split into {msg.config.accumulate} micro-batches "
                 "(accumulate: a pipeline's micro-batches)",
             )
-        committed = self.committed()
-        able = sorted(
-            (w for w in self.peers.values()
-             if w.role == "worker" and w.ready and train_bytes_of(w) > 0
-             and w.info.peer_endpoint),
-            key=lambda w: (committed.get(w.name, 0) - train_bytes_of(w), w.name),
-        )  # fmt: skip
+        able = self._pipe_workers()
         if len(able) < n:
             raise fail(
                 Code.UNAVAILABLE,

@@ -614,6 +614,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 {
                     "job": name,
                     "worker": job.info.worker,
+                    "pipeline": job.info.pipeline,  # its stages' workers, if pipelined
                     "data": data.source,
                     "steps": len(losses),
                     "losses": losses,
@@ -624,8 +625,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         )
     else:
+        where = " and ".join(job.info.pipeline) if job.info.pipeline else job.info.worker
         print(
-            f"trained {name} on {job.info.worker}: {len(losses)} steps of {args.batch} rows "
+            f"trained {name} on {where}: {len(losses)} steps of {args.batch} rows "
             f"from {data.source} in {seconds:.1f} s ({rate:.2f} steps/s); loss "
             f"{losses[0]:.4f} -> {losses[-1]:.4f}"
         )
@@ -697,6 +699,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # its line per trial, on stderr
     chunk = cfg.get("chunk_bytes")
+    try:
+        pipeline = cli_args.pipeline_arg(cfg.get("pipeline", 0))
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"flowmesh sweep: {args.config}: {exc}") from None
     with connect(args) as c:
         try:
             result = c.sweep(
@@ -720,7 +726,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 batch=int(cfg.get("batch", 16)),
                 seed=int(cfg.get("seed", 0)),
                 chunk_bytes=parse_size(chunk) if chunk is not None else None,
-                pipeline=int(cfg.get("pipeline", 0)),
+                pipeline=pipeline,
                 out_dir=out,
                 show=not (args.quiet or args.json),
                 timeout=args.timeout,

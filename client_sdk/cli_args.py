@@ -68,6 +68,21 @@ class Parser(argparse.ArgumentParser):
         return msg
 
 
+def pipeline_arg(text: str) -> int | str:
+    """`--pipeline`'s value (and a sweep config's `pipeline`): a number of stages, or "auto"."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"pipeline {text!r}: a number of stages, or auto"
+        ) from None
+    if not 0 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"pipeline {n}: between 0 and 64 stages, or auto")
+    return n
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
@@ -418,11 +433,12 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument(
         "--pipeline",
-        type=int,
+        type=pipeline_arg,
         default=0,
-        metavar="N",
+        metavar="N|auto",
         help="the model cut into N stages on N workers, its micro-batches (--accumulate) "
-        "flowing through them (default 0: one worker, by memory flow)",
+        "flowing through them (default 0: one worker, by memory flow; auto: the broker's "
+        "choice, stages only for a job that does not fit one worker's free training bytes)",
     )
     p.add_argument(
         "--activations",

@@ -16,7 +16,7 @@ import inspect
 import os
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import msgspec
 
@@ -374,7 +374,7 @@ class AsyncClient:
         rng_seed: int | None = None,
         stop_on_nonfinite: bool = True,
         chunk_bytes: int | None = None,
-        pipeline: int = 0,
+        pipeline: int | Literal["auto"] = 0,
         timeout: float = 600.0,
     ) -> AsyncJob:
         """Open training job `name` of model `factory(**kwargs)` on the worker with the most
@@ -396,7 +396,10 @@ class AsyncClient:
         (the default: per sub-model, whichever the worker measured cheaper). With `resume` and
         no `optimizer`, the checkpoint's. `pipeline`: the model cut into this many stages on as
         many workers (pipeline-parallel, each stage's weights resident on its worker), its
-        `accumulate` micro-batches flowing through them; 0 or 1, one worker by memory flow."""
+        `accumulate` micro-batches flowing through them; 0 or 1, one worker by memory flow;
+        "auto", the broker's choice: one worker unless the job does not fit the free training
+        bytes of the worker it would go to and, cut into stages, fits those of several (then
+        over the fewest that hold it; `job.info.pipeline` says which)."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
         if optimizer is None and (dtype is not None or activations is not None):

@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import optuna
 
@@ -409,7 +409,7 @@ async def sweep_async(
     batch: int = 16,
     seed: int = 0,
     chunk_bytes: int | None = None,
-    pipeline: int = 0,
+    pipeline: int | Literal["auto"] = 0,
     out_dir: str | Path | None = None,
     show: bool = True,
     on_trial_end: Callback | None = None,
@@ -433,7 +433,7 @@ async def sweep_async(
     "hyperband" or "none", with `reduction_factor`. `seed` seeds the sampler (trial
     parameters) and every trial's initial weights, so trials differ only by their parameters.
     `out_dir` receives trials.json and curves.png; `show` draws the live table on stderr.
-    `pipeline`: each trial's job over that many workers (`train_open(pipeline=...)`).
+    `pipeline`: each trial's job over that many workers, or "auto" (`train_open(pipeline=...)`).
     `timeout` bounds each call of a trial, not the sweep. `on_trial_end(record)` runs after a
     trial's job is closed, on the client's event loop (the blocking `Client`'s loop thread: it
     must not call that `Client`).

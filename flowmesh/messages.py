@@ -181,16 +181,19 @@ class PlanRequest(Message, tag="plan"):
 
 class PlanAsk(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What the broker asks a partitioner to plan (`PlanJob.request`): a PlanRequest's fields,
-    with `mem_cap` filled in from the workers' budgets when the client gave none."""
+    with `mem_cap` filled in from the workers' budgets when the client gave none; for kind
+    "pipeline" (a training job opened with `pipeline="auto"`), the free training bytes of the
+    workers its stages may go to, and its optimizer (a name, or a config mapping)."""
 
     spec: ModelSpec
     kind: str = "stages"
     stages: int | None = None
     mem_cap: Count | None = None
     target_bytes: Count | None = None
-    optimizer: str = "adam"
+    optimizer: str | dict[str, Any] = "adam"
     batch: Count = 1
     measure: bool = False
+    worker_bytes: list[Count] = field(default_factory=list)
 
 
 class PlanReply(Message, tag="plan_reply"):
@@ -343,8 +346,10 @@ class TrainOpen(Message, tag="train_open"):
     chunk_bytes: Count | None = None
     timeout_ms: int | None = None
     # Its sub-models over this many workers, activations and gradients going worker to
-    # worker (pipeline-parallel); 0 or 1: one worker, by memory flow.
-    pipeline: Annotated[int, Meta(ge=0, le=64)] = 0
+    # worker (pipeline-parallel); 0 or 1: one worker, by memory flow; "auto": the broker
+    # chooses, pipelining only a job that does not fit one worker's free training bytes
+    # (`broker.training_router`).
+    pipeline: Annotated[int, Meta(ge=0, le=64)] | Literal["auto"] = 0
 
 
 class TrainOpened(Message, tag="train_opened"):

@@ -40,7 +40,6 @@ memory-flow job, `gpu_worker.train_job`):
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -53,6 +52,7 @@ from flowmesh.modelio.build import build_reference
 from flowmesh.modelio.chain import Block, chain_of
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
+from flowmesh.modelio.planners import even_cut
 from flowmesh.optimizers import state_count
 from flowmesh.spec import ModelSpec
 from gpu_worker.model_code import building_model
@@ -429,30 +429,16 @@ class PipeStage:
 
 def cut_even(blocks: Sequence[Block], stages: int) -> list[tuple[int, int]]:
     """The chain cut into `stages` contiguous ranges of about even parameter and buffer bytes
-    (every stage's worker computes the same cut from the same chain); each range holds at
-    least one block."""
-    if not 1 <= stages <= len(blocks):
-        raise bad_request(
-            f"a pipeline of {stages} stages needs at least as many blocks; the model's chain "
-            f"has {len(blocks)}"
-        )
+    (every stage's worker computes the same cut from the same chain, and the broker plans
+    with it: `planners.even_cut`); each range holds at least one block."""
     sizes = []
     for block in blocks:
         seen = {id(t): t for t in block.module.state_dict(keep_vars=True).values()}
         sizes.append(sum(t.numel() * t.element_size() for t in seen.values()))
-    total = max(1, sum(sizes))
-    bounds, acc = [0], 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        left = stages - len(bounds)  # cuts still to make
-        blocks_after = len(blocks) - (i + 1)
-        if left > 0 and (acc >= total * len(bounds) / stages or blocks_after == left):
-            bounds.append(i + 1)
-    bounds.append(len(blocks))
-    while len(bounds) < stages + 1:  # tiny blocks at the end: split the largest range
-        a, b = max(itertools.pairwise(bounds), key=lambda r: r[1] - r[0])
-        bounds.insert(bounds.index(b), (a + b) // 2)
-    return list(itertools.pairwise(bounds))
+    try:
+        return even_cut(sizes, stages)
+    except FlowmeshError as exc:
+        raise bad_request(exc.reason) from None
 
 
 def build_stage(

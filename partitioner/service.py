@@ -88,9 +88,39 @@ def plan_for(
             raise FlowmeshError(Code.BAD_REQUEST, "a chunk plan needs target_bytes")
         optimizer = request.optimizer or "adam"
         plan = chunk_plan(prof, target, optimizer, batch, _state_count(optimizer))
+    elif kind == "pipeline":
+        plan = _pipeline_plan(prof, request, allow)
     else:
         raise FlowmeshError(Code.BAD_REQUEST, f"unknown plan kind {kind!r}")
     return plan, parse_inputs(prof.inputs) if prof.inputs else None
+
+
+def _pipeline_plan(prof: Any, request: p.PlanAsk, allow: tuple[str, ...]) -> Plan:
+    """Where a training job opened with `pipeline="auto"` goes: the fewest stages whose
+    resident footprints fit the workers' free training bytes (`request.worker_bytes`, stage i
+    on the i-th largest), one stage when it fits one worker whole; when no count does, one
+    stage marked `fits` False (the broker then trains it by memory flow on one worker)."""
+    if not request.worker_bytes:
+        raise FlowmeshError(Code.BAD_REQUEST, "a pipeline plan needs the workers' free bytes")
+    states = state_count(request.optimizer, allow)
+    found = planners.pipeline_stages(prof, request.worker_bytes, request.optimizer, states)
+    whole = [(0, len(prof.blocks))]
+    ranges, footprints = found or (whole, planners.stage_footprints(prof, whole, "", states))
+    return Plan(
+        kind="pipeline",
+        spec_digest=prof.spec_digest,
+        block_names=tuple(prof.names),
+        block_bytes=tuple(b.own_bytes for b in prof.blocks),
+        ranges=tuple(ranges),
+        range_bytes=tuple(prof.range_bytes(a, b) for a, b in ranges),
+        objective="bytes",
+        range_footprint=tuple(footprints),
+        request={
+            "worker_bytes": list(request.worker_bytes),
+            "optimizer_states": states,
+            "fits": found is not None,
+        },
+    )
 
 
 def _state_count(optimizer: str) -> int:

@@ -233,3 +233,27 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(
     assert cli.main(["generate", "lm", "hi", "--broker", "tcp://127.0.0.1:9"]) == 130
     err = capsys.readouterr().err
     assert err == "\nflowmesh generate: interrupted\n"
+
+
+def test_pipeline_takes_a_number_of_stages_or_auto(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parse = build_parser().parse_args
+    train = ["train", "m:f", "--steps", "1", "--pipeline"]
+    assert parse([*train, "auto"]).pipeline == "auto"
+    assert parse([*train, "3"]).pipeline == 3
+    for bad, why in (("some", "a number of stages, or auto"), ("65", "between 0 and 64")):
+        with pytest.raises(SystemExit) as refused:
+            parse([*train, bad])
+        assert refused.value.code == 2 and why in capsys.readouterr().err
+    # A sweep's config says it the same way, and is refused the same way before any call.
+    config = tmp_path / "sweep.toml"
+    config.write_text(
+        'factory = "flowmesh.examples:mlp"\ntrials = 1\nsteps = 1\neval_every = 1\n'
+        'pipeline = "some"\n[space]\nlr = {low = 0.001, high = 0.1, log = true}\n'
+    )
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["sweep", str(config), "--broker", "tcp://127.0.0.1:9"])
+    assert str(refused.value) == (
+        f"flowmesh sweep: {config}: pipeline 'some': a number of stages, or auto"
+    )

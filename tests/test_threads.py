@@ -84,23 +84,28 @@ def test_the_interpreters_exit_joins_lanes_still_running_a_call() -> None:
 
 def test_the_exit_waits_for_busy_lanes_within_one_deadline_in_all() -> None:
     """Lanes whose calls never return hold the exit up `EXIT_JOIN_S` in all, not that much per
-    thread: the joins' timeouts add up to the one deadline (checked in a child interpreter,
-    with four threads stuck in a call)."""
+    thread (checked in a child interpreter with four threads stuck in a call and a deadline of
+    1 s: the joins take about 1 s together, where a deadline per thread would take 4)."""
     script = textwrap.dedent(
         """
-        import asyncio, threading
+        import asyncio, threading, time
         from flowmesh import threads
-        threads.EXIT_JOIN_S = 0.3
-        stuck = threading.Event()
-        waits = []
+        threads.EXIT_JOIN_S = 1.0
+        stuck, entered = threading.Event(), threading.Semaphore(0)
+
+        def call():
+            entered.release()
+            stuck.wait()
+
         lanes = [threads.TorchLanes(2, f"stuck-{i}") for i in range(2)]
         for ln in lanes:
-            for t in ln._threads:
-                ln.submit(asyncio.new_event_loop(), stuck.wait)
-                join = t.join
-                t.join = lambda timeout=None, join=join: (waits.append(timeout), join(timeout))
+            for _ in ln._threads:
+                ln.submit(asyncio.new_event_loop(), call)
+        for _ in range(4):
+            entered.acquire()  # every thread is in its call
+        t0 = time.monotonic()
         threads._join_at_exit()
-        print(round(sum(waits), 2) <= 0.31, len(waits))
+        print(time.monotonic() - t0 < 2.5)
         stuck.set()
         """
     )
@@ -108,4 +113,4 @@ def test_the_exit_waits_for_busy_lanes_within_one_deadline_in_all() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "4"], done.stdout
+    assert done.stdout.split() == ["True"], done.stdout

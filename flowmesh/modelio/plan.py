@@ -24,7 +24,7 @@ from flowmesh.modelio import planners
 from flowmesh.modelio.costs import ModelProfile, human_bytes
 
 PLAN_VERSION = 1
-KINDS = ("stages", "chunks")
+KINDS = ("stages", "chunks", "pipeline")
 OBJECTIVES = ("time", "bytes", "footprint")
 _set = msgspec.structs.force_setattr  # a frozen plan's fields, normalised as it checks itself
 
@@ -51,7 +51,8 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `range_bytes` are exact (each tensor of the range once, tied tensors included), `range_time_s`
     sums the blocks' measured forward times (stages) or forward+backward times (chunks) when
     they were measured, `range_footprint` is the training footprint of a chunk (see
-    `planners.chunk_footprints`). `objective` says which of them was balanced.
+    `planners.chunk_footprints`) or the resident bytes of a pipelined job's stage (kind
+    "pipeline": `planners.pipeline_stages`). `objective` says which of them was balanced.
     `request` records what the plan was asked for (stages, mem_cap, target_bytes, batch, ...).
     """
 

@@ -284,3 +284,70 @@ def chunks(
             )
     parts = min_parts(footprints, cap, names=names)
     return balance(footprints, parts, mem=footprints, mem_cap=cap, names=names)
+
+
+# -- pipelined training: stages of about even bytes, each resident on its worker
+
+
+def even_cut(sizes: Sequence[int], stages: int) -> list[tuple[int, int]]:
+    """Blocks of `sizes` bytes cut into `stages` contiguous ranges of about even bytes, each
+    holding at least one block: a pipelined job's stages (every stage's worker cuts its chain
+    alike, `gpu_worker.pipe_stage.cut_even`, and the broker plans with the same cut)."""
+    n = len(sizes)
+    if not 1 <= stages <= n:
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"a pipeline of {stages} stages needs at least as many blocks; the model's chain "
+            f"has {n}",
+        )
+    total = max(1, sum(sizes))
+    bounds, acc = [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        left = stages - len(bounds)  # cuts still to make
+        blocks_after = n - (i + 1)
+        if left > 0 and (acc >= total * len(bounds) / stages or blocks_after == left):
+            bounds.append(i + 1)
+    bounds.append(n)
+    while len(bounds) < stages + 1:  # tiny blocks at the end: split the largest range
+        a, b = max(pairwise(bounds), key=lambda r: r[1] - r[0])
+        bounds.insert(bounds.index(b), (a + b) // 2)
+    return list(pairwise(bounds))
+
+
+def stage_footprints(
+    blocks: ModelProfile | Sequence[BlockProfile],
+    ranges: Sequence[tuple[int, int]],
+    optimizer: str | Mapping[str, Any],
+    states: int | None = None,
+) -> list[int]:
+    """The device bytes each pipeline stage holds resident, as its worker counts them: its
+    blocks' tensors (a tied tensor another block owns included, once per block: an upper
+    bound) and its parameters' gradients and `k` optimizer states,
+        sum(param + buffer + shared) + sum(param) x (1 + k);
+    activations come on top, per micro-batch in flight."""
+    blocks = profile_blocks(blocks)
+    k = optimizer_states(optimizer, states)
+    return [
+        sum(b.resident_bytes + b.param_bytes * (1 + k) for b in blocks[a:z]) for a, z in ranges
+    ]
+
+
+def pipeline_stages(
+    blocks: ModelProfile | Sequence[BlockProfile],
+    free: Sequence[int],
+    optimizer: str | Mapping[str, Any],
+    states: int | None = None,
+) -> tuple[list[tuple[int, int]], list[int]] | None:
+    """The fewest stages whose resident footprints fit workers with `free` training bytes
+    (largest first; stage i on the i-th), with their footprints; None when no count of stages
+    up to the workers' and the blocks' does. One stage: the job fits one worker whole."""
+    blocks = profile_blocks(blocks)
+    sizes = [b.resident_bytes for b in blocks]
+    free = sorted(free, reverse=True)
+    for k in range(1, min(len(free), len(blocks)) + 1):
+        ranges = even_cut(sizes, k)
+        fps = stage_footprints(blocks, ranges, optimizer, states)
+        if all(fp <= cap for fp, cap in zip(fps, free, strict=False)):
+            return ranges, fps
+    return None

@@ -3,7 +3,8 @@ job's stages one on each, every hop over the workers' own peer sockets. Its loss
 PyTorch's (`torch.testing.assert_close`, rtol 1e-5 / atol 1e-6); a stage's worker killed under
 pending steps fails them `worker_lost`, naming the last checkpoint, the workers left hold
 nothing of the job, and the job resumes from the checkpoint on them, cut into two stages, to
-the same losses; `flowmesh train --pipeline 2` trains on the two left. The in-process grid of
+the same losses; `flowmesh train --pipeline 2` trains on the two left, and `--pipeline auto`
+pipelines a job neither holds whole. The in-process grid of
 models is tests/scenarios/test_pipeline_training.py."""
 
 from __future__ import annotations
@@ -75,7 +76,16 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
         capsys.readouterr()
         assert cli.main(args) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["steps"] == 3 and len(out["losses"]) == 3
+        assert out["steps"] == 3 and len(out["losses"]) == 3 and len(out["pipeline"]) == 2
+        # `--pipeline auto`, with the real partitioner: a job of about 1.2 MiB with Adam's
+        # state fits neither worker's 1 MiB of training bytes whole, and two stages do.
+        wide = {**s.kwargs, "width": 160}
+        args[args.index("--kwargs") + 1] = json.dumps(wide)
+        args[args.index("--pipeline") + 1] = "auto"
+        args[args.index("--name") + 1] = "cli-auto"
+        assert cli.main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["steps"] == 3 and sorted(out["pipeline"]) == sorted({workers[0], workers[2]})
 
 
 def test_a_pipelined_job_goes_on_across_a_broker_restart(tmp_path: Path) -> None:

@@ -13,11 +13,14 @@ from flowmesh.modelio.planners import (
     balance,
     chunk_footprints,
     chunks,
+    even_cut,
     min_parts,
     optimizer_states,
     part_sums,
+    pipeline_stages,
     seconds_to_ns,
     split,
+    stage_footprints,
 )
 from partitioner.stage_planners import auto_stages, stages
 
@@ -221,3 +224,41 @@ def test_thousand_blocks_are_planned_optimally():
     staged = auto_stages(costs, 10**9, mem=mem)
     assert max(part_sums(mem, staged)) <= 10**9
     assert len(staged) - 1 == min_parts(mem, 10**9)
+
+
+# -- pipelined training (`pipeline="auto"`): the fewest stages that fit the workers
+
+
+def blocks(params: list[int], buffers: list[int] | None = None) -> list[BlockProfile]:
+    buffers = buffers or [0] * len(params)
+    pairs = zip(params, buffers, strict=True)
+    return [BlockProfile(f"b{i}", pb, bb) for i, (pb, bb) in enumerate(pairs)]
+
+
+@pytest.mark.parametrize(
+    ("free", "ranges", "footprints"),
+    [
+        # Each block: 100 bytes of parameters, x4 with their gradient and Adam's two states.
+        ([2000, 10], [(0, 4)], [1600]),  # fits the first worker whole: one stage
+        ([900, 900], [(0, 2), (2, 4)], [800, 800]),
+        ([900, 500, 500], [(0, 2), (2, 3), (3, 4)], [800, 400, 400]),  # two would not fit
+        ([500, 900, 500, 500], [(0, 2), (2, 3), (3, 4)], [800, 400, 400]),  # largest first
+    ],
+)
+def test_pipeline_stages_are_the_fewest_that_fit(
+    free: list[int], ranges: list[tuple[int, int]], footprints: list[int]
+) -> None:
+    assert pipeline_stages(blocks([100] * 4), free, "adam") == (ranges, footprints)
+
+
+def test_no_pipeline_fits_and_the_cut_is_by_resident_bytes() -> None:
+    assert pipeline_stages(blocks([100] * 4), [300] * 4, "adam") is None
+    assert pipeline_stages(blocks([100] * 4), [10**6] * 8, "sgd") == ([(0, 4)], [800])
+    # A block of buffers only (BatchNorm's statistics): held, no gradient or state; the cut
+    # evens the bytes held, as each worker's cut of its built chain does.
+    two = blocks([100, 0, 100, 100], [0, 300, 0, 0])
+    assert even_cut([b.resident_bytes for b in two], 2) == [(0, 2), (2, 4)]
+    assert stage_footprints(two, [(0, 2), (2, 4)], "adam") == [700, 800]
+    assert pipeline_stages(two, [800, 800], "adam") == ([(0, 2), (2, 4)], [700, 800])
+    with pytest.raises(FlowmeshError, match="needs at least as many blocks"):
+        even_cut([1, 2], 3)

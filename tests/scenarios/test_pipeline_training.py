@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from client_sdk import errors
 from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
+from tests.support import training
 from tests.support.inproc import InProcMesh
 from tests.support.mesh import roots_at
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
@@ -257,3 +259,32 @@ def test_a_sweep_runs_its_trials_as_pipelined_jobs(tmp_path: Path) -> None:
     assert len(result.trials) == 3 and len(opened) == 3
     assert all(t.evals and t.state in ("COMPLETE", "PRUNED") for t in result.trials), result.trials
     assert all(len(p) == 2 and len(set(p)) == 2 for p in opened), opened
+
+
+def test_auto_pipelines_a_job_no_worker_holds_and_leaves_one_that_fits_to_one_worker(
+    tmp_path: Path,
+) -> None:
+    """`pipeline="auto"`: a job of about 58 KiB with Adam's state, on workers of 40 KiB of
+    training bytes each, is planned by the partitioner into two stages on the two most free
+    workers, and trains as plain PyTorch does; a small job fits one worker whole and is left
+    to it, the most free one left."""
+    big, batches = training.spec(11), training.data(11, 4)
+    expected, _ = training.plain(big, training.ADAM, batches, accumulate=2)
+    small = training.spec(12)
+    small = msgspec.structs.replace(small, kwargs={**small.kwargs, "width": 8})
+    with InProcMesh(
+        cpu_workers=3, memory_budget="8MiB", train_bytes=40 << 10, allow=ALLOW,
+        **roots_at(tmp_path),
+    ) as mesh, mesh.client(timeout=60) as c:  # fmt: skip
+
+        def open_auto(name: str, s: Any) -> Any:
+            return c.train_open(name, s.factory, kwargs=s.kwargs, seed=s.seed, pipeline="auto",
+                                optimizer=training.ADAM, batch_size=training.BATCH,
+                                accumulate=2)  # fmt: skip
+
+        job = open_auto("big", big)
+        assert len(set(job.info.pipeline)) == 2 and job.info.worker == job.info.pipeline[0]
+        training.close([job.step(x, y).loss for x, y in batches], expected, "auto-pipelined")
+        other = open_auto("small", small)
+        assert other.info.pipeline == [] and other.info.worker not in job.info.pipeline
+        assert {j.name: j.state for j in c.jobs()} == {"big": "ready", "small": "ready"}

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from flowmesh.modelio import planners
 from flowmesh.modelio.build import build_seeded
 from flowmesh.modelio.chain import chain_of
 from flowmesh.modelio.inputs import declared_inputs, make_inputs
-from gpu_worker.pipe_stage import PipeStage, job_rng, step_in_process
+from flowmesh.modelio.profile import profile
+from gpu_worker.pipe_stage import PipeStage, build_stage, job_rng, step_in_process
 from gpu_worker.train_config import TrainConfig
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_cases import (
@@ -151,3 +153,22 @@ def test_bfloat16_pipelined_steps_match_plain_pytorch_amp(
     for n, t in got.items():
         close(t, state[n], f"tensor {n} after training")
         assert not t.is_floating_point() or t.dtype == torch.float32, n  # float32 masters
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_brokers_pipeline_plan_cuts_as_the_workers_do_and_bounds_their_footprint(
+    model: str, stages: int
+) -> None:
+    """What `pipeline="auto"` plans from a profile (`planners.even_cut`, `stage_footprints`,
+    in the partitioner) is the cut each stage's worker makes of the built chain, and no stage
+    holds more than the plan counted, so a plan that fits is never refused `too_big`."""
+    spec = MODELS[model]
+    cfg = TrainConfig({"name": "adam", "lr": 0.01})
+    prof = profile(spec, batch=1, allow=GRID_ALLOW)
+    ranges = planners.even_cut([b.resident_bytes for b in prof.blocks], stages)
+    planned = planners.stage_footprints(prof, ranges, cfg.optimizer, 2)
+    for s in range(stages):
+        built = build_stage("job", spec, cfg, s, stages, "cpu", GRID_ALLOW)
+        assert built.ranges == ranges
+        assert built.footprint(GRID_ALLOW) <= planned[s], (s, built.footprint(GRID_ALLOW))

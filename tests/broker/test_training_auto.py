@@ -1,0 +1,138 @@
+"""`train_open(pipeline="auto")` through BrokerCore, exact messages on a fake clock: the broker
+asks a partitioner where the job goes (kind "pipeline", with the free training bytes of the
+workers its stages may use), then opens it pipelined over as many workers as the plan has
+stages, or on one worker by memory flow when the plan says it fits one, fits no pipeline, or
+cannot be had."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from broker.core import BACKEND, CLIENT
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.plan import Plan
+from tests.support.broker import Harness, opened_job
+
+KIB = 1 << 10
+C = b"client"
+SPEC = {"name": "j", "factory": "flowmesh.examples:mlp", "kwargs": {"width": 8}, "seed": 1}
+CONFIG = {"optimizer": {"name": "adam", "lr": 0.01}, "accumulate": 2}
+Out = list[tuple[str, bytes, p.Message]]
+
+
+def trainer(h: Harness, name: str, train_bytes: int) -> bytes:
+    addr = name.encode()
+    info = p.PeerInfo(train_bytes=train_bytes, peer_endpoint=f"tcp://127.0.0.1:{len(name)}")
+    h.backend(addr, p.Register(id=1, role="worker", name=name, pid=1, device="cpu", kind="cpu",
+                               budget_bytes=KIB, info=info))  # fmt: skip
+    h.backend(addr, p.Heartbeat())
+    return addr
+
+
+def mesh(partitioner: bool = True) -> Harness:
+    h = Harness()
+    if partitioner:
+        h.partitioner()
+    trainer(h, "w-small", 100 * KIB)
+    trainer(h, "w-big", 300 * KIB)
+    trainer(h, "w-mid", 200 * KIB)
+    return h
+
+
+def open_auto(h: Harness, ref_id: int = 1, **kw: Any) -> Out:
+    msg = p.TrainOpen(id=ref_id, job="j", spec=SPEC, config=CONFIG, batch=4, pipeline="auto",
+                      **kw)  # fmt: skip
+    return h.client(C, msg)
+
+
+def pipeline_plan(stages: int, fits: bool = True) -> Plan:
+    """A plan of kind "pipeline" over 6 blocks (what the partitioner answers)."""
+    bounds = [round(i * 6 / stages) for i in range(stages + 1)]
+    ranges = tuple(itertools.pairwise(bounds))
+    return Plan(kind="pipeline", spec_digest="test", block_names=tuple(f"b{i}" for i in range(6)),
+                block_bytes=(KIB,) * 6, ranges=ranges, range_bytes=tuple(KIB for _ in ranges),
+                objective="bytes", range_footprint=tuple(4 * KIB for _ in ranges),
+                request={"fits": fits})  # fmt: skip
+
+
+def asked(out: Out) -> p.PlanJob:
+    ((dest, addr, job),) = out
+    assert (dest, addr) == (BACKEND, b"part") and isinstance(job, p.PlanJob)
+    return job
+
+
+def test_a_job_that_fits_no_worker_is_pipelined_where_the_plan_says() -> None:
+    h = mesh()
+    job = asked(open_auto(h))
+    # What the partitioner is asked: the stages' plan for this model and optimizer, with the
+    # free training bytes of the workers that take pipelines, the most first.
+    assert job.request.kind == "pipeline" and job.request.spec.name == "j"
+    assert job.request.optimizer == CONFIG["optimizer"] and job.request.batch == 2
+    assert job.request.worker_bytes == [300 * KIB, 200 * KIB, 100 * KIB]
+    (row,) = h.core.training.status(0.0)
+    assert (row.name, row.state, row.worker) == ("j", "planning", "")
+    # Meanwhile its steps are refused, and its name is taken.
+    with pytest.raises(FlowmeshError) as info:
+        h.client(C, p.TrainStep(id=7, job="j", seq=1, tensors={}))
+    assert info.value.code == Code.UNAVAILABLE and "planning" in info.value.reason
+    with pytest.raises(FlowmeshError) as info:
+        open_auto(h, ref_id=8)
+    assert info.value.code == Code.MODEL_EXISTS
+
+    out = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(2)))
+    opens = [(a.decode(), m.stage) for _, a, m in out if isinstance(m, p.PipeOpen)]
+    assert opens == [("w-big", 0), ("w-mid", 1)]  # the two most free, in that order
+    for _, a, m in out:
+        info_ = opened_job("j", worker=a.decode(), footprint=4 * KIB)
+        done = h.backend(a, p.JobOpened(id=m.id, job=info_))
+    ((dest, client, opened),) = done
+    assert (dest, client, type(opened)) == (CLIENT, C, p.TrainOpened)
+    assert opened.id == 1 and opened.job.pipeline == ["w-big", "w-mid"]
+
+
+@pytest.mark.parametrize("why", ["fits one", "fits none", "plan failed"])
+def test_otherwise_it_goes_to_one_worker_by_memory_flow(why: str) -> None:
+    h = mesh()
+    job = asked(open_auto(h))
+    if why == "plan failed":
+        err = p.Error(id=job.id, code=str(Code.MODEL_ERROR), reason="the factory raised")
+        out = h.backend(b"part", err)
+    else:
+        plan = pipeline_plan(1) if why == "fits one" else pipeline_plan(1, fits=False)
+        out = h.backend(b"part", p.PlanReply(id=job.id, plan=plan))
+    ((dest, addr, fwd),) = out
+    assert (dest, addr, type(fwd)) == (BACKEND, b"w-big", p.TrainOpen)
+    assert fwd.pipeline == 0  # what the worker sees: a memory-flow job
+
+
+def test_without_a_partitioner_or_two_workers_no_plan_is_asked() -> None:
+    h = mesh(partitioner=False)
+    ((dest, addr, fwd),) = open_auto(h)
+    assert (dest, addr, type(fwd)) == (BACKEND, b"w-big", p.TrainOpen)
+    h = Harness()
+    h.partitioner()
+    trainer(h, "w-one", 100 * KIB)
+    ((dest, addr, fwd),) = open_auto(h)
+    assert (dest, addr, type(fwd)) == (BACKEND, b"w-one", p.TrainOpen)
+
+
+def test_a_job_closed_while_it_is_planned_answers_both_calls() -> None:
+    h = mesh()
+    job = asked(open_auto(h))
+    ((_, _, closed),) = h.client(C, p.TrainClose(id=5, job="j"))
+    assert isinstance(closed, p.TrainClosed) and closed.id == 5
+    ((_, client, err),) = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(2)))
+    assert (client, err.id, err.code) == (C, 1, Code.BAD_REQUEST)
+    assert "closed before it was placed" in err.reason
+    assert h.core.training.jobs == {}
+
+
+def test_auto_does_not_resume_a_checkpoint() -> None:
+    h = mesh()
+    with pytest.raises(FlowmeshError) as info:
+        open_auto(h, resume="/ck")
+    assert info.value.code == Code.BAD_REQUEST and "pipeline=N" in info.value.reason
