@@ -850,6 +850,7 @@ class TrainingRouter:
             self._release(job, now)
         lost = [j for j in self.jobs.values() if j.state == "restoring" and worker in j.awaiting]
         for job in lost:
+            log.warning("training job=%s lost: worker=%s came back without it", job.name, worker)
             self._close_everywhere(job, but=worker)
             self._forget(
                 job.name,
@@ -886,6 +887,8 @@ class TrainingRouter:
     def finish_restore(self) -> None:
         """The wait for workers after a restart is over: a job still waiting is lost."""
         for job in [j for j in self.jobs.values() if j.state == "restoring"]:
+            log.warning("training job=%s lost: worker(s) %s did not come back after the restart",
+                        job.name, sorted(job.awaiting))  # fmt: skip
             # The stages whose workers came back are closed: nobody can reach them now.
             back = [w for w in job.holders if w not in job.awaiting]
             for w in back:

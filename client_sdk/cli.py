@@ -552,14 +552,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         # values. Its own module is what the user asked for, so it is the allow-list here; the
         # broker and the workers still check theirs.
         module = args.factory.partition(":")[0]
-        data = train_data.synthetic(
-            spec,
-            loss=args.loss,
-            samples=args.samples,
-            seq=args.seq,
-            seed=args.data_seed,
-            allow=(module,),
-        )
+        try:
+            data = train_data.synthetic(
+                spec,
+                loss=args.loss,
+                samples=args.samples,
+                seq=args.seq,
+                seed=args.data_seed,
+                allow=(module,),
+            )
+        except FlowmeshError as exc:
+            if "could not import" not in exc.reason:
+                raise
+            raise SystemExit(
+                f"flowmesh train: {exc.reason} (here, in this command's own process: it builds "
+                f"the model on the meta device to shape synthetic data, so {module!r} must be "
+                "importable from this shell too, e.g. on its PYTHONPATH; or give --data FILE)"
+            ) from None
     work = train_data.batches(data, args.batch, args.steps)
     optimizer: dict[str, Any] = {"name": args.optimizer, "lr": args.lr}
     if args.weight_decay is not None:

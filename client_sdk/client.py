@@ -402,6 +402,10 @@ class AsyncClient:
         over the fewest that hold it; `job.info.pipeline` says which)."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
+        if pipeline != "auto" and not (
+            isinstance(pipeline, int) and not isinstance(pipeline, bool) and 0 <= pipeline <= 64
+        ):
+            raise ValueError(f'train_open: pipeline={pipeline!r}: 0 to 64 stages, or "auto"')
         if optimizer is None and (dtype is not None or activations is not None):
             raise ValueError(
                 "train_open(resume=..., dtype=... or activations=...) needs optimizer= too: "

@@ -185,15 +185,21 @@ def _sub_model(m: SubModelRow) -> str:
     return f"{cell} {m.activations}" if m.activations else cell
 
 
+def _where(j: JobRow) -> str:
+    """A job's worker, or its stages' workers in stage order ("+": as a replica's)."""
+    return "+".join(j.pipeline) if j.pipeline else j.worker
+
+
 def format_jobs(jobs: list[JobRow]) -> str:
-    """Training jobs as a table: worker, state, step, last loss, steps/s, samples/s (and tokens/s
-    for a language model's job), what the last step moved (into the arena / back to the host
-    tier) and waited for memory, the sub-models with their activation policies (as of the last
-    answered step), and what the forward computes in."""
+    """Training jobs as a table: worker (a pipelined job's stages' workers), state, step, last
+    loss, steps/s, samples/s (and tokens/s for a language model's job), what the last step
+    moved (into the arena / back to the host tier) and waited for memory, the sub-models with
+    their activation policies (as of the last answered step), and what the forward computes
+    in."""
     rows = [
         [
             j.name,
-            j.worker,
+            _where(j),
             j.state,
             j.step,
             "-" if j.last_loss is None else f"{j.last_loss:.4g}",
@@ -331,7 +337,7 @@ def _watch_tables(st: BrokerStatus) -> list[tuple[str, list[str], list[list[str]
         jobs = [
             [
                 j.name,
-                j.worker,
+                _where(j),
                 j.state,
                 str(j.step),
                 "-" if j.last_loss is None else f"{j.last_loss:.4g}",

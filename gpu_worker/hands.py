@@ -26,6 +26,7 @@ from typing import Any
 
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.costs import human_bytes
 from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.threads import torch_pool
 from gpu_worker.core import (
@@ -464,9 +465,11 @@ class WorkerHands:
         if footprint > self.train_bytes:
             raise FlowmeshError(
                 Code.TOO_BIG,
-                f"job {msg.job!r}: stage {msg.stage} of {len(msg.peers)} holds {footprint} "
-                f"bytes with its gradients and optimizer state, over the {self.train_bytes} "
-                f"training bytes of worker {self.core.name}: cut it into more stages",
+                f"job {msg.job!r}: stage {msg.stage} of {len(msg.peers)} holds "
+                f"{human_bytes(footprint)} with its gradients and optimizer state, over the "
+                f"{human_bytes(self.train_bytes)} of training bytes of worker {self.core.name}: "
+                "cut it into more stages (more workers), or train it on one worker by memory "
+                "flow (pipeline=1), which trains a job of any size",
             )
         peers, job = list(msg.peers), msg.job
 

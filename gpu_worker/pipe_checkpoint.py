@@ -92,7 +92,12 @@ def read_pipe_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         files = sorted(d.glob(f"{PREFIX}*.safetensors"))
         if not files:
-            raise bad_request(f"{d} holds no pipelined checkpoint (no {PREFIX}K.safetensors)")
+            hint = ""
+            if (d / "job.json").exists():  # `gpu_worker.train_checkpoint`'s
+                hint = ": it is a memory-flow job's checkpoint, resume it with pipeline=1"
+            raise bad_request(
+                f"{d} holds no pipelined checkpoint (no {PREFIX}K.safetensors){hint}"
+            )
         metas = [_meta(f) for f in files]
     except OSError as exc:
         raise io_error(exc, str(d)) from None

@@ -235,6 +235,11 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         meta = _parse_meta((Path(path) / META_FILE).read_bytes(), where)
     except (FileNotFoundError, NotADirectoryError):
+        if any(Path(path).glob("stage-*.safetensors")):  # `gpu_worker.pipe_checkpoint`'s
+            raise bad_request(
+                f"{where} is a pipelined job's checkpoint: resume it pipelined "
+                "(train_open(..., pipeline=N, resume=...), N of 2 or more)"
+            ) from None
         raise bad_request(
             f"{where} is not a flowmesh training checkpoint (no {META_FILE})"
         ) from None

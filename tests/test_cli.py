@@ -14,6 +14,7 @@ import pytest
 
 from client_sdk import cli, views
 from client_sdk.cli import build_parser, up_mesh
+from client_sdk.client import Client
 from flowmesh.reports import BrokerStatus, Totals
 from tests.support.cli import ROOT, flowmesh
 from tests.support.reports import broker_status, job_row, model_row, replica_row, worker_row
@@ -246,6 +247,11 @@ def test_pipeline_takes_a_number_of_stages_or_auto(
         with pytest.raises(SystemExit) as refused:
             parse([*train, bad])
         assert refused.value.code == 2 and why in capsys.readouterr().err
+    # The SDK refuses it before sending anything.
+    with Client("tcp://127.0.0.1:9", timeout=1) as c:
+        for bad in (-1, 65, "some", True):
+            with pytest.raises(ValueError, match='0 to 64 stages, or "auto"'):
+                c.train_open("j", "m:f", optimizer={"name": "sgd"}, batch_size=4, pipeline=bad)
     # A sweep's config says it the same way, and is refused the same way before any call.
     config = tmp_path / "sweep.toml"
     config.write_text(
@@ -257,3 +263,11 @@ def test_pipeline_takes_a_number_of_stages_or_auto(
     assert str(refused.value) == (
         f"flowmesh sweep: {config}: pipeline 'some': a number of stages, or auto"
     )
+
+
+def test_train_says_its_own_process_imports_the_factory_for_synthetic_data() -> None:
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "no_such_zoo:mlp", "--steps", "1", "--broker", "tcp://127.0.0.1:9"])
+    reason = str(refused.value)
+    assert reason.startswith("flowmesh train: could not import factory 'no_such_zoo:mlp'")
+    assert "importable from this shell too" in reason and "--data FILE" in reason

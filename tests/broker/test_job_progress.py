@@ -262,3 +262,11 @@ def test_a_language_models_job_counts_its_target_tokens() -> None:
     h.now = 4.0
     h.backend(w, answer(fwd, 3, 0, 0, 0.0))
     assert row(h).tokens == 96
+
+
+def test_a_pipelined_job_is_listed_on_its_stages_workers() -> None:
+    h = Harness()
+    trained(h)
+    piped = msgspec.structs.replace(row(h), pipeline=["w0", "w1"])
+    line = [c.strip() for c in format_jobs([piped]).splitlines()[2].split("  ") if c.strip()]
+    assert line[:2] == ["j", "w0+w1"]

@@ -181,6 +181,9 @@ def test_a_pipelined_job_is_refused_what_it_cannot_do_and_saves_and_evaluates(
             c.train_open("uneven", s.factory, pipeline=2, accumulate=3, **kw)
         job = c.train_open("two", s.factory, pipeline=2, **kw)
         x, y = grid_data("mlp", 0)[0]
+        # More rows than it was opened for: refused, as a memory-flow job refuses them.
+        with pytest.raises(errors.BadRequest, match=f"a batch of {2 * BATCH} is over the batch"):
+            job.step(torch.cat([x, x]), torch.cat([y, y]))
         assert job.step(x, y).step == 1
         # Each stage's worker names the job in its inventory, with its stage's footprint; stage
         # 0's, where the steps go, with their answers too (what a restarted broker takes up).
@@ -188,13 +191,25 @@ def test_a_pipelined_job_is_refused_what_it_cannot_do_and_saves_and_evaluates(
             (held,) = mesh.worker(w).hands.inventory().jobs
             footprint = job.info.sub_models[stage].task_bytes
             assert (held.name, held.step, held.footprint) == ("two", 1, footprint)
-            assert [(r.seq, r.step) for r in held.results] == ([(1, 1)] if stage == 0 else [])
-            assert held.seq == (1 if stage == 0 else 0) and held.running == []
+            # (Seq 1 was the refused step: not taken there.)
+            assert [(r.seq, r.step) for r in held.results] == ([(2, 1)] if stage == 0 else [])
+            assert held.seq == (2 if stage == 0 else 0) and held.running == []
         assert job.save(str(tmp_path / "ck"))["step"] == 1
         assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
             "stage-0.safetensors",
             "stage-1.safetensors",
         ]
+        # A checkpoint resumes the way it was saved, and says so when asked the other way.
+        resumed = {k: v for k, v in kw.items() if k != "optimizer"}
+        with pytest.raises(errors.BadRequest, match="is a pipelined job's checkpoint: resume"):
+            c.train_open("flow", s.factory, resume=str(tmp_path / "ck"), **resumed)
+        flow = c.train_open("flow", s.factory, **kw)
+        flow.step(x, y)
+        flow.save(str(tmp_path / "flow-ck"))
+        flow.close()
+        with pytest.raises(errors.BadRequest, match="memory-flow job's checkpoint, resume it"):
+            c.train_open("piped", s.factory, resume=str(tmp_path / "flow-ck"), pipeline=2,
+                         **resumed)  # fmt: skip
         # An evaluation through both stages: the model's held-out loss, nothing changed.
         first, again_ = job.eval(x, y), job.eval(x, y)
         assert first.loss == again_.loss and first.step == 1 and "accuracy" in first.metrics
