@@ -824,7 +824,9 @@ class TrainingRouter:
                 continue
             job.awaiting.discard(worker)
             if job.workers:
-                row = SubModelRow(blocks=[], host_bytes=0, task_bytes=item.footprint)
+                row = item.sub_models[0] if item.sub_models else SubModelRow(
+                    blocks=[], host_bytes=0, task_bytes=item.footprint
+                )  # (a worker that reports no rows)
                 job.opened_rows[worker] = (row, item.footprint)
             if worker == job.worker:  # where its steps go: what they did is known there
                 job.step, job.last_seq = item.step, item.seq
@@ -836,9 +838,11 @@ class TrainingRouter:
                 continue
             job.state = "ready"
             if job.workers:
-                job.footprint = sum(f for _, f in job.opened_rows.values())
+                rows = [job.opened_rows[w] for w in job.workers]
+                job.sub_models = [r for r, _ in rows if r.blocks]
+                job.footprint = sum(f for _, f in rows)
             else:
-                job.footprint = item.footprint
+                job.sub_models, job.footprint = list(item.sub_models), item.footprint
             log.info(
                 "training job=%s taken up on worker=%s at step %d (seq %d, %d running)",
                 name,

@@ -554,7 +554,8 @@ StepAnswer = Union[StepOk, StepFailed]  # noqa: UP007 (msgspec reads it at run t
 
 class HeldJob(_Part):
     """A training job a worker holds: its step count, the highest step seq it took, its
-    footprint, its latest step answers and the seqs still running."""
+    footprint, its latest step answers and the seqs still running, and its sub-models as it
+    opened them (a pipelined job's stage: one row, its blocks)."""
 
     name: str
     step: Count
@@ -562,6 +563,7 @@ class HeldJob(_Part):
     footprint: Count
     results: list[StepAnswer]
     running: list[Count]
+    sub_models: list[SubModelRow] = field(default_factory=list)
 
 
 class Inventory(_Part):

@@ -174,15 +174,20 @@ class WorkerHands:
         for name, ledger in self.core.jobs.items():
             pipe = self.pipes.get(name)
             if pipe is not None:  # its steps' answers and running seqs: stage 0's alone
-                runner = pipe[0]
+                stage = pipe[0].stage
+                a, b = stage.ranges[stage.stage]
+                footprint = stage.footprint(self.core.allow)
                 jobs.append(
                     p.HeldJob(
                         name=name,
-                        step=runner.step_count,
+                        step=pipe[0].step_count,
                         seq=ledger.last,
-                        footprint=runner.stage.footprint(self.core.allow),
+                        footprint=footprint,
                         results=list(ledger.answers.values()),
                         running=sorted(ledger.running),
+                        sub_models=[
+                            SubModelRow(blocks=[a, b], host_bytes=0, task_bytes=footprint)
+                        ],
                     )
                 )
                 continue
@@ -197,6 +202,7 @@ class WorkerHands:
                     footprint=job.footprint(),
                     results=list(ledger.answers.values()),
                     running=sorted(ledger.running),
+                    sub_models=[SubModelRow(**s) for s in job.sub_model_info()],
                 )
             )
         return p.Inventory(stages=stages, jobs=jobs)

@@ -309,8 +309,12 @@ def test_a_training_job_is_taken_up_and_a_retried_step_is_not_run_twice(tmp_path
     # The client sends steps 2 and 3 again, and 4: held until the worker is back.
     assert step(life, 2, 70) == [] and step(life, 3, 71) == [] and step(life, 4, 72) == []
     result = {"t": "ok", "seq": 2, "loss": 0.25, "step": 2, "metrics": {}}
-    job = {"name": "j", "step": 2, "seq": 3, "footprint": MIB, "results": [result]}
+    rows = [{"blocks": [0, 2], "host_bytes": MIB, "task_bytes": MIB, "activations": "keep"}]
+    job = {"name": "j", "step": 2, "seq": 3, "footprint": MIB, "results": [result],
+           "sub_models": rows}  # fmt: skip
     out = life.register("w0", {"jobs": [{**job, "running": [3]}]})
+    (kept,) = life.core.training.status(0.0)
+    assert [(m.blocks, m.activations) for m in kept.sub_models] == [([0, 2], "keep")]
     # Step 2's answer is replayed; step 3 waits for the worker's answer; step 4 is new.
     (replayed,) = [m for _, a, m in out if isinstance(m, p.TrainStepResult)]
     assert (replayed.id, replayed.seq, replayed.loss) == (70, 2, 0.25)
@@ -374,10 +378,13 @@ def open_pipelined(life: Life) -> list[str]:
     return workers
 
 
-def held(step: int, seq: int, results: list[dict[str, Any]], running: list[int]) -> dict[str, Any]:
-    """A pipelined job "j" as a worker's inventory lists it."""
+def held(
+    step: int, seq: int, results: list[dict[str, Any]], running: list[int], blocks: Any = (0, 1)
+) -> dict[str, Any]:
+    """A pipelined job "j" as a worker's inventory lists it (its stage's blocks)."""
+    row = {"blocks": list(blocks), "host_bytes": 0, "task_bytes": MIB}
     return {"jobs": [{"name": "j", "step": step, "seq": seq, "footprint": MIB,
-                      "results": results, "running": running}]}  # fmt: skip
+                      "results": results, "running": running, "sub_models": [row]}]}  # fmt: skip
 
 
 def test_a_pipelined_job_is_kept_and_taken_up_once_every_stage_is_back(tmp_path: Path) -> None:
@@ -392,7 +399,7 @@ def test_a_pipelined_job_is_kept_and_taken_up_once_every_stage_is_back(tmp_path:
     assert (job.state, job.workers, job.worker) == ("restoring", [first, second], first)
     assert step(life, 2, 70) == [] and step(life, 3, 71) == []  # held
     # Stage 1's worker comes back first: still waiting for stage 0's.
-    out = life.register(second, held(0, 0, [], []), peer="tcp://127.0.0.1:7001")
+    out = life.register(second, held(0, 0, [], [], (1, 2)), peer="tcp://127.0.0.1:7001")
     assert [m.TYPE for _, _, m in out] == ["register_ack"] and job.state == "restoring"
     # Stage 0's, where the steps go, brings their figures: step 1 answered, step 2 running.
     result = {"t": "ok", "seq": 1, "loss": 0.5, "step": 1, "metrics": {}}
@@ -405,6 +412,7 @@ def test_a_pipelined_job_is_kept_and_taken_up_once_every_stage_is_back(tmp_path:
     assert (res.id, res.seq, res.loss) == (70, 2, 0.25)
     (row,) = life.core.training.status(0.0)
     assert (row.pipeline, row.step, row.state) == ([first, second], 2, "ready")
+    assert [m.blocks for m in row.sub_models] == [[0, 1], [1, 2]]  # its stages, in order
 
 
 def test_a_pipelined_job_a_stage_came_back_without_is_lost_and_closed(tmp_path: Path) -> None:
