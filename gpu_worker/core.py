@@ -536,6 +536,7 @@ class WorkerCore:
             raise FlowmeshError(
                 Code.BAD_REQUEST, f"job {msg.job!r}: its steps go to its stage 0's worker"
             )
+        ledger.take(msg.seq)  # even a step refused below: a seq is never run twice
         inputs, targets = step_batch(msg, "a training step")
         rows = int(targets.shape[0]) if targets.dim() else 0
         if pipe is not None and rows > pipe.batch:  # (a memory-flow job's says so on submit)
@@ -545,7 +546,6 @@ class WorkerCore:
                 "opened for (its micro-batches were sized for that many rows): send at most "
                 f"{pipe.batch}, or open a job for {rows}",
             )
-        ledger.take(msg.seq)
         ledger.start(msg.seq)
         if pipe is not None:
             self.pipe_steps[msg.id] = msg.seq

@@ -3,9 +3,10 @@
 # the benchmarks whose figures BENCHMARKS.md records as GPU figures (swap-in and cold start
 # through the pinned host tier and the copy stream, training by memory flow on the GPU, serving
 # beside training on a GPU worker, generation on a GPU worker against Hugging Face `generate` on
-# the same GPU). Each step has its own time limit and the next one runs
-# whatever the last did; the limits add up to 9 minutes, under a device run's 10 with the
-# set-up and the archive (no step has run on a GPU yet: how far under its limit each one ends
+# the same GPU, and one job pipelined over two workers against memory flow on one: with one GPU
+# both workers share it, so a check of the CUDA path more than a figure). Each step has its own
+# time limit and the next one runs whatever the last did; the limits add up to 9.5 minutes,
+# under a device run's 10 with the set-up and the archive (no step has run on a GPU yet: how far under its limit each one ends
 # there is not known).
 #
 #   bash scripts/gpu_wheels.sh               # here, once: the wheels that machine lacks
@@ -79,21 +80,24 @@ if [ "$cpu" = 1 ]; then
   # needs each phase to run, not figures steadied over rounds.
   colo=(--jobs 2 --requests 10 --width 64 --rounds 1)
   gen=(--models 2 --hidden 32 --layers 2 --requests 8 --rate 8 --single-rounds 1 --single-new 8)
+  pipe=(--width 64 --depth 2 --batch 8 --accumulate 2 --steps 2 --rounds 1)
 else
   swap=(--mib 1024 --layers 16 --repeats 5 --disk-mib 1024)
   cold=(--stages 8 --mib 256)
   train=(--device cuda:0 --width 4096 --depth 8 --batch 256 --threads 0)
   colo=(--gpu 0 --width 2048)
   gen=(--gpus 1 --hidden 1024 --layers 8 --requests 64 --rate 32)
+  pipe=(--gpus 1 --width 2048 --depth 8 --batch 256 --accumulate 4 --threads 0)
   cuda_tests=(-rs)
 fi
 step cuda-tests 80 "$PY" -m pytest -q -p no:cacheprovider "${cuda_tests[@]}" \
   tests/worker/test_cuda.py tests/worker/test_coldstart.py
-step swap 75 "$PY" scripts/bench_swap.py "${swap[@]}" --out "$bench"
-step coldstart 75 "$PY" scripts/bench_coldstart.py "${cold[@]}" --out "$bench"
+step swap 65 "$PY" scripts/bench_swap.py "${swap[@]}" --out "$bench"
+step coldstart 65 "$PY" scripts/bench_coldstart.py "${cold[@]}" --out "$bench"
 step training 130 "$PY" scripts/bench_training.py "${train[@]}" --out "$bench"
 step colocated 100 "$PY" scripts/bench_colocated.py "${colo[@]}" --out "$bench"
 step generate 80 "$PY" scripts/bench_generate.py "${gen[@]}" --out "$bench"
+step pipeline 50 "$PY" scripts/bench_pipeline_training.py "${pipe[@]}" --out "$bench"
 
 tar -czf "$out/gpu_checks.tar.gz" -C "$bench" .
 rm -rf "$bench"

@@ -40,7 +40,8 @@ def test_every_step_of_the_gpu_checks_runs_on_cpu_stand_ins(tmp_path: Path) -> N
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_checks.log", "gpu_checks.tar.gz"]
     log = (tmp_path / "gpu_checks.log").read_text()
-    for step in ("cuda-tests", "swap", "coldstart", "training", "colocated", "generate"):
+    steps = ("cuda-tests", "swap", "coldstart", "training", "colocated", "generate", "pipeline")
+    for step in steps:
         assert f"=== {step}: exit status 0" in log, log[-3000:]
     with tarfile.open(tmp_path / "gpu_checks.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
@@ -50,6 +51,7 @@ def test_every_step_of_the_gpu_checks_runs_on_cpu_stand_ins(tmp_path: Path) -> N
         "training.json",
         "bench_colocated.json",
         "generate.json",
+        "pipeline_training.json",
     } <= names
 
 

@@ -192,7 +192,7 @@ def test_a_pipelined_job_is_refused_what_it_cannot_do_and_saves_and_evaluates(
             footprint = job.info.sub_models[stage].task_bytes
             assert (held.name, held.step, held.footprint) == ("two", 1, footprint)
             assert held.sub_models == [job.info.sub_models[stage]]
-            # (Seq 1 was the refused step: not taken there.)
+            # (Seq 1 was the refused step: taken, never run.)
             assert [(r.seq, r.step) for r in held.results] == ([(2, 1)] if stage == 0 else [])
             assert held.seq == (2 if stage == 0 else 0) and held.running == []
         assert job.save(str(tmp_path / "ck"))["step"] == 1
