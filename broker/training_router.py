@@ -154,6 +154,9 @@ class Job:
     workers: list[str] = field(default_factory=list)
     awaiting: set[str] = field(default_factory=set)
     opened_rows: dict[str, tuple[SubModelRow, int]] = field(default_factory=dict)
+    # A job `pipeline="auto"` pipelined: the client's open, for memory flow on one worker
+    # should a stage not fit its worker after all (the plan counted its bytes beforehand).
+    auto: p.TrainOpen | None = None
 
     @property
     def holders(self) -> list[str]:
@@ -490,10 +493,18 @@ class TrainingRouter:
         elif plan is not None and not plan.request.get("fits"):
             log.info("training job=%s fits no pipeline of the free workers: memory flow",
                      job.name)  # fmt: skip
-        try:
-            self._open(addr, msgspec.structs.replace(msg, pipeline=stages), now)
-        except FlowmeshError as exc:
-            self._to_client(addr, p.Error(id=msg.id, code=str(exc.code), reason=exc.reason))
+        for n in (stages, 1) if stages > 1 else (1,):
+            try:
+                self._open(addr, msgspec.structs.replace(msg, pipeline=n), now)
+            except FlowmeshError as exc:
+                if n > 1:  # its workers went meanwhile, say: one worker, by memory flow
+                    log.info("training job=%s: %s; one worker", job.name, exc.reason)
+                    continue
+                self._to_client(addr, p.Error(id=msg.id, code=str(exc.code), reason=exc.reason))
+                return
+            if n > 1:
+                self.jobs[msg.job].auto = msg
+            return
 
     def _open_pipelined(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
         """A job over `msg.pipeline` workers: each opens its stage (`p.PipeOpen`); the job is
@@ -722,6 +733,16 @@ class TrainingRouter:
                 for cid, c in list(self.calls.items()):
                     if c.job == job.name and c.kind == "open":
                         del self.calls[cid]
+            if job.auto is not None and msg.code == Code.TOO_BIG and call.client is not None:
+                log.info("training job=%s: a stage does not fit worker=%s (%s); one worker",
+                         job.name, worker, msg.reason)  # fmt: skip
+                again = msgspec.structs.replace(job.auto, pipeline=1)
+                try:
+                    self._open(call.client, again, now)
+                except FlowmeshError as exc:
+                    self._answer(call, p.Error(id=call.client_id, code=str(exc.code),
+                                               reason=exc.reason))  # fmt: skip
+                return True
         elif call.kind == "step" and job is not None:
             job.errors += 1
             job.rows.pop(call.seq, None)

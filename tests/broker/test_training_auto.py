@@ -136,3 +136,35 @@ def test_auto_does_not_resume_a_checkpoint() -> None:
     with pytest.raises(FlowmeshError) as info:
         open_auto(h, resume="/ck")
     assert info.value.code == Code.BAD_REQUEST and "pipeline=N" in info.value.reason
+
+
+def test_a_stage_that_does_not_fit_after_all_sends_the_job_to_one_worker() -> None:
+    """The plan counted a stage's bytes beforehand; a worker that finds more (or whose free
+    bytes went meanwhile) refuses it too_big: the job is opened by memory flow instead, and the
+    client gets its job, not the refusal."""
+    h = mesh()
+    job = asked(open_auto(h))
+    out = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(2)))
+    opens = {a: m for _, a, m in out if isinstance(m, p.PipeOpen)}
+    refusal = p.Error(id=opens[b"w-mid"].id, code=str(Code.TOO_BIG), reason="stage 1 holds more")
+    out = h.backend(b"w-mid", refusal)
+    # Stage 0 is closed on its worker, and the job opened on the most free one as memory flow.
+    assert [(a, type(m)) for _, a, m in out] == [(b"w-big", p.TrainClose), (b"w-big", p.TrainOpen)]
+    fwd = out[1][2]
+    info = opened_job("j", worker="w-big", footprint=4 * KIB)
+    ((dest, client, opened),) = h.backend(b"w-big", p.JobOpened(id=fwd.id, job=info))
+    assert (dest, client, opened.id, opened.job.pipeline) == (CLIENT, C, 1, [])
+    # Stage 0's answer to the pipelined open, come late, is not taken for the new job (the
+    # close sent before the memory-flow open ends that stage on its worker), nor closes it.
+    assert h.backend(b"w-big", p.JobOpened(id=opens[b"w-big"].id, job=info)) == []
+    (row,) = h.core.training.status(0.0)
+    assert (row.state, row.worker, row.pipeline) == ("ready", "w-big", [])
+
+
+def test_a_plan_the_workers_no_longer_allow_sends_the_job_to_one_worker() -> None:
+    h = mesh()
+    job = asked(open_auto(h))
+    # Four stages, and three workers take pipelines (one went while it was planned, say).
+    out = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(4)))
+    ((dest, addr, fwd),) = out
+    assert (dest, addr, type(fwd), fwd.pipeline) == (BACKEND, b"w-big", p.TrainOpen, 0)
