@@ -16,7 +16,9 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
   machine's cores with the gateway and the mesh, and `httpx` spends several times aiohttp's CPU
   per request (pure-Python h11 parsing, its pool's bookkeeping), so that on a small machine it
   measures the client as much as the gateway. The SDK side pays only for its own lean client;
-  `--http-client httpx` is there to see the difference. Each side encodes its request inside
+  `--http-client httpx` is there to see the difference, and `--http-client pycurl` (libcurl's
+  multi interface on a thread, as a native client or a load balancer sends) to see how much of
+  the gap is the Python HTTP client's. Each side encodes its request inside
   the timed call, as a real caller does (the SDK its frames, the HTTP side its JSON body).
 - **stream**: `--prompts` greedy completions of `--max-tokens` tokens, one after the other,
   through the SDK's `generate_stream` and through the gateway's `/v1/completions` with
@@ -24,7 +26,8 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
   tokens/s of each, and the ratio, and the time to the first chunk.
 
     python scripts/bench_gateway.py [--requests 400] [--rounds 5] [--clients 8] [--rows 1]
-        [--width 64] [--prompts 8] [--max-tokens 32] [--http-client aiohttp|httpx] [--out bench-out]
+        [--width 64] [--prompts 8] [--max-tokens 32] [--http-client aiohttp|httpx|pycurl]
+        [--out bench-out]
 
 Writes `gateway.json` under `--out`.
 """
@@ -104,11 +107,89 @@ def summary(latencies: list[float], wall: float) -> dict[str, float]:
 Post = Callable[[str, bytes], Awaitable[bytes]]
 
 
+def curl_closed_loop(
+    url: str, body: Callable[[int], bytes], n: int, clients: int
+) -> tuple[list[float], float]:
+    """`closed_loop` with libcurl's multi interface (pycurl) on this thread: `clients` handles
+    on keep-alive connections, each posting `body(k)` for the next k as soon as its last
+    answer came, the body encoded inside the timed call; a status other than 200 raises."""
+    import pycurl
+
+    multi = pycurl.CurlMulti()
+    counter = iter(range(n))
+    latencies: list[float] = []
+    started: dict[Any, float] = {}
+
+    def start(h: Any) -> None:
+        k = next(counter, None)
+        if k is None:
+            return
+        started[h] = time.perf_counter()
+        h.setopt(pycurl.POSTFIELDS, body(k))
+        multi.add_handle(h)
+
+    handles = []
+    for _ in range(clients):
+        h = pycurl.Curl()
+        h.setopt(pycurl.URL, url)
+        h.setopt(pycurl.HTTPHEADER, ["Content-Type: application/json", "Expect:"])
+        h.setopt(pycurl.WRITEFUNCTION, len)  # the body is read and dropped (checked apart)
+        handles.append(h)
+    t0 = time.perf_counter()
+    for h in handles:
+        start(h)
+    while started:
+        multi.select(1.0)
+        while multi.perform()[0] == pycurl.E_CALL_MULTI_PERFORM:
+            pass
+        _, ok, failed = multi.info_read()
+        if failed:
+            raise RuntimeError(f"curl: {failed[0][2]}")
+        for h in ok:
+            latencies.append(time.perf_counter() - started.pop(h))
+            multi.remove_handle(h)
+            if h.getinfo(pycurl.RESPONSE_CODE) != 200:
+                raise RuntimeError(f"HTTP {h.getinfo(pycurl.RESPONSE_CODE)}")
+            start(h)
+    wall = time.perf_counter() - t0
+    for h in handles:
+        h.close()
+    multi.close()
+    return latencies, wall
+
+
+def curl_post(url: str, data: bytes) -> bytes:
+    """One POST with pycurl (blocking): the answer's body."""
+    import io
+
+    import pycurl
+
+    out = io.BytesIO()
+    h = pycurl.Curl()
+    h.setopt(pycurl.URL, url)
+    h.setopt(pycurl.HTTPHEADER, ["Content-Type: application/json", "Expect:"])
+    h.setopt(pycurl.POSTFIELDS, data)
+    h.setopt(pycurl.WRITEDATA, out)
+    h.perform()
+    code = h.getinfo(pycurl.RESPONSE_CODE)
+    h.close()
+    if code != 200:
+        raise RuntimeError(f"HTTP {code}")
+    return out.getvalue()
+
+
 @asynccontextmanager
 async def _http_client(kind: str, connections: int) -> AsyncIterator[Post]:
     """`post(url, body)`: the answer's body (an error status raises), over a pool of
     `connections` keep-alive connections of client `kind`."""
     headers = {"Content-Type": "application/json"}
+    if kind == "pycurl":  # (its timed rounds run `curl_closed_loop`)
+
+        async def post_curl(url: str, data: bytes) -> bytes:
+            return await asyncio.to_thread(curl_post, url, data)
+
+        yield post_curl
+        return
     if kind == "httpx":
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         async with httpx.AsyncClient(limits=limits, timeout=60.0) as http:
@@ -172,7 +253,12 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
             sdk_lat += lat
             sdk_wall += wall
             cpu = cpu_seconds(gw_pid)
-            lat, wall = await closed_loop(args.requests, args.clients, gateway)
+            if args.http_client == "pycurl":
+                lat, wall = await asyncio.to_thread(
+                    curl_closed_loop, url, lambda k: body(xs[k]), args.requests, args.clients
+                )
+            else:
+                lat, wall = await closed_loop(args.requests, args.clients, gateway)
             gw_cpu += cpu_seconds(gw_pid) - cpu
             gw_lat += lat
             gw_wall += wall
@@ -254,7 +340,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
         "--http-client",
-        choices=["aiohttp", "httpx"],
+        choices=["aiohttp", "httpx", "pycurl"],
         default="aiohttp",
         help="the infer bench's HTTP client (aiohttp: see above)",
     )
