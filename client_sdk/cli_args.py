@@ -26,7 +26,8 @@ eval_every (steps between held-out evaluations, each reported to the pruner), co
 (default 3), objective (loss | accuracy; default loss), direction (minimize | maximize; default
 by objective), batch (rows per step, default 16), loss (cross_entropy | mse), seed (sampler and
 initial weights, default 0), chunk_bytes (e.g. "32KiB"), pipeline (each trial's job over that
-many workers; default 0: one), out (output directory, default sweep-<name>).
+many workers, or "auto": the broker's choice; default 0: one), out (output directory, default
+sweep-<name>).
 Tables: [kwargs] fixed factory keyword arguments; [optimizer] fixed optimizer (name, lr, ...;
 default adamw, lr 1e-3); [data] file / eval_file (a .safetensors file with 'inputs' and
 'targets'; any other file is a text corpus for next-byte prediction, in windows of 32 bytes), or
