@@ -155,8 +155,10 @@ class Job:
     awaiting: set[str] = field(default_factory=set)
     opened_rows: dict[str, tuple[SubModelRow, int]] = field(default_factory=dict)
     # A job `pipeline="auto"` pipelined: the client's open, for memory flow on one worker
-    # should a stage not fit its worker after all (the plan counted its bytes beforehand).
+    # should a stage not open on its worker after all (the plan counted its bytes beforehand);
+    # and when the client's open times out (`_open_auto`).
     auto: p.TrainOpen | None = None
+    deadline: float = math.inf
 
     @property
     def holders(self) -> list[str]:
@@ -369,6 +371,8 @@ class TrainingRouter:
         """The training bytes each worker's jobs hold (a pipelined job's, stage by stage)."""
         out: dict[str, int] = {}
         for job in self.jobs.values():
+            if job.state == "planning":
+                continue  # on no worker yet
             parts = {w: f for w, (_, f) in job.opened_rows.items()} or {job.worker: job.footprint}
             for w, f in parts.items():
                 out[w] = out.get(w, 0) + f
@@ -444,8 +448,9 @@ class TrainingRouter:
         if msg.resume is not None:
             raise fail(
                 Code.BAD_REQUEST,
-                'pipeline="auto" places a new job; to resume a checkpoint, give the stages to '
-                "cut it into (pipeline=N, or 1 for one worker)",
+                'pipeline="auto" places a new job; to resume a checkpoint, say how: '
+                "pipeline=N (--pipeline N), N of 2 or more, for a pipelined job's checkpoint, "
+                "or 1 for a memory-flow job's",
             )
         assert msg.config is not None  # (the open's checks: a config, or resume)
         able = self._pipe_workers()
@@ -462,9 +467,13 @@ class TrainingRouter:
         job.state = "planning"
         self.jobs[job.name] = job
         timeout = msg.timeout_ms / 1000 if msg.timeout_ms else self.open_timeout_s
+        # The open that follows gets what is left of the client's timeout, not a fresh one: a
+        # job opened past it would be a job no client knows of.
+        msg = msgspec.structs.replace(msg, timeout_ms=max(1, int(timeout * 1000)))
+        job.deadline = now + timeout
         planned = functools.partial(self._planned, addr, msg, job)
         try:
-            self.ask_plan(request, planned, now, now + timeout)
+            self.ask_plan(request, planned, now, job.deadline)
         except FlowmeshError as exc:  # no partitioner: memory flow needs no plan
             if self.jobs.get(job.name) is job:
                 del self.jobs[job.name]
@@ -486,6 +495,14 @@ class TrainingRouter:
             self._to_client(addr, p.Error(id=msg.id, code=str(Code.BAD_REQUEST), reason=reason))
             return
         del self.jobs[job.name]
+        left_ms = int((job.deadline - now) * 1000)
+        if left_ms <= 0:
+            reason = f"training job {job.name!r} was not placed within its open's timeout"
+            if error is not None:
+                reason += f" ({error[1]})"
+            self._to_client(addr, p.Error(id=msg.id, code=str(Code.TIMEOUT), reason=reason))
+            return
+        msg = msgspec.structs.replace(msg, timeout_ms=left_ms)
         plan = answer["plan"] if answer is not None else None
         stages = len(plan.ranges) if plan is not None and plan.request.get("fits") else 1
         if error is not None:
@@ -493,6 +510,12 @@ class TrainingRouter:
         elif plan is not None and not plan.request.get("fits"):
             log.info("training job=%s fits no pipeline of the free workers: memory flow",
                      job.name)  # fmt: skip
+        elif stages > 1 and not self._still_fits(plan):
+            # Planned on the workers' free bytes as they were: another job took some since (two
+            # opened at once, say). Memory flow needs none of them.
+            log.info("training job=%s: its plan no longer fits the free workers: memory flow",
+                     job.name)  # fmt: skip
+            stages = 1
         for n in (stages, 1) if stages > 1 else (1,):
             try:
                 self._open(addr, msgspec.structs.replace(msg, pipeline=n), now)
@@ -503,8 +526,25 @@ class TrainingRouter:
                 self._to_client(addr, p.Error(id=msg.id, code=str(exc.code), reason=exc.reason))
                 return
             if n > 1:
-                self.jobs[msg.job].auto = msg
+                opened = self.jobs[msg.job]
+                opened.auto = msg
+                assert plan is not None and plan.range_footprint is not None
+                # Its stages' bytes counted on their workers from now (`committed`), not once
+                # they answer: a job planned meanwhile sees them taken.
+                for w, (a, b), fp in zip(opened.workers, plan.ranges, plan.range_footprint,
+                                         strict=True):  # fmt: skip
+                    opened.opened_rows.setdefault(
+                        w, (SubModelRow(blocks=[a, b], host_bytes=0, task_bytes=fp), fp)
+                    )
             return
+
+    def _still_fits(self, plan: Any) -> bool:
+        """Whether a pipeline plan's stages fit the free training bytes of the workers it would
+        go to now (stage i on the i-th most free, as `_open_pipelined` places them)."""
+        committed = self.committed()
+        free = [train_bytes_of(w) - committed.get(w.name, 0) for w in self._pipe_workers()]
+        need = plan.range_footprint or ()
+        return len(free) >= len(need) and all(f <= c for f, c in zip(need, free, strict=False))
 
     def _open_pipelined(self, addr: bytes, msg: p.TrainOpen, now: float) -> None:
         """A job over `msg.pipeline` workers: each opens its stage (`p.PipeOpen`); the job is
@@ -652,7 +692,7 @@ class TrainingRouter:
                 return
             if job.state == "opening":  # not when a close was asked for meanwhile
                 job.state = "ready"
-            log.info("training job=%s open on worker=%s", job.name, worker)
+            log.info("training job=%s open on worker(s)=%s", job.name, job.holders)
             self._answer(call, p.TrainOpened(id=call.client_id, job=self._job_status(job, now)))
         elif isinstance(msg, p.TrainStepResult):
             self._step_result(worker, msg, now)
@@ -733,10 +773,13 @@ class TrainingRouter:
                 for cid, c in list(self.calls.items()):
                     if c.job == job.name and c.kind == "open":
                         del self.calls[cid]
-            if job.auto is not None and msg.code == Code.TOO_BIG and call.client is not None:
-                log.info("training job=%s: a stage does not fit worker=%s (%s); one worker",
-                         job.name, worker, msg.reason)  # fmt: skip
-                again = msgspec.structs.replace(job.auto, pipeline=1)
+            if job.auto is not None and call.client is not None and call.deadline > now:
+                # Too big after all (buffers the plan does not see), a cut the model refuses:
+                # memory flow, within what is left of the client's timeout.
+                log.info("training job=%s: worker=%s refused its stage (%s: %s); one worker",
+                         job.name, worker, msg.code, msg.reason)  # fmt: skip
+                left_ms = max(1, int((call.deadline - now) * 1000))
+                again = msgspec.structs.replace(job.auto, pipeline=1, timeout_ms=left_ms)
                 try:
                     self._open(call.client, again, now)
                 except FlowmeshError as exc:

@@ -69,10 +69,12 @@ class Parser(argparse.ArgumentParser):
         return msg
 
 
-def pipeline_arg(text: str) -> int | str:
+def pipeline_arg(text: Any) -> int | str:
     """`--pipeline`'s value (and a sweep config's `pipeline`): a number of stages, or "auto"."""
-    if str(text).strip().lower() == "auto":
+    if isinstance(text, str) and text.strip().lower() == "auto":
         return "auto"
+    if isinstance(text, bool) or not isinstance(text, int | str):  # TOML's true, 2.5
+        raise argparse.ArgumentTypeError(f"pipeline {text!r}: a number of stages, or auto")
     try:
         n = int(text)
     except ValueError:

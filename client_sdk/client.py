@@ -402,6 +402,8 @@ class AsyncClient:
         over the fewest that hold it; `job.info.pipeline` says which)."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
+        if isinstance(pipeline, str) and pipeline.strip().lower() == "auto":
+            pipeline = "auto"  # as the CLI takes it
         if pipeline != "auto" and not (
             isinstance(pipeline, int) and not isinstance(pipeline, bool) and 0 <= pipeline <= 64
         ):

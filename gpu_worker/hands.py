@@ -468,14 +468,19 @@ class WorkerHands:
         )  # fmt: skip
         step, rng = load_stage(stage, resume) if resume is not None else (0, None)
         footprint = stage.footprint(self.core.allow)
-        if footprint > self.train_bytes:
+        # Pipelined stages stay resident: together they hold at most the training bytes.
+        others = sum(r.stage.footprint(self.core.allow) for r, _ in self.pipes.values())
+        if footprint + others > self.train_bytes:
+            beside = f", beside the {human_bytes(others)} of its other pipelined stages" if (
+                others) else ""  # fmt: skip
             raise FlowmeshError(
                 Code.TOO_BIG,
                 f"job {msg.job!r}: stage {msg.stage} of {len(msg.peers)} holds "
-                f"{human_bytes(footprint)} with its gradients and optimizer state, over the "
-                f"{human_bytes(self.train_bytes)} of training bytes of worker {self.core.name}: "
-                "cut it into more stages (more workers), or train it on one worker by memory "
-                "flow (pipeline=1), which trains a job of any size",
+                f"{human_bytes(footprint)} ({footprint} bytes) with its gradients and optimizer "
+                f"state, over the {human_bytes(self.train_bytes)} ({self.train_bytes} bytes) of "
+                f"training bytes of worker {self.core.name}{beside}: cut it into more stages "
+                "(more workers), or train it on one worker by memory flow (pipeline=1), which "
+                "trains a job of any size",
             )
         peers, job = list(msg.peers), msg.job
 

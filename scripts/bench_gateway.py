@@ -134,12 +134,14 @@ def curl_closed_loop(
         h.setopt(pycurl.URL, url)
         h.setopt(pycurl.HTTPHEADER, ["Content-Type: application/json", "Expect:"])
         h.setopt(pycurl.WRITEFUNCTION, len)  # the body is read and dropped (checked apart)
+        h.setopt(pycurl.TIMEOUT, 60)  # as the other clients' (a stalled gateway fails it)
         handles.append(h)
     t0 = time.perf_counter()
     for h in handles:
         start(h)
     while started:
-        multi.select(1.0)
+        # Drive the transfers first (a request just added goes out now), then wait for a
+        # socket only when nothing has finished.
         while multi.perform()[0] == pycurl.E_CALL_MULTI_PERFORM:
             pass
         _, ok, failed = multi.info_read()
@@ -151,6 +153,8 @@ def curl_closed_loop(
             if h.getinfo(pycurl.RESPONSE_CODE) != 200:
                 raise RuntimeError(f"HTTP {h.getinfo(pycurl.RESPONSE_CODE)}")
             start(h)
+        if not ok and started:
+            multi.select(1.0)
     wall = time.perf_counter() - t0
     for h in handles:
         h.close()
@@ -170,6 +174,7 @@ def curl_post(url: str, data: bytes) -> bytes:
     h.setopt(pycurl.HTTPHEADER, ["Content-Type: application/json", "Expect:"])
     h.setopt(pycurl.POSTFIELDS, data)
     h.setopt(pycurl.WRITEDATA, out)
+    h.setopt(pycurl.TIMEOUT, 60)
     h.perform()
     code = h.getinfo(pycurl.RESPONSE_CODE)
     h.close()

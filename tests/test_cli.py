@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from client_sdk import cli, views
+from client_sdk import cli, cli_args, views
 from client_sdk.cli import build_parser, up_mesh
 from client_sdk.client import Client
 from flowmesh.reports import BrokerStatus, Totals
@@ -243,6 +243,10 @@ def test_pipeline_takes_a_number_of_stages_or_auto(
     train = ["train", "m:f", "--steps", "1", "--pipeline"]
     assert parse([*train, "auto"]).pipeline == "auto"
     assert parse([*train, "3"]).pipeline == 3
+    assert cli_args.pipeline_arg(" AUTO ") == "auto" and cli_args.pipeline_arg(2) == 2
+    for value in (True, 2.5):  # a sweep TOML's
+        with pytest.raises(argparse.ArgumentTypeError, match="a number of stages, or auto"):
+            cli_args.pipeline_arg(value)
     for bad, why in (("some", "a number of stages, or auto"), ("65", "between 0 and 64")):
         with pytest.raises(SystemExit) as refused:
             parse([*train, bad])

@@ -290,9 +290,10 @@ def chunks(
 
 
 def even_cut(sizes: Sequence[int], stages: int) -> list[tuple[int, int]]:
-    """Blocks of `sizes` bytes cut into `stages` contiguous ranges of about even bytes, each
-    holding at least one block: a pipelined job's stages (every stage's worker cuts its chain
-    alike, `gpu_worker.pipe_stage.cut_even`, and the broker plans with the same cut)."""
+    """Blocks of `sizes` bytes cut into `stages` contiguous ranges, each holding at least one
+    block, whose largest holds the fewest bytes (`balance`): a pipelined job's stages (every
+    stage's worker cuts its chain alike, `gpu_worker.pipe_stage.cut_even`, and the broker
+    plans with the same cut)."""
     n = len(sizes)
     if not 1 <= stages <= n:
         raise FlowmeshError(
@@ -300,19 +301,7 @@ def even_cut(sizes: Sequence[int], stages: int) -> list[tuple[int, int]]:
             f"a pipeline of {stages} stages needs at least as many blocks; the model's chain "
             f"has {n}",
         )
-    total = max(1, sum(sizes))
-    bounds, acc = [0], 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        left = stages - len(bounds)  # cuts still to make
-        blocks_after = n - (i + 1)
-        if left > 0 and (acc >= total * len(bounds) / stages or blocks_after == left):
-            bounds.append(i + 1)
-    bounds.append(n)
-    while len(bounds) < stages + 1:  # tiny blocks at the end: split the largest range
-        a, b = max(pairwise(bounds), key=lambda r: r[1] - r[0])
-        bounds.insert(bounds.index(b), (a + b) // 2)
-    return list(pairwise(bounds))
+    return list(pairwise(balance(list(sizes), stages)))
 
 
 def stage_footprints(

@@ -49,13 +49,13 @@ def open_auto(h: Harness, ref_id: int = 1, **kw: Any) -> Out:
     return h.client(C, msg)
 
 
-def pipeline_plan(stages: int, fits: bool = True) -> Plan:
+def pipeline_plan(stages: int, fits: bool = True, stage_bytes: int = 4 * KIB) -> Plan:
     """A plan of kind "pipeline" over 6 blocks (what the partitioner answers)."""
     bounds = [round(i * 6 / stages) for i in range(stages + 1)]
     ranges = tuple(itertools.pairwise(bounds))
     return Plan(kind="pipeline", spec_digest="test", block_names=tuple(f"b{i}" for i in range(6)),
                 block_bytes=(KIB,) * 6, ranges=ranges, range_bytes=tuple(KIB for _ in ranges),
-                objective="bytes", range_footprint=tuple(4 * KIB for _ in ranges),
+                objective="bytes", range_footprint=tuple(stage_bytes for _ in ranges),
                 request={"fits": fits})  # fmt: skip
 
 
@@ -138,15 +138,16 @@ def test_auto_does_not_resume_a_checkpoint() -> None:
     assert info.value.code == Code.BAD_REQUEST and "pipeline=N" in info.value.reason
 
 
-def test_a_stage_that_does_not_fit_after_all_sends_the_job_to_one_worker() -> None:
-    """The plan counted a stage's bytes beforehand; a worker that finds more (or whose free
-    bytes went meanwhile) refuses it too_big: the job is opened by memory flow instead, and the
-    client gets its job, not the refusal."""
+@pytest.mark.parametrize("code", [Code.TOO_BIG, Code.PLAN_ERROR])
+def test_a_stage_that_does_not_open_after_all_sends_the_job_to_one_worker(code: Code) -> None:
+    """The plan counted a stage's bytes beforehand; a worker that finds more (a buffer the
+    profile does not count, say) refuses it too_big, or the cut splits what the model shares:
+    the job is opened by memory flow instead, and the client gets its job, not the refusal."""
     h = mesh()
     job = asked(open_auto(h))
     out = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(2)))
     opens = {a: m for _, a, m in out if isinstance(m, p.PipeOpen)}
-    refusal = p.Error(id=opens[b"w-mid"].id, code=str(Code.TOO_BIG), reason="stage 1 holds more")
+    refusal = p.Error(id=opens[b"w-mid"].id, code=str(code), reason="stage 1 cannot open")
     out = h.backend(b"w-mid", refusal)
     # Stage 0 is closed on its worker, and the job opened on the most free one as memory flow.
     assert [(a, type(m)) for _, a, m in out] == [(b"w-big", p.TrainClose), (b"w-big", p.TrainOpen)]
@@ -168,3 +169,53 @@ def test_a_plan_the_workers_no_longer_allow_sends_the_job_to_one_worker() -> Non
     out = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(4)))
     ((dest, addr, fwd),) = out
     assert (dest, addr, type(fwd), fwd.pipeline) == (BACKEND, b"w-big", p.TrainOpen, 0)
+
+
+def test_two_jobs_planned_at_once_do_not_both_take_the_same_free_bytes() -> None:
+    """Both are planned on the same free bytes; the first opened counts its stages on their
+    workers at once, so the second's plan no longer fits when it comes: memory flow."""
+    h = mesh()
+    first = asked(open_auto(h))
+    msg = p.TrainOpen(id=2, job="k", spec={**SPEC, "name": "k"}, config=CONFIG, batch=4,
+                      pipeline="auto")  # fmt: skip
+    second = asked(h.client(C, msg))
+    assert second.request.worker_bytes == first.request.worker_bytes  # nothing opened yet
+    plan = pipeline_plan(2, stage_bytes=150 * KIB)
+    out = h.backend(b"part", p.PlanReply(id=first.id, plan=plan))
+    assert sorted(a for _, a, m in out if isinstance(m, p.PipeOpen)) == [b"w-big", b"w-mid"]
+    assert h.core.training.committed() == {"w-big": 150 * KIB, "w-mid": 150 * KIB}
+    ((_, addr, fwd),) = h.backend(b"part", p.PlanReply(id=second.id, plan=plan))
+    assert (type(fwd), fwd.job, addr) == (p.TrainOpen, "k", b"w-big")  # 150 KiB free: the most
+
+
+def tick(h: Harness, now: float) -> Out:
+    h.now = now
+    for peer in (b"part", b"w-small", b"w-big", b"w-mid"):  # alive all along
+        h.backend(peer, p.Heartbeat())
+    h.out()
+    h.core.tick(now)
+    return [o for o in h.out() if not isinstance(o[2], p.Heartbeat)]
+
+
+def test_the_open_after_the_plan_keeps_the_clients_deadline() -> None:
+    """The plan and the open share the client's timeout: a job is never opened past it (its
+    client gave up), and a plan that never comes fails the open at it."""
+    h = mesh()
+    job = asked(open_auto(h, timeout_ms=10_000))
+    h.now = 6.0
+    out = h.backend(b"part", p.PlanReply(id=job.id, plan=pipeline_plan(1)))
+    ((_, addr, fwd),) = out
+    assert type(fwd) is p.TrainOpen
+    # The worker has not answered by the client's deadline: the open fails there and then,
+    # and the job it may still open is closed on its worker.
+    out = tick(h, 10.5)
+    assert [(type(m), a) for _, a, m in out] == [(p.TrainClose, addr), (p.Error, C)]
+    assert out[1][2].code == Code.TIMEOUT
+
+    h = mesh()
+    asked(open_auto(h, timeout_ms=10_000))  # no partitioner answers
+    out = tick(h, 10.5)
+    ((_, client, err),) = [o for o in out if o[0] == CLIENT]
+    assert (client, err.code) == (C, Code.TIMEOUT) and "not placed within" in err.reason
+    assert not [m for _, _, m in out if isinstance(m, p.TrainOpen)]
+    assert h.core.training.jobs == {}

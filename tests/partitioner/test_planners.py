@@ -262,3 +262,5 @@ def test_no_pipeline_fits_and_the_cut_is_by_resident_bytes() -> None:
     assert pipeline_stages(two, [800, 800], "adam") == ([(0, 2), (2, 4)], [700, 800])
     with pytest.raises(FlowmeshError, match="needs at least as many blocks"):
         even_cut([1, 2], 3)
+    # The cut whose largest stage holds the least: not the first to pass its share of the bytes.
+    assert even_cut([4, 3, 3], 2) == [(0, 1), (1, 3)]

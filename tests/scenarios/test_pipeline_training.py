@@ -304,3 +304,23 @@ def test_auto_pipelines_a_job_no_worker_holds_and_leaves_one_that_fits_to_one_wo
         other = open_auto("small", small)
         assert other.info.pipeline == [] and other.info.worker not in job.info.pipeline
         assert {j.name: j.state for j in c.jobs()} == {"big": "ready", "small": "ready"}
+
+
+def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> None:
+    """A worker's pipelined stages stay resident: together they hold at most its training
+    bytes. A second job of the same size pipelined on the same two workers is refused too_big,
+    saying beside what; with `pipeline="auto"` it goes to one worker by memory flow instead."""
+    s = training.spec(13)
+    kw = {"kwargs": s.kwargs, "seed": s.seed, "optimizer": training.ADAM,
+          "batch_size": training.BATCH, "accumulate": 2}  # fmt: skip
+    with InProcMesh(
+        cpu_workers=2, memory_budget="8MiB", train_bytes=40 << 10, allow=ALLOW,
+        **roots_at(tmp_path),
+    ) as mesh, mesh.client(timeout=60) as c:  # fmt: skip
+        first = c.train_open("first", s.factory, pipeline=2, **kw)
+        with pytest.raises(errors.TooBig, match=r"beside the .* of its other pipelined stages"):
+            c.train_open("second", s.factory, pipeline=2, **kw)
+        other = c.train_open("second", s.factory, pipeline="auto", **kw)
+        assert other.info.pipeline == [] and len(first.info.pipeline) == 2
+        x, y = training.data(13, 1)[0]
+        assert first.step(x, y).step == 1 and other.step(x, y).step == 1

@@ -162,7 +162,9 @@ def test_the_brokers_pipeline_plan_cuts_as_the_workers_do_and_bounds_their_footp
 ) -> None:
     """What `pipeline="auto"` plans from a profile (`planners.even_cut`, `stage_footprints`,
     in the partitioner) is the cut each stage's worker makes of the built chain, and no stage
-    holds more than the plan counted, so a plan that fits is never refused `too_big`."""
+    holds more than the plan counted, so a plan that fits is not refused `too_big` (for models
+    whose buffers are all in their state_dict: a non-persistent buffer is not profiled, and a
+    stage refused for it sends the job to one worker, `tests/broker/test_training_auto.py`)."""
     spec = MODELS[model]
     cfg = TrainConfig({"name": "adam", "lr": 0.01})
     prof = profile(spec, batch=1, allow=GRID_ALLOW)
