@@ -35,8 +35,9 @@ which the next free driver runs. A trial number is taken once, from the storage,
 job is `<name>-t<number>`: no trial runs twice. The journal storage has no heartbeat: a dead
 driver's trials stay RUNNING there and are not retried.
 Results go to `out_dir`: `trials.json` (every trial's parameters, state, value, per-step training
-losses and evaluations) and `curves.png` (every trial's curves; pruned trials dashed and marked
-where they stopped, a trial far above the others clipped off the axis: `client_sdk.sweep_plot`).
+losses and evaluations, and the workers its job trained on) and `curves.png` (every trial's
+curves; pruned trials dashed and marked where they stopped, a trial far above the others clipped
+off the axis: `client_sdk.sweep_plot`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class TrialRecord:
     evals: list[tuple[int, float]] = field(default_factory=list)
     reason: str = ""
     seconds: float = 0.0
+    # Where its job trained: its worker, or a pipelined job's stages' workers in stage order.
+    workers: list[str] = field(default_factory=list)
 
     @property
     def last_loss(self) -> float | None:
@@ -587,6 +590,7 @@ async def sweep_async(
                     timeout=timeout,
                 )
                 opened = True
+                rec.workers = list(job.info.pipeline) or [job.info.worker]
                 state, value = await _train(job, rec, trial)
             except (FlowmeshError, ValueError) as exc:
                 if isinstance(exc, FlowmeshError) and exc.code == Code.UNAVAILABLE and job is None:

@@ -82,11 +82,15 @@ def format_status(st: BrokerStatus) -> str:
     for w in st.workers:
         t = w.stats  # its heartbeat figures
         if t.train_budget_bytes:
+            # Pipelined stages stay resident beside the arena: not in its resident bytes.
+            piped = ""
+            if t.pipe_stages:
+                piped = f"; pipelined stages {t.pipe_stages} holding {fmt_bytes(t.pipe_bytes)}"
             out.append(
                 f"{w.name} training: resident {fmt_bytes(t.train_resident_bytes)} "
                 f"(peak {fmt_bytes(t.train_resident_peak)}) of "
                 f"{fmt_bytes(t.train_budget_bytes)}, tasks {t.train_tasks}, "
-                f"job switches {t.train_job_switches}"
+                f"job switches {t.train_job_switches}{piped}"
             )
         if w.kv_limit_bytes:  # a worker with a language model's stages
             out.append(

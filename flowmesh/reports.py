@@ -144,6 +144,9 @@ class WorkerStats(_Row, tag="worker", tag_field="role"):
     train_tasks_started: Count = 0
     train_job_switches: Count = 0
     train_tasks_reclaimed: Count = 0
+    # Pipelined jobs' stages held here, and the bytes they keep resident (beside the arena).
+    pipe_stages: Count = 0
+    pipe_bytes: Count = 0
     # -- every peer's (`flowmesh.peer.Peer.peer_stats`); the key counters only with CURVE keys
     dropped_sends: Count = 0
     reconnects: Count = 0
@@ -324,8 +327,9 @@ class SubModelRow(_Row):
     """A training job's sub-model: its blocks [start, stop), host-tier bytes, the arena bytes
     its largest task takes, and its activation policy: what the backward does for the
     activations of the step's forward ("recompute": runs the forward again from the kept
-    input; "none": forward and backward are one task, nothing is kept between them; "": a
-    worker that reports none)."""
+    input; "keep": the forward's graph is kept until the backward, as a pipelined job's stage
+    keeps each micro-batch's; "none": forward and backward are one task, nothing is kept
+    between them; "": a worker that reports none)."""
 
     blocks: list[Count]
     host_bytes: Count

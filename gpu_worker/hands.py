@@ -66,6 +66,14 @@ from gpu_worker.stage_loader import prepare_stage
 from gpu_worker.train_executor import TrainingExecutor, start_job
 
 
+def stage_row(start: int, stop: int, footprint: int) -> SubModelRow:
+    """A pipelined job's stage as its sub-model row: its blocks, resident (no host-tier bytes),
+    each micro-batch's graph kept from its forward to its backward ("keep")."""
+    return SubModelRow(
+        blocks=[start, stop], host_bytes=0, task_bytes=footprint, activations="keep"
+    )
+
+
 class WorkerHands:
     """The executors and threads of worker `core.name` on `device`, doing its core's work.
 
@@ -185,9 +193,7 @@ class WorkerHands:
                         footprint=footprint,
                         results=list(ledger.answers.values()),
                         running=sorted(ledger.running),
-                        sub_models=[
-                            SubModelRow(blocks=[a, b], host_bytes=0, task_bytes=footprint)
-                        ],
+                        sub_models=[stage_row(a, b, footprint)],
                     )
                 )
                 continue
@@ -246,6 +252,9 @@ class WorkerHands:
                 train_job_switches=t["job_switches"],
                 train_tasks_reclaimed=t["tasks_reclaimed"],
             )
+        pipes = [runner.stage for runner, _ in list(self.pipes.values())]
+        out["pipe_stages"] = len(pipes)
+        out["pipe_bytes"] = sum(st.footprint(self.core.allow) for st in pipes)
         return out
 
     # ------------------------------------------------------------------ the core's work
@@ -504,7 +513,7 @@ class WorkerHands:
             name=job,
             worker=self.core.name,
             step=step,
-            sub_models=[SubModelRow(blocks=[a, b], host_bytes=0, task_bytes=footprint)],
+            sub_models=[stage_row(a, b, footprint)],
             footprint=footprint,
             host_bytes=0,
             largest_task=footprint,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from client_sdk import errors
+from client_sdk import errors, views
 from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
 from tests.support import training
@@ -275,6 +276,9 @@ def test_a_sweep_runs_its_trials_as_pipelined_jobs(tmp_path: Path) -> None:
     assert len(result.trials) == 3 and len(opened) == 3
     assert all(t.evals and t.state in ("COMPLETE", "PRUNED") for t in result.trials), result.trials
     assert all(len(p) == 2 and len(set(p)) == 2 for p in opened), opened
+    # trials.json says where each trial's job trained: its stages' workers.
+    saved = json.loads((tmp_path / "out" / "trials.json").read_text())
+    assert sorted(t["workers"] for t in saved["trials"]) == sorted(opened)
 
 
 def test_auto_pipelines_a_job_no_worker_holds_and_leaves_one_that_fits_to_one_worker(
@@ -318,6 +322,20 @@ def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> 
         **roots_at(tmp_path),
     ) as mesh, mesh.client(timeout=60) as c:  # fmt: skip
         first = c.train_open("first", s.factory, pipeline=2, **kw)
+        # Status shows what they hold on each worker (beside the arena, so not in its bytes).
+        held = {w: r.task_bytes for w, r in zip(first.info.pipeline, first.info.sub_models,
+                                                 strict=True)}  # fmt: skip
+
+        def piped() -> Any:
+            st = c.status()
+            got = {w.name: (w.stats.pipe_stages, w.stats.pipe_bytes) for w in st.workers}
+            return st if got == {w: (1, b) for w, b in held.items()} else None
+
+        st = mesh.wait_until(piped, "the workers' heartbeats to count their stages")
+        text = views.format_status(st)
+        for w, b in held.items():
+            assert f"{w} training: " in text
+            assert f"pipelined stages 1 holding {views.fmt_bytes(b)}" in text, text
         with pytest.raises(errors.TooBig, match=r"beside the .* of its other pipelined stages"):
             c.train_open("second", s.factory, pipeline=2, **kw)
         other = c.train_open("second", s.factory, pipeline="auto", **kw)
