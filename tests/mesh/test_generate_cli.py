@@ -7,6 +7,7 @@ Python start and a torch import."""
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,9 +127,17 @@ def test_undeploy_drain_cuts_a_running_generation_and_says_so(
     mesh, model_dir = lm
     with mesh.client() as c:
         c.deploy("lm-cut", hf=str(model_dir), stages=1, replicas=1)
+        (row,) = [m for m in c.status().models if m.name == "lm-cut"]
+        worker = mesh.child(row.replicas[0].workers[0]).proc
         with c.generate_stream("lm-cut", PROMPT, max_tokens=48, ignore_eos=True) as stream:
             next(iter(stream))  # the first token: the rest are still to come
-            run = cli(capsys, "undeploy", "lm-cut", "--drain", "0", "--broker", mesh.frontend)
+            # Its worker held still meanwhile (well within its heartbeats' grace), so that the
+            # generation is surely still running when the undeploy comes, however fast it is.
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                run = cli(capsys, "undeploy", "lm-cut", "--drain", "0", "--broker", mesh.frontend)
+            finally:
+                worker.send_signal(signal.SIGCONT)
             assert run.returncode == 0, run.stderr
             assert run.stdout.startswith("undeployed lm-cut after "), run.stdout
             assert run.stdout.endswith(": 0 generation(s) ended meanwhile, 1 cut\n"), run.stdout
