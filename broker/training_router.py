@@ -319,6 +319,13 @@ class TrainingRouter:
             cid = self._call("save", job, addr, msg.id, now, msg.timeout_ms)
             self._to_worker(job.worker, p.TrainSave(id=cid, job=job.name, path=msg.path))
         elif isinstance(msg, p.TrainClose):
+            ended = self.finished.get(msg.job)
+            if msg.job not in self.jobs and ended is not None:
+                # Closed already, or lost with its worker: nothing is left to close, and a
+                # client's close after the error that told it so (in a `finally`, say) must not
+                # fail in its turn and hide that error.
+                self._to_client(addr, p.TrainClosed(id=msg.id, job=msg.job))
+                return
             job = self._job(msg.job)
             if job.state == "planning":  # on no worker yet: its open is answered as closed
                 self._forget(job.name, Code.BAD_REQUEST, f"training job {job.name!r} was closed")

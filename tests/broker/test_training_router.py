@@ -213,6 +213,13 @@ def test_a_lost_worker_fails_its_jobs_steps_naming_the_last_checkpoint() -> None
     assert "last saved at step 4 to '/ck/a'" in errs[0].reason
     assert [j.name for j in h.core.status(h.now).jobs] == ["on-b"]
     assert only(h.backend(b, result(other, 0.5, 1)))[2].id == 21  # type: ignore[attr-defined]
+    # Its client's close after the error (in a `finally`, say) is answered closed, not refused
+    # in its turn: nothing is left to close. A job never opened is still refused.
+    dest, client, closed = only(h.client(C, p.TrainClose(id=30, job="on-a")))
+    assert (dest, client, type(closed), closed.id) == (CLIENT, C, p.TrainClosed, 30)
+    with pytest.raises(FlowmeshError) as info:
+        h.client(C, p.TrainClose(id=31, job="never"))
+    assert info.value.code == Code.MODEL_NOT_FOUND
 
 
 def test_close_fails_what_is_pending_and_forgets_the_job() -> None:
