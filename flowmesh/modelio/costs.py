@@ -52,6 +52,10 @@ class BlockProfile:
     forward_s: float | None = None
     forward_backward_s: float | None = None
     tensors: tuple[str, ...] = ()  # original state_dict names of every tensor the block holds
+    # Buffers the block holds that are not in the state_dict (non-persistent: a causal mask, a
+    # rotary cache), made by the module itself: no weights file carries them, but a stage
+    # that holds the block holds them too.
+    transient_bytes: int = 0
 
     @property
     def own_bytes(self) -> int:
@@ -104,6 +108,9 @@ class BlockProfile:
                 data.get("forward_backward_s"), f"{name}.forward_backward_s"
             ),
             tensors=tuple(tensors),
+            transient_bytes=_nonneg_int(
+                data.get("transient_bytes", 0), f"{name}.transient_bytes"
+            ),
         )
 
 

@@ -312,13 +312,15 @@ def stage_footprints(
 ) -> list[int]:
     """The device bytes each pipeline stage holds resident, as its worker counts them: its
     blocks' tensors (a tied tensor another block owns included, once per block: an upper
-    bound) and its parameters' gradients and `k` optimizer states,
-        sum(param + buffer + shared) + sum(param) x (1 + k);
+    bound; buffers outside the state_dict too) and its parameters' gradients and `k`
+    optimizer states,
+        sum(param + buffer + shared + transient) + sum(param) x (1 + k);
     activations come on top, per micro-batch in flight."""
     blocks = profile_blocks(blocks)
     k = optimizer_states(optimizer, states)
     return [
-        sum(b.resident_bytes + b.param_bytes * (1 + k) for b in blocks[a:z]) for a, z in ranges
+        sum(b.resident_bytes + b.transient_bytes + b.param_bytes * (1 + k) for b in blocks[a:z])
+        for a, z in ranges
     ]
 
 

@@ -226,12 +226,14 @@ def _times(
 
 def _block_bytes(
     model: nn.Module, blocks: list[Block]
-) -> tuple[dict[str, int], list[tuple[int, int, int, tuple[str, ...]]]]:
-    """tensor_bytes, and per block (param bytes, buffer bytes, shared bytes, tensor names)."""
+) -> tuple[dict[str, int], list[tuple[int, int, int, tuple[str, ...], int]]]:
+    """tensor_bytes, and per block (param bytes, buffer bytes, shared bytes, tensor names,
+    bytes of the buffers it holds outside the state_dict)."""
     originals = first_names(model)
     state = model.state_dict(keep_vars=True)
     tensor_bytes = {originals[id(t)]: _nbytes(t) for t in state.values()}
     param_names = {originals[id(p)] for p in model.parameters() if id(p) in originals}
+    in_state = {id(t) for t in state.values()}
     seen: set[str] = set()
     rows = []
     for block in blocks:
@@ -239,12 +241,14 @@ def _block_bytes(
         own = [n for n in names if n not in seen]
         shared = [n for n in names if n in seen]
         seen.update(own)
+        transient = {id(b): b for b in block.module.buffers() if id(b) not in in_state}
         rows.append(
             (
                 sum(tensor_bytes[n] for n in own if n in param_names),
                 sum(tensor_bytes[n] for n in own if n not in param_names),
                 sum(tensor_bytes[n] for n in shared),
                 names,
+                sum(_nbytes(b) for b in transient.values()),
             )
         )
     return tensor_bytes, rows
@@ -318,8 +322,9 @@ def profile(
                 forward_s=fwd,
                 forward_backward_s=fwd_bwd,
                 tensors=names,
+                transient_bytes=transient,
             )
-            for block, (params, buffers, shared, names), (out_b, saved_b, shape), (
+            for block, (params, buffers, shared, names, transient), (out_b, saved_b, shape), (
                 fwd,
                 fwd_bwd,
             ) in zip(blocks, byte_rows, activations, times, strict=True)

@@ -2,7 +2,7 @@
 one with dropout and BatchNorm (an eval must switch both off), one whose own code raises on a
 marked input value (isolation of a failing job), one that raises deep inside on a NaN (a failure
 in the middle of a pipeline), one whose forward takes milliseconds whatever the machine (a slow
-model), one that takes two keyword inputs."""
+model), one that takes two keyword inputs, one with buffers outside its state_dict."""
 
 from __future__ import annotations
 
@@ -126,3 +126,21 @@ def gated_mlp() -> nn.Module:
         "mask": {"dtype": "float32", "shape": [-1, 4]},
     }
     return model
+
+
+class Masked(nn.Module):
+    """A linear layer under a fixed mask kept as a non-persistent buffer (as causal masks and
+    rotary caches are): in no state_dict, held all the same."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("mask", torch.tril(torch.ones(width, width)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(nn.functional.linear(x, self.lin.weight * self.mask, self.lin.bias))
+
+
+def masked_mlp(width: int = 32, depth: int = 4) -> nn.Module:
+    blocks = [nn.Linear(8, width), *(Masked(width) for _ in range(depth)), nn.Linear(width, 5)]
+    return _declare(nn.Sequential(*blocks))

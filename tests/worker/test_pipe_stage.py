@@ -17,6 +17,7 @@ from flowmesh.modelio.build import build_seeded
 from flowmesh.modelio.chain import chain_of
 from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.modelio.profile import profile
+from flowmesh.spec import ModelSpec
 from gpu_worker.pipe_stage import PipeStage, build_stage, job_rng, step_in_process
 from gpu_worker.train_config import TrainConfig
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
@@ -155,17 +156,20 @@ def test_bfloat16_pipelined_steps_match_plain_pytorch_amp(
         assert not t.is_floating_point() or t.dtype == torch.float32, n  # float32 masters
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+MASKED = ModelSpec(name="masked", factory="tests.support.train_models:masked_mlp",
+                   kwargs={"width": 32, "depth": 4}, seed=7)  # fmt: skip
+
+
+@pytest.mark.parametrize("model", [*MODELS, "masked"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_the_brokers_pipeline_plan_cuts_as_the_workers_do_and_bounds_their_footprint(
     model: str, stages: int
 ) -> None:
     """What `pipeline="auto"` plans from a profile (`planners.even_cut`, `stage_footprints`,
     in the partitioner) is the cut each stage's worker makes of the built chain, and no stage
-    holds more than the plan counted, so a plan that fits is not refused `too_big` (for models
-    whose buffers are all in their state_dict: a non-persistent buffer is not profiled, and a
-    stage refused for it sends the job to one worker, `tests/broker/test_training_auto.py`)."""
-    spec = MODELS[model]
+    holds more than the plan counted (buffers outside the state_dict included: "masked"), so
+    a plan that fits is not refused `too_big`."""
+    spec = MODELS.get(model, MASKED)
     cfg = TrainConfig({"name": "adam", "lr": 0.01})
     prof = profile(spec, batch=1, allow=GRID_ALLOW)
     ranges = planners.even_cut([b.resident_bytes for b in prof.blocks], stages)
