@@ -541,17 +541,19 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--dtype or --activations with --resume: the job continues with the checkpoint's "
             "configuration"
         )
+    if (args.factory is None) == (args.hf is None):
+        raise SystemExit("flowmesh train: give a factory module:callable, or --hf DIR")
     kwargs = _kwargs(args.kwargs)
     name = args.name or f"train-{os.getpid()}"
     if args.data:
         data = train_data.from_file(args.data)
     else:
         # The data's dtypes are the float32 parameters' whatever --dtype computes in.
-        spec = ModelSpec(name=name, factory=args.factory, kwargs=kwargs)
+        spec = ModelSpec(name=name, factory=args.factory, hf=args.hf, kwargs=kwargs)
         # The factory runs here only on the meta device, to shape the data: no weights, no
         # values. Its own module is what the user asked for, so it is the allow-list here; the
         # broker and the workers still check theirs.
-        module = args.factory.partition(":")[0]
+        module = (args.factory or "").partition(":")[0]
         try:
             data = train_data.synthetic(
                 spec,
@@ -559,7 +561,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 samples=args.samples,
                 seq=args.seq,
                 seed=args.data_seed,
-                allow=(module,),
+                allow=(module,) if module else (),
             )
         except FlowmeshError as exc:
             if "could not import" not in exc.reason:
@@ -581,8 +583,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         job = c.train_open(
             name,
             args.factory,
+            hf=args.hf,
             kwargs=kwargs,
-            seed=args.seed,
+            # A directory brings its own weights: the seed is then its random stream's alone.
+            seed=None if args.hf else args.seed,
+            rng_seed=args.seed if args.hf else None,
             weights=args.weights,
             resume=args.resume,
             optimizer=None if args.resume else optimizer,

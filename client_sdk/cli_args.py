@@ -411,8 +411,18 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=commands["plan"], timeout=120.0)
 
-    p = client_cmd("train", "train a model from a factory for N steps, with a progress bar")
-    p.add_argument("factory", help="module:callable from the broker's allow-list")
+    p = client_cmd(
+        "train", "train a model (a factory, or a Hugging Face directory) for N steps"
+    )
+    p.add_argument(
+        "factory", nargs="?", default=None,
+        help="module:callable from the broker's allow-list (or --hf DIR)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hf", default=None, metavar="DIR",
+        help="a Hugging Face model directory the workers can read, its weights the start "
+        "(instead of a factory; --seed then seeds only the job's random stream)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--name", default=None, help="job name (default: train-<pid>)")
     p.add_argument("--kwargs", help="factory keyword arguments as JSON")

@@ -358,8 +358,9 @@ class AsyncClient:
     async def train_open(
         self,
         name: str,
-        factory: str,
+        factory: str | None = None,
         *,
+        hf: str | None = None,
         kwargs: Mapping[str, Any] | None = None,
         seed: int | None = None,
         weights: str | None = None,
@@ -380,9 +381,11 @@ class AsyncClient:
         """Open training job `name` of model `factory(**kwargs)` on the worker with the most
         free training memory; returns the job once its worker holds it.
 
-        Weights: the factory's initialisation under `seed`, a safetensors file (`weights`), or a
-        checkpoint directory written by `job.save` (`resume`; the optimizer settings then default
-        to the checkpoint's). `optimizer`: {"name": "sgd" | "adam" | "adamw", "lr": ..., ...}
+        Weights: the factory's initialisation under `seed`, a safetensors file (`weights`), a
+        local Hugging Face model directory instead of a factory (`hf`: its config and weights,
+        read by the workers under their data roots; no `seed`), or a checkpoint directory
+        written by `job.save` (`resume`; the optimizer settings then default to the
+        checkpoint's). `optimizer`: {"name": "sgd" | "adam" | "adamw", "lr": ..., ...}
         (torch.optim keyword arguments); `loss`: "cross_entropy" or "mse"; `batch_size`: rows
         per step, split into `accumulate` micro-batches; `clip_grad_norm`: clip by global norm;
         `rng_seed`: the job's own random stream (dropout), `seed` when not given;
@@ -415,7 +418,7 @@ class AsyncClient:
             )
         spec = {
             "name": name,
-            "factory": factory,
+            **_model_source("train_open", factory, hf),
             "kwargs": dict(kwargs or {}),
             "weights": weights,
             "seed": seed,

@@ -275,3 +275,10 @@ def test_train_says_its_own_process_imports_the_factory_for_synthetic_data() -> 
     reason = str(refused.value)
     assert reason.startswith("flowmesh train: could not import factory 'no_such_zoo:mlp'")
     assert "importable from this shell too" in reason and "--data FILE" in reason
+
+
+def test_train_takes_a_factory_or_a_hugging_face_directory_not_both() -> None:
+    for argv in (["train", "--steps", "1"], ["train", "m:f", "--hf", "/d", "--steps", "1"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main([*argv, "--broker", "tcp://127.0.0.1:9"])
+        assert str(refused.value) == "flowmesh train: give a factory module:callable, or --hf DIR"

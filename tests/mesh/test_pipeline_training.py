@@ -10,6 +10,7 @@ models is tests/scenarios/test_pipeline_training.py."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from client_sdk import cli, errors
 from client_sdk.mesh import LocalMesh
+from tests.support.lm import tiny_lm_dir
 from tests.support.mesh import FAST, roots_at
 from tests.support.training import ADAM, BATCH, close, data, plain, spec
 
@@ -86,6 +88,15 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
         assert cli.main(args) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["steps"] == 3 and sorted(out["pipeline"]) == sorted({workers[0], workers[2]})
+        # A Hugging Face directory in place of a factory: `flowmesh train --hf DIR`.
+        lm_dir = tiny_lm_dir(tmp_path / "tiny-llama", "llama", seed=3, max_positions=32)
+        hf_args = ["train", "--hf", str(lm_dir), "--steps", "2", "--batch", "4", "--seq", "8",
+                   "--pipeline", "2", "--json", "--name", "cli-hf",
+                   "--broker", m.frontend]  # fmt: skip
+        assert cli.main(hf_args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["steps"] == 2 and len(out["pipeline"]) == 2
+        assert all(math.isfinite(v) for v in out["losses"])
 
 
 def test_a_pipelined_job_goes_on_across_a_broker_restart(tmp_path: Path) -> None:
