@@ -564,6 +564,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                 allow=(module,) if module else (),
             )
         except FlowmeshError as exc:
+            if args.hf is not None:  # read here too, to shape the data: not only by workers
+                raise SystemExit(
+                    f"flowmesh train: {exc.reason} (here, in this command's own process: it "
+                    f"reads {args.hf!r}'s config to shape synthetic data, so the directory must "
+                    "be readable from this shell too; or give --data FILE)"
+                ) from None
             if "could not import" not in exc.reason:
                 raise
             raise SystemExit(
@@ -585,9 +591,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             args.factory,
             hf=args.hf,
             kwargs=kwargs,
-            # A directory brings its own weights: the seed is then its random stream's alone.
-            seed=None if args.hf else args.seed,
-            rng_seed=args.seed if args.hf else None,
+            # A directory or a weights file brings the weights: the seed is then the job's
+            # random stream's alone.
+            seed=None if args.hf or args.weights else args.seed,
+            rng_seed=args.seed if args.hf or args.weights else None,
             weights=args.weights,
             resume=args.resume,
             optimizer=None if args.resume else optimizer,

@@ -427,7 +427,11 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     p.add_argument("--name", default=None, help="job name (default: train-<pid>)")
     p.add_argument("--kwargs", help="factory keyword arguments as JSON")
     p.add_argument("--seed", type=int, default=0, help="seeded initial weights and random stream")
-    p.add_argument("--weights", default=None, help="safetensors file the workers can read")
+    p.add_argument(
+        "--weights", default=None,
+        help="safetensors file the workers can read, the weights to start from (--seed then "
+        "seeds only the job's random stream)",
+    )  # fmt: skip
     p.add_argument("--resume", default=None, help="checkpoint directory written by --save")
     p.add_argument(
         "--dtype",

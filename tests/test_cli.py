@@ -282,3 +282,12 @@ def test_train_takes_a_factory_or_a_hugging_face_directory_not_both() -> None:
         with pytest.raises(SystemExit) as refused:
             cli.main([*argv, "--broker", "tcp://127.0.0.1:9"])
         assert str(refused.value) == "flowmesh train: give a factory module:callable, or --hf DIR"
+
+
+def test_train_says_its_own_process_reads_the_hugging_face_directory(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--hf", str(tmp_path / "nowhere"), "--steps", "1",
+                  "--broker", "tcp://127.0.0.1:9"])  # fmt: skip
+    reason = str(refused.value)
+    assert reason.startswith("flowmesh train: ") and "readable from this shell too" in reason
+    assert "--data FILE" in reason

@@ -15,9 +15,11 @@ import signal
 from pathlib import Path
 
 import pytest
+from safetensors.torch import save_file
 
 from client_sdk import cli, errors
 from client_sdk.mesh import LocalMesh
+from flowmesh.modelio.build import build_seeded
 from tests.support.lm import tiny_lm_dir
 from tests.support.mesh import FAST, roots_at
 from tests.support.training import ADAM, BATCH, close, data, plain, spec
@@ -97,6 +99,14 @@ def test_a_job_over_three_workers_trains_exactly_and_fails_cleanly_when_one_is_l
         out = json.loads(capsys.readouterr().out)
         assert out["steps"] == 2 and len(out["pipeline"]) == 2
         assert all(math.isfinite(v) for v in out["losses"])
+        # A weights file to start from: `--weights` (its --seed the random stream's alone).
+        weights = tmp_path / "w.safetensors"
+        save_file(build_seeded(s).state_dict(), str(weights))
+        w_args = [*args[:args.index("--name")], "--name", "cli-w", "--weights", str(weights),
+                  "--broker", m.frontend]  # fmt: skip
+        w_args[w_args.index("--kwargs") + 1] = json.dumps(s.kwargs)
+        assert cli.main(w_args) == 0
+        assert json.loads(capsys.readouterr().out)["steps"] == 3
 
 
 def test_a_pipelined_job_goes_on_across_a_broker_restart(tmp_path: Path) -> None:
