@@ -660,7 +660,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 SWEEP_KEYS = {
     "name", "factory", "trials", "steps", "eval_every", "concurrency", "pruner",
     "reduction_factor", "objective", "direction", "batch", "loss", "seed", "chunk_bytes", "out",
-    "pipeline",
+    "pipeline", "hf",
     "kwargs", "optimizer", "data", "space",
 }  # fmt: skip
 SWEEP_DATA_KEYS = {"file", "eval_file", "samples", "seq", "seed", "holdout"}
@@ -681,7 +681,9 @@ def load_sweep_config(path: str) -> dict[str, Any]:
     ]
     if unknown:
         raise SystemExit(f"flowmesh sweep: {path}: unknown keys {', '.join(unknown)}")
-    missing = [k for k in ("factory", "trials", "steps", "eval_every", "space") if k not in cfg]
+    missing = [k for k in ("trials", "steps", "eval_every", "space") if k not in cfg]
+    if ("factory" in cfg) == ("hf" in cfg):
+        missing.insert(0, "factory (or hf, a Hugging Face model directory; not both)")
     if missing:
         raise SystemExit(f"flowmesh sweep: {path}: missing keys {', '.join(missing)}")
     return cfg
@@ -694,7 +696,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = load_sweep_config(args.config)
     base = Path(args.config).resolve().parent
     name = str(cfg.get("name", f"sweep-{os.getpid()}"))
-    factory = str(cfg["factory"])
+    factory = str(cfg["factory"]) if "factory" in cfg else None
+    # A directory named relative to the config file, as its data files are.
+    hf = str(base / str(cfg["hf"])) if "hf" in cfg else None
     kwargs = dict(cfg.get("kwargs", {}))
     loss = str(cfg.get("loss", "cross_entropy"))
     d = cfg.get("data", {})
@@ -704,7 +708,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if "eval_file" in d:
             eval_data = train_data.from_file(str(base / d["eval_file"]))
     else:
-        spec = ModelSpec(name=name, factory=factory, kwargs=kwargs)
+        spec = ModelSpec(name=name, factory=factory, hf=hf, kwargs=kwargs)
         # As in `flowmesh train`: the factory runs here only on the meta device, to shape data.
         data = train_data.synthetic(
             spec,
@@ -712,7 +716,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             samples=int(d.get("samples", 512)),
             seq=int(d.get("seq", 16)),
             seed=int(d.get("seed", 0)),
-            allow=(factory.partition(":")[0],),
+            allow=(factory.partition(":")[0],) if factory else (),
         )
     out = Path(args.out) if args.out else base / str(cfg.get("out", f"sweep-{name}"))
     if args.quiet or args.json:
@@ -729,6 +733,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             result = c.sweep(
                 name=name,
                 factory=factory,
+                hf=hf,
                 space=cfg["space"],
                 data=data,
                 eval_data=eval_data,

@@ -20,7 +20,9 @@ trials are training jobs on the mesh, driven by Optuna (ask-and-tell) and pruned
 successive-halving or Hyperband pruner; a live table on stderr, the results table on stdout, and
 trials.json + curves.png in the output directory.
 
-Top-level keys: name (study; jobs are <name>-t<N>), factory (module:callable), trials, steps,
+Top-level keys: name (study; jobs are <name>-t<N>), factory (module:callable) or hf (a Hugging
+Face model directory the workers can read: every trial starts from its weights, the space holds
+optimizer settings only), trials, steps,
 eval_every (steps between held-out evaluations, each reported to the pruner), concurrency
 (trials at once, default 2), pruner (successive_halving | hyperband | none), reduction_factor
 (default 3), objective (loss | accuracy; default loss), direction (minimize | maximize; default

@@ -393,7 +393,7 @@ async def sweep_async(
     client: Trains,
     *,
     name: str,
-    factory: str,
+    factory: str | None = None,
     space: Mapping[str, Mapping[str, Any]],
     data: Dataset,
     trials: int,
@@ -413,6 +413,7 @@ async def sweep_async(
     seed: int = 0,
     chunk_bytes: int | None = None,
     pipeline: int | Literal["auto"] = 0,
+    hf: str | None = None,
     out_dir: str | Path | None = None,
     show: bool = True,
     on_trial_end: Callback | None = None,
@@ -437,6 +438,9 @@ async def sweep_async(
     parameters) and every trial's initial weights, so trials differ only by their parameters.
     `out_dir` receives trials.json and curves.png; `show` draws the live table on stderr.
     `pipeline`: each trial's job over that many workers, or "auto" (`train_open(pipeline=...)`).
+    `hf`: a Hugging Face model directory in place of `factory`, every trial starting from its
+    weights (`seed` then seeds each trial's random stream); its space then holds optimizer
+    settings only.
     `timeout` bounds each call of a trial, not the sweep. `on_trial_end(record)` runs after a
     trial's job is closed, on the client's event loop (the blocking `Client`'s loop thread: it
     must not call that `Client`).
@@ -447,6 +451,15 @@ async def sweep_async(
     set how a dead driver's running trials are found, failed and retried (RDB storages)."""
     if trials < 1 or steps < 1 or not 1 <= eval_every <= steps or concurrency < 1:
         raise ValueError("trials, steps, concurrency need >= 1 and eval_every in 1..steps")
+    if (factory is None) == (hf is None):
+        raise ValueError("sweep needs factory='module:callable' or hf= a model directory")
+    if hf is not None:
+        model_keys, _ = split_params(dict.fromkeys(space), kwargs or {}, {})
+        if model_keys:
+            raise ValueError(
+                f"sweep(hf=...): {sorted(model_keys)} would be the model's keyword arguments; "
+                "a Hugging Face directory takes none (its space: optimizer settings)"
+            )
     # The data's tensors brought torch in already; the SDK's import leaves it out (the CLI's
     # calls without tensors start without it: `client_sdk.connection.is_tensor`).
     import torch
@@ -578,8 +591,11 @@ async def sweep_async(
                 job = await client.train_open(
                     rec.job,
                     factory,
+                    hf=hf,
                     kwargs=kw,
-                    seed=seed,
+                    # A directory brings its weights: the seed is the trial's random stream's.
+                    seed=None if hf else seed,
+                    rng_seed=seed if hf else None,
                     optimizer=opt,
                     loss=loss,
                     batch_size=batch,

@@ -291,3 +291,18 @@ def test_train_says_its_own_process_reads_the_hugging_face_directory(tmp_path: P
     reason = str(refused.value)
     assert reason.startswith("flowmesh train: ") and "readable from this shell too" in reason
     assert "--data FILE" in reason
+
+
+def test_a_sweep_config_names_a_factory_or_a_hugging_face_directory(tmp_path: Path) -> None:
+    rest = 'trials = 1\nsteps = 1\neval_every = 1\n[space]\nlr = {low = 0.001, high = 0.1}\n'
+    for head in ("", 'factory = "m:f"\nhf = "tiny"\n'):
+        config = tmp_path / "sweep.toml"
+        config.write_text(head + rest)
+        with pytest.raises(SystemExit) as refused:
+            cli.load_sweep_config(str(config))
+        assert str(refused.value) == (
+            f"flowmesh sweep: {config}: missing keys factory (or hf, a Hugging Face model "
+            "directory; not both)"
+        )
+    config.write_text('hf = "tiny"\n' + rest)
+    assert cli.load_sweep_config(str(config))["hf"] == "tiny"
