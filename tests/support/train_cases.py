@@ -20,6 +20,7 @@ from flowmesh.reference import train
 from flowmesh.spec import ModelSpec
 from gpu_worker.pipe_stage import PipeStage
 from gpu_worker.train_config import TrainConfig
+from tests.support.train_grid import MODELS as GRID_MODELS
 
 KIB, MIB = 1 << 10, 1 << 20
 RTOL, ATOL = 1e-5, 1e-6
@@ -112,12 +113,7 @@ def boom_net(in_backward: bool = False) -> nn.Module:
 
 
 SPECS = {
-    "mlp": ModelSpec(
-        name="mlp",
-        factory="flowmesh.examples:mlp",
-        kwargs={"width": 32, "depth": 4, "in_features": 8, "out_features": 5},
-        seed=3,
-    ),
+    "mlp": GRID_MODELS["mlp"],  # the exactness grid's (tests/support/train_grid.py)
     "resnet": ModelSpec(
         name="resnet",
         factory="flowmesh.examples:small_resnet",
