@@ -34,6 +34,7 @@ import json
 import multiprocessing
 import statistics
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -87,14 +88,19 @@ async def infer_loop(
     return lat
 
 
-def train_batch(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batches(width: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A fresh batch of random inputs and labels for every step, as real training sees: a
+    job stepping on one batch again and again fits it within a few steps, and its gradients
+    then underflow into subnormal floats, which a CPU computes with many times slower
+    (BENCHMARKS.md, "subnormal floats")."""
     g = torch.Generator().manual_seed(1)
-    return torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
+    while True:
+        yield torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
 async def train_loop(jobs: list[Any], width: int, stop: asyncio.Event, inflight: int) -> int:
     """Keep `inflight` steps queued per job until `stop`; returns the steps completed."""
-    x, y = train_batch(width)
+    batches = train_batches(width)
     done = 0
 
     async def one(job: Any) -> None:
@@ -102,7 +108,7 @@ async def train_loop(jobs: list[Any], width: int, stop: asyncio.Event, inflight:
         pending: list[asyncio.Future[Any]] = []
         while not stop.is_set() or pending:
             while not stop.is_set() and len(pending) < inflight:
-                pending.append(asyncio.ensure_future(job.step_async(x, y)))
+                pending.append(asyncio.ensure_future(job.step_async(*next(batches))))
             await pending.pop(0)
             done += 1
 
@@ -136,7 +142,7 @@ async def trainer(frontend: str, args: argparse.Namespace, conn: Connection) -> 
                 )
             )
         for j in jobs:  # warm: each job's first step builds its optimizers and code paths
-            await j.step_async(*train_batch(args.train_width))
+            await j.step_async(*next(train_batches(args.train_width)))
         conn.send(sum(j.info.footprint for j in jobs))
         while await loop.run_in_executor(None, conn.recv) == "run":
             stop = asyncio.Event()

@@ -110,10 +110,21 @@ def widths(k: int, width: int, sizes: str) -> list[int]:
     return [max(32, round(width * (0.5 + i / (k - 1)) / 32) * 32) for i in range(k)]
 
 
-def data(ws: list[int], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def data(ws: list[int], batch: int, steps: int) -> list[list[Batch]]:
+    """Per job, a batch of random inputs and labels for each of its `steps` timed steps and one
+    for its warm-up step, the same in every mode. A fresh batch each step, as in real training:
+    a job that steps on one batch again and again fits it within a few steps, and its
+    gradients then underflow into subnormal floats, which a CPU computes with many times
+    slower (BENCHMARKS.md, "subnormal floats")."""
     g = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(batch, w, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        [
+            (torch.randn(batch, w, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(steps + 1)
+        ]
         for w in ws
     ]
 
@@ -180,45 +191,51 @@ def copy_bandwidth(dev: Device, sizes: list[int], lane: dict[str, Any], repeats:
 # ----------------------------------------------------------------------------- throughput
 
 
-def run_flow(ex: TrainingExecutor, names: list[str], batches: list[Any], steps: int) -> float:
+def run_flow(
+    ex: TrainingExecutor, names: list[str], batches: list[list[Batch]], steps: int
+) -> float:
     t = time.perf_counter()
-    futures = [ex.submit(n, *batches[i]) for _ in range(steps) for i, n in enumerate(names)]
+    futures = [
+        ex.submit(n, *batches[i][1 + s]) for s in range(steps) for i, n in enumerate(names)
+    ]
     for f in futures:
         f.result(timeout=1200)
     return time.perf_counter() - t
 
 
-def run_turns(ex: TrainingExecutor, names: list[str], batches: list[Any], steps: int) -> float:
+def run_turns(
+    ex: TrainingExecutor, names: list[str], batches: list[list[Batch]], steps: int
+) -> float:
     t = time.perf_counter()
-    for _ in range(steps):
+    for s in range(steps):
         for i, n in enumerate(names):
-            ex.step(n, *batches[i], timeout=1200)
+            ex.step(n, *batches[i][1 + s], timeout=1200)
     return time.perf_counter() - t
 
 
 def run_alone(
-    ws: list[int], depth: int, dev: Device, batches: list[Any], steps: int
+    ws: list[int], depth: int, dev: Device, batches: list[list[Batch]], steps: int
 ) -> tuple[float, float]:
     """Plain PyTorch: each job alone and whole on the device, its steps back to back, then the
     next job. Returns the summed wall and process CPU seconds of the timed steps (each job
     warmed up by one step)."""
     device = dev.torch_device
     total = cpu = 0.0
-    for i, (w, (x, y)) in enumerate(zip(ws, batches, strict=True)):
+    for i, (w, job_batches) in enumerate(zip(ws, batches, strict=True)):
         model = build_seeded(mlp_spec(i, w, depth)).to(device).train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        x, y = x.to(device), y.to(device)
+        on_device = [(x.to(device), y.to(device)) for x, y in job_batches]
 
-        def step(model: torch.nn.Module = model, opt: Any = opt, x: Any = x, y: Any = y) -> None:
+        def step(x: Any, y: Any, model: torch.nn.Module = model, opt: Any = opt) -> None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
-        step()  # warm-up: kernels, optimizer state
+        step(*on_device[0])  # warm-up: kernels, optimizer state
         sync(dev)
         t, c = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            step()
+        for s in range(steps):
+            step(*on_device[1 + s])
         sync(dev)
         total += time.perf_counter() - t
         cpu += time.process_time() - c
@@ -268,7 +285,7 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
     # mode's are made), plus the replayed copies' source; CPU: plain memory, this is ignored.
     host_tier = int(1.5 * total) + 2 * budget + (64 << 20)
     dev = open_device(args.device, budget, host_tier_bytes=host_tier)
-    batches = data(ws, args.batch)
+    batches = data(ws, args.batch, args.steps)
     names = [f"job{i}" for i in range(k)]
 
     best: dict[str, float] = {}
@@ -290,7 +307,7 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
                 for j in js:
                     ex.open(j)
                 for i, n in enumerate(names):  # warm-up step: optimizer state, kernels
-                    ex.step(n, *batches[i], timeout=1200)
+                    ex.step(n, *batches[i][0], timeout=1200)
                 before = {key: ex.counters[key] for key in ("bytes_in", "bytes_out", "compute_s")}
                 c = time.process_time()
                 if flow:
