@@ -112,6 +112,8 @@ class CudaMarker:
 
 # The training executor's copy lane (a stream of its own on CUDA), apart from serving's lanes.
 TRAIN_LANE = -1
+# Its write-back lane: device-to-host copies, on a stream apart from the host-to-device ones.
+TRAIN_WRITE_LANE = -2
 
 
 class Device:
@@ -323,6 +325,21 @@ class CudaDevice(Device):
 
     def mark_copied(self, marker: CudaMarker, lane: int = 0) -> None:
         marker.record(self.lane_stream(lane))
+
+    def copy_out(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], marker: CudaMarker, lane: int = 0
+    ) -> None:
+        """Enqueue each (pinned host, device) pair's copy to the host on `lane`'s stream, after
+        the work enqueued so far on the calling thread's stream, and record `marker` after
+        them: the host does not wait, and the calling stream goes on computing meanwhile."""
+        stream = self.lane_stream(lane)
+        stream.wait_stream(torch.cuda.current_stream(self.index))
+        try:
+            with torch.cuda.stream(stream):
+                for host, dev in pairs:
+                    host.copy_(dev, non_blocking=True)
+        finally:
+            marker.record(stream)
 
     @contextlib.contextmanager
     def compute(self, serving: bool = False) -> Iterator[None]:

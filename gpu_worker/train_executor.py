@@ -62,14 +62,14 @@ from flowmesh.optimizers import state_count
 from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from flowmesh.threads import torch_pool
-from gpu_worker.device import TRAIN_LANE, Device
+from gpu_worker.device import TRAIN_LANE, TRAIN_WRITE_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.model_code import building_model
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_config import LOSSES, TrainConfig
 from gpu_worker.train_job import Inputs, StepResult, TaskResult, TrainingJob, no_pause
 from gpu_worker.train_layout import CopyPlan
-from gpu_worker.train_scheduler import FlowScheduler, Phase, Task
+from gpu_worker.train_scheduler import ANY, FlowScheduler, Phase, Task
 
 __all__ = [
     "LOSSES",
@@ -102,8 +102,14 @@ class _Admission:
     plan: CopyPlan = field(default_factory=CopyPlan)
     markers: list[Any] = field(default_factory=list)
     ready: list[Any] = field(default_factory=list)
+    # Markers of the write-backs to host regions its copies read (`TrainingJob.written`).
+    waits: list[Any] = field(default_factory=list)
     counted: bool = False  # its bytes count as resident (its copy started writing)
     cancelled: bool = False  # it will not run: its copy, if not started, must not start
+    written: bool = False  # its write-backs went to the write lane, which settles it
+    settled: bool = False  # its extent's marker is set (or, on CUDA, recorded)
+    # Driver calls to make once it is settled: a step's answer waits for its write-backs.
+    on_settled: list[Callable[[], None]] = field(default_factory=list)
 
 
 class ServingGate:
@@ -262,6 +268,9 @@ class TrainingExecutor:
         self._events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._copy = torch_pool(1, "train-copy")
         self._compute = torch_pool(1, "train-compute")
+        # Write-backs to the host tier after each compute, off the compute lane: a thread on
+        # the CPU stand-in; on CUDA the compute lane enqueues them on a copy stream itself.
+        self._write = torch_pool(1, "train-write") if device.kind == "cpu" else None
         self._computing = 0
         self._lock = threading.Lock()
         self.resident = 0
@@ -389,8 +398,10 @@ class TrainingExecutor:
         self.gate.close()
         self._events.put(None)
         self._driver.join(timeout=10)
-        for pool in (self._compute, self._copy):
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._compute.shutdown(wait=True, cancel_futures=True)
+        if self._write is not None:  # every write queued runs: a copy may wait on its marker
+            self._write.shutdown(wait=True)
+        self._copy.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> TrainingExecutor:
         return self
@@ -443,6 +454,7 @@ class TrainingExecutor:
         if job.name in self.jobs:
             raise FlowmeshError(Code.MODEL_EXISTS, f"training job {job.name!r} is already open")
         self.sched.add_job(job.name)
+        job.defer_writes = True
         self.jobs[job.name] = job
 
     def _push(self, request: _Request, tasks: list[Task]) -> None:
@@ -534,13 +546,17 @@ class TrainingExecutor:
             self._fail_request(task, self._internal(exc))
             return
         adm.markers = [self.device.new_marker() for _ in adm.plan.copies]
+        # The scheduler admits a task only once every earlier task writing a host region it
+        # reads has finished computing; the copies wait for those write-backs too.
+        keys = job.written if ANY in task.reads else task.reads
+        adm.waits = [m for k in keys if (m := job.written.get(k)) is not None and not m.done()]
         fut = self._copy.submit(self._do_copy, adm)
         fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_copied(t, adm, f)))
 
     def _do_copy(self, adm: _Admission) -> None:
         """Copy lane: order after the extent's previous users, then bring the bytes in."""
         ext, plan, markers = adm.extent, adm.plan, adm.markers
-        after = list(ext.after) if ext is not None else []
+        after = [*(ext.after if ext is not None else ()), *adm.waits]
         if self.device.kind == "cpu":
             for m in after:  # the stand-in copies on this thread: ordering is waiting
                 m.wait()
@@ -611,23 +627,78 @@ class TrainingExecutor:
             with self.device.compute():
                 for m in adm.ready:
                     m.order_current()
-                result = job.run(task, adm.base, adm.plan, self.device.arena)
+                try:
+                    result = job.run(task, adm.base, adm.plan, self.device.arena)
+                finally:
+                    writes = job.take_writes()
+                    if writes:
+                        self._write_back(task, job, adm, done, writes)
                 if self.device.kind == "cuda":
-                    # Write-backs and the next task's host reads happen on the host: settle now.
+                    # The next task's host reads (kept inputs, gradients) happen on the host.
                     torch.cuda.current_stream().synchronize()
             # What the task's activation policy cost, its waits for serving left out.
             job.observe(task, self.clock() - t0 - pause.spent)
             return result
         finally:
-            # Uncounted before the marker is set: the next user of these bytes counts itself
-            # once the marker lets its copy start, and must never see this task still counted.
+            if not adm.written:
+                self._settle(adm, done)
+            job.pause = no_pause
+            self.counters["compute_s"] += self.clock() - t0 - pause.spent
+
+    def _settle(self, adm: _Admission, done: Any) -> None:
+        """A task's extent is done with: uncounted, then its marker set (the next user of these
+        bytes counts itself once the marker lets its copy start, and must never see this task
+        still counted)."""
+        with self._lock:
+            if adm.counted:
+                adm.counted = False
+                self.resident -= adm.nbytes
+            adm.settled = True
+            then, adm.on_settled = adm.on_settled, []
+        self.device.mark_done(done)
+        for fn in then:
+            if self._closed:  # the driver takes no more calls: answer from here
+                fn()
+            else:
+                self._post_quiet(fn)
+
+    def _write_back(
+        self,
+        task: Task,
+        job: TrainingJob,
+        adm: _Admission,
+        done: Any,
+        writes: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Copy a computed task's write-backs to the host tier on the write lane, then settle
+        its extent (`done`); until then whatever reads the regions it wrote waits on `done`
+        (`TrainingJob.written`), and the extent's next user too (it was freed with `done`)."""
+        adm.written = True
+        for key in task.writes:
+            job.written[key] = done
+        if self._write is None:  # CUDA: enqueued on the write stream, the host goes on
             with self._lock:
                 if adm.counted:
                     adm.counted = False
                     self.resident -= adm.nbytes
-            self.device.mark_done(done)
-            job.pause = no_pause
-            self.counters["compute_s"] += self.clock() - t0 - pause.spent
+                adm.settled = True
+            self.device.copy_out(writes, done, lane=TRAIN_WRITE_LANE)
+            return
+
+        def write() -> None:  # the stand-in's copies are copy_ calls on the lane's thread
+            try:
+                for home, arena_bytes in writes:
+                    home.copy_(arena_bytes)
+            except BaseException as exc:
+                job.broken = f"a write-back to the host tier failed: {exc}"
+                log.exception("job %s: a write-back to the host tier failed", job.name)
+            finally:
+                self._settle(adm, done)
+
+        try:
+            self._write.submit(write)
+        except RuntimeError:  # the executor is closing: its write lane takes nothing more
+            write()
 
     def _on_computed(self, task: Task, fut: Future[TaskResult]) -> None:
         self._computing -= 1
@@ -671,8 +742,19 @@ class TrainingExecutor:
             memory_wait_s=request.memory_wait_s,
             seconds=self.clock() - request.t0,
         )
-        self.counters["steps"] += 1
-        request.future.set_result(step)
+
+        def answer() -> None:
+            self.counters["steps"] += 1
+            request.future.set_result(step)
+
+        # Answered once its write-backs are in the host tier: what the step wrote is there for
+        # whoever reads it next (a checkpoint, the job's state), as the answer says.
+        adm: _Admission = task.payload["adm"]
+        with self._lock:
+            if not adm.settled:
+                adm.on_settled.append(answer)
+                return
+        answer()
 
     def _release(self, task: Task) -> None:
         """Give back the memory of a task that will not run."""

@@ -298,6 +298,14 @@ class TrainingJob:
         self.pause: Callable[[], None] = no_pause
         # Typed views of the arena by (address, dtype), made once (`_view`).
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # Write-backs to the host tier. Deferred (an executor's job): a task's are queued here
+        # as (host home, arena bytes) and the executor copies them after its compute, off the
+        # compute lane (`TrainingExecutor`'s write lane), so that the next task computes
+        # meanwhile. Until then `written` holds, per host region the task wrote (`regions`),
+        # the marker set once they are copied: whatever reads that region waits on it.
+        self.defer_writes = False
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.written: dict[Any, Any] = {}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -410,8 +418,31 @@ class TrainingJob:
         return self.host_bytes() + max(self.act_bytes)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's tensors by original name, as the host tier holds them (views, no copy)."""
+        """The model's tensors by original name, as the host tier holds them (views, no copy),
+        once the write-backs of the tasks that ran are in."""
+        self.wait_written()
         return {name: info.home for name, info in self.tensors.items()}
+
+    def wait_written(self, regions: Iterable[Any] | None = None) -> None:
+        """Wait, on this thread, until the write-backs to `regions` (None: all) are in."""
+        keys = list(self.written) if regions is None or ANY in regions else regions
+        for key in keys:
+            marker = self.written.get(key)
+            if marker is not None:
+                marker.wait()
+
+    def _write_back(self, home: torch.Tensor, arena_bytes: torch.Tensor) -> None:
+        """Copy `arena_bytes` to their `home` in the host tier: now, or queued for the
+        executor (`defer_writes`)."""
+        if self.defer_writes:
+            self._writes.append((home, arena_bytes))
+        else:
+            home.copy_(arena_bytes)
+
+    def take_writes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The write-backs the last task queued (`defer_writes`), in the order it made them."""
+        writes, self._writes = self._writes, []
+        return writes
 
     # -- planning a step ---------------------------------------------------------------------
 
@@ -549,6 +580,7 @@ class TrainingJob:
     def run(self, task: Task, base: int, plan: CopyPlan, arena: torch.Tensor) -> TaskResult:
         """Compute one task whose copies are done, with its extent at `base` of `arena`."""
         if task.kind == SAVE:
+            self.wait_written()
             return TaskResult(value=save_checkpoint(self, task.payload["path"]))
         for off, size in plan.zero:
             arena[off : off + size].zero_()
@@ -689,7 +721,7 @@ class TrainingJob:
     def _buffers_write_back(self, sub: SubModel, arena: torch.Tensor, base: int) -> int:
         b0, b1 = sub.sections["B"]
         if b1 > b0:
-            sub.slab[b0:b1].copy_(arena[base + b0 : base + b1])
+            self._write_back(sub.slab[b0:b1], arena[base + b0 : base + b1])
         return b1 - b0
 
     def _run_forward(
@@ -853,7 +885,7 @@ class TrainingJob:
         else:
             g0, g1 = sub.sections["G"]
             if g1 > g0:
-                sub.slab[g0:g1].copy_(arena[base + g0 : base + g1])
+                self._write_back(sub.slab[g0:g1], arena[base + g0 : base + g1])
                 result.bytes_out += g1 - g0
             for n in sub.owned:
                 if self.tensors[n].trainable:
@@ -870,7 +902,7 @@ class TrainingJob:
         off = layout.borrowed_grads.get(n)
         if off is None or info.grad_home is None or n not in now_valid:
             return 0
-        info.grad_home.copy_(self._view(arena, base + off, info.slot))
+        self._write_back(info.grad_home, self._view(arena, base + off, info.slot))
         self.grad_valid[n] = True
         return info.slot.nbytes
 
@@ -961,11 +993,11 @@ class TrainingJob:
         (p0, p1), (s0, s1) = sub.sections["P"], sub.sections["S"]
         written = 0
         if p1 > p0:
-            sub.slab[p0:p1].copy_(arena[base + p0 : base + p1])
+            self._write_back(sub.slab[p0:p1], arena[base + p0 : base + p1])
             written += p1 - p0
         all_valid = bool(owned) and all(self.state_valid[i.name] for i in owned)
         if all_valid and s1 > s0:
-            sub.slab[s0:s1].copy_(arena[base + s0 : base + s1])
+            self._write_back(sub.slab[s0:s1], arena[base + s0 : base + s1])
             written += s1 - s0
         elif opt is not None:
             for info in owned:

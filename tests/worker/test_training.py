@@ -7,6 +7,8 @@ rule, flowmesh/testing.py), never bit for bit, at rtol 1e-5 / atol 1e-6.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from itertools import pairwise
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
@@ -386,6 +389,59 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
     assert results[-1].step == STEPS
     for n, t in resumed.state_dict().items():
         close(t, whole.state_dict()[n], f"{n} after resuming")
+
+
+@pytest.mark.parametrize(
+    "kind, parts, computed",
+    [
+        # One sub-model: the first step's one task computes; the next reads what it wrote.
+        ("mlp", 1, 1),
+        # Forward 0, forward 1, last 2 and backward 1 compute; backward 0 copies in the tied
+        # weight's gradient that last 2 wrote back to sub-model 0's slab, so it waits.
+        ("gpt2", 3, 4),
+    ],
+)
+def test_held_write_backs_hold_the_answer_and_every_reader_of_what_they_write(
+    tmp_path: Path, kind: str, parts: int, computed: int
+) -> None:
+    """Write-backs to the host tier run on the executor's write lane, after the compute: with
+    that lane held, the tasks of a step still compute, but its answer, the next tasks' copies
+    of what it wrote (its updated parameters, a tied weight's gradient in its owner's slab)
+    and a checkpoint all wait for them; let go, everything equals plain PyTorch."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=21)
+    data = data_for(kind)
+    model = build(kind)
+    blocks = blocks_of(kind, model)
+    dev = CpuStandIn(8 * MIB)
+    job = TrainingJob("job", blocks, even_ranges(len(blocks), parts), cfg, dev)
+    held = threading.Event()
+    with TrainingExecutor(dev) as ex:
+        ex.open(job)
+        assert ex._write is not None
+        ex._write.submit(held.wait)  # the lane's one thread: every write-back queues behind
+        try:
+            steps = [ex.submit("job", x, y) for x, y in data]
+            saved = ex.save("job", tmp_path / "ckpt")
+            deadline = time.monotonic() + 60
+            while ex.counters["tasks"] < computed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # what would run next if nothing waited for the write-backs
+            assert ex.counters["tasks"] == computed
+            assert not any(f.done() for f in steps) and not saved.done()
+        finally:
+            held.set()
+        results = [f.result(timeout=120) for f in steps]
+        assert saved.result(timeout=60) == tmp_path / "ckpt"
+        assert ex.stats()["resident_bytes"] == 0
+
+    reference = build(kind)
+    close([r.loss for r in results], plain_step_loop(reference, cfg, data), "per-step losses")
+    assert_same_model(job, reference)
+    assert read_meta(tmp_path / "ckpt")["step"] == len(data)
+    on_disk = load_file(str(tmp_path / "ckpt" / "state.safetensors"))
+    for n, t in job.state_dict().items():
+        if n in on_disk:
+            close(on_disk[n], t, f"{n} in the checkpoint")
 
 
 # -- the scheduler's rules, exactly ------------------------------------------------------------
