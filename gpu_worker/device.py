@@ -333,8 +333,8 @@ class CudaDevice(Device):
         the work enqueued so far on the calling thread's stream, and record `marker` after
         them: the host does not wait, and the calling stream goes on computing meanwhile."""
         stream = self.lane_stream(lane)
-        stream.wait_stream(torch.cuda.current_stream(self.index))
         try:
+            stream.wait_stream(torch.cuda.current_stream(self.index))
             with torch.cuda.stream(stream):
                 for host, dev in pairs:
                     host.copy_(dev, non_blocking=True)

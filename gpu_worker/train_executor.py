@@ -107,7 +107,8 @@ class _Admission:
     counted: bool = False  # its bytes count as resident (its copy started writing)
     cancelled: bool = False  # it will not run: its copy, if not started, must not start
     written: bool = False  # its write-backs went to the write lane, which settles it
-    settled: bool = False  # its extent's marker is set (or, on CUDA, recorded)
+    settled: bool = False  # its write-backs are in the host tier, its extent's marker set
+    failure: BaseException | None = None  # its write-backs failed
     # Driver calls to make once it is settled: a step's answer waits for its write-backs.
     on_settled: list[Callable[[], None]] = field(default_factory=list)
 
@@ -268,9 +269,10 @@ class TrainingExecutor:
         self._events: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._copy = torch_pool(1, "train-copy")
         self._compute = torch_pool(1, "train-compute")
-        # Write-backs to the host tier after each compute, off the compute lane: a thread on
-        # the CPU stand-in; on CUDA the compute lane enqueues them on a copy stream itself.
-        self._write = torch_pool(1, "train-write") if device.kind == "cpu" else None
+        # Write-backs to the host tier after each compute, off the compute lane (`_write_back`):
+        # on the CPU stand-in this thread copies; on CUDA the compute lane enqueues them on a
+        # copy stream, and this thread waits for them to land before it settles the task.
+        self._write = torch_pool(1, "train-write")
         self._computing = 0
         self._lock = threading.Lock()
         self.resident = 0
@@ -394,13 +396,13 @@ class TrainingExecutor:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._lock:  # an answer posted under the lock before this goes before the None
+            self._closed = True
         self.gate.close()
         self._events.put(None)
         self._driver.join(timeout=10)
         self._compute.shutdown(wait=True, cancel_futures=True)
-        if self._write is not None:  # every write queued runs: a copy may wait on its marker
-            self._write.shutdown(wait=True)
+        self._write.shutdown(wait=True)  # every write queued runs: a copy may wait on its marker
         self._copy.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> TrainingExecutor:
@@ -559,6 +561,8 @@ class TrainingExecutor:
         after = [*(ext.after if ext is not None else ()), *adm.waits]
         if self.device.kind == "cpu":
             for m in after:  # the stand-in copies on this thread: ordering is waiting
+                if adm.cancelled:  # serving took its memory back: no need to wait for writes
+                    break
                 m.wait()
             after = []
         with self._lock:
@@ -645,22 +649,25 @@ class TrainingExecutor:
             job.pause = no_pause
             self.counters["compute_s"] += self.clock() - t0 - pause.spent
 
-    def _settle(self, adm: _Admission, done: Any) -> None:
-        """A task's extent is done with: uncounted, then its marker set (the next user of these
-        bytes counts itself once the marker lets its copy start, and must never see this task
-        still counted)."""
+    def _settle(self, adm: _Admission, done: Any, mark: bool = True) -> None:
+        """A task's extent is done with: uncounted, its deferred answers posted, then its marker
+        set (`mark`; CUDA's write-backs recorded it on their stream already). The next user of
+        these bytes counts itself once the marker lets its copy start, and must never see this
+        task still counted; an answer is queued before whatever the marker lets go."""
         with self._lock:
             if adm.counted:
                 adm.counted = False
                 self.resident -= adm.nbytes
             adm.settled = True
             then, adm.on_settled = adm.on_settled, []
-        self.device.mark_done(done)
-        for fn in then:
-            if self._closed:  # the driver takes no more calls: answer from here
-                fn()
-            else:
-                self._post_quiet(fn)
+            if not self._closed:  # under the lock: before close's None, so the driver runs it
+                for fn in then:
+                    self._events.put(fn)
+                then = []
+        if mark:
+            self.device.mark_done(done)
+        for fn in then:  # the driver is gone: answer from here
+            fn()
 
     def _write_back(
         self,
@@ -672,17 +679,37 @@ class TrainingExecutor:
     ) -> None:
         """Copy a computed task's write-backs to the host tier on the write lane, then settle
         its extent (`done`); until then whatever reads the regions it wrote waits on `done`
-        (`TrainingJob.written`), and the extent's next user too (it was freed with `done`)."""
+        (`TrainingJob.written`), and the extent's next user too (it was freed with `done`).
+        The write lane is one thread, first in first out: a task settled means every earlier
+        task's write-backs are in (`job.last_write`)."""
         adm.written = True
+        job.last_write = adm
         for key in task.writes:
             job.written[key] = done
-        if self._write is None:  # CUDA: enqueued on the write stream, the host goes on
-            with self._lock:
-                if adm.counted:
-                    adm.counted = False
-                    self.resident -= adm.nbytes
-                adm.settled = True
-            self.device.copy_out(writes, done, lane=TRAIN_WRITE_LANE)
+
+        def failed(exc: BaseException) -> None:
+            adm.failure = exc
+            job.broken = f"a write-back to the host tier failed: {exc}"
+            log.error("job %s: a write-back to the host tier failed: %r", job.name, exc)
+
+        if self.device.kind == "cuda":
+            try:  # enqueued on the write stream; the compute lane goes on at once
+                self.device.copy_out(writes, done, lane=TRAIN_WRITE_LANE)
+            except BaseException as exc:
+                failed(exc)
+                self._settle(adm, done)  # recorded now: nobody waits for copies never made
+                return
+
+            def landed() -> None:  # the pinned homes hold them: answer, uncount
+                try:
+                    done.wait()
+                finally:
+                    # `writes` held until now: a home's pinned range must not be handed out
+                    # again while a copy is landing in it.
+                    writes.clear()
+                    self._settle(adm, done, mark=False)
+
+            self._write.submit(landed)
             return
 
         def write() -> None:  # the stand-in's copies are copy_ calls on the lane's thread
@@ -690,8 +717,7 @@ class TrainingExecutor:
                 for home, arena_bytes in writes:
                     home.copy_(arena_bytes)
             except BaseException as exc:
-                job.broken = f"a write-back to the host tier failed: {exc}"
-                log.exception("job %s: a write-back to the host tier failed", job.name)
+                failed(exc)
             finally:
                 self._settle(adm, done)
 
@@ -743,17 +769,23 @@ class TrainingExecutor:
             seconds=self.clock() - request.t0,
         )
 
+        last: _Admission | None = job.last_write
+
         def answer() -> None:
+            if last is not None and last.failure is not None:
+                self.counters["step_errors"] += 1
+                request.future.set_exception(self._internal(last.failure))
+                return
             self.counters["steps"] += 1
             request.future.set_result(step)
 
-        # Answered once its write-backs are in the host tier: what the step wrote is there for
-        # whoever reads it next (a checkpoint, the job's state), as the answer says.
-        adm: _Admission = task.payload["adm"]
-        with self._lock:
-            if not adm.settled:
-                adm.on_settled.append(answer)
-                return
+        # Answered once its write-backs are in the host tier (those of every task before it:
+        # the write lane is first in first out), for whoever reads them next.
+        if last is not None:
+            with self._lock:
+                if not last.settled:
+                    last.on_settled.append(answer)
+                    return
         answer()
 
     def _release(self, task: Task) -> None:
@@ -791,7 +823,10 @@ class TrainingExecutor:
             self._requests.pop(key).future.set_exception(
                 FlowmeshError(Code.BAD_REQUEST, f"training job {name!r} was closed")
             )
-        del self.jobs[name]
+        job = self.jobs.pop(name)
+        # Its host tier goes back once it is dropped: not while write-backs are landing in it.
+        job.wait_written()
+        job.defer_writes = False
 
     def _fail_all(self, error: FlowmeshError) -> None:
         for key in list(self._requests):

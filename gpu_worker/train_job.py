@@ -75,6 +75,7 @@ from gpu_worker.train_layout import (
     UPDATE,
     CopyPlan,
     Layout,
+    Region,
     SubModel,
     TensorInfo,
     check_ranges,
@@ -306,6 +307,7 @@ class TrainingJob:
         self.defer_writes = False
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.written: dict[Any, Any] = {}
+        self.last_write: Any = None  # the executor's record of the last task that wrote back
 
     # -- construction ------------------------------------------------------------------------
 
@@ -745,6 +747,8 @@ class TrainingJob:
             kept = KeptGraph({i.name: i.tensor for i in bound}, arena, self._stash, self._unstash)
         else:
             b0, b1 = sub.sections["B"]
+            if b1 > b0:  # on CUDA the copy-in was only ordered after the last write-back
+                self.wait_written((Region("B", sub.index),))
             snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
             self._replay[key] = (self.rng, snapshot)
         grad = torch.enable_grad() if kept is not None else torch.no_grad()

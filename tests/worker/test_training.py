@@ -444,6 +444,43 @@ def test_held_write_backs_hold_the_answer_and_every_reader_of_what_they_write(
             close(on_disk[n], t, f"{n} in the checkpoint")
 
 
+def test_a_step_whose_last_task_writes_nothing_is_answered_after_the_earlier_write_backs(
+    tmp_path: Path,
+) -> None:
+    """Sub-model 0 holds no tensor (a Flatten), so the step's last task (its backward) writes
+    nothing back: the step is still answered only once sub-model 1's update is in the host
+    tier (the write lane is first in first out)."""
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 5))
+
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=3)
+    data = data_for("mlp", 4)
+    dev = CpuStandIn(MIB)
+    blocks = chain_of(seeded(make, 7))
+    job = TrainingJob("job", blocks, [(0, 1), (1, len(blocks))], cfg, dev)
+    assert job.subs[0].owned == []
+    held = threading.Event()
+    with TrainingExecutor(dev) as ex:
+        ex.open(job)
+        ex._write.submit(held.wait)
+        try:
+            steps = [ex.submit("job", x, y) for x, y in data]
+            deadline = time.monotonic() + 60
+            # Step 1's forward 0, last 1 and backward 0, and step 2's forward 0 (it reads
+            # nothing step 1 wrote back); step 2's last 1 waits for step 1's update of 1.
+            while ex.counters["tasks"] < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert ex.counters["tasks"] == 4 and not steps[0].done()
+        finally:
+            held.set()
+        results = [f.result(timeout=120) for f in steps]
+    reference = seeded(make, 7)
+    close([r.loss for r in results], plain_step_loop(reference, cfg, data), "per-step losses")
+    assert_same_model(job, reference)
+
+
 # -- the scheduler's rules, exactly ------------------------------------------------------------
 
 
