@@ -2,18 +2,24 @@
 
 Plain classes, no sockets: the worker process (later) feeds it `open` / `submit` / `save` /
 `close_job` calls and sends back what the returned futures resolve to; the tests drive it
-in-process. Three threads, so heavy work never runs where requests arrive:
+in-process. Four threads, so heavy work never runs where requests arrive:
 
 - the **driver** owns all bookkeeping (the `FlowScheduler`, the arena, the requests): it admits
   tasks when memory frees, plans their copies, starts computes and settles results;
 - the **copy lane** brings admitted tasks' bytes from the host tier into their arena extents,
   ordered after the previous users of those bytes (their markers), while
 - the **compute lane** runs one task at a time (a job's RNG stream is the global generator for
-  the duration of its task, so computes do not overlap; copies do overlap them).
+  the duration of its task, so computes do not overlap; copies do overlap them), and
+- the **write lane** copies what a computed task wrote (updated parameters and optimizer state,
+  gradients, buffers) back to the host tier, while the compute lane goes on with the next task
+  (on CUDA the copies run on a stream of their own; the lane waits for them to land). A step
+  is answered once its write-backs are in.
 
 Memory flow: a task's extent is freed the moment its compute is *ordered* (handed to the compute
-lane), with the compute's marker attached; the next owner's copy waits on that marker, never on a
-host-wide synchronisation (the Waterwave rule, `gpu_worker.memory.Arena`).
+lane), with a marker set once its write-backs are done; the next owner's copy waits on that
+marker, never on a host-wide synchronisation (the Waterwave rule, `gpu_worker.memory.Arena`).
+A later task's copies of host regions a task wrote wait on the same marker
+(`TrainingJob.written`).
 
 One owner of device memory (`gpu_worker.memory.DeviceMemory`): on a worker that also serves, the
 arena is shared with the serving executor and inference comes first. Training may borrow any
