@@ -56,7 +56,7 @@ from flowmesh.modelio.planners import even_cut
 from flowmesh.optimizers import state_count
 from flowmesh.spec import ModelSpec
 from gpu_worker.model_code import building_model
-from gpu_worker.train_config import TrainConfig, make_optimizer, resolve_loss
+from gpu_worker.train_config import TrainConfig, checked_loss, make_optimizer, resolve_loss
 from gpu_worker.train_job import RngState, _as_output, _model_error, _rng_get, _rng_scope
 from gpu_worker.train_layout import TensorInfo, check_ranges, collect
 
@@ -223,18 +223,9 @@ class PipeStage:
         """The job's loss on a micro-batch, under the forward's autocast, checked scalar."""
         assert self.loss_fn is not None
         with self._compute():
-            try:
-                loss = self.loss_fn(out, target)
-            except Exception as exc:
-                raise bad_request(
-                    f"job {self.job!r}: the loss failed on outputs of shape "
-                    f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
-                ) from None
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise FlowmeshError(
-                Code.MODEL_ERROR, f"job {self.job!r}: the loss is not a scalar tensor"
+            return checked_loss(
+                self.loss_fn, self.config.loss, self.job, out, target, said="the loss"
             )
-        return loss.reshape(())
 
     def evaluate(self, x: Any, rng: RngState) -> torch.Tensor:
         """A micro-batch of an evaluation through this stage: no grad, the modules in eval mode

@@ -33,6 +33,7 @@ __all__ = [
     "LossSpec",
     "TrainConfig",
     "check_loss_spec",
+    "checked_loss",
     "loss_name",
     "make_optimizer",
     "optimizer_states",
@@ -93,6 +94,40 @@ def resolve_loss(loss: LossSpec, allow: Iterable[str] | None = None) -> LossFn:
             "loss(output, target) -> scalar tensor"
         )
     return fn
+
+
+def checked_loss(
+    loss_fn: LossFn,
+    spec: LossSpec,
+    job: str,
+    out: torch.Tensor,
+    target: torch.Tensor,
+    said: str | None = None,
+) -> torch.Tensor:
+    """`loss_fn(out, target)` of job `job`, checked to be a floating scalar tensor (shape ()).
+    A loss that raises is the request's fault (BAD_REQUEST: its outputs' and targets' shapes);
+    one that returns anything else, the model code's (MODEL_ERROR). `said`: how the error names
+    the loss ("loss NAME" unless given)."""
+    name = repr(spec) if isinstance(spec, str) else loss_name(spec)
+    try:
+        loss = loss_fn(out, target)
+    except Exception as exc:
+        raise bad_request(
+            f"job {job!r}: {said or f'loss {name}'} failed on outputs of shape "
+            f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
+        ) from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = (
+            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise FlowmeshError(
+            Code.MODEL_ERROR,
+            f"job {job!r}: loss {name} returned {what}; a loss must return a floating scalar "
+            "tensor",
+        )
+    return loss.reshape(())
 
 
 def optimizer_states(

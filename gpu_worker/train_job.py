@@ -61,7 +61,7 @@ from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.train_checkpoint import save_checkpoint
 from gpu_worker.train_config import (
     TrainConfig,
-    loss_name,
+    checked_loss,
     make_optimizer,
     optimizer_states,
     resolve_loss,
@@ -912,27 +912,7 @@ class TrainingJob:
 
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The job's loss on one micro-batch, checked to be a floating scalar tensor."""
-        spec = self.config.loss
-        name = repr(spec) if isinstance(spec, str) else loss_name(spec)
-        try:
-            loss = self.loss_fn(out, target)
-        except Exception as exc:
-            raise bad_request(
-                f"job {self.name!r}: loss {name} failed on outputs of shape "
-                f"{tuple(out.shape)} and targets of shape {tuple(target.shape)}: {exc}"
-            ) from None
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            what = (
-                f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else type(loss).__name__
-            )
-            raise FlowmeshError(
-                Code.MODEL_ERROR,
-                f"job {self.name!r}: loss {name} returned {what}; a loss must return a "
-                "floating scalar tensor",
-            )
-        return loss.reshape(())
+        return checked_loss(self.loss_fn, self.config.loss, self.name, out, target)
 
     def _loss_and_backward(self, task: Task, out: torch.Tensor) -> TaskResult:
         target = self._unstash(self._data[task.request][1][task.micro])
