@@ -20,6 +20,9 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
   multi interface on a thread, as a native client or a load balancer sends) to see how much of
   the gap is the Python HTTP client's. Each side encodes its request inside
   the timed call, as a real caller does (the SDK its frames, the HTTP side its JSON body).
+  Beside the times, each side's CPU per request in every process of the mesh and in the
+  bench's own ("client"): on a machine whose cores they all share, the ratio of requests/s
+  follows the ratio of these sums.
 - **stream**: `--prompts` greedy completions of `--max-tokens` tokens, one after the other,
   through the SDK's `generate_stream` and through the gateway's `/v1/completions` with
   `stream=True` (the official `openai` client). Greedy, so both make the same tokens (checked):
@@ -232,6 +235,15 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
     gw_lat: list[float] = []
     sdk_wall = gw_wall = gw_cpu = sdk_cpu = 0.0
     gw_pid = mesh.child("gateway").proc.pid
+    # Every process's CPU on each side, the bench's own included ("client"): where the
+    # gateway side's extra CPU goes, on a machine whose cores all of them share.
+    pids = {c.name: c.proc.pid for c in mesh.children} | {"client": os.getpid()}
+    side_cpu: dict[str, dict[str, float]] = {"sdk": dict.fromkeys(pids, 0.0)}
+    side_cpu["gateway"] = dict.fromkeys(pids, 0.0)
+
+    def charge(side: str, before: dict[str, float]) -> None:
+        for name, pid in pids.items():
+            side_cpu[side][name] += cpu_seconds(pid) - before[name]
     async with (
         AsyncClient(mesh.frontend, timeout=60.0) as c,
         _http_client(args.http_client, args.clients) as post,
@@ -253,8 +265,11 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
         # other work drifts, and turns spread it over both alike.
         for _ in range(args.rounds):
             cpu = time.process_time()
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             lat, wall = await closed_loop(args.requests, args.clients, sdk)
             sdk_cpu += time.process_time() - cpu
+            charge("sdk", before)
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             sdk_lat += lat
             sdk_wall += wall
             cpu = cpu_seconds(gw_pid)
@@ -265,6 +280,7 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
             else:
                 lat, wall = await closed_loop(args.requests, args.clients, gateway)
             gw_cpu += cpu_seconds(gw_pid) - cpu
+            charge("gateway", before)
             gw_lat += lat
             gw_wall += wall
     sdk_s, gw_s = summary(sdk_lat, sdk_wall), summary(gw_lat, gw_wall)
@@ -274,6 +290,9 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
     # And, beside it, the bench's own process on the SDK side: the SDK client's CPU, which the
     # gateway's includes (it is one more SDK client, with an HTTP server in front).
     sdk_s["client_cpu_us_per_request"] = sdk_cpu / len(sdk_lat) * 1e6
+    for side, figures in (("sdk", sdk_s), ("gateway", gw_s)):
+        n = len(sdk_lat if side == "sdk" else gw_lat)
+        figures["process_cpu_us_per_request"] = {k: v / n * 1e6 for k, v in side_cpu[side].items()}
     ratios = {
         "p50": gw_s["p50_ms"] / sdk_s["p50_ms"],
         "p99": gw_s["p99_ms"] / sdk_s["p99_ms"],
@@ -384,6 +403,13 @@ def main() -> None:
         f"infer gateway/SDK: p50 {r['p50']:.2f}x  p99 {r['p99']:.2f}x  "
         f"requests/s {r['requests_per_s']:.2f}x"
     )
+    for side, figures in (("SDK", sdk), ("gateway", gw)):
+        per = figures["process_cpu_us_per_request"]
+        print(
+            f"CPU per request, {side} side: {sum(per.values()):.0f} us ("
+            + ", ".join(f"{name} {us:.0f}" for name, us in per.items())
+            + ")"
+        )
     print(
         f"stream ({args.prompts} prompts x {args.max_tokens} tokens): SDK "
         f"{stream['sdk']['tokens_per_s']:.0f} tokens/s, gateway "
