@@ -4,7 +4,8 @@ The model is a chain of blocks cut into contiguous sub-models (a chunk plan), ea
 slab of the tensors it owns (`gpu_worker.train_layout`: the slab's sections, a task's extent in
 the arena, the copies that bring it in). While a task computes, the module's own Parameter
 and buffer objects are rebound (`.data`) to arena views, gradients accumulate into arena views
-and the torch optimizer reads and updates its state there; afterwards everything is rebound to
+(on the CPU stand-in a first gradient is made afresh: `TrainingJob.fresh_grads`) and the torch
+optimizer reads and updates its state there; afterwards everything is rebound to
 its host home. Object identity never changes, so a per-sub-model `torch.optim` optimizer does the
 exact maths of the same optimizer in plain PyTorch.
 
@@ -305,6 +306,16 @@ class TrainingJob:
         # meanwhile. Until then `written` holds, per host region the task wrote (`regions`),
         # the marker set once they are copied: whatever reads that region waits on it.
         self.defer_writes = False
+        # Where a backward's gradients go when none has accumulated yet. On a device, into
+        # their arena views, zeroed first: the arena is what bounds the device's memory. On
+        # the CPU stand-in nothing is bounded, and zero-filling the views then adding into them
+        # costs two more passes over the gradients' memory than letting autograd make them, as
+        # plain PyTorch after `zero_grad()` does (BENCHMARKS.md, "fresh gradients"): they are
+        # made afresh there, and copied into their views only when they outlive the task (an
+        # update in a later task, or a later micro-batch accumulating into them).
+        # `_fresh`: the owned parameters of the task under way that start without a gradient.
+        self.fresh_grads = self.device.kind == "cpu"
+        self._fresh: list[TensorInfo] = []
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.written: dict[Any, Any] = {}
         self.last_write: Any = None  # the executor's record of the last task that wrote back
@@ -572,6 +583,7 @@ class TrainingJob:
             grad_valid=self.grad_valid,
             state_valid=self.state_valid,
             snapshot=snapshot if task.kind == BACKWARD else None,
+            fresh_grads=self.fresh_grads,
         )
 
     def _layout(self, task: Task) -> Layout:
@@ -623,6 +635,8 @@ class TrainingJob:
             sub.owned if task.kind != UPDATE else [n for n in sub.owned if self.tensors[n].is_param]
         )
         bound: list[TensorInfo] = []
+        self._fresh = []
+        fresh = grads and self.fresh_grads
         try:
             for n in [*names, *layout.borrowed]:
                 info = self.tensors[n]
@@ -634,6 +648,10 @@ class TrainingJob:
                 info.tensor.data = self._view(arena, off, info.slot)
                 bound.append(info)
                 if info.trainable and (grads or task.kind == UPDATE):
+                    if fresh and n not in layout.borrowed and not self.grad_valid[n]:
+                        info.tensor.grad = None  # autograd makes it (`fresh_grads`)
+                        self._fresh.append(info)
+                        continue
                     if n in layout.borrowed:
                         goff = base + layout.borrowed_grads[n]
                     else:
@@ -868,6 +886,14 @@ class TrainingJob:
             self._grads[(task.request, task.micro, task.sub - 1)] = self._stash(x.grad)
         self._acts.pop(key, None)
         self._replay.pop(key, None)
+        if not task.payload["update"]:  # the gradients outlive the task: into their views
+            for info in self._fresh:
+                if info.tensor.grad is not None:
+                    assert info.grad_slot is not None
+                    view = self._view(arena, base + info.grad_slot.offset, info.grad_slot)
+                    view.copy_(info.tensor.grad)
+                    info.tensor.grad = view
+        self._fresh = []
         now_valid = {
             n
             for n in sub.uses

@@ -299,6 +299,7 @@ def plan_copies(
     grad_valid: Mapping[str, bool],
     state_valid: Mapping[str, bool],
     snapshot: torch.Tensor | None,
+    fresh_grads: bool = False,
 ) -> CopyPlan:
     """Copies that bring a task's data from the host tier into its extent at `base`: sub-model
     `index`'s sections (the gradients and optimizer state only where their homes hold something,
@@ -317,7 +318,8 @@ def plan_copies(
         plan.copies.append((base + b0, snapshot))
     owned_trainable = [tensors[n] for n in sub.owned if tensors[n].trainable]
     if kind not in (FORWARD, EVAL) and g1 > g0:
-        _plan_section(plan, sub, base, (g0, g1), owned_trainable, grad_valid, grads=True)
+        zero = not fresh_grads
+        _plan_section(plan, sub, base, (g0, g1), owned_trainable, grad_valid, grads=True, zero=zero)
     if update and s1 > s0:
         _plan_section(plan, sub, base, (s0, s1), owned_trainable, state_valid, grads=False)
     for n, off in layout.borrowed.items():
@@ -347,12 +349,16 @@ def _plan_section(
     valid: Mapping[str, bool],
     *,
     grads: bool,
+    zero: bool = True,
 ) -> None:
     lo, hi = section
     if infos and all(valid[i.name] for i in infos):
         plan.copies.append((base + lo, sub.slab[lo:hi]))  # one contiguous copy
         return
-    if grads and infos and not any(valid[i.name] for i in infos):
+    zero = zero and grads
+    if not zero and grads and not any(valid[i.name] for i in infos):
+        return  # no gradient yet, and the backward makes fresh ones (`fresh_grads`)
+    if zero and infos and not any(valid[i.name] for i in infos):
         plan.zero.append((base + lo, hi - lo))  # no gradient yet: the section zeroed at once
         return
     for info in infos:
@@ -361,5 +367,5 @@ def _plan_section(
             assert s is not None
             if valid[info.name]:
                 plan.copies.append((base + s.offset, sub.slab[s.offset : s.offset + s.nbytes]))
-            elif grads:  # no gradient yet: accumulate from zero
+            elif zero:  # no gradient yet: accumulate from zero
                 plan.zero.append((base + s.offset, s.nbytes))

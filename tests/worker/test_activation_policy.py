@@ -37,18 +37,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-grads", "arena-grads"])
 @pytest.mark.parametrize("policy", [RECOMPUTE, KEEP])
 @pytest.mark.parametrize(
     ("model", "clip", "accumulate"), CASES, ids=[f"{m}-clip{c}-acc{a}" for m, c, a in CASES]
 )
 def test_each_policy_forced_equals_plain_pytorch(
-    policy: str, model: str, clip: float | None, accumulate: int
+    policy: str, model: str, clip: float | None, accumulate: int, fresh: bool
 ) -> None:
     cfg = TrainConfig(
         ADAM, clip_grad_norm=clip, accumulate=accumulate, seed=RNG_SEED, activations=policy
     )
     data = data_for(model, STEPS)
     job = job_of(model, cfg)
+    job.fresh_grads = fresh  # the gradients as the CPU stand-in makes them, or as a device
     with TrainingExecutor(job.device) as ex:
         ex.open(job)
         results = [f.result(timeout=120) for f in [ex.submit(model, x, y) for x, y in data]]

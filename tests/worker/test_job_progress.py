@@ -42,7 +42,11 @@ def net() -> nn.Module:
 
 def twin(cfg: TrainConfig, dev: CpuStandIn) -> TrainingJob:
     blocks = chain_of(net())
-    return TrainingJob("j", blocks, [(0, 3), (3, 5), (5, 6)], cfg, dev)
+    job = TrainingJob("j", blocks, [(0, 3), (3, 5), (5, 6)], cfg, dev)
+    # Gradients as on a device: `Copies` counts every copy into the arena, and the stand-in's
+    # copy of a fresh gradient into its view (`fresh_grads`) is no transfer.
+    job.fresh_grads = False
+    return job
 
 
 def data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -171,6 +171,26 @@ def test_copies_of_a_first_and_a_later_micro_batch():
     assert plan.zero == [] and plan.bytes_in == 256 + 256 + 48 + 48
 
 
+def test_fresh_gradients_leave_the_own_gradients_unread_and_unfilled():
+    """`fresh_grads` (the CPU stand-in's): a gradient not held yet is neither read nor zeroed,
+    the backward makes it; one held still comes in, and a borrowed one is still zeroed (it is
+    accumulated into its view and written back to its owner)."""
+    tensors, subs = laid_out()
+    valid = {"emb.weight": False, "head.bias": False}
+    plan = plan_copies(
+        subs, tensors, 1, LAST, False, 4096,
+        grad_valid=valid, state_valid=valid, snapshot=None, fresh_grads=True,
+    )  # fmt: skip
+    assert where(plan, subs) == [(4096, 1, 0, 256), (4096 + 512, 0, 0, 48)]
+    assert plan.zero == [(4096 + 576, 48)]
+    valid = dict.fromkeys(valid, True)
+    plan = plan_copies(
+        subs, tensors, 1, LAST, False, 4096,
+        grad_valid=valid, state_valid=valid, snapshot=None, fresh_grads=True,
+    )  # fmt: skip
+    assert (4096 + 256, 1, 256, 256) in where(plan, subs) and plan.zero == []
+
+
 def test_a_backward_copies_the_buffers_its_forward_saw():
     tensors, subs = laid_out()
     valid = {"emb.weight": True, "head.bias": True}

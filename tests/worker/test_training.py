@@ -77,19 +77,29 @@ def assert_same_model(job: TrainingJob, reference: nn.Module) -> None:
         close(got[n], expected[n], f"tensor {n} after training")
 
 
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-grads", "arena-grads"])
 @pytest.mark.parametrize(
     ("kind", "optimizer", "parts", "clip", "accumulate"),
     CASES,
     ids=[f"{c[0]}-{c[1]['name']}-k{c[2]}-clip{c[3]}-acc{c[4]}" for c in CASES],
 )
 def test_steps_match_plain_pytorch(
-    kind: str, optimizer: dict[str, Any], parts: int, clip: float | None, accumulate: int
+    kind: str,
+    optimizer: dict[str, Any],
+    parts: int,
+    clip: float | None,
+    accumulate: int,
+    fresh: bool,
 ) -> None:
+    """`fresh`: the CPU stand-in's gradients made afresh by the backward, or a device's, into
+    zeroed arena views (`TrainingJob.fresh_grads`): both give plain PyTorch's steps."""
     cfg = TrainConfig(optimizer, clip_grad_norm=clip, accumulate=accumulate, seed=21)
     data = data_for(kind)
     model = build(kind)
     blocks = blocks_of(kind, model)
     job = TrainingJob("job", blocks, even_ranges(len(blocks), parts), cfg, CpuStandIn(8 * MIB))
+    assert job.fresh_grads  # the stand-in's default
+    job.fresh_grads = fresh
     if kind == "gpt2":  # the tied weight is owned by the first sub-model, borrowed by the last
         assert job.tensors["transformer.wte.weight"].owner == 0
         assert "transformer.wte.weight" in job.subs[-1].borrowed
@@ -141,6 +151,8 @@ def test_memory_flow_interleaves_jobs_within_budget() -> None:
 
     dev = CpuStandIn(budget)
     together = jobs(dev)
+    for job in together:  # gradients in the arena too, as on a device (`fresh_grads`)
+        job.fresh_grads = False
     footprints = [j.footprint() for j in together]
     assert all(f > budget for f in footprints), "each job alone must exceed the budget"
     assert sum(footprints) >= 3 * budget
