@@ -64,6 +64,10 @@ class CpuMarker:
     def done(self) -> bool:
         return self._done
 
+    def recorded(self) -> bool:
+        """Whether it was marked (on the CPU, marked is done)."""
+        return self._done
+
     def wait(self, timeout: float | None = None) -> bool:
         if self._done:
             return True
@@ -98,6 +102,10 @@ class CudaMarker:
 
     def done(self) -> bool:
         return self._recorded.is_set() and self.event.query()
+
+    def recorded(self) -> bool:
+        """Whether it was recorded on some stream (its work may still be running)."""
+        return self._recorded.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._recorded.wait(timeout):
@@ -355,7 +363,16 @@ class CudaDevice(Device):
             yield
 
     def mark_done(self, marker: CudaMarker) -> None:
-        marker.record(torch.cuda.current_stream(self.index))
+        """Record `marker` after the calling thread's compute work: on the stream it is in, or,
+        called outside `compute()` (a `finally` after it), on the thread's own compute stream.
+        The default stream would not do: the streams torch makes are non-blocking, so an event
+        recorded there is not ordered after their kernels, and whoever reuses the bytes those
+        kernels write would not wait for them."""
+        stream = torch.cuda.current_stream(self.index)
+        own = getattr(self._local, "stream", None)
+        if own is not None and stream == torch.cuda.default_stream(self.index):
+            stream = own
+        marker.record(stream)
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), **self.host_slab.stats(), **gpu_info(self.index)}

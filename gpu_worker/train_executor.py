@@ -35,8 +35,12 @@ arriving mid-task waits for at most one block of training, not for the tasks que
 Accounting: parameters, gradients, optimizer state and buffers of a running task physically live
 in its extent. Activations are allocated by torch outside the arena and accounted by the
 reservation each extent carries (`TrainingJob.act_bytes`). `resident_peak` is measured on the
-lanes: bytes of extents whose copy has started writing and whose compute has not finished, so it
-exceeds the budget if any two tasks ever use the same bytes at once.
+lanes: on the CPU stand-in, bytes of extents whose copy has started writing and whose compute
+(and write-backs) have not finished, so it exceeds the budget if any two tasks ever use the same
+bytes at once. On CUDA the host does not see when the GPU runs a copy (the copy stream waits on
+the previous owner's marker, which the host has no reason to wait for): an extent counts from its
+copy's enqueueing until its compute is ordered and the extent given back, so the figure says
+what the allocator handed out, and the GPU's stream order keeps two owners apart.
 """
 
 from __future__ import annotations
@@ -407,7 +411,10 @@ class TrainingExecutor:
         self.gate.close()
         self._events.put(None)
         self._driver.join(timeout=10)
-        self._compute.shutdown(wait=True, cancel_futures=True)
+        # Computes queued are not cancelled but run, each returning at once (`_closed`), so
+        # that their markers are set: a copy in progress may be waiting on one, into the range
+        # that compute gave back.
+        self._compute.shutdown(wait=True)
         self._write.shutdown(wait=True)  # every write queued runs: a copy may wait on its marker
         self._copy.shutdown(wait=True, cancel_futures=True)
 
@@ -573,8 +580,8 @@ class TrainingExecutor:
             after = []
         with self._lock:
             if adm.cancelled:
-                for m in markers:
-                    self.device.mark_done(m)
+                for m in markers:  # no copy was made: whoever waits on them may go
+                    self.device.mark_copied(m, lane=TRAIN_LANE)
                 return
             if adm.nbytes:
                 adm.counted = True
@@ -589,8 +596,8 @@ class TrainingExecutor:
                 after = []
         except BaseException:
             for m in markers:  # whoever waits on these bytes must not wait forever
-                if not m.done():
-                    self.device.mark_done(m)
+                if not m.recorded():  # (a recorded one is ordered after its copy already)
+                    self.device.mark_copied(m, lane=TRAIN_LANE)
             raise
         adm.ready = list(markers) if markers else after
 
@@ -620,6 +627,11 @@ class TrainingExecutor:
             # next waits on this compute's marker.
             ext, adm.extent = adm.extent, None
             self.memory.free(ext, [done], "training")
+            if self.device.kind == "cuda":  # the count follows the allocator (module docstring)
+                with self._lock:
+                    if adm.counted:
+                        adm.counted = False
+                        self.resident -= adm.nbytes
         fut = self._compute.submit(self._do_compute, task, adm, done)
         fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_computed(t, f)))
 
@@ -629,14 +641,17 @@ class TrainingExecutor:
         # Queued before serving got busy: it waits here, and at its yield points inside.
         pause = self.gate.task_pauses()
         try:
-            pause()
-            if adm.cancelled:  # its job was closed while it waited in the lane
-                return TaskResult()
+            if not self._closed:
+                pause()
             # Without a gate (nothing served beside training) every pause is a no-op: none is set.
             job.pause = pause if self.gate.enabled else no_pause
             with self.device.compute():
+                # First, even for a task that will not run: its marker, set on this lane, is
+                # then ordered after the copies into its extent, which its next owner may be.
                 for m in adm.ready:
                     m.order_current()
+                if adm.cancelled or self._closed:  # its job (or the executor) was closed
+                    return TaskResult()
                 try:
                     result = job.run(task, adm.base, adm.plan, self.device.arena)
                 finally:
@@ -703,7 +718,8 @@ class TrainingExecutor:
                 self.device.copy_out(writes, done, lane=TRAIN_WRITE_LANE)
             except BaseException as exc:
                 failed(exc)
-                self._settle(adm, done)  # recorded now: nobody waits for copies never made
+                # copy_out recorded `done` on the write stream, after what it enqueued.
+                self._settle(adm, done, mark=False)
                 return
 
             def landed() -> None:  # the pinned homes hold them: answer, uncount

@@ -111,3 +111,17 @@ async def test_cuda_hot_stage_keeps_only_the_markers_that_can_still_matter() -> 
         assert len(ex.stages[("a", 0)].users) <= 1
     assert_forward_close(out.parts[0][""], gpu_reference(ref, x))
     ex.close()
+
+
+def test_a_marker_set_after_leaving_compute_follows_the_threads_kernels() -> None:
+    """`mark_done` in a `finally` after `compute()` (a failed task's, a parked sequence's copy)
+    records on the thread's own compute stream: the default stream is not ordered after the
+    non-blocking streams torch makes, so an event there would complete while the kernels that
+    write the bytes it releases still run."""
+    dev = CudaDevice(0, 4 * MIB)
+    marker = dev.new_marker()
+    with dev.compute():
+        torch.cuda._sleep(SLEEP_CYCLES)
+    dev.mark_done(marker)
+    assert marker.recorded() and not marker.done(), "the marker did not wait for the kernel"
+    assert marker.wait(timeout=30) and marker.done()
