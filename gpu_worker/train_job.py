@@ -719,17 +719,24 @@ class TrainingJob:
 
     def _stash(self, t: Any) -> Any:
         """Keep an activation in the host tier between tasks (on a CPU stand-in, host memory
-        is where it already is)."""
+        is where it already is). On CUDA the copy is queued on the compute stream into pinned
+        memory (torch pins a non-blocking copy's host side), not waited for: the compute goes
+        on, whatever reads the stash does so on the device after it (`_unstash`, same stream),
+        and the lane synchronizes at the end of each task anyway (`TrainingExecutor`)."""
         if self.device.kind == "cpu" or not isinstance(t, torch.Tensor):
             return t
-        return t.to("cpu")
+        return t.to("cpu", non_blocking=True)
 
     def _unstash(self, x: Any) -> Any:
+        """A stash (or a step's data) on the device, queued on the compute stream: from pinned
+        memory the host does not wait (torch's pinned allocator keeps the source until the copy
+        ran, though the stash is dropped); from pageable memory torch copies it through a staging
+        buffer first, as a blocking copy would."""
         dev = self.device.torch_device
         if isinstance(x, torch.Tensor):
-            return x.to(dev)
+            return x.to(dev, non_blocking=True)
         if isinstance(x, Mapping):
-            return {k: v.to(dev) for k, v in x.items()}
+            return {k: v.to(dev, non_blocking=True) for k, v in x.items()}
         return x
 
     def _input(self, task: Task) -> Any:
