@@ -640,6 +640,7 @@ class TrainingExecutor:
         t0 = self.clock()
         # Queued before serving got busy: it waits here, and at its yield points inside.
         pause = self.gate.task_pauses()
+        marked = False
         try:
             if not self._closed:
                 pause()
@@ -659,6 +660,13 @@ class TrainingExecutor:
                     if writes:
                         self._write_back(task, job, adm, done, writes)
                 if self.device.kind == "cuda":
+                    if not adm.written:
+                        # Recorded as soon as the task's kernels are queued, not once they ran:
+                        # the next owner of its extent (freed with it) queues its copy at once,
+                        # the GPU ordering it after them, while this thread waits below. (On
+                        # CUDA the resident count is the allocator's: nothing to uncount first.)
+                        self.device.mark_done(done)
+                        marked = True
                     # The next task's host reads (kept inputs, gradients) happen on the host.
                     torch.cuda.current_stream().synchronize()
             # What the task's activation policy cost, its waits for serving left out.
@@ -666,7 +674,7 @@ class TrainingExecutor:
             return result
         finally:
             if not adm.written:
-                self._settle(adm, done)
+                self._settle(adm, done, mark=not marked)
             job.pause = no_pause
             self.counters["compute_s"] += self.clock() - t0 - pause.spent
 
