@@ -82,10 +82,15 @@ def format_status(st: BrokerStatus) -> str:
     for w in st.workers:
         t = w.stats  # its heartbeat figures
         if t.train_budget_bytes:
-            # Pipelined stages stay resident beside the arena: not in its resident bytes.
+            # Pipelined stages stay resident: their parameters and optimizer state in arena
+            # ranges held for their jobs' lives (not in the tasks' resident bytes), their
+            # gradients and activations made per step beside it.
             piped = ""
             if t.pipe_stages:
-                piped = f"; pipelined stages {t.pipe_stages} holding {fmt_bytes(t.pipe_bytes)}"
+                piped = (
+                    f"; pipelined stages {t.pipe_stages} holding {fmt_bytes(t.pipe_bytes)} "
+                    f"({fmt_bytes(t.training_held)} of the arena held)"
+                )
             out.append(
                 f"{w.name} training: resident {fmt_bytes(t.train_resident_bytes)} "
                 f"(peak {fmt_bytes(t.train_resident_peak)}) of "

@@ -116,6 +116,7 @@ class WorkerStats(_Row, tag="worker", tag_field="role"):
     arena_largest_free: Count = 0
     serving_in_use: Count = 0
     training_in_use: Count = 0
+    training_held: Count = 0  # held for pipelined stages' lives, at the arena's top
     memory_claims: Count = 0
     train_reclaimed_bytes: Count = 0
     train_borrowed_peak: Count = 0
@@ -144,7 +145,8 @@ class WorkerStats(_Row, tag="worker", tag_field="role"):
     train_tasks_started: Count = 0
     train_job_switches: Count = 0
     train_tasks_reclaimed: Count = 0
-    # Pipelined jobs' stages held here, and the bytes they keep resident (beside the arena).
+    # Pipelined jobs' stages held here, and the bytes they keep resident with their gradients
+    # (their parameters and optimizer state in the arena: `training_held`).
     pipe_stages: Count = 0
     pipe_bytes: Count = 0
     # -- every peer's (`flowmesh.peer.Peer.peer_stats`); the key counters only with CURVE keys

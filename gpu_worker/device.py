@@ -161,6 +161,10 @@ class Device:
     def _sync(self) -> None:
         pass
 
+    def sync(self) -> None:
+        """Wait until every stream's work queued on the device so far has run."""
+        self._sync()
+
     @functools.cached_property
     def torch_device(self) -> torch.device:
         return self.arena.device  # the arena is never replaced

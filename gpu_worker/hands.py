@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -58,12 +59,16 @@ from gpu_worker.device import Device
 from gpu_worker.executor import Executor, RunOutput
 from gpu_worker.host_tier import ALIGN
 from gpu_worker.kv_cache import kv_limit_bytes
-from gpu_worker.memory import DeviceMemory
+from gpu_worker.memory import DeviceMemory, Extent
 from gpu_worker.pipe_checkpoint import config_of, load_stage, read_pipe_meta, save_stage
 from gpu_worker.pipe_runner import PipeRunner
 from gpu_worker.pipe_stage import build_stage
 from gpu_worker.stage_loader import prepare_stage
 from gpu_worker.train_executor import TrainingExecutor, start_job
+
+# How long a pipelined stage's open waits for the memory-flow tasks using the arena range it is
+# to hold to end (tasks are short: seconds at most; past it the open fails UNAVAILABLE).
+HOLD_WAIT_S = 60.0
 
 
 def stage_row(start: int, stop: int, footprint: int) -> SubModelRow:
@@ -107,6 +112,8 @@ class WorkerHands:
         # The stages of pipelined jobs held here: each job's runner and the one thread it runs
         # on (its compute, and its messages in the order they came).
         self.pipes: dict[str, tuple[PipeRunner, Any]] = {}
+        # The arena range each pipelined job's stage lives in here (`TrainingExecutor.hold`).
+        self.pipe_holds: dict[str, Extent] = {}
         self.clock = clock
         self.log = log or logging.getLogger("worker")
         self.train_bytes = train_bytes
@@ -430,6 +437,9 @@ class WorkerHands:
         """On a thread: build, plan and lay out the job (profiling and weights take a while)."""
         trainer = self._trainer()
         opening = self.core.job_opening(msg)
+        target = opening.target_bytes
+        if msg.chunk_bytes is None:  # the default (half the training bytes), within what the
+            target = min(target, max(1, trainer.memory.task_room()))  # pipelined stages leave
         return start_job(
             trainer,
             msg.job,
@@ -437,7 +447,7 @@ class WorkerHands:
             opening.config,
             self.device,
             batch=msg.batch,
-            target_bytes=opening.target_bytes,
+            target_bytes=target,
             allow=self.core.allow,
             resume=opening.resume,
             worker=self.core.name,
@@ -446,7 +456,17 @@ class WorkerHands:
     def _close_job(self, name: str) -> None:
         pipe = self.pipes.pop(name, None)
         if pipe is not None:
-            pipe[1].shutdown(wait=False, cancel_futures=True)  # a step under way is given up
+            pool = pipe[1]
+            pool.shutdown(wait=False, cancel_futures=True)  # a step under way is given up
+            held = self.pipe_holds.pop(name, None)
+            if held is not None:  # its range goes back once the stage's thread is done with it
+                trainer = self._trainer()
+
+                def release() -> None:
+                    pool.shutdown(wait=True)
+                    trainer.release(held)
+
+                threading.Thread(target=release, name=f"release-{name}", daemon=True).start()
             return
         self._trainer().close_job(name)
 
@@ -491,6 +511,18 @@ class WorkerHands:
                 "(more workers), or train it on one worker by memory flow (pipeline=1), which "
                 "trains a job of any size",
             )
+        # It lives in the arena, in a range held for the job's life: what is left for the
+        # memory-flow jobs and served models here shrinks by it (or the open is refused).
+        held = trainer.hold(
+            f"job {msg.job!r}: stage {msg.stage} of {len(msg.peers)}",
+            stage.lay_out(self.core.allow),
+            HOLD_WAIT_S,
+        )
+        try:
+            stage.place(self.device.arena, held.offset)
+        except BaseException:
+            trainer.release(held)
+            raise
         peers, job = list(msg.peers), msg.job
 
         def send(to: int, hop: p.PipeHop) -> None:  # on the job's thread
@@ -508,6 +540,7 @@ class WorkerHands:
         if rng is not None:
             runner.rng = rng
         self.pipes[job] = (runner, torch_pool(1, f"pipe-{job}"))
+        self.pipe_holds[job] = held
         a, b = stage.ranges[msg.stage]
         return OpenedJob(
             name=job,

@@ -86,6 +86,24 @@ class Arena:
         self.peak = max(self.peak, self.in_use)
         return got
 
+    def take(self, offset: int, nbytes: int) -> Extent | None:
+        """The range [offset, offset + round(nbytes)) if it is free, else None."""
+        size = self.round(nbytes)
+        for i, ext in enumerate(self._free):
+            if ext.offset <= offset and offset + size <= ext.offset + ext.size:
+                after = [m for m in ext.after if not m.done()]
+                pieces = []
+                if offset > ext.offset:
+                    pieces.append(Extent(ext.offset, offset - ext.offset, list(after)))
+                end = ext.offset + ext.size
+                if offset + size < end:
+                    pieces.append(Extent(offset + size, end - offset - size, list(after)))
+                self._free[i : i + 1] = pieces
+                self.in_use += size
+                self.peak = max(self.peak, self.in_use)
+                return Extent(offset, size, list(after))
+        return None
+
     def alloc_many(self, sizes: list[int], below: int | None = None) -> list[Extent]:
         """All or nothing: either every size gets a range, or nothing is taken."""
         got: list[Extent] = []
@@ -146,6 +164,10 @@ class DeviceMemory:
       any reuse is).
     - On the CPU stand-in copies and computes share the cores: training computes only while no
       serving load or run is in flight (`serving_busy`); on a GPU, stream priorities order them.
+    - A pipelined job's stage holds its bytes for the job's life (`hold`): at the top of the
+      arena, each below the last, so that what training's tasks take from stays one piece below
+      them (`alloc_training` never reaches into the held top, nor into the range a `hold` waits
+      for: its tasks' ranges leave it as they end, and none is given it meanwhile).
 
     Thread-safe: serving allocates on the event loop, training on its driver thread. Listeners
     run on the thread that caused the event and must only hand work to their own thread.
@@ -172,6 +194,10 @@ class DeviceMemory:
         self.wake_serving: list[Callable[[], None]] = []
         # Called when serving freed a range, stopped claiming or went idle: training may go on.
         self.wake_training: list[Callable[[], None]] = []
+        # Ranges held for a pipelined stage's life, at the top (`hold`); `fence`: bytes below
+        # them a hold waits for, which no training task is given meanwhile.
+        self.holds: list[Extent] = []
+        self.fence = 0
 
     @property
     def capacity(self) -> int:
@@ -198,18 +224,65 @@ class DeviceMemory:
             self._took("serving", sum(e.size for e in got))
             return got
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes from the lowest hold to the arena's end (a hole a hold left there included:
+        tasks are not given it until the holds above it go)."""
+        return self.capacity - self._top() if self.holds else 0
+
+    def _top(self) -> int:
+        return min((e.offset for e in self.holds), default=self.capacity)
+
+    def task_room(self) -> int:
+        """The largest training task that can ever be given a range (the holds and a hold's
+        wait kept out)."""
+        return self.train_bytes - self.held_bytes - self.fence
+
     def alloc_training(self, nbytes: int) -> Extent | None:
         """A range for a training task, or None: no room, or serving is claiming memory."""
         with self._lock:
             if self.claims:
                 return None
             try:
-                ext = self.arena.alloc(nbytes)
+                ext = self.arena.alloc(nbytes, below=self._top() - self.fence)
             except OutOfSpace:
                 return None
             self._took("training", ext.size)
             self.lent += self._below_split(ext)
             return ext
+
+    def hold(self, nbytes: int) -> Extent | None:
+        """A range for a pipelined stage's life, just below the holds already there (the top of
+        the arena first), within training's part; None while training's tasks still use part of
+        it: from now on none is given that part (`fence`), and the caller tries again once a
+        task's range was freed (`wake_training`). Raises OutOfSpace if it can never fit."""
+        with self._lock:
+            size = self.arena.round(nbytes)
+            offset = (self._top() - size) // self.arena.align * self.arena.align
+            if offset < self.split:
+                free = self._top() - self.split
+                raise OutOfSpace(size, max(0, free), max(0, free))
+            ext = self.arena.take(offset, size)
+            if ext is None:
+                self.fence = max(self.fence, self._top() - offset)
+                return None
+            self.fence = 0
+            self.holds.append(ext)
+            self._took("training", ext.size)
+            return ext
+
+    def unfence(self) -> None:
+        """A hold that waited gave up: training's tasks may have its part again."""
+        with self._lock:
+            self.fence = 0
+        for fn in self.wake_training:
+            fn()
+
+    def release(self, ext: Extent, after: list[Marker]) -> None:
+        """A hold's range back (its stage closed), its next owner ordered after `after`."""
+        with self._lock:
+            self.holds.remove(ext)
+        self.free(ext, after, "training")
 
     def free(self, ext: Extent, after: list[Marker], tenant: str, reclaimed: bool = False) -> None:
         """Return `ext`; its next owner is ordered after `after`. `reclaimed`: training gave it
@@ -264,6 +337,7 @@ class DeviceMemory:
                 "arena_largest_free": self.arena.largest_free,
                 "serving_in_use": self.used["serving"],
                 "training_in_use": self.used["training"],
+                "training_held": self.held_bytes,
                 "memory_claims": self.counters["claims"],
                 "train_reclaimed_bytes": self.counters["reclaimed_bytes"],
                 "train_borrowed_peak": max(0, self.counters["borrowed_peak"]),

@@ -36,6 +36,12 @@ memory-flow job, `gpu_worker.train_job`):
   did; BatchNorm's statistics move once per forward, in micro-batch order.
 - mixed precision (`compute_dtype` "bfloat16"): forward and loss under one `torch.autocast`,
   the backward and the update outside it, as a PyTorch AMP loop does.
+
+On a worker the stage lives in its device's arena (`place`): its parameters, and its optimizer's
+state from the first update on (or from a checkpoint), are views of a range held for the job's
+life (`TrainingExecutor.hold`), so that what the worker holds stays within the arena, beside the
+memory-flow jobs and served models it shares it with. Gradients and activations, made per step
+by autograd, are beside it, as a memory-flow task's activations are.
 """
 
 from __future__ import annotations
@@ -53,12 +59,13 @@ from flowmesh.modelio.chain import Block, chain_of
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
 from flowmesh.modelio.planners import even_cut
-from flowmesh.optimizers import state_count
-from flowmesh.spec import ModelSpec
+from flowmesh.optimizers import state_count, state_slots
+from flowmesh.spec import TENSOR_ALIGN, ModelSpec
+from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import building_model
 from gpu_worker.train_config import TrainConfig, checked_loss, make_optimizer, resolve_loss
 from gpu_worker.train_job import RngState, _as_output, _model_error, _rng_get, _rng_scope
-from gpu_worker.train_layout import TensorInfo, check_ranges, collect
+from gpu_worker.train_layout import TensorInfo, aligned, check_ranges, collect, slot_of
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -154,6 +161,13 @@ class PipeStage:
         self.losses: list[float] = []
         self.nonfinite = False
         self._footprint: int | None = None  # `footprint`
+        # Where it lives in the arena once `place`d: each parameter's slot, and each owned one's
+        # optimizer state slots (by state key), from the start of its range.
+        self._slots: dict[str, Slot] = {}
+        self._state_slots: dict[str, dict[str, Slot]] = {}
+        self._held = 0
+        self._arena: torch.Tensor | None = None
+        self._base = 0
         # The most micro-batches whose forward graph this stage held at once in the step under
         # way (their activations: what the pipeline's schedule bounds); reset by `_zero`.
         self.held_peak = 0
@@ -370,6 +384,7 @@ class PipeStage:
                 self.optimizer.step()
             except Exception as exc:
                 raise _model_error(self.job, f"stage {self.stage}'s optimizer", exc) from None
+            self._adopt_states()
         self._zero()
         loss, self.losses = sum(self.losses), []
         self.nonfinite = False
@@ -412,10 +427,91 @@ class PipeStage:
         return self._footprint
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors this stage owns, by their names in the model's state_dict."""
+        """The tensors this stage owns, by their names in the model's state_dict (copies: on a
+        CPU worker its parameters are views of the arena, whose range goes back at close)."""
         return {
-            n: i.tensor.detach().to("cpu") for n, i in self.tensors.items() if i.owner == self.stage
+            n: i.tensor.detach().to("cpu", copy=True)
+            for n, i in self.tensors.items()
+            if i.owner == self.stage
         }
+
+    # -- in the arena ------------------------------------------------------------------------
+
+    def lay_out(self, allow: Iterable[str]) -> int:
+        """Lay out the range `place` puts it in: every parameter it holds (its own, and its
+        copies of borrowed ones), then its own trainable ones' optimizer state (the state keys
+        shaped like their parameter, `flowmesh.optimizers.state_slots`; an optimizer with other
+        state keeps it beside the arena). Returns the range's bytes."""
+        offset = 0
+
+        def slot(name: str, like: torch.Tensor) -> Slot:
+            nonlocal offset
+            out = slot_of(name, like, offset)
+            offset += aligned(out.nbytes, TENSOR_ALIGN)
+            return out
+
+        self._slots = {n: slot(n, i.tensor) for n, i in self.tensors.items() if i.is_param}
+        try:
+            kinds = state_slots(self.config.optimizer, [i.tensor for i in self.owned], allow)
+        except FlowmeshError:
+            kinds = [{} for _ in self.owned]
+        self._state_slots = {}
+        for info, keys in zip(self.owned, kinds, strict=True):
+            self._state_slots[info.name] = {
+                key: slot(
+                    f"{info.name}.{key}",
+                    torch.empty(info.tensor.shape, dtype=dtype, device="meta"),
+                )
+                for key, dtype in keys.items()
+            }
+        self._held = offset
+        return offset
+
+    def place(self, arena: torch.Tensor, base: int) -> None:
+        """Move its parameters, and whatever optimizer state there is, into `arena` at `base`
+        (`lay_out`'s range): each Parameter object stays the same, its data now a view there."""
+        if arena.device != self.device:
+            raise FlowmeshError(
+                Code.INTERNAL, f"stage on {self.device} placed in an arena on {arena.device}"
+            )
+        self._arena, self._base = arena, base
+        with torch.no_grad():
+            for name, slot in self._slots.items():
+                t = self.tensors[name].tensor
+                view = view_of(arena, base + slot.offset, slot)
+                view.copy_(t.detach())
+                t.data = view
+        self._adopt_states()
+
+    def _adopt_states(self) -> None:
+        """The optimizer's state tensors made since the last time (its first update, or a
+        checkpoint's) copied into their slots and used there from now on."""
+        arena, opt = self._arena, self.optimizer
+        if arena is None or opt is None:
+            return
+        with torch.no_grad():
+            for info in self.owned:
+                state = opt.state.get(info.tensor)
+                if not state:
+                    continue
+                for key, slot in self._state_slots.get(info.name, {}).items():
+                    value = state.get(key)
+                    if not isinstance(value, torch.Tensor) or value.data_ptr() == (
+                        arena.data_ptr() + self._base + slot.offset
+                    ):
+                        continue
+                    view = view_of(arena, self._base + slot.offset, slot)
+                    view.copy_(value)
+                    state[key] = view
+
+    def in_arena(self) -> list[torch.Tensor]:
+        """The tensors it keeps in the arena now (its parameters, its optimizer state there)."""
+        out = [self.tensors[n].tensor for n in self._slots]
+        if self.optimizer is not None:
+            for info in self.owned:
+                state = self.optimizer.state.get(info.tensor, {})
+                out += [state[k] for k in self._state_slots.get(info.name, {}) if k in state]
+        return out
 
 
 def cut_even(blocks: Sequence[Block], stages: int) -> list[tuple[int, int]]:

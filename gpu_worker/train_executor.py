@@ -73,7 +73,7 @@ from flowmesh.reports import OpenedJob, SubModelRow
 from flowmesh.spec import BLOCK_ALIGN, DEFAULT_ALLOW, ModelSpec
 from flowmesh.threads import torch_pool
 from gpu_worker.device import TRAIN_LANE, TRAIN_WRITE_LANE, Device
-from gpu_worker.memory import DeviceMemory, Extent
+from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import building_model
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_config import LOSSES, TrainConfig
@@ -309,6 +309,9 @@ class TrainingExecutor:
         self._driver.start()
         self.memory.on_claim.append(lambda: self._post_quiet(self._reclaim))
         self.memory.wake_training.append(lambda: self._post_quiet(_nothing))
+        # A pipelined stage's `hold` waiting for training's tasks to leave its range.
+        self._range_freed = threading.Event()
+        self.memory.wake_training.append(self._range_freed.set)
 
     # ------------------------------------------------------------------ public API
 
@@ -317,14 +320,68 @@ class TrainingExecutor:
         if job.device is not self.device:
             raise FlowmeshError(Code.INTERNAL, f"job {job.name!r} was laid out for another device")
         need = job.largest_task()
-        if need > self.memory.train_bytes:
+        room, held = self.memory.task_room(), self.memory.held_bytes
+        if need > room:
+            beside = f" left beside the {human_bytes(held)} pipelined stages hold" if held else ""
             raise FlowmeshError(
                 Code.TOO_BIG,
                 f"job {job.name!r}: its largest sub-model task needs {human_bytes(need)}, over "
-                f"the device's training bytes of {human_bytes(self.memory.train_bytes)}; plan "
+                f"the {human_bytes(room)} of the device's training bytes{beside}; plan "
                 "smaller sub-models (a lower chunk target) or a smaller batch",
             )
         self._call(lambda: self._open(job))
+
+    def hold(self, what: str, nbytes: int, timeout: float) -> Extent:
+        """A range of `nbytes` of the arena for the life of a pipelined stage (`what` names it),
+        at the top of training's part (`DeviceMemory.hold`): waits up to `timeout` seconds for
+        training's tasks to leave it. Refused (TOO_BIG) when it would leave too little for a
+        job's largest task, or for the range itself."""
+        held = self.memory.held_bytes
+        room = self.memory.train_bytes - held - self.memory.round(nbytes)
+        jobs = list(self.jobs.values())
+        need = max((j.largest_task() for j in jobs), default=0)
+        if room < need:
+            which = max(jobs, key=lambda j: j.largest_task()).name if jobs else ""
+            left = f"{human_bytes(room)}" if room > 0 else "nothing"
+            raise FlowmeshError(
+                Code.TOO_BIG,
+                f"{what} holds {human_bytes(nbytes)} of the device's "
+                f"{human_bytes(self.memory.train_bytes)} training bytes"
+                + (f" beside the {human_bytes(held)} other pipelined stages hold" if held else "")
+                + f", which leaves {left}"
+                + (
+                    f", under the {human_bytes(need)} job {which!r} needs for its largest "
+                    "task"
+                    if jobs
+                    else ""
+                ),
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            self._range_freed.clear()
+            try:
+                ext = self.memory.hold(nbytes)
+            except OutOfSpace as exc:  # (the check above keeps it within training's part)
+                raise FlowmeshError(Code.TOO_BIG, f"{what}: {exc}") from None
+            if ext is not None:
+                for m in ext.after:  # the last tasks there may still be running (on a GPU)
+                    m.wait()
+                return ext
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                self.memory.unfence()
+                raise FlowmeshError(
+                    Code.UNAVAILABLE,
+                    f"{what}: training tasks on this worker kept the {human_bytes(nbytes)} it "
+                    f"holds busy for {timeout:.0f} s",
+                )
+            self._range_freed.wait(min(left, 0.5))
+
+    def release(self, ext: Extent) -> None:
+        """A `hold`'s range back, once whatever its stage queued on the device has run."""
+        self.device.sync()
+        self.memory.release(ext, [])
+        self._post_quiet(_nothing)  # tasks waiting for memory may fit now
 
     def submit(self, name: str, inputs: Inputs, targets: torch.Tensor) -> Future[StepResult]:
         """Queue one training step of job `name`; steps of a job run strictly in order."""

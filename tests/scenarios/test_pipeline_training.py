@@ -312,8 +312,10 @@ def test_auto_pipelines_a_job_no_worker_holds_and_leaves_one_that_fits_to_one_wo
 
 def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> None:
     """A worker's pipelined stages stay resident: together they hold at most its training
-    bytes. A second job of the same size pipelined on the same two workers is refused too_big,
-    saying beside what; with `pipeline="auto"` it goes to one worker by memory flow instead."""
+    bytes, in its arena (their parameters and optimizer state, in a range held for the job's
+    life, given back at close). A second job of the same size pipelined on the same two workers
+    is refused too_big, saying beside what; with `pipeline="auto"` it goes to one worker by
+    memory flow instead, and trains in what the held range leaves."""
     s = training.spec(13)
     kw = {"kwargs": s.kwargs, "seed": s.seed, "optimizer": training.ADAM,
           "batch_size": training.BATCH, "accumulate": 2}  # fmt: skip
@@ -322,14 +324,15 @@ def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> 
         **roots_at(tmp_path),
     ) as mesh, mesh.client(timeout=60) as c:  # fmt: skip
         first = c.train_open("first", s.factory, pipeline=2, **kw)
-        # Status shows what they hold on each worker (beside the arena, so not in its bytes).
+        # Status shows what they hold on each worker, and the arena range it lives in.
         held = {w: r.task_bytes for w, r in zip(first.info.pipeline, first.info.sub_models,
                                                  strict=True)}  # fmt: skip
 
         def piped() -> Any:
             st = c.status()
             got = {w.name: (w.stats.pipe_stages, w.stats.pipe_bytes) for w in st.workers}
-            return st if got == {w: (1, b) for w, b in held.items()} else None
+            in_arena = all(0 < w.stats.training_held < held[w.name] for w in st.workers)
+            return st if in_arena and got == {w: (1, b) for w, b in held.items()} else None
 
         st = mesh.wait_until(piped, "the workers' heartbeats to count their stages")
         text = views.format_status(st)
@@ -342,3 +345,8 @@ def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> 
         assert other.info.pipeline == [] and len(first.info.pipeline) == 2
         x, y = training.data(13, 1)[0]
         assert first.step(x, y).step == 1 and other.step(x, y).step == 1
+        first.close()
+        mesh.wait_until(
+            lambda: all(w.stats.training_held == 0 for w in c.status().workers) or None,
+            "the closed job's stages to give their arena ranges back",
+        )

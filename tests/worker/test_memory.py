@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpu_worker.memory import Arena, OutOfSpace
+from gpu_worker.memory import Arena, DeviceMemory, OutOfSpace
 
 
 class Flag:
@@ -93,3 +93,44 @@ def test_reuse_is_ordered_after_the_last_users() -> None:
     pending._done = True
     a.free(y, [])
     assert a.alloc(256).after == []
+
+
+def test_holds_stack_at_the_top_and_tasks_stay_below_them() -> None:
+    """A pipelined stage's range (`DeviceMemory.hold`) is taken at the arena's top, each next
+    one just below; training's tasks are given ranges below the holds only, and the room left
+    for a task says so. Released, a hold's bytes are given again."""
+    m = DeviceMemory(1024, 2048, align=256)  # serving [0, 1024), training [1024, 3072)
+    a = m.hold(300)
+    assert a is not None and (a.offset, a.size) == (2560, 512)
+    b = m.hold(256)
+    assert b is not None and (b.offset, b.size) == (2304, 256)
+    assert m.held_bytes == 768 and m.task_room() == 2048 - 768
+    assert m.stats()["training_held"] == 768 and m.used["training"] == 768
+    # Tasks are given what is below the holds, serving's part lent first-fit as before.
+    got = [m.alloc_training(256) for _ in range(9)]
+    assert all(e is not None and e.offset + e.size <= 2304 for e in got)
+    assert m.alloc_training(256) is None  # the top is held: no more room
+    with pytest.raises(OutOfSpace):  # never into serving's part
+        m.hold(2048)
+    m.release(b, [])
+    assert m.held_bytes == 512 and m.alloc_training(256) is not None
+
+
+def test_a_hold_waits_for_the_tasks_in_its_range_and_fences_it_meanwhile() -> None:
+    m = DeviceMemory(0, 1024, align=256)
+    tasks = [m.alloc_training(256) for _ in range(3)]  # [0, 768) in use
+    assert [e.offset for e in tasks if e is not None] == [0, 256, 512]
+    assert m.hold(512) is None  # [512, 1024) is partly a task's
+    assert m.fence == 512 and m.task_room() == 512
+    assert m.alloc_training(256) is None  # [768, 1024) is fenced: not given to a task
+    m.free(tasks[2], [], "training")
+    held = m.hold(512)
+    assert held is not None and held.offset == 512 and m.fence == 0
+    m.free(tasks[1], [], "training")
+    assert m.alloc_training(256) is not None and m.alloc_training(256) is None
+    # A hold that gave up lifts its fence.
+    m2 = DeviceMemory(0, 1024, align=256)
+    t = m2.alloc_training(1024)
+    assert t is not None and m2.hold(256) is None and m2.fence == 256
+    m2.unfence()
+    assert m2.fence == 0

@@ -18,6 +18,7 @@ from flowmesh.modelio.chain import chain_of
 from flowmesh.modelio.inputs import declared_inputs, make_inputs
 from flowmesh.modelio.profile import profile
 from flowmesh.spec import ModelSpec
+from gpu_worker.device import CpuStandIn
 from gpu_worker.pipe_stage import PipeStage, build_stage, job_rng, step_in_process
 from gpu_worker.train_config import TrainConfig
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
@@ -46,17 +47,49 @@ def merged(stages: list[PipeStage]) -> dict[str, torch.Tensor]:
     return out
 
 
+def placed(pipe: list[PipeStage]) -> list[CpuStandIn]:
+    """Each stage in an arena of its own (as on its worker), at an offset inside it, the arena
+    filled with NaN first: a tensor left beside it, or a slot read before written, shows."""
+    arenas = []
+    for stage in pipe:
+        nbytes = stage.lay_out(GRID_ALLOW)
+        dev = CpuStandIn(nbytes + 1024, prefault=False)
+        dev.arena.view(torch.float32).fill_(float("nan"))
+        stage.place(dev.arena, 512)
+        arenas.append(dev)
+    return arenas
+
+
+def assert_in_arena(pipe: list[PipeStage], arenas: list[CpuStandIn]) -> None:
+    for stage, dev in zip(pipe, arenas, strict=True):
+        lo = dev.arena.data_ptr()
+        kept = stage.in_arena()
+        params = [i for i in stage.tensors.values() if i.is_param]
+        assert len(kept) > len(params) or stage.optimizer is None or not stage.owned
+        for t in kept:
+            assert lo + 512 <= t.data_ptr() < lo + dev.arena.numel(), "a tensor beside the arena"
+
+
+@pytest.mark.parametrize("where", ["beside", "arena"])
 @pytest.mark.parametrize(
     ("kind", "optimizer", "stages", "clip", "accumulate"),
     PIPE_CASES,
     ids=[f"{c[0]}-{c[1]['name']}-p{c[2]}-clip{c[3]}-acc{c[4]}" for c in PIPE_CASES],
 )
 def test_pipelined_steps_match_plain_pytorch(
-    kind: str, optimizer: dict[str, Any], stages: int, clip: float | None, accumulate: int
+    kind: str,
+    optimizer: dict[str, Any],
+    stages: int,
+    clip: float | None,
+    accumulate: int,
+    where: str,
 ) -> None:
+    """`where`: the stages' tensors as built, or placed in an arena as on a worker (their
+    parameters, and their optimizer state once the first update made it)."""
     cfg = TrainConfig(optimizer, clip_grad_norm=clip, accumulate=accumulate, seed=21)
     data = data_for(kind)
     pipe = pipe_stages(kind, cfg, stages)
+    arenas = placed(pipe) if where == "arena" else []
     if kind == "gpt2":  # the tied embedding: lent by stage 0, borrowed by the last
         assert "transformer.wte.weight" in pipe[0].lent
         assert [i.name for i in pipe[-1].borrowed] == ["transformer.wte.weight"]
@@ -81,6 +114,8 @@ def test_pipelined_steps_match_plain_pytorch(
         close(pipe[-1].tensors["transformer.wte.weight"].tensor, got["transformer.wte.weight"])
     if clip is not None:
         assert any(float(t) > clip for t in norms if t is not None)
+    if arenas:
+        assert_in_arena(pipe, arenas)
 
 
 def test_a_stage_cut_where_no_floating_activation_passes_is_refused() -> None:

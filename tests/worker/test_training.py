@@ -229,6 +229,48 @@ def test_memory_flow_interleaves_jobs_within_budget() -> None:
     assert prefetched > 0, "no task was brought in while its predecessor computed"
 
 
+def test_a_held_range_leaves_memory_flow_the_rest_and_refuses_what_would_not_fit() -> None:
+    """A pipelined stage's range (`TrainingExecutor.hold`) at the arena's top: a memory-flow
+    job beside it trains exactly, its tasks' ranges all below it; a hold that would leave an
+    open job too little for its largest task is refused (TOO_BIG, naming the job), and so is a
+    job opened over what the hold leaves; released, the bytes serve tasks again."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=5)
+    budget = 256 * KIB
+    dev = CpuStandIn(budget)
+    data = data_for("mlp", 4)
+    with TrainingExecutor(dev) as ex:
+        job = local_job("j", build_seeded(SPECS["mlp"]), cfg, dev, 3)
+        need = job.largest_task()
+        ex.open(job)
+        with pytest.raises(FlowmeshError) as refused:
+            ex.hold("stage 0 of job 'p'", budget - need + 4096, 5.0)
+        assert refused.value.code == Code.TOO_BIG and "job 'j'" in refused.value.reason
+        held = ex.hold("stage 0 of job 'p'", budget - need - 4096, 5.0)
+        assert held.offset + held.size == budget and ex.memory.held_bytes == held.size
+        given: list[Any] = []
+        alloc = ex.memory.alloc_training
+
+        def recorded(nbytes: int) -> Any:
+            ext = alloc(nbytes)
+            given.append(ext)
+            return ext
+
+        ex.memory.alloc_training = recorded  # type: ignore[method-assign]
+        results = flow_run(job, data, ex)
+        reference = build_seeded(SPECS["mlp"])
+        close([r.loss for r in results], plain_step_loop(reference, cfg, data), "beside a hold")
+        assert given and all(e.offset + e.size <= held.offset for e in given if e is not None)
+        whole = local_job("whole", build_seeded(SPECS["mlp"]), cfg, dev, 1)
+        assert whole.largest_task() > budget - held.size
+        with pytest.raises(FlowmeshError, match="pipelined stages hold") as over:
+            ex.open(whole)
+        assert over.value.code == Code.TOO_BIG
+        ex.release(held)
+        assert ex.memory.held_bytes == 0
+        ex.open(whole)
+        assert ex.step("whole", *data[0]).step == 1
+
+
 # -- isolation -------------------------------------------------------------------------------
 
 
