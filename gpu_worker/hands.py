@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -457,16 +456,14 @@ class WorkerHands:
         pipe = self.pipes.pop(name, None)
         if pipe is not None:
             pool = pipe[1]
-            pool.shutdown(wait=False, cancel_futures=True)  # a step under way is given up
+            pool.shutdown(wait=False, cancel_futures=True)  # the steps queued are given up
             held = self.pipe_holds.pop(name, None)
-            if held is not None:  # its range goes back once the stage's thread is done with it
-                trainer = self._trainer()
-
-                def release() -> None:
-                    pool.shutdown(wait=True)
-                    trainer.release(held)
-
-                threading.Thread(target=release, name=f"release-{name}", daemon=True).start()
+            if held is not None:
+                # Its range goes back once the stage's thread is done with it (a step under
+                # way ends first), before the next open or close in line here is done: an open
+                # after this close finds the range free.
+                pool.shutdown(wait=True)
+                self._trainer().release(held)
             return
         self._trainer().close_job(name)
 
@@ -493,7 +490,7 @@ class WorkerHands:
         assert config is not None  # the core refused an open with neither
         stage = build_stage(
             msg.job, msg.spec, config, msg.stage, len(msg.peers),
-            self.device.torch_device, self.core.allow,
+            self.device.torch_device, self.core.allow, place_later=True,
         )  # fmt: skip
         step, rng = load_stage(stage, resume) if resume is not None else (0, None)
         footprint = stage.footprint(self.core.allow)
@@ -520,27 +517,27 @@ class WorkerHands:
         )
         try:
             stage.place(self.device.arena, held.offset)
+            peers, job = list(msg.peers), msg.job
+
+            def send(to: int, hop: p.PipeHop) -> None:  # on the job's thread
+                loop.call_soon_threadsafe(self._send_pipe, peers[to], hop)
+
+            def answer(out: p.Message) -> None:  # on the job's thread
+                loop.call_soon_threadsafe(self._pipe_answered, job, out)
+
+            roots = self.core.roots
+
+            def save(stage: Any, path: str, step: int, rng: Any) -> None:  # on the job's thread
+                save_stage(stage, roots.writable(path, "checkpoint"), step, rng)
+
+            runner = PipeRunner(stage, msg.ticket, send, answer, step_count=step, save=save)
+            if rng is not None:
+                runner.rng = rng
+            self.pipes[job] = (runner, torch_pool(1, f"pipe-{job}"))
+            self.pipe_holds[job] = held
         except BaseException:
             trainer.release(held)
             raise
-        peers, job = list(msg.peers), msg.job
-
-        def send(to: int, hop: p.PipeHop) -> None:  # on the job's thread
-            loop.call_soon_threadsafe(self._send_pipe, peers[to], hop)
-
-        def answer(out: p.Message) -> None:  # on the job's thread
-            loop.call_soon_threadsafe(self._pipe_answered, job, out)
-
-        roots = self.core.roots
-
-        def save(stage: Any, path: str, step: int, rng: Any) -> None:  # on the job's thread
-            save_stage(stage, roots.writable(path, "checkpoint"), step, rng)
-
-        runner = PipeRunner(stage, msg.ticket, send, answer, step_count=step, save=save)
-        if rng is not None:
-            runner.rng = rng
-        self.pipes[job] = (runner, torch_pool(1, f"pipe-{job}"))
-        self.pipe_holds[job] = held
         a, b = stage.ranges[msg.stage]
         return OpenedJob(
             name=job,

@@ -252,13 +252,22 @@ class DeviceMemory:
             return ext
 
     def hold(self, nbytes: int) -> Extent | None:
-        """A range for a pipelined stage's life, just below the holds already there (the top of
-        the arena first), within training's part; None while training's tasks still use part of
-        it: from now on none is given that part (`fence`), and the caller tries again once a
-        task's range was freed (`wake_training`). Raises OutOfSpace if it can never fit."""
+        """A range for a pipelined stage's life: in a hole a closed stage left among the holds,
+        else just below them (the top of the arena first), within training's part; None while
+        training's tasks still use part of it: from now on none is given that part (`fence`),
+        and the caller tries again once a task's range was freed (`wake_training`). Raises
+        OutOfSpace if it can never fit."""
         with self._lock:
             size = self.arena.round(nbytes)
-            offset = (self._top() - size) // self.arena.align * self.arena.align
+            top, align = self._top(), self.arena.align
+            for start, room in reversed(self.arena.free_extents()):
+                if start >= top and room >= size:  # a hole a closed stage left among the holds
+                    ext = self.arena.take((start + room - size) // align * align, size)
+                    if ext is not None:
+                        self.holds.append(ext)
+                        self._took("training", ext.size)
+                        return ext
+            offset = (top - size) // align * align
             if offset < self.split:
                 free = self._top() - self.split
                 raise OutOfSpace(size, max(0, free), max(0, free))
@@ -294,8 +303,12 @@ class DeviceMemory:
                 self.lent -= self._below_split(ext)
             if reclaimed:
                 self.counters["reclaimed_bytes"] += ext.size
+            fenced = self.fence > 0
         for fn in self.wake_serving if tenant == "training" else self.wake_training:
             fn()
+        if fenced and tenant == "training":  # a hold waits for training's ranges to leave
+            for fn in self.wake_training:
+                fn()
 
     def claim(self) -> None:
         """A serving load is waiting: training stops admitting and gives back what it can."""

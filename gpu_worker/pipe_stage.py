@@ -104,7 +104,11 @@ class PipeStage:
         device: torch.device | str = "cpu",
         *,
         allow: Iterable[str] | None = None,
+        place_later: bool = False,
     ) -> None:
+        """`place_later`: its tensors stay where the blocks were built (the host) until `place`
+        puts them on `device`, in its arena: never a whole copy of them on the device beside
+        it."""
         self.job = job
         self.config = config
         self.ranges = [(int(a), int(b)) for a, b in ranges]
@@ -126,7 +130,8 @@ class PipeStage:
         sub = subs[stage]
         self.modules = list(sub.modules)
         for m in self.modules:
-            m.to(self.device)
+            if not place_later:
+                m.to(self.device)
             m.train()
         self.tensors: dict[str, TensorInfo] = {n: tensors[n] for n in sub.uses}
         self.owned = [tensors[n] for n in sub.owned if tensors[n].trainable]
@@ -406,8 +411,9 @@ class PipeStage:
         self.held_peak = 0
 
     def tied_values(self) -> dict[str, torch.Tensor]:
-        """The values of the parameters this stage lends, after its update."""
-        return {n: self.tensors[n].tensor.detach() for n in self.lent}
+        """The values of the parameters this stage lends, after its update (copies: they
+        travel after this call returns, and a placed stage's range goes back at close)."""
+        return {n: self.tensors[n].tensor.detach().clone() for n in self.lent}
 
     def set_tied_values(self, values: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -481,7 +487,25 @@ class PipeStage:
                 view = view_of(arena, base + slot.offset, slot)
                 view.copy_(t.detach())
                 t.data = view
+            # Buffers (a stage built to be placed has them where it was built) go to the
+            # device as they are: each forward replaces them with fresh copies anyway.
+            moved: dict[int, torch.Tensor] = {}
+            for module in self.modules:
+                for sub in module.modules():
+                    for key, buf in sub._buffers.items():
+                        if buf is not None and buf.device != self.device:
+                            sub._buffers[key] = moved.setdefault(id(buf), buf.to(self.device))
+            for info in self.tensors.values():
+                if not info.is_param and id(info.tensor) in moved:
+                    info.tensor = moved[id(info.tensor)]
         self._adopt_states()
+        if self.optimizer is not None:  # state the arena does not take goes to the device
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() and (
+                        value.device != self.device
+                    ):
+                        state[key] = value.to(self.device)
 
     def _adopt_states(self) -> None:
         """The optimizer's state tensors made since the last time (its first update, or a
@@ -489,6 +513,7 @@ class PipeStage:
         arena, opt = self._arena, self.optimizer
         if arena is None or opt is None:
             return
+        adopted = False
         with torch.no_grad():
             for info in self.owned:
                 state = opt.state.get(info.tensor)
@@ -503,6 +528,11 @@ class PipeStage:
                     view = view_of(arena, self._base + slot.offset, slot)
                     view.copy_(value)
                     state[key] = view
+                    adopted = True
+        if adopted and self.device.type == "cuda":
+            # What the optimizer made beside the arena goes back to the device, not to torch's
+            # cache (it was the size of the stage's state: once, at the first update).
+            torch.cuda.empty_cache()
 
     def in_arena(self) -> list[torch.Tensor]:
         """The tensors it keeps in the arena now (its parameters, its optimizer state there)."""
@@ -536,15 +566,20 @@ def build_stage(
     stages: int,
     device: torch.device | str,
     allow: Iterable[str],
+    place_later: bool = False,
 ) -> PipeStage:
     """Stage `stage` of `spec` cut into `stages`: the model built as deployed (its weights
-    file or directory, or its seed), its chain cut by `cut_even`."""
+    file or directory, or its seed), its chain cut by `cut_even` (`place_later`: see
+    `PipeStage`)."""
     allow = tuple(allow)
     with building_model():
         model = build_reference(spec, allow)  # in eval mode: tracing it moves no statistic
         inputs = declared_inputs(spec, model)
         blocks = chain_of(model, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
-    return PipeStage(job, blocks, cut_even(blocks, stages), stage, config, device, allow=allow)
+    return PipeStage(
+        job, blocks, cut_even(blocks, stages), stage, config, device, allow=allow,
+        place_later=place_later,
+    )  # fmt: skip
 
 
 def step_in_process(

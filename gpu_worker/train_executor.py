@@ -357,25 +357,28 @@ class TrainingExecutor:
                 ),
             )
         deadline = time.monotonic() + timeout
-        while True:
-            self._range_freed.clear()
-            try:
-                ext = self.memory.hold(nbytes)
-            except OutOfSpace as exc:  # (the check above keeps it within training's part)
-                raise FlowmeshError(Code.TOO_BIG, f"{what}: {exc}") from None
-            if ext is not None:
-                for m in ext.after:  # the last tasks there may still be running (on a GPU)
-                    m.wait()
-                return ext
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closed:
-                self.memory.unfence()
-                raise FlowmeshError(
-                    Code.UNAVAILABLE,
-                    f"{what}: training tasks on this worker kept the {human_bytes(nbytes)} it "
-                    f"holds busy for {timeout:.0f} s",
-                )
-            self._range_freed.wait(min(left, 0.5))
+        try:
+            while True:
+                self._range_freed.clear()
+                try:
+                    ext = self.memory.hold(nbytes)
+                except OutOfSpace as exc:  # (the check above keeps it within training's part)
+                    raise FlowmeshError(Code.TOO_BIG, f"{what}: {exc}") from None
+                if ext is not None:
+                    for m in ext.after:  # the last tasks there may still be running (on a GPU)
+                        m.wait()
+                    return ext
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise FlowmeshError(
+                        Code.UNAVAILABLE,
+                        f"{what}: training tasks on this worker kept the {human_bytes(nbytes)} "
+                        f"it holds busy for {timeout:.0f} s",
+                    )
+                self._range_freed.wait(min(left, 0.5))
+        except BaseException:
+            self.memory.unfence()  # its range is training's tasks' again
+            raise
 
     def release(self, ext: Extent) -> None:
         """A `hold`'s range back, once whatever its stage queued on the device has run."""

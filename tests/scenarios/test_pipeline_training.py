@@ -335,6 +335,7 @@ def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> 
             return st if in_arena and got == {w: (1, b) for w, b in held.items()} else None
 
         st = mesh.wait_until(piped, "the workers' heartbeats to count their stages")
+        in_arena = {w.name: w.stats.training_held for w in st.workers}
         text = views.format_status(st)
         for w, b in held.items():
             assert f"{w} training: " in text
@@ -345,7 +346,20 @@ def test_pipelined_stages_share_their_workers_training_bytes(tmp_path: Path) -> 
         assert other.info.pipeline == [] and len(first.info.pipeline) == 2
         x, y = training.data(13, 1)[0]
         assert first.step(x, y).step == 1 and other.step(x, y).step == 1
+        other.close()
         first.close()
+        # Opened right after the close, its stages take the ranges the closed one gave back.
+        again = c.train_open("again", s.factory, pipeline=2, **kw)
+        assert again.info.pipeline == first.info.pipeline
+
+        def held_again() -> Any:
+            st = c.status()
+            got = {w.name: w.stats.training_held for w in st.workers}
+            return got if all(w.stats.pipe_stages == 1 for w in st.workers) else None
+
+        assert mesh.wait_until(held_again, "the new job's stages") == in_arena
+        assert again.step(x, y).step == 1
+        again.close()
         mesh.wait_until(
             lambda: all(w.stats.training_held == 0 for w in c.status().workers) or None,
             "the closed job's stages to give their arena ranges back",

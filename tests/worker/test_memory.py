@@ -134,3 +134,20 @@ def test_a_hold_waits_for_the_tasks_in_its_range_and_fences_it_meanwhile() -> No
     assert t is not None and m2.hold(256) is None and m2.fence == 256
     m2.unfence()
     assert m2.fence == 0
+
+
+def test_a_hold_takes_the_hole_a_released_one_left_and_a_training_free_wakes_a_waiting_hold():
+    m = DeviceMemory(0, 2048, align=256)
+    a, b = m.hold(512), m.hold(256)
+    assert a is not None and b is not None and (a.offset, b.offset) == (1536, 1280)
+    m.release(a, [])  # the upper one first: a hole above the other
+    c = m.hold(512)
+    assert c is not None and c.offset == 1536 and m.held_bytes == 768
+    woken: list[int] = []
+    m.wake_training.append(lambda: woken.append(1))
+    t = m.alloc_training(1280)
+    assert t is not None and m.hold(256) is None  # waits for the task's range, fenced
+    woken.clear()
+    m.free(t, [], "training")
+    assert woken, "a hold waiting for a task's range was not woken when it was freed"
+    assert m.hold(256) is not None
