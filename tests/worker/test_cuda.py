@@ -125,3 +125,45 @@ def test_a_marker_set_after_leaving_compute_follows_the_threads_kernels() -> Non
     dev.mark_done(marker)
     assert marker.recorded() and not marker.done(), "the marker did not wait for the kernel"
     assert marker.wait(timeout=30) and marker.done()
+
+
+def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it() -> None:
+    """Two pipeline stages built on the host and placed in one GPU arena (`place_later`, as a
+    worker opens them) step as the same stages built on the GPU beside it: the same losses and
+    weights, the placed ones' parameters and optimizer state inside the arena."""
+    from gpu_worker.pipe_stage import PipeStage, job_rng, step_in_process
+    from gpu_worker.train_config import TrainConfig
+    from tests.support.train_cases import blocks_of, build, close, data_for, even_ranges
+
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=21)
+    dev = CudaDevice(0, 16 * MIB)
+    cuda = dev.torch_device
+
+    def stages(placed: bool) -> list[PipeStage]:
+        out, base = [], 0
+        for s in range(2):
+            blocks = blocks_of("mlp", build("mlp"))
+            stage = PipeStage(
+                "job", blocks, even_ranges(len(blocks), 2), s, cfg, cuda, place_later=placed
+            )
+            if placed:
+                size = stage.lay_out(())
+                stage.place(dev.arena, base)
+                base += -(-size // 256) * 256
+            out.append(stage)
+        return out
+
+    results = {}
+    for placed in (False, True):
+        pipe, rng, losses = stages(placed), job_rng(cfg.seed, cuda=0), []
+        for x, y in data_for("mlp"):
+            loss, rng, _ = step_in_process(pipe, x.to(cuda), y.to(cuda), rng)
+            losses.append(loss)
+        results[placed] = (losses, {n: t for s in pipe for n, t in s.state_dict().items()}, pipe)
+    close(results[True][0], results[False][0], "losses, placed against beside")
+    for name, t in results[False][1].items():
+        close(results[True][1][name], t, name)
+    lo = dev.arena.data_ptr()
+    for stage in results[True][2]:
+        for t in stage.in_arena():
+            assert t.is_cuda and lo <= t.data_ptr() < lo + dev.arena.numel()
