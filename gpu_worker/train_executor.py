@@ -626,7 +626,10 @@ class TrainingExecutor:
         keys = job.written if ANY in task.reads else task.reads
         adm.waits = [m for k in keys if (m := job.written.get(k)) is not None and not m.done()]
         fut = self._copy.submit(self._do_copy, adm)
-        fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_copied(t, adm, f)))
+        # Quiet: at close the lanes' last work ends after the driver (nothing left to tell).
+        fut.add_done_callback(
+            lambda f, t=task: self._post_quiet(lambda: self._on_copied(t, adm, f))
+        )
 
     def _do_copy(self, adm: _Admission) -> None:
         """Copy lane: order after the extent's previous users, then bring the bytes in."""
@@ -693,7 +696,7 @@ class TrainingExecutor:
                         adm.counted = False
                         self.resident -= adm.nbytes
         fut = self._compute.submit(self._do_compute, task, adm, done)
-        fut.add_done_callback(lambda f, t=task: self._post(lambda: self._on_computed(t, f)))
+        fut.add_done_callback(lambda f, t=task: self._post_quiet(lambda: self._on_computed(t, f)))
 
     def _do_compute(self, task: Task, adm: _Admission, done: Any) -> TaskResult:
         job: TrainingJob = task.payload["job"]
@@ -786,8 +789,9 @@ class TrainingExecutor:
                 self.device.copy_out(writes, done, lane=TRAIN_WRITE_LANE)
             except BaseException as exc:
                 failed(exc)
-                # copy_out recorded `done` on the write stream, after what it enqueued.
-                self._settle(adm, done, mark=False)
+                # copy_out recorded `done` on the write stream after what it enqueued, unless
+                # it failed before (no stream): then it is marked here, nothing to wait for.
+                self._settle(adm, done, mark=not done.recorded())
                 return
 
             def landed() -> None:  # the pinned homes hold them: answer, uncount

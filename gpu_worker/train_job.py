@@ -893,6 +893,12 @@ class TrainingJob:
             self._grads[(task.request, task.micro, task.sub - 1)] = self._stash(x.grad)
         self._acts.pop(key, None)
         self._replay.pop(key, None)
+        for info in self._fresh:
+            grad = info.tensor.grad
+            if grad is not None and grad.layout != torch.strided:
+                # A sparse gradient (an Embedding(sparse=True)): dense, as a device's zeroed
+                # view accumulates it, so that the stand-in trains as the device does.
+                info.tensor.grad = grad.to_dense()
         if not task.payload["update"]:  # the gradients outlive the task: into their views
             for info in self._fresh:
                 if info.tensor.grad is not None:

@@ -271,6 +271,31 @@ def test_a_held_range_leaves_memory_flow_the_rest_and_refuses_what_would_not_fit
         assert ex.step("whole", *data[0]).step == 1
 
 
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-grads", "arena-grads"])
+def test_a_sparse_embedding_gradient_trains_as_plain_pytorch(fresh: bool) -> None:
+    """`nn.Embedding(sparse=True)` gives a sparse gradient: made afresh on the stand-in it is
+    made dense, as a device's zeroed view accumulates it (copied into its view, with two
+    micro-batches, and stepped), and both equal plain PyTorch's SGD on the sparse one."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Flatten(), nn.Linear(24, 5))
+
+    cfg = TrainConfig({"name": "sgd", "lr": 0.1}, accumulate=2, seed=5)
+    g = torch.Generator().manual_seed(4)
+    data = [
+        (torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 5, (8,), generator=g))
+        for _ in range(4)
+    ]
+    dev = CpuStandIn(MIB)
+    job = local_job("sparse", model(), cfg, dev, 2)
+    job.fresh_grads = fresh
+    results = flow_run(job, data)
+    reference = model()
+    close([r.loss for r in results], plain_step_loop(reference, cfg, data), "sparse losses")
+    assert_same_model(job, reference)
+
+
 # -- isolation -------------------------------------------------------------------------------
 
 
