@@ -60,12 +60,12 @@ from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
 from flowmesh.modelio.planners import even_cut
 from flowmesh.optimizers import state_count, state_slots
-from flowmesh.spec import TENSOR_ALIGN, ModelSpec
+from flowmesh.spec import ModelSpec
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import building_model
 from gpu_worker.train_config import TrainConfig, checked_loss, make_optimizer, resolve_loss
 from gpu_worker.train_job import RngState, _as_output, _model_error, _rng_get, _rng_scope
-from gpu_worker.train_layout import TensorInfo, aligned, check_ranges, collect, slot_of
+from gpu_worker.train_layout import SlotPacker, TensorInfo, check_ranges, collect
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -170,7 +170,6 @@ class PipeStage:
         # optimizer state slots (by state key), from the start of its range.
         self._slots: dict[str, Slot] = {}
         self._state_slots: dict[str, dict[str, Slot]] = {}
-        self._held = 0
         self._arena: torch.Tensor | None = None
         self._base = 0
         # The most micro-batches whose forward graph this stage held at once in the step under
@@ -448,15 +447,8 @@ class PipeStage:
         copies of borrowed ones), then its own trainable ones' optimizer state (the state keys
         shaped like their parameter, `flowmesh.optimizers.state_slots`; an optimizer with other
         state keeps it beside the arena). Returns the range's bytes."""
-        offset = 0
-
-        def slot(name: str, like: torch.Tensor) -> Slot:
-            nonlocal offset
-            out = slot_of(name, like, offset)
-            offset += aligned(out.nbytes, TENSOR_ALIGN)
-            return out
-
-        self._slots = {n: slot(n, i.tensor) for n, i in self.tensors.items() if i.is_param}
+        pack = SlotPacker()
+        self._slots = {n: pack.place(n, i.tensor) for n, i in self.tensors.items() if i.is_param}
         try:
             kinds = state_slots(self.config.optimizer, [i.tensor for i in self.owned], allow)
         except FlowmeshError:
@@ -464,14 +456,9 @@ class PipeStage:
         self._state_slots = {}
         for info, keys in zip(self.owned, kinds, strict=True):
             self._state_slots[info.name] = {
-                key: slot(
-                    f"{info.name}.{key}",
-                    torch.empty(info.tensor.shape, dtype=dtype, device="meta"),
-                )
-                for key, dtype in keys.items()
+                key: pack.state(info, key, dtype) for key, dtype in keys.items()
             }
-        self._held = offset
-        return offset
+        return pack.offset
 
     def place(self, arena: torch.Tensor, base: int) -> None:
         """Move its parameters, and whatever optimizer state there is, into `arena` at `base`

@@ -341,20 +341,16 @@ class TrainingExecutor:
         jobs = list(self.jobs.values())
         need = max((j.largest_task() for j in jobs), default=0)
         if room < need:
-            which = max(jobs, key=lambda j: j.largest_task()).name if jobs else ""
-            left = f"{human_bytes(room)}" if room > 0 else "nothing"
+            beside = f" beside the {human_bytes(held)} other pipelined stages hold" if held else ""
+            under = ""
+            if jobs:
+                which = max(jobs, key=lambda j: j.largest_task()).name
+                under = f", under the {human_bytes(need)} job {which!r} needs for its largest task"
             raise FlowmeshError(
                 Code.TOO_BIG,
                 f"{what} holds {human_bytes(nbytes)} of the device's "
-                f"{human_bytes(self.memory.train_bytes)} training bytes"
-                + (f" beside the {human_bytes(held)} other pipelined stages hold" if held else "")
-                + f", which leaves {left}"
-                + (
-                    f", under the {human_bytes(need)} job {which!r} needs for its largest "
-                    "task"
-                    if jobs
-                    else ""
-                ),
+                f"{human_bytes(self.memory.train_bytes)} training bytes{beside}, which leaves "
+                f"{human_bytes(room) if room > 0 else 'nothing'}{under}",
             )
         deadline = time.monotonic() + timeout
         try:

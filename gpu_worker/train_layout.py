@@ -166,6 +166,28 @@ def collect(
     return tensors, subs
 
 
+class SlotPacker:
+    """Tensors' slots laid one after another in a buffer, each on a TENSOR_ALIGN boundary, in
+    sections that end on a BLOCK_ALIGN one."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def place(self, name: str, like: torch.Tensor) -> Slot:
+        slot = slot_of(name, like, self.offset)
+        self.offset += aligned(slot.nbytes, TENSOR_ALIGN)
+        return slot
+
+    def state(self, info: TensorInfo, key: str, dtype: torch.dtype) -> Slot:
+        """The slot of optimizer state `key` of `info`'s parameter (shaped like it)."""
+        like = torch.empty(info.tensor.shape, dtype=dtype, device="meta")
+        return self.place(f"{info.name}.{key}", like)
+
+    def end_section(self) -> int:
+        self.offset = aligned(self.offset, BLOCK_ALIGN)
+        return self.offset
+
+
 def lay_out_slab(
     sub: SubModel,
     tensors: Mapping[str, TensorInfo],
@@ -178,36 +200,24 @@ def lay_out_slab(
     params = [i for i in infos if i.is_param]
     buffers = [i for i in infos if not i.is_param]
     trainable = [i for i in params if i.trainable]
-    offset = 0
-
-    def place(name: str, like: torch.Tensor) -> Slot:
-        nonlocal offset
-        slot = slot_of(name, like, offset)
-        offset += aligned(slot.nbytes, TENSOR_ALIGN)
-        return slot
-
+    pack = SlotPacker()
     sections: dict[str, tuple[int, int]] = {}
-    start = offset
+    start = 0
     for info in params:
-        info.slot = place(info.name, info.tensor)
-    offset = aligned(offset, BLOCK_ALIGN)
-    sections["P"], start = (start, offset), offset
+        info.slot = pack.place(info.name, info.tensor)
+    sections["P"] = (start, start := pack.end_section())
     for info in buffers:
-        info.slot = place(info.name, info.tensor)
-    offset = aligned(offset, BLOCK_ALIGN)
-    sections["B"], start = (start, offset), offset
+        info.slot = pack.place(info.name, info.tensor)
+    sections["B"] = (start, start := pack.end_section())
     for info in trainable:
-        info.grad_slot = place(info.name, info.tensor)
-    offset = aligned(offset, BLOCK_ALIGN)
-    sections["G"], start = (start, offset), offset
+        info.grad_slot = pack.place(info.name, info.tensor)
+    sections["G"] = (start, start := pack.end_section())
     for info, dtypes in zip(trainable, states, strict=True):
         for key, dtype in dtypes.items():
-            like = torch.empty(info.tensor.shape, dtype=dtype, device="meta")
-            info.state_slots[key] = place(f"{info.name}.{key}", like)
-    offset = aligned(offset, BLOCK_ALIGN)
-    sections["S"] = (start, offset)
+            info.state_slots[key] = pack.state(info, key, dtype)
+    sections["S"] = (start, pack.end_section())
     sub.sections = sections
-    return offset
+    return pack.offset
 
 
 # -- a task's extent -----------------------------------------------------------------------------
