@@ -17,7 +17,7 @@ finds them by one step on a small probe, at open, and refuses the others with th
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -169,6 +169,54 @@ def state_slots(
             slots[key] = v.dtype
         out.append(slots)
     return out
+
+
+# Parameter bytes whose first optimizer state one `step_adopting` part may make at once (Adam's
+# two states: twice as many bytes of state).
+FIRST_STATE_PART_BYTES = 64 << 20
+
+
+def step_adopting(
+    opt: torch.optim.Optimizer, adopt: Callable[[], Any], part_bytes: int | None = None
+) -> None:
+    """`opt.step()`, then `adopt()`, which moves the state the optimizer made where it lives
+    (a pipelined stage's arena range, a sub-model's host tier). An optimizer makes its
+    parameters' state at their first update, beside what bounds a device's memory (the arena);
+    made for every parameter at once, that is the size of the whole state, on top of the rest.
+    So where more than `part_bytes` (`FIRST_STATE_PART_BYTES`) of parameters step for the first
+    time, they step in parts of at most that (at least one parameter each), those with state
+    already in the first, each part's state adopted before the next makes its own. The maths is
+    the same: a step of `torch.optim` updates each parameter from its own gradient and state
+    alone (memory flow already steps each sub-model's parameters apart)."""
+    limit = FIRST_STATE_PART_BYTES if part_bytes is None else part_bytes
+    params = [p for group in opt.param_groups for p in group["params"]]
+    parts: list[list[torch.Tensor]] = [[]]
+    fresh = 0
+    for p in params:
+        if p.grad is None:
+            continue
+        if not opt.state.get(p):
+            nbytes = p.numel() * p.element_size()
+            if fresh and fresh + nbytes > limit:
+                parts.append([])
+                fresh = 0
+            fresh += nbytes
+        parts[-1].append(p)
+    if len(parts) == 1:
+        opt.step()
+        adopt()
+        return
+    grads = [p.grad for p in params]
+    try:
+        for part in parts:
+            members = {id(p) for p in part}
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g if id(p) in members else None
+            opt.step()
+            adopt()
+    finally:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
 
 
 def state_count(optimizer: str | Mapping[str, Any], allow: Iterable[str] | None = None) -> int:

@@ -40,8 +40,10 @@ memory-flow job, `gpu_worker.train_job`):
 On a worker the stage lives in its device's arena (`place`): its parameters, and its optimizer's
 state from the first update on (or from a checkpoint), are views of a range held for the job's
 life (`TrainingExecutor.hold`), so that what the worker holds stays within the arena, beside the
-memory-flow jobs and served models it shares it with. Gradients and activations, made per step
-by autograd, are beside it, as a memory-flow task's activations are.
+memory-flow jobs and served models it shares it with. The first update makes the optimizer's
+state in parts, each moved in before the next is made (`flowmesh.optimizers.step_adopting`).
+Gradients and activations, made per step by autograd, are beside it, as a memory-flow task's
+activations are.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from flowmesh.modelio.chain import Block, chain_of
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model, declared_inputs, make_inputs
 from flowmesh.modelio.planners import even_cut
-from flowmesh.optimizers import state_count, state_slots
+from flowmesh.optimizers import state_count, state_slots, step_adopting
 from flowmesh.spec import ModelSpec
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import building_model
@@ -384,11 +386,16 @@ class PipeStage:
                 torch.nn.utils.clip_grads_with_norm_(
                     params, self.config.clip_grad_norm, total.to(self.device)
                 )
+            adopted: list[bool] = []
             try:
-                self.optimizer.step()
+                if self._arena is None:  # its state lives where the optimizer makes it
+                    self.optimizer.step()
+                else:  # a first update makes its state in parts, each moved in at once
+                    step_adopting(self.optimizer, lambda: adopted.append(self._adopt_states()))
             except Exception as exc:
                 raise _model_error(self.job, f"stage {self.stage}'s optimizer", exc) from None
-            self._adopt_states()
+            if any(adopted):
+                self._give_back_cache()
         self._zero()
         loss, self.losses = sum(self.losses), []
         self.nonfinite = False
@@ -485,7 +492,8 @@ class PipeStage:
             for info in self.tensors.values():
                 if not info.is_param and id(info.tensor) in moved:
                     info.tensor = moved[id(info.tensor)]
-        self._adopt_states()
+        if self._adopt_states():
+            self._give_back_cache()
         if self.optimizer is not None:  # state the arena does not take goes to the device
             for state in self.optimizer.state.values():
                 for key, value in state.items():
@@ -494,12 +502,13 @@ class PipeStage:
                     ):
                         state[key] = value.to(self.device)
 
-    def _adopt_states(self) -> None:
+    def _adopt_states(self) -> bool:
         """The optimizer's state tensors made since the last time (its first update, or a
-        checkpoint's) copied into their slots and used there from now on."""
+        checkpoint's) copied into their slots and used there from now on; whether there were
+        any."""
         arena, opt = self._arena, self.optimizer
         if arena is None or opt is None:
-            return
+            return False
         adopted = False
         with torch.no_grad():
             for info in self.owned:
@@ -516,9 +525,12 @@ class PipeStage:
                     view.copy_(value)
                     state[key] = view
                     adopted = True
-        if adopted and self.device.type == "cuda":
-            # What the optimizer made beside the arena goes back to the device, not to torch's
-            # cache (it was the size of the stage's state: once, at the first update).
+        return adopted
+
+    def _give_back_cache(self) -> None:
+        """What the optimizer made beside the arena, adopted since, goes back to the device,
+        not to torch's cache (once, at the first update or a checkpoint's load)."""
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def in_arena(self) -> list[torch.Tensor]:

@@ -53,6 +53,7 @@ from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.modelio.chain import Block
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model
+from flowmesh.optimizers import step_adopting
 from flowmesh.spec import TensorSpec
 from flowmesh.steps import StepResult
 from gpu_worker.activation_keep import KEEP, NO_POLICY, RECOMPUTE, KeptGraph, choose
@@ -1000,42 +1001,50 @@ class TrainingJob:
         for info in owned:
             if info.name not in valid:
                 info.tensor.grad = None  # as after zero_grad(): the optimizer skips it
+        if opt is not None and total_norm is not None:
+            max_norm = self.config.clip_grad_norm
+            assert max_norm is not None
+            torch.nn.utils.clip_grads_with_norm_([i.tensor for i in owned], max_norm, total_norm)
+        all_valid = bool(owned) and all(self.state_valid[i.name] for i in owned)
+        adopted = [0]
         if opt is not None:
-            if total_norm is not None:
-                max_norm = self.config.clip_grad_norm
-                assert max_norm is not None
-                torch.nn.utils.clip_grads_with_norm_(
-                    [i.tensor for i in owned], max_norm, total_norm
-                )
             try:
-                opt.step()
+                if all_valid:
+                    opt.step()
+                else:  # a first update makes its state in parts, each moved home at once
+                    step_adopting(opt, lambda: adopted.append(self._adopt_states(opt, owned)))
             except Exception as exc:
                 raise _model_error(
                     self.name, f"the optimizer of sub-model {sub.index}", exc
                 ) from None
         (p0, p1), (s0, s1) = sub.sections["P"], sub.sections["S"]
-        written = 0
+        written = sum(adopted)
         if p1 > p0:
             self._write_back(sub.slab[p0:p1], arena[base + p0 : base + p1])
             written += p1 - p0
-        all_valid = bool(owned) and all(self.state_valid[i.name] for i in owned)
         if all_valid and s1 > s0:
             self._write_back(sub.slab[s0:s1], arena[base + s0 : base + s1])
             written += s1 - s0
-        elif opt is not None:
-            for info in owned:
-                state = opt.state.get(info.tensor)
-                if not state:
-                    continue
-                for key, home in info.state_homes.items():
-                    if key in state:
-                        # First update: the optimizer made its state; the host tier adopts it.
-                        home.copy_(state[key])
-                        state[key] = home
-                        written += home.numel() * home.element_size()
-                self.state_valid[info.name] = True
         for info in owned:
             self.grad_valid[info.name] = False
+        return written
+
+    def _adopt_states(self, opt: torch.optim.Optimizer, owned: list[TensorInfo]) -> int:
+        """The state of an update that was some parameter's first, copied to its homes in the
+        host tier and used there from now on (bound to the arena by the next updates): what the
+        optimizer made, and the arena views of the others' (their S section is not written back
+        as a whole then); the bytes copied."""
+        written = 0
+        for info in owned:
+            state = opt.state.get(info.tensor)
+            if not state:
+                continue
+            for key, home in info.state_homes.items():
+                if key in state and state[key] is not home:
+                    home.copy_(state[key])
+                    state[key] = home
+                    written += home.numel() * home.element_size()
+            self.state_valid[info.name] = True
         return written
 
     # -- ending a step (driver thread, no task of the job running) ----------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from flowmesh.modelio.build import build_seeded
 from flowmesh.modelio.chain import Block, chain_of
@@ -213,3 +214,37 @@ def pipe_stages(
         blocks = blocks_of(kind, make() if make is not None else build(kind))
         out.append(PipeStage("job", blocks, even_ranges(len(blocks), n), s, cfg))
     return out
+
+
+class StateBeside:
+    """Per step of the optimizers `watched()` names (with the tensors in whose storage their
+    state may live: an arena, a host tier's slabs), the bytes of their state outside those:
+    what a first update made and has not moved in yet. Other optimizers' steps (the probes a
+    job's open steps) are not counted."""
+
+    Watched = tuple[list[torch.optim.Optimizer], list[torch.Tensor]]
+
+    def __init__(self, watched: Callable[[], Watched]) -> None:
+        self.watched = watched
+        self.per_step: list[int] = []
+
+    def __enter__(self) -> StateBeside:
+        self._hook = register_optimizer_step_post_hook(self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hook.remove()
+
+    def _seen(self, opt: torch.optim.Optimizer, *_: object) -> None:
+        optimizers, homes = self.watched()
+        if not any(opt is o for o in optimizers):
+            return
+        ranges = [(h.data_ptr(), h.data_ptr() + h.numel() * h.element_size()) for h in homes]
+        beside = 0
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    at = value.data_ptr()
+                    if not any(lo <= at < hi for lo, hi in ranges):
+                        beside += value.numel() * value.element_size()
+        self.per_step.append(beside)

@@ -4,6 +4,7 @@ cannot step are refused at open, saying why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from flowmesh import optimizers
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.chain import chain_of
 from flowmesh.optimizers import OPTIMIZER_NAMES, state_count
@@ -19,6 +21,7 @@ from gpu_worker.device import CpuStandIn
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor
 from gpu_worker.train_job import TrainingJob
+from tests.support.train_cases import StateBeside
 
 MIB = 1 << 20
 STEPS = 6
@@ -38,12 +41,16 @@ def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]  # fmt: skip
 
 
-def flow(optimizer: dict[str, Any], parts: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def flow(
+    optimizer: dict[str, Any], parts: int = 3, made: Callable[[TrainingJob], None] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     cfg = TrainConfig(optimizer, seed=1)
     blocks = chain_of(net())
     bounds = [round(i * len(blocks) / parts) for i in range(parts + 1)]
     job = TrainingJob("job", blocks, list(pairwise(bounds)), cfg, CpuStandIn(8 * MIB),
                       allow=TEST_ALLOW)  # fmt: skip
+    if made is not None:  # the caller looks at it while it trains
+        made(job)
     ex = TrainingExecutor(job.device)
     try:
         ex.open(job)
@@ -113,6 +120,41 @@ def test_what_memory_flow_cannot_step_is_refused_at_open(
 )  # fmt: skip
 def test_plans_count_the_state_each_optimizer_keeps(optimizer: Any, count: int) -> None:
     assert state_count(optimizer) == count
+
+
+@pytest.mark.parametrize("part", [None, 512], ids=["whole", "in-parts"])
+def test_a_first_update_makes_its_state_a_part_at_a_time(
+    part: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sub-model's first update makes its optimizer's state beside the arena (on a device:
+    beside what bounds its memory), and the host tier adopts it: in parts of at most
+    FIRST_STATE_PART_BYTES of parameters (a parameter over it alone), each adopted before the
+    next is made, with the same steps as plain PyTorch."""
+    if part is not None:
+        monkeypatch.setattr(optimizers, "FIRST_STATE_PART_BYTES", part)
+    optimizer = {"name": "adam", "lr": 0.01, "amsgrad": True}  # three states per parameter
+    jobs: list[TrainingJob] = []
+
+    def watched() -> StateBeside.Watched:
+        if not jobs:
+            return [], []
+        job = jobs[0]
+        return [s.optimizer for s in job.subs], [job.device.arena, *(s.slab for s in job.subs)]
+
+    with StateBeside(watched) as seen:
+        losses, weights = flow(optimizer, parts=1, made=jobs.append)
+    reference = net()
+    expected = train(reference, optimizer, data(), rng_seed=1)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    params = [p.numel() * p.element_size() for p in net().parameters()]
+    if part is None:  # every parameter's state at once, in one step
+        assert seen.per_step[0] == 3 * sum(params)
+    else:  # the 16x16 weight alone is over the part: the most at once
+        assert len(seen.per_step) > STEPS
+        assert max(seen.per_step) == 3 * max(params) < 3 * sum(params)
+    assert seen.per_step[-1] == 0  # all of it adopted
 
 
 def test_a_configuration_names_an_optimizer_or_a_factory_not_both() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from flowmesh import optimizers
 from flowmesh.modelio import planners
 from flowmesh.modelio.build import build_seeded
 from flowmesh.modelio.chain import chain_of
@@ -25,6 +26,7 @@ from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_cases import (
     CASES,
     STEPS,
+    StateBeside,
     build,
     close,
     data_for,
@@ -116,6 +118,42 @@ def test_pipelined_steps_match_plain_pytorch(
         assert any(float(t) > clip for t in norms if t is not None)
     if arenas:
         assert_in_arena(pipe, arenas)
+
+
+@pytest.mark.parametrize("part", [None, 1], ids=["whole", "each-parameter"])
+def test_a_placed_stages_first_update_makes_its_state_a_part_at_a_time(
+    part: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first update of a stage placed in its arena makes the optimizer's state beside it (on
+    a GPU, beside the arena that took most of the device) before the state moves in: in parts
+    of at most FIRST_STATE_PART_BYTES of parameters, each moved in before the next is made;
+    the same steps as plain PyTorch."""
+    if part is not None:
+        monkeypatch.setattr(optimizers, "FIRST_STATE_PART_BYTES", part)
+    cfg = TrainConfig({"name": "adam", "lr": 0.01, "amsgrad": True}, seed=21)
+    data = data_for("mlp", steps=4)
+    pipe = pipe_stages("mlp", cfg, 2)
+    arenas = placed(pipe)
+    optimizers_and_arenas = ([s.optimizer for s in pipe], [dev.arena for dev in arenas])
+    with StateBeside(lambda: optimizers_and_arenas) as seen:
+        rng = job_rng(cfg.seed)
+        losses = []
+        for x, y in data:
+            loss, rng, _ = step_in_process(pipe, x, y, rng)
+            losses.append(loss)
+    reference = build("mlp")
+    close(losses, plain_step_loop(reference, cfg, data), "per-step losses")
+    got = merged(pipe)
+    for n, want in reference.state_dict().items():
+        close(got[n], want, f"tensor {n}")
+    assert_in_arena(pipe, arenas)
+    sizes = [[i.tensor.numel() * i.tensor.element_size() for i in s.owned] for s in pipe]
+    if part is None:  # a stage's whole state at once, in its first step
+        assert sorted(seen.per_step[:2]) == sorted(3 * sum(b) for b in sizes)
+    else:  # one parameter's state at most
+        assert max(seen.per_step) == 3 * max(max(b) for b in sizes)
+        assert len(seen.per_step) == sum(len(b) for b in sizes) + (len(data) - 1) * len(pipe)
+    assert seen.per_step[-len(pipe) :] == [0] * len(pipe)
 
 
 def test_a_stage_cut_where_no_floating_activation_passes_is_refused() -> None:
