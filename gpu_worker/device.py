@@ -92,8 +92,12 @@ class CudaMarker:
     stream wait on the event: the GPU orders the work, the host never waits for the copy itself.
     """
 
-    def __init__(self) -> None:
-        self.event = torch.cuda.Event()
+    def __init__(self, blocking: bool = False) -> None:
+        # `blocking`: a host thread waiting on it sleeps until the GPU gets there, instead of
+        # spinning a core all that time (CUDA's default while it has fewer contexts than
+        # cores): for training's lanes, whose waits last a task's kernels; serving's spin, a
+        # few microseconds sooner awake.
+        self.event = torch.cuda.Event(blocking=blocking)
         self._recorded = threading.Event()
 
     def record(self, stream: torch.cuda.Stream) -> None:
@@ -172,7 +176,9 @@ class Device:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def new_marker(self) -> Any:
+    def new_marker(self, blocking: bool = False) -> Any:
+        """A marker to record later; `blocking`: a host thread waiting on it sleeps meanwhile
+        (on CUDA; `CudaMarker`)."""
         raise NotImplementedError
 
     def done_marker(self) -> Any:
@@ -201,6 +207,10 @@ class Device:
     def mark_done(self, marker: Any) -> None:
         """Complete `marker` at the current point of this thread's compute work."""
         raise NotImplementedError
+
+    def wait_computed(self) -> None:
+        """Wait, asleep, until this thread's compute work queued so far has run (on the CPU it
+        has when the thread gets here)."""
 
     def info(self) -> dict[str, Any]:
         return {"prefault_s": self.prefault_s}  # None: prefault switched off
@@ -234,8 +244,8 @@ class CpuStandIn(Device):
             buf[::PAGE].zero_()
         return buf
 
-    def new_marker(self) -> CpuMarker:
-        return CpuMarker()
+    def new_marker(self, blocking: bool = False) -> CpuMarker:
+        return CpuMarker()  # a CPU thread's wait sleeps anyway
 
     def done_marker(self) -> CpuMarker:
         return CpuMarker(done=True)
@@ -306,8 +316,8 @@ class CudaDevice(Device):
         """A range of the pinned slab; it goes back when the buffer and its views are dropped."""
         return self.host_slab.take(nbytes)
 
-    def new_marker(self) -> CudaMarker:
-        return CudaMarker()
+    def new_marker(self, blocking: bool = False) -> CudaMarker:
+        return CudaMarker(blocking)
 
     def done_marker(self) -> CudaMarker:
         m = CudaMarker()
@@ -377,6 +387,13 @@ class CudaDevice(Device):
         if own is not None and stream == torch.cuda.default_stream(self.index):
             stream = own
         marker.record(stream)
+
+    def wait_computed(self) -> None:
+        """A blocking event after the current stream's work, waited on: the thread sleeps
+        until the GPU gets there (`Stream.synchronize` would spin a core for as long)."""
+        marker = CudaMarker(blocking=True)
+        self.mark_done(marker)
+        marker.event.synchronize()
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), **self.host_slab.stats(), **gpu_info(self.index)}

@@ -616,7 +616,8 @@ class TrainingExecutor:
         except Exception as exc:
             self._fail_request(task, self._internal(exc))
             return
-        adm.markers = [self.device.new_marker() for _ in adm.plan.copies]
+        # Blocking: on CUDA the lanes wait on them asleep, not spinning a core (`CudaMarker`).
+        adm.markers = [self.device.new_marker(blocking=True) for _ in adm.plan.copies]
         # The scheduler admits a task only once every earlier task writing a host region it
         # reads has finished computing; the copies wait for those write-backs too.
         keys = job.written if ANY in task.reads else task.reads
@@ -679,7 +680,7 @@ class TrainingExecutor:
         if self._last_job is not None and task.job != self._last_job:
             self.counters["job_switches"] += 1
         self._last_job = task.job
-        done = self.device.new_marker()
+        done = self.device.new_marker(blocking=True)
         adm: _Admission = task.payload["adm"]
         if adm.extent is not None:
             # Its last use is now ordered: the bytes go back at once, and whoever takes them
@@ -726,8 +727,9 @@ class TrainingExecutor:
                         # CUDA the resident count is the allocator's: nothing to uncount first.)
                         self.device.mark_done(done)
                         marked = True
-                    # The next task's host reads (kept inputs, gradients) happen on the host.
-                    torch.cuda.current_stream().synchronize()
+                    # The next task's host reads (kept inputs, gradients) happen on the host;
+                    # the thread sleeps meanwhile, a task's kernels long.
+                    self.device.wait_computed()
             # What the task's activation policy cost, its waits for serving left out.
             job.observe(task, self.clock() - t0 - pause.spent)
             return result

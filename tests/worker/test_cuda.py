@@ -127,6 +127,24 @@ def test_a_marker_set_after_leaving_compute_follows_the_threads_kernels() -> Non
     assert marker.wait(timeout=30) and marker.done()
 
 
+def test_training_waits_on_blocking_events_return_once_the_kernels_ran() -> None:
+    """Training's lanes wait on blocking events (asleep, not spinning a core): a marker made
+    `blocking` and `wait_computed` return only once the thread's queued kernels have run."""
+    dev = CudaDevice(0, 4 * MIB)
+    marker = dev.new_marker(blocking=True)
+    with dev.compute():
+        torch.cuda._sleep(SLEEP_CYCLES)
+        dev.mark_done(marker)
+        assert marker.recorded() and not marker.done(), "the marker did not wait for the kernel"
+        assert marker.wait(timeout=30) and marker.done()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        probe = dev.new_marker()
+        dev.mark_done(probe)
+        assert not probe.done()
+        dev.wait_computed()
+        assert probe.done(), "wait_computed returned before the thread's kernels ran"
+
+
 def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it() -> None:
     """Two pipeline stages built on the host and placed in one GPU arena (`place_later`, as a
     worker opens them) step as the same stages built on the GPU beside it: the same losses and

@@ -78,7 +78,7 @@ class RecordingCpu(CpuStandIn):
         self.log = Log()
         self.before_copy: Callable[[Any], None] | None = None
 
-    def new_marker(self) -> LoggedMarker:
+    def new_marker(self, blocking: bool = False) -> LoggedMarker:
         return LoggedMarker(self.log)
 
     def copy_in(self, dst: Any, src: Any, after: list[Any], marker: Any, lane: int = 0) -> None:
