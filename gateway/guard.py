@@ -1,6 +1,7 @@
 """Who may call the gateway, how much they may send, and the count of what was answered.
 
-`Guard` is the outermost ASGI layer of the app (inside Starlette's last-resort 500 handler):
+`Guard` is the app's door (`gateway.app.GatewayApp`: in front of FastAPI's own layers; an
+exception that passes it is the server's last-resort 500):
 - With an API key file (`flowmesh keys add NAME --role client|operator --api`): every route but
   the open ones (`OPEN_PATHS`: probes and scrapers carry no key) needs `Authorization: Bearer
   KEY` of a key in the file, else 401 in the route's protocol's error body. The file is read
@@ -207,7 +208,7 @@ class Guard:
             await self.app(scope, replay, sending)
         finally:
             route, model = self._route(scope)
-            code = status or 500  # nothing sent: the last-resort handler answers 500
+            code = status or 500  # nothing sent: the server's last-resort handler answers 500
             if code in UNLABELLED:
                 model = ""
             self._requests(route, str(code), model).inc()
