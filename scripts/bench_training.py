@@ -73,6 +73,7 @@ from torch.nn import functional as F
 from flowmesh.errors import FlowmeshError
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
+from gpu_worker.activation_keep import KEEP, NO_POLICY
 from gpu_worker.device import CpuStandIn, Device, open_device
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job
@@ -292,6 +293,7 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
     cpu: dict[str, float] = {}  # process CPU seconds (all threads): the work, not the wait
     moved: dict[str, dict[str, int]] = {}
     parts: list[int] = []
+    policies: list[list[str]] = []  # per flow job, each sub-model's (its last step's)
     task_compute_s = 0.0
     copies: list[int] = []
     lane: dict[str, Any] = {}
@@ -314,6 +316,7 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
                     with CopyLog(dev) as log:
                         seconds = run_flow(ex, names, batches, args.steps)
                     copies, lane = log.sizes, log.lane
+                    policies = [[j.activation_policy(i) for i in range(j.parts)] for j in js]
                 else:
                     seconds = run_turns(ex, names, batches, args.steps)
                 cpu[mode] = min(cpu.get(mode, float("inf")), time.process_time() - c)
@@ -351,6 +354,7 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
         "fits_whole": fits,
         "chunk_target_bytes": target,
         "sub_models_per_job": parts,
+        "activation_policies": policies,
         "steps": args.steps,
         "batch": args.batch,
         "seconds": best,
@@ -375,6 +379,12 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
     del dev
     release()
     return row
+
+
+def kept(policies: list[list[str]]) -> str:
+    """How many sub-models of the jobs keep their forward's graph, of those that choose."""
+    chose = [p for job in policies for p in job if p != NO_POLICY]
+    return f"{sum(p == KEEP for p in chose)}/{len(chose)}"
 
 
 # ----------------------------------------------------------------------------- largest batch
@@ -571,7 +581,8 @@ def main() -> None:
         print(
             f"{'K':>2} {'sizes':>5} {'mem':>4} {'parts':>7} {'flow':>7} {'turns':>7} "
             f"{'alone':>7} {'bound':>7} {'bnd by':>8} {'fl/turns':>8} {'fl/bound':>8} "
-            f"{'fl/alone':>8} {'cpu fl/t':>8} {'cpu fl/a':>8} {'moved MiB':>9} {'copy GiB/s':>10}"
+            f"{'fl/alone':>8} {'cpu fl/t':>8} {'cpu fl/a':>8} {'moved MiB':>9} {'copy GiB/s':>10} "
+            f"{'kept':>5}"
         )
         for r in rows:
             sps = r["samples_per_s"]
@@ -585,13 +596,16 @@ def main() -> None:
                 f"{fmt(r['flow_vs_turns'], '.2f'):>8} {r['flow_vs_bound']:>8.2f} "
                 f"{fmt(r['flow_vs_alone'], '.2f'):>8} {fmt(r['cpu_flow_vs_turns'], '.2f'):>8} "
                 f"{r['cpu_flow_vs_alone']:>8.2f} {mb:>9.0f} "
-                f"{r['copy_gib_s']:>10.2f}"
+                f"{r['copy_gib_s']:>10.2f} {kept(r['activation_policies']):>5}"
             )
         print(
             "turns and fl/alone are n/a where a job does not fit the budget whole; 'alone' is "
             "still the compute term of the bound there. cpu fl/t, cpu fl/a: the same ratios in "
             "samples per process CPU second (all threads: the work done, not the waiting), "
-            "steadier than wall time on a shared CPU box"
+            "steadier than wall time on a shared CPU box. kept: the sub-models whose forward's "
+            "graph memory flow kept for the backward (the rest recompute it) over those with "
+            "a choice (a job's last sub-model runs both in one task); each sub-model's policy "
+            "is in the JSON (activation_policies)"
         )
     if batch_rows:
         print(
