@@ -81,7 +81,7 @@ class AsyncJob:
         )
         reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.TrainStepResult)
-        return StepResult(reply.loss, reply.step, dict(reply.metrics))
+        return StepResult(reply.loss, reply.step, dict(reply.metrics), list(reply.activations))
 
     step = step_async
 

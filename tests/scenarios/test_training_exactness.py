@@ -2,7 +2,10 @@
 (tests/support/inproc.py): the example MLP, a tiny GPT with dropout, a small ResNet with
 BatchNorm and Hugging Face GPT-2 with its tied embedding and head, each with SGD+momentum, Adam
 and AdamW, cut into one to four sub-models, with and without gradient clipping: 96 jobs open at
-once on one mesh, 20 steps each, all in flight together.
+once on one mesh, 20 steps each, all in flight together. Then again with each activation policy
+forced on in turn (`activations` "recompute", "keep": what each sub-model's backward does for
+its forward's activations, which "auto" chooses by measured cost), for the 72 jobs of two to
+four sub-models (one sub-model has no choice: its forward and backward are one task).
 
 Per-step losses and final parameters (read back from each job's checkpoint) are compared with a
 plain PyTorch loop on the same seeds and data, with `torch.testing.assert_close` at rtol 1e-5 /
@@ -16,7 +19,7 @@ through the real codec and the SDK on top is the real one: nothing here needs a 
 own (what does stays in tests/mesh/).
 
 `pytest -s` prints the exactness table (model x optimizer x sub-models x clip -> max relative
-difference of the losses and of the parameters); it is also written to
+difference of the losses and of the parameters); it is also added to the file
 `$FLOWMESH_EXACTNESS_TABLE` when that is set.
 """
 
@@ -95,6 +98,8 @@ class Case:
     grad_norms: list[float] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     error: str = ""
+    # The activation policies its steps reported for the sub-models that have a choice.
+    policies: set[str] = field(default_factory=set)
 
     @property
     def cell(self) -> Cell:
@@ -109,13 +114,15 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def check(case: Case, want: Plain) -> tuple[float, float, list[str]]:
+def check(case: Case, want: Plain, activations: str) -> tuple[float, float, list[str]]:
     """(losses' max relative difference, parameters' max relative difference, failures)."""
     problems: list[str] = []
     if case.error:
         return math.inf, math.inf, [case.error]
     if case.sub_models != case.parts:
         problems.append(f"cut into {case.sub_models} sub-models, not {case.parts}")
+    if activations != "auto" and case.policies != {activations}:
+        problems.append(f"activation policies {sorted(case.policies)}, not {activations} forced")
     if case.steps != list(range(1, STEPS + 1)):
         problems.append(f"steps {case.steps}")
     got_l, want_l = torch.tensor(case.losses, dtype=torch.float64), torch.tensor(want.losses)
@@ -148,7 +155,9 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-async def run_all(mesh: InProcMesh, cases: list[Case], data: dict[str, Data], out: Path) -> None:
+async def run_all(
+    mesh: InProcMesh, cases: list[Case], data: dict[str, Data], out: Path, activations: str
+) -> None:
     async with mesh.async_client(timeout=600.0) as client:
 
         async def open_job(case: Case) -> Any:
@@ -165,6 +174,7 @@ async def run_all(mesh: InProcMesh, cases: list[Case], data: dict[str, Data], ou
                     clip_grad_norm=case.clip,
                     rng_seed=RNG_SEED,
                     chunk_bytes=case.chunk_bytes,
+                    activations=activations,
                     timeout=600.0,
                 )
             except Exception as exc:
@@ -181,6 +191,7 @@ async def run_all(mesh: InProcMesh, cases: list[Case], data: dict[str, Data], ou
                 case.losses = [r.loss for r in results]
                 case.steps = [r.step for r in results]
                 case.grad_norms = [r.metrics.get("grad_norm", 0.0) for r in results]
+                case.policies = {p for r in results for p in r.activations[:-1]}
                 saved = await job.save(str(out / case.name), timeout=600.0)
                 await job.close(timeout=600.0)
             except Exception as exc:
@@ -198,17 +209,21 @@ async def run_all(mesh: InProcMesh, cases: list[Case], data: dict[str, Data], ou
         print(f"\nopened {len(cases)} jobs in {t1 - t0:.1f} s, trained in {t2 - t1:.1f} s")
 
 
-def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("activations", ["auto", "recompute", "keep"])
+def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(
+    tmp_path: Path, activations: str
+) -> None:
     pytest.importorskip("transformers")
     t0 = time.perf_counter()
     data = {m: data_for(m, seed=40 + i) for i, m in enumerate(MODELS)}
+    parts = PARTS if activations == "auto" else tuple(k for k in PARTS if k > 1)
     cases: list[Case] = []
     for model, spec in MODELS.items():
         prof = profile(spec, batch=BATCH, seq_len=1, allow=ALLOW)
         for opt_name, opt in OPTIMIZERS.items():
             targets = chunk_targets(spec, prof, opt)
             for clip in CLIPS:
-                for k in PARTS:
+                for k in parts:
                     cases.append(Case(model, opt_name, k, clip, targets[k]))
     for i, c in enumerate(cases):
         c.name = f"x{i:02d}-{c.model}-{c.optimizer.split('+')[0]}-k{c.parts}-c{int(bool(c.clip))}"
@@ -221,7 +236,7 @@ def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) ->
         allow=ALLOW,
         **roots_at(tmp_path),
     ) as mesh:
-        asyncio.run(run_all(mesh, cases, data, tmp_path))
+        asyncio.run(run_all(mesh, cases, data, tmp_path, activations))
 
     # The plain PyTorch runs, after the mesh is gone (one per model x optimizer x clip).
     plain: dict[Cell, Plain] = {}
@@ -232,7 +247,7 @@ def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) ->
     print(f"plain runs done at {time.perf_counter() - t0:.1f} s")
     rows, failures = [], []
     for c in cases:
-        loss_rel, param_rel, problems = check(c, plain[c.cell])
+        loss_rel, param_rel, problems = check(c, plain[c.cell], activations)
         rows.append(
             [
                 c.model,
@@ -248,11 +263,13 @@ def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(tmp_path: Path) ->
             failures.append(f"{c.name}: " + "; ".join(p.splitlines()[0] for p in problems[:3]))
     header = ["model", "optimizer", "sub-models", "clip", "losses rel", "params rel", ""]
     text = (
-        f"exactness through the mesh: {len(cases)} jobs x {STEPS} steps vs plain PyTorch "
+        f"exactness through the mesh, activations {activations}: {len(cases)} jobs x {STEPS} "
+        "steps vs plain PyTorch "
         f"(assert_close rtol {RTOL:g}, atol {ATOL:g}); 'rel' = max |mesh - plain| / |plain| per "
         "loss, and per tensor relative to its largest |plain| value\n" + table(rows, header)
     )
     print("\n" + text)
-    if os.environ.get("FLOWMESH_EXACTNESS_TABLE"):
-        Path(os.environ["FLOWMESH_EXACTNESS_TABLE"]).write_text(text + "\n")
+    if os.environ.get("FLOWMESH_EXACTNESS_TABLE"):  # each run's table after the last's
+        with Path(os.environ["FLOWMESH_EXACTNESS_TABLE"]).open("a") as f:
+            f.write(text + "\n\n")
     assert not failures, f"{len(failures)} of {len(cases)} jobs differ:\n" + "\n".join(failures)
