@@ -95,8 +95,9 @@ def test_units_are_notify_services_whose_command_lines_parse(name: str) -> None:
     args = options.parse(flags)
     if module == "gpu_worker":
         assert (args.device, args.name) == ("cuda:0", "host-gpu0")
-    if module == "gateway":  # no [gateway] table in the example: the defaults
+    if module == "gateway":  # the example's [gateway] table, and the default body limit
         assert (args.host, args.port, args.max_body) == ("127.0.0.1", 8000, 64 << 20)
+        assert args.api_keys == "/etc/flowmesh/keys/api_keys.json"
 
 
 # --- the notify protocol --------------------------------------------------------------------

@@ -64,9 +64,11 @@ def test_completions_equal_the_sdk_and_stream_to_the_same(
     served: tuple[LocalMesh, str], api: openai.OpenAI
 ) -> None:
     mesh, _ = served
+    sampled = {"temperature": 0.9, "top_p": 0.8, "seed": 11}
     with mesh.client() as c:
         sdk = c.generate("lm", PROMPT, max_tokens=10, temperature=0.0)
         sdk_stop = c.generate("lm", PROMPT, max_tokens=10, temperature=0.0, stop=[sdk.text[3:6]])
+        sdk_sampled = c.generate("lm", PROMPT, max_tokens=10, **sampled)  # type: ignore[arg-type]
     got = api.completions.create(model="lm", prompt=PROMPT, max_tokens=10, temperature=0)
     (choice,) = got.choices
     assert (choice.text, choice.finish_reason) == (sdk.text, sdk.finish_reason)
@@ -108,6 +110,20 @@ def test_completions_equal_the_sdk_and_stream_to_the_same(
         model="lm", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"top_k": -1}
     )  # vLLM's "no cut"
     assert off.choices[0].text == sdk.text
+    # Sampled with a seed: the same draws as the SDK's, one way and the other.
+    drawn = api.completions.create(model="lm", prompt=PROMPT, max_tokens=10, **sampled)
+    assert drawn.choices[0].text == sdk_sampled.text != sdk.text
+    streamed = api.completions.create(
+        model="lm", prompt=PROMPT, max_tokens=10, stream=True, **sampled
+    )
+    assert "".join(e.choices[0].text for e in streamed if e.choices) == sdk_sampled.text
+    # On the wire: one `data:` event per chunk, OpenAI's chunk object, `data: [DONE]` last.
+    ask = {"model": "lm", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    wire = httpx.post(f"{served[1]}/v1/completions", json=ask, timeout=30)
+    assert wire.headers["content-type"].startswith("text/event-stream")
+    data = [line for line in wire.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and len(data) > 2
+    assert all(json.loads(d[6:])["object"] == "text_completion" for d in data[:-1])
 
 
 def test_chat_equals_the_sdk_through_the_chat_template(
@@ -186,6 +202,20 @@ async def settled(row: Callable[[], Awaitable[tuple[int, int]]]) -> tuple[int, i
     return last
 
 
+async def kv_held(c: AsyncClient) -> bool:
+    """Whether a worker reports KV cache blocks or sequences held (its last status report)."""
+    return any(w.kv_seqs or w.kv_blocks for w in (await c.status()).workers)
+
+
+async def kv_freed(c: AsyncClient) -> None:
+    """Wait until every worker reports its KV cache empty: no sequence, no block."""
+
+    async def empty() -> bool:
+        return not await kv_held(c)
+
+    await until(empty, "the workers' KV cache to be freed", poll=0.05)
+
+
 def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, str]) -> None:
     mesh, url = served
     ask = {
@@ -219,6 +249,7 @@ def test_a_client_gone_mid_stream_stops_its_sequence(served: tuple[LocalMesh, st
             running, made = await settled(row)
             # Freed on the broker well before its tokens were all made (a few were on their way).
             assert running == 0 and 0 < made - start < ENOUGH
+            await kv_freed(c)  # and its KV memory on the workers
 
     asyncio.run(main())
 
@@ -242,15 +273,16 @@ def test_a_client_gone_before_a_blocking_answer_stops_its_sequence(
 
                 async def generating() -> bool:
                     running, made = await row()
-                    return bool(running and made > start)
+                    return bool(running and made > start) and await kv_held(c)
 
-                await until(generating, "the sequence to generate on the broker", poll=0.02)
+                await until(generating, "the sequence to generate, its KV held", poll=0.02)
                 assert not call.done()
                 call.cancel()  # the client gives up: its connection closes
                 with contextlib.suppress(asyncio.CancelledError):
                     await call
             running, made = await settled(row)
             assert running == 0 and 0 < made - start < ENOUGH
+            await kv_freed(c)
 
     asyncio.run(main())
 
