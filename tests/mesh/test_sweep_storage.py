@@ -1,7 +1,8 @@
-"""Several sweep drivers on one study (`flowmesh sweep --storage URL`) over one real mesh: each
-driver a `flowmesh sweep` process, the study in SQLite or in a real PostgreSQL server the test
-starts itself (pgserver's embedded server). No trial runs twice: every trial number is taken
-once from the storage, and its mesh job (`<name>-t<number>`) belongs to one driver's results.
+"""Several sweep drivers on one study (`flowmesh sweep --storage URL`) over one real mesh, or one
+each on two meshes: each driver a `flowmesh sweep` process, the study in SQLite or in a real
+PostgreSQL server the test starts itself (pgserver's embedded server). No trial runs twice:
+every trial number is taken once from the storage, and its mesh job (`<name>-t<number>`)
+belongs to one driver's results.
 A driver SIGKILLed mid-trial leaves that trial RUNNING; the survivor fails it when its
 heartbeat is stale, closes the mesh job the dead driver left open and runs its retry (same
 parameters, new number)."""
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 
 from client_sdk.mesh import LocalMesh
 from client_sdk.sweep import _finished, open_storage
-from tests.support.mesh import mesh_options
+from tests.support.mesh import FAST, mesh_options, roots_at
 from tests.support.training import teacher
 from tests.support.waiting import until_blocking
 
@@ -118,6 +119,36 @@ def test_two_drivers_complete_the_study_between_them(
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     # Both drivers asked when one slot was left at most once each: N, or one over.
     assert TRIALS <= _finished(trials) <= TRIALS + 1, len(trials)
+
+
+def test_drivers_on_two_meshes_share_one_study(
+    mesh: LocalMesh, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A sweep that outgrows one mesh: a second mesh, its own broker and worker, and a driver
+    on each, one study in one storage between them."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    with LocalMesh(
+        cpu_workers=1,
+        memory_budget="8MiB",
+        train_bytes="256KiB",
+        **roots_at(tmp_path_factory.getbasetemp()),
+        **FAST,
+    ) as other:
+        with mesh.client() as c:
+            before = c.status().totals.train_steps  # the module's earlier tests'
+        a, b = (driver(m, tmp_path, storage, t, steps=6) for m, t in ((mesh, "a"), (other, "b")))
+        finish(a), finish(b)
+        ran_a, ran_b = saved_numbers(tmp_path, "a"), saved_numbers(tmp_path, "b")
+        trials = study(storage).get_trials()
+        assert ran_a and ran_b, (ran_a, ran_b)  # both meshes trained some
+        assert not set(ran_a) & set(ran_b) and len(set(ran_a)) == len(ran_a), (ran_a, ran_b)
+        assert sorted(ran_a + ran_b) == [t.number for t in trials]
+        assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+        assert TRIALS <= _finished(trials) <= TRIALS + 1, len(trials)
+        # Each driver's trials trained on its own mesh: 6 steps each.
+        for on, ran, earlier in ((mesh, ran_a, before), (other, ran_b, 0)):
+            with on.client() as c:
+                assert c.status().totals.train_steps - earlier == 6 * len(ran)
 
 
 def test_a_killed_drivers_trial_is_retried_by_the_other(
