@@ -11,7 +11,7 @@ from typing import Any
 
 from flowmesh.config import BOOL, FLOAT, INT, SIZE, TEXT, Option, Options
 from flowmesh.errors import FlowmeshError
-from gateway import MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY
+from gateway import BODY_TIMEOUT_S, MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY
 
 # Declared once: they make the flags of `python -m gateway` and `flowmesh gateway`, and read the
 # `[gateway]` table of the config file (flowmesh.config), as the other services' do.
@@ -36,6 +36,13 @@ OPTIONS = Options(
         Option("--port", INT, 8000, "port to bind (8000)"),
         Option("--keys", TEXT, None, "client key file (default: FLOWMESH_KEYS)"),
         Option("--timeout", FLOAT, 60.0, "seconds a call to the broker may take (60)"),
+        Option(
+            "--body-timeout",
+            FLOAT,
+            BODY_TIMEOUT_S,
+            f"seconds a request's body may take to arrive ({BODY_TIMEOUT_S:g}): 408 past it, "
+            "so that a client sending slowly, or not at all, does not hold its request open",
+        ),
         Option(
             "--api-keys",
             TEXT,
@@ -138,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
             insecure_open=args.insecure_open,
             max_body=args.max_body,
             max_header=args.max_header,
+            body_timeout=args.body_timeout,
             max_streams_per_key=args.max_streams_per_key,
         )
     except FlowmeshError as exc:  # an API key file that does not read

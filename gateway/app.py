@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from client_sdk.client import AsyncClient
 from flowmesh.errors import FlowmeshError
-from gateway import MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY, kserve, openai_api
+from gateway import BODY_TIMEOUT_S, MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY, kserve, openai_api
 from gateway.disconnect import ClientGone, on_client_gone
 from gateway.errors import on_flowmesh_error, on_invalid_body
 from gateway.guard import ApiKeys, Guard, Streams
@@ -52,6 +52,7 @@ def create_app(
     insecure_open: bool = False,
     max_body: int = MAX_BODY,
     max_header: int = MAX_HEADER,
+    body_timeout: float = BODY_TIMEOUT_S,
     max_streams_per_key: int = MAX_STREAMS_PER_KEY,
 ) -> GatewayApp:
     """The gateway for the broker at `broker` (its frontend address). `keys`: the SDK's CURVE
@@ -59,8 +60,9 @@ def create_app(
     each call to the broker may take (504 past it); `api_keys`: the API key file callers'
     bearer tokens must be in (None: loopback callers only, or anyone with `insecure_open`);
     `max_body`: bytes a request body may have (413 beyond); `max_header`: bytes its headers
-    may have in all (431 beyond); `max_streams_per_key`: event
-    streams each key may hold open at once (429 beyond)."""
+    may have in all (431 beyond); `body_timeout`: seconds a body may take to arrive (408
+    past it); `max_streams_per_key`: event streams each key may hold open at once (429
+    beyond)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,6 +92,7 @@ def create_app(
         insecure_open=insecure_open,
         max_body=max_body,
         max_header=max_header,
+        body_timeout=body_timeout,
         metrics=metrics,
         # The routers' own routes: the app's wraps them in FastAPI's included-router objects.
         routes=[*openai_api.router.routes, *kserve.router.routes],

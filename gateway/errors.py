@@ -44,6 +44,7 @@ _OPENAI_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     431: "invalid_request_error",

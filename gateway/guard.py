@@ -11,7 +11,9 @@ exception that passes it is the server's last-resort 500):
   of them (the HTTP parser's own limit is its own: uvicorn's h11 has one, httptools none).
 - A body over `max_body` bytes is refused with 413: from its Content-Length before any of it is
   read, else as soon as the bytes read pass it (the routes read whole bodies anyway, so the
-  guard reads it for them and hands it on in one piece).
+  guard reads it for them and hands it on in one piece). A body not all there `body_timeout`
+  seconds after the headers is answered 408: a client that sends slowly, or stops, does not
+  hold its request (and the connection's task) for ever.
 - Every answer is counted in the app's `GatewayMetrics`: by route template, status and model,
   its time to first byte by route.
 - The hot routes (`fast`: KServe v2 infer) it serves itself once it let the request in and read
@@ -22,6 +24,7 @@ exception that passes it is the server's last-resort 500):
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -36,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flowmesh.auth import API_KEYS, Identity, api_key_hash, read_api_keys
 from flowmesh.errors import Code, FlowmeshError
+from gateway import BODY_TIMEOUT_S
 from gateway.errors import error_response
 from gateway.metrics import GatewayMetrics
 
@@ -139,6 +143,7 @@ class Guard:
         max_body: int,
         max_header: int,
         metrics: GatewayMetrics,
+        body_timeout: float = BODY_TIMEOUT_S,
         routes: Sequence[BaseRoute],
         fast: Sequence[FastRoute] = (),
     ) -> None:
@@ -148,6 +153,7 @@ class Guard:
         self.insecure_open = insecure_open
         self.max_body = max_body
         self.max_header = max_header
+        self.body_timeout = body_timeout
         self.metrics = metrics
         self.routes = routes
         # The metrics' children by label values: `labels` checks and locks on every call, a
@@ -186,7 +192,18 @@ class Guard:
                     answer.headers["WWW-Authenticate"] = "Bearer"
                 await answer(scope, receive, sending)
                 return
-            pending = await self._read_body(scope, receive)
+            try:
+                async with asyncio.timeout(self.body_timeout):
+                    pending = await self._read_body(scope, receive)
+            except TimeoutError:
+                why = (
+                    f"the body did not arrive within {self.body_timeout:g} s (the gateway's "
+                    "--body-timeout)"
+                )
+                answer = error_response(scope["path"], Code.TIMEOUT, why, status=408)
+                answer.headers["Connection"] = "close"  # what is left of it is not read
+                await answer(scope, receive, sending)
+                return
             if pending is None:
                 why = f"the body is over {self.max_body} bytes (the gateway's --max-body)"
                 await error_response(scope["path"], Code.TOO_LARGE, why)(scope, receive, sending)

@@ -81,7 +81,8 @@ def test_a_non_loopback_bind_without_keys_refuses_to_start(nobody: str) -> None:
 
 @pytest.fixture(scope="module")
 def small(nobody: str, start_gateway: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
-    with start_gateway(nobody, args=["--max-body", "1KiB", "--max-header", "2KiB"]) as url:
+    args = ["--max-body", "1KiB", "--max-header", "2KiB", "--body-timeout", "1"]
+    with start_gateway(nobody, args=args) as url:
         yield url
 
 
@@ -108,6 +109,32 @@ def test_a_body_over_max_body_is_refused_with_413(small: str) -> None:
     assert httpx.post(url, json=NO_INPUTS, timeout=30).status_code == 400  # under: let in
     opened = httpx.post(f"{small}/v1/completions", content=big, timeout=30)
     assert opened.status_code == 413 and opened.json()["error"]["code"] == "too_large"
+
+
+@pytest.mark.parametrize("path", ["/v2/models/m/infer", "/v1/completions"])
+def test_a_body_that_does_not_arrive_in_time_is_answered_408(small: str, path: str) -> None:
+    host, port = small.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n{\"inputs\": ".encode()
+        )  # then nothing: 90 bytes still owed
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    if path.startswith("/v1"):  # OpenAI's body
+        assert error["code"] == "timeout" and "--body-timeout" in error["message"]
+    else:
+        assert "did not arrive within 1 s" in error
+    # A body that comes whole is let in (400: the gateway's own refusal of no inputs).
+    assert httpx.post(f"{small}/v2/models/m/infer", json=NO_INPUTS, timeout=30).status_code == 400
 
 
 def test_headers_over_max_header_are_refused_with_431(small: str) -> None:
