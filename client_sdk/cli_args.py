@@ -463,7 +463,8 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
         "--activations",
         default=None,
         help="what each sub-model's backward does for its forward's activations: recompute, "
-        "keep, or auto (default: whichever the worker measured cheaper)",
+        "keep, selective (keep the matrix products' outputs, compute the rest again), or auto "
+        "(default: whichever the worker measured cheaper)",
     )
     p.add_argument("--chunk-bytes", default=None, help="sub-model target size (e.g. 4MiB)")
     p.add_argument(

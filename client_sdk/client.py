@@ -395,8 +395,10 @@ class AsyncClient:
         optimizer state staying float32 (the master weights) and the backward and the update
         running on them; "float16" is refused (it would need loss scaling). `activations`: what
         each sub-model's backward does for its forward's activations, "recompute" (run the
-        forward again), "keep" (the first forward's graph kept until the backward) or "auto"
-        (the default: per sub-model, whichever the worker measured cheaper). With `resume` and
+        forward again), "keep" (the first forward's graph kept until the backward), "selective"
+        (the forward's matrix products' outputs kept, the rest computed again in the backward:
+        torch's selective activation checkpointing) or "auto" (the default: per sub-model,
+        whichever the worker measured cheaper). With `resume` and
         no `optimizer`, the checkpoint's. `pipeline`: the model cut into this many stages on as
         many workers (pipeline-parallel, each stage's weights resident on its worker), its
         `accumulate` micro-batches flowing through them; 0 or 1, one worker by memory flow;

@@ -330,8 +330,9 @@ class SubModelRow(_Row):
     its largest task takes, and its activation policy: what the backward does for the
     activations of the step's forward ("recompute": runs the forward again from the kept
     input; "keep": the forward's graph is kept until the backward, as a pipelined job's stage
-    keeps each micro-batch's; "none": forward and backward are one task, nothing is kept
-    between them; "": a worker that reports none)."""
+    keeps each micro-batch's; "selective": the forward's matrix products' outputs are kept,
+    the rest computed again from its input; "none": forward and backward are one task, nothing
+    is kept between them; "": a worker that reports none)."""
 
     blocks: list[Count]
     host_bytes: Count

@@ -25,7 +25,7 @@ from flowmesh.spec import FACTORY_RE, MAX_KWARGS_BYTES
 # (`flowmesh.optimizers`); here only its form is checked.
 OPTIMIZER_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 LOSS_NAMES = ("cross_entropy", "mse")
-ACTIVATION_POLICIES = ("auto", "recompute", "keep")
+ACTIVATION_POLICIES = ("auto", "recompute", "keep", "selective")
 # What a job's forward and loss may compute in: float32, or bfloat16 under autocast with the
 # parameters, gradients and optimizer state kept float32 (mixed precision, as AMP does).
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -88,8 +88,8 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The forward's and the loss's dtype (COMPUTE_DTYPES); a checkpoint from before it has none.
     compute_dtype: str = "float32"
     # What a sub-model's backward does for its forward's activations (ACTIVATION_POLICIES):
-    # "auto" chooses per sub-model by measured cost (`gpu_worker.activation_keep`); "recompute"
-    # and "keep" force one.
+    # "auto" chooses per sub-model by measured cost (`gpu_worker.activation_keep`); "recompute",
+    # "keep" and "selective" force one.
     activations: str = "auto"
 
     def __post_init__(self) -> None:

@@ -2,8 +2,8 @@
 let a forward's graph outlive the arena range it ran in.
 
 Memory flow runs a sub-model's forward and its backward as two tasks, each with its tensors
-bound to wherever the arena had room at the time (`gpu_worker.train_job`). Two ways to give the
-backward what it needs (issue 23 §1):
+bound to wherever the arena had room at the time (`gpu_worker.train_job`). Three ways to give
+the backward what it needs (issue 23 §1):
 
 - **recompute** (`RECOMPUTE`): the forward runs without grad and keeps only its input; the
   backward runs it again, with grad, from that input. Costs a second forward.
@@ -13,13 +13,22 @@ backward what it needs (issue 23 §1):
   backward re-views the tensor where its own task bound it; anything else (the activations) is
   stashed like the activations between sub-models are (in the host tier on a GPU; on a CPU
   stand-in it stays where it is). Costs the stash's copies and its host room.
+- **selective** (`SELECTIVE`): torch's selective activation checkpointing. The forward runs with
+  grad under `torch.utils.checkpoint` (non-reentrant), keeping only the outputs of its matrix
+  products and convolutions (`SAVED_OPS`, stashed like a kept graph's activations) and its
+  input; the backward runs the forward again from that input, each kept product's output
+  taken back in place of computing it again, the rest (activations, norms, softmax: cheap,
+  elementwise or nearly) recomputed. Costs that cheap recompute, and a stash of half a kept
+  graph's or less for a block of a linear layer and its activation (its output kept; its
+  input and the activation's output made again).
 
-`choose` picks between them by measured cost, as eviction picks its victims: the compute seconds
+`choose` picks among them by measured cost, as eviction picks its victims: the compute seconds
 the sub-model's tasks took under each (the stash's copies included), within the room the host
-memory has for the stash (a job's kept graphs take at most as much as its own host tier). Both
+memory has for the stash (a job's kept graphs take at most as much as its own host tier). All
 policies compute the same values: the kept graph holds the very tensors the recompute would make
-again (same input, RNG state and buffers), so the choice changes how long a step takes, never
-what it computes.
+again (same input, RNG state and buffers), and a selective forward's recompute runs the same
+operations on the same values, so the choice changes how long a step takes, never what it
+computes.
 """
 
 from __future__ import annotations
@@ -30,9 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 RECOMPUTE = "recompute"
 KEEP = "keep"
+SELECTIVE = "selective"
+POLICIES = (RECOMPUTE, KEEP, SELECTIVE)  # the order `choose` measures them in
 NO_POLICY = "none"  # the last sub-model: its forward and backward are one task
 
 
@@ -107,17 +120,106 @@ class KeptGraph:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+# The operations whose outputs a selective forward keeps: matrix products and convolutions,
+# what costs most to compute again (as torch's own selective checkpointing examples choose).
+_aten = torch.ops.aten
+SAVED_OPS = frozenset(
+    op
+    for op in (
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten.convolution.default,
+        getattr(_aten, "_scaled_dot_product_flash_attention", None),
+        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+    )
+    if op is not None
+    for op in ([op.default] if isinstance(op, torch._ops.OpOverloadPacket) else [op])
+)
+
+
+class SelectiveForward:
+    """One selective forward's kept outputs (`SAVED_OPS`'), in the order it made them, with the
+    two dispatch modes `torch.utils.checkpoint` takes as `context_fn`: the first, around the
+    forward, stashes each kept output (`stash`); the second, around the recompute in the
+    backward, hands them back (`unstash`) in place of running those operations again.
+    `saved_bytes` counts what the stash holds."""
+
+    def __init__(
+        self,
+        stash: Callable[[torch.Tensor], torch.Tensor],
+        unstash: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self._stash = stash
+        self._unstash = unstash
+        self.kept: dict[Any, list[Any]] = {}
+        self.saved_bytes = 0
+
+    def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        return _Keeping(self), _Replaying(self)
+
+    def keep(self, op: Any, out: Any) -> None:
+        def one(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            self.saved_bytes += t.numel() * t.element_size()
+            return self._stash(t.detach())
+
+        self.kept.setdefault(op, []).append(tree_map(one, out))
+
+    def take(self, op: Any) -> Any:
+        outs = self.kept.get(op)
+        if not outs:
+            # The recompute ran an operation the forward did not: not the same computation.
+            raise RuntimeError(
+                f"a selective forward's recompute ran {op} more often than its forward did"
+            )
+        return tree_map(
+            lambda t: self._unstash(t).detach() if isinstance(t, torch.Tensor) else t,
+            outs.pop(0),
+        )
+
+
+class _Keeping(TorchDispatchMode):
+    def __init__(self, store: SelectiveForward) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            self.store.keep(func, out)
+        return out
+
+
+class _Replaying(TorchDispatchMode):
+    def __init__(self, store: SelectiveForward) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in SAVED_OPS:
+            return self.store.take(func)
+        return func(*args, **(kwargs or {}))
+
+
 def choose(
-    recompute_s: float | None, keep_s: float | None, saved_bytes: int | None, room: int | None
+    costs: dict[str, float | None], saved: dict[str, int | None], room: int | None
 ) -> str:
-    """KEEP or RECOMPUTE for one sub-model, by measured cost: `recompute_s` / `keep_s`, the mean
-    compute seconds of its tasks under each policy (None: not measured yet, which the policy
-    is then chosen to measure, recompute first); `saved_bytes`, what a kept forward stashed;
-    `room`, the host memory the stash may take (None: no limit)."""
-    if recompute_s is None:
-        return RECOMPUTE
-    if saved_bytes is not None and room is not None and saved_bytes > room:
-        return RECOMPUTE
-    if keep_s is None:
-        return KEEP
-    return KEEP if keep_s < recompute_s else RECOMPUTE
+    """The policy for one sub-model, by measured cost: `costs`, the mean compute seconds of its
+    tasks under each policy (None or absent: not measured yet, which the policy is then chosen
+    to measure, in `POLICIES`' order, recompute first); `saved`, what a kept or selective
+    forward stashed; `room`, the host memory the stash may take (None: no limit). A policy
+    whose stash is over the room is never taken (recompute stashes nothing)."""
+
+    def fits(policy: str) -> bool:
+        nbytes = saved.get(policy)
+        return policy == RECOMPUTE or room is None or nbytes is None or nbytes <= room
+
+    for policy in POLICIES:
+        if costs.get(policy) is None and fits(policy):
+            return policy
+    measured = [p for p in POLICIES if costs.get(p) is not None and fits(p)]
+    return min(measured, key=lambda p: costs[p])  # type: ignore[return-value, arg-type]

@@ -45,9 +45,11 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.modelio.chain import Block
@@ -56,7 +58,15 @@ from flowmesh.modelio.inputs import call_model
 from flowmesh.optimizers import step_adopting
 from flowmesh.spec import TensorSpec
 from flowmesh.steps import StepResult
-from gpu_worker.activation_keep import KEEP, NO_POLICY, RECOMPUTE, KeptGraph, choose
+from gpu_worker.activation_keep import (
+    KEEP,
+    NO_POLICY,
+    RECOMPUTE,
+    SELECTIVE,
+    KeptGraph,
+    SelectiveForward,
+    choose,
+)
 from gpu_worker.device import Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import MODEL_CODE_LOCK
@@ -276,14 +286,16 @@ class TrainingJob:
         self._acts: dict[tuple[int, int, int], Any] = {}
         self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
         self._replay: dict[tuple[int, int, int], tuple[RngState, torch.Tensor | None]] = {}
-        # Kept forwards (policy KEEP): the input and output whose graph the backward runs.
+        # Kept forwards (policies KEEP and SELECTIVE): the input and output whose graph the
+        # backward runs (a selective one's recomputes its forward from that input on the way).
         self._kept: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
         # Per sub-model: the policy of the step planned last, and what each policy's tasks
-        # cost ([seconds, tasks] per policy) and a kept forward stashed (`observe`, `choose`).
+        # cost ([seconds, tasks] per policy) and what a kept or selective forward stashed, per
+        # policy (`observe`, `choose`).
         forced = self.config.activations
         self._policy: list[str] = [RECOMPUTE if forced == "auto" else forced] * k
         self._cost: list[dict[str, list[float]]] = [{} for _ in range(k)]
-        self._saved: list[int | None] = [None] * k
+        self._saved: list[dict[str, int]] = [{} for _ in range(k)]
         self._losses: dict[int, list[float]] = {}
         self._nonfinite: dict[int, bool] = {}
         self._updated: set[int] = set()
@@ -397,6 +409,11 @@ class TrainingJob:
         graph; the last runs both in its LAST task."""
         return NO_POLICY if i == self.parts - 1 else self._policy[i]
 
+    def stashed_bytes(self, i: int) -> dict[str, int]:
+        """What sub-model i's last forward stashed for its backward, per policy that keeps
+        something from it ("keep", "selective"), as `choose` weighs it against the room."""
+        return dict(self._saved[i])
+
     def _choose_policies(self) -> None:
         forced = self.config.activations
         room = self.host_bytes()  # a job's kept graphs: at most its own host tier's bytes
@@ -404,14 +421,12 @@ class TrainingJob:
             if forced != "auto":
                 self._policy[i] = forced
                 continue
-            mean = {p: s / n for p, (s, n) in self._cost[i].items() if n}
-            saved = self._saved[i]
-            self._policy[i] = choose(
-                mean.get(RECOMPUTE),
-                mean.get(KEEP),
-                None if saved is None else saved * self.config.accumulate,
-                room,
-            )
+            mean: dict[str, float | None] = {p: s / n for p, (s, n) in self._cost[i].items() if n}
+            # Every micro-batch's forward stashes as much, held until its backward.
+            saved: dict[str, int | None] = {
+                p: b * self.config.accumulate for p, b in self._saved[i].items()
+            }
+            self._policy[i] = choose(mean, saved, room)
 
     def observe(self, task: Task, seconds: float) -> None:
         """A FORWARD or BACKWARD task's compute seconds (the executor's clock), under the policy
@@ -715,6 +730,10 @@ class TrainingJob:
             out = call_model(module, out) if sub.index == 0 and j == 0 else module(out)
         return _as_output(out)
 
+    def _computed_forward(self, sub: SubModel, x: Any) -> torch.Tensor:
+        with self._compute():
+            return self._forward(sub, x)
+
     def _pause_hook(self, _: torch.Tensor) -> None:
         self.pause()
 
@@ -763,13 +782,19 @@ class TrainingJob:
         """A FORWARD task. Recompute policy: without grad, keeping what the recompute must
         replay (this forward's RNG state and the buffers it saw). Keep policy: with grad, its
         graph kept for the backward task, what autograd saves packed by `KeptGraph` (bound
-        tensors by name, activations stashed)."""
+        tensors by name, activations stashed). Selective policy: with grad under
+        `torch.utils.checkpoint`, its products' outputs stashed (`SelectiveForward`), its
+        buffers kept as the recompute policy keeps them (the backward computes the rest
+        again, from its input, with the buffers this forward saw)."""
         key = (task.request, task.micro, task.sub)
         x = self._input(task)
+        policy = task.payload.get("policy")
         kept: KeptGraph | None = None
-        if task.payload.get("policy") == KEEP:
-            if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
-                x = x.detach().requires_grad_(True)
+        selective: SelectiveForward | None = None
+        graph = policy in (KEEP, SELECTIVE)  # the forward's graph kept for the backward task
+        if graph and task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        if policy == KEEP:
             kept = KeptGraph({i.name: i.tensor for i in bound}, arena, self._stash, self._unstash)
         else:
             b0, b1 = sub.sections["B"]
@@ -777,13 +802,27 @@ class TrainingJob:
                 self.wait_written((Region("B", sub.index),))
             snapshot = sub.slab[b0:b1].clone() if b1 > b0 else None
             self._replay[key] = (self.rng, snapshot)
-        grad = torch.enable_grad() if kept is not None else torch.no_grad()
+        if policy == SELECTIVE:
+            selective = SelectiveForward(self._stash, self._unstash)
+        grad = torch.enable_grad() if graph else torch.no_grad()
         with _rng_scope(self.rng, self._cuda), grad, kept.hooks() if kept else nullcontext():
-            with self._model_code(task), self._compute():
-                out = self._forward(sub, x)
+            with self._model_code(task):
+                if selective is not None:
+                    # The recompute in the backward task runs this again, under the same
+                    # autocast, with the RNG state checkpoint saved here (its dropout masks).
+                    out = checkpoint(
+                        partial(self._computed_forward, sub),
+                        x,
+                        use_reentrant=False,
+                        context_fn=selective.contexts,
+                        preserve_rng_state=True,
+                    )
+                else:
+                    with self._compute():
+                        out = self._forward(sub, x)
             self.rng = _rng_get(self._cuda)
-        if kept is not None:
-            self._saved[task.sub] = kept.saved_bytes
+        if graph:
+            self._saved[task.sub][policy] = (kept or selective).saved_bytes  # type: ignore[union-attr]
             self._kept[key] = (x, out)
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))

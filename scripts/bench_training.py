@@ -73,7 +73,7 @@ from torch.nn import functional as F
 from flowmesh.errors import FlowmeshError
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
-from gpu_worker.activation_keep import KEEP, NO_POLICY
+from gpu_worker.activation_keep import KEEP, NO_POLICY, SELECTIVE
 from gpu_worker.device import CpuStandIn, Device, open_device
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job
@@ -382,9 +382,10 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
 
 
 def kept(policies: list[list[str]]) -> str:
-    """How many sub-models of the jobs keep their forward's graph, of those that choose."""
+    """How many sub-models of the jobs keep their forward's graph (all of it, or selectively),
+    of those that choose."""
     chose = [p for job in policies for p in job if p != NO_POLICY]
-    return f"{sum(p == KEEP for p in chose)}/{len(chose)}"
+    return f"{sum(p in (KEEP, SELECTIVE) for p in chose)}/{len(chose)}"
 
 
 # ----------------------------------------------------------------------------- largest batch
@@ -541,7 +542,9 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
-        "--activations", default="auto", help="auto | recompute | keep: the jobs' policy"
+        "--activations",
+        default="auto",
+        help="auto | recompute | keep | selective: the jobs' policy",
     )
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
@@ -603,7 +606,8 @@ def main() -> None:
             "still the compute term of the bound there. cpu fl/t, cpu fl/a: the same ratios in "
             "samples per process CPU second (all threads: the work done, not the waiting), "
             "steadier than wall time on a shared CPU box. kept: the sub-models whose forward's "
-            "graph memory flow kept for the backward (the rest recompute it) over those with "
+            "graph memory flow kept for the backward, whole or selectively (the rest recompute "
+            "it), over those with "
             "a choice (a job's last sub-model runs both in one task); each sub-model's policy "
             "is in the JSON (activation_policies)"
         )

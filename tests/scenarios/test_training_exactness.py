@@ -3,9 +3,10 @@
 BatchNorm and Hugging Face GPT-2 with its tied embedding and head, each with SGD+momentum, Adam
 and AdamW, cut into one to four sub-models, with and without gradient clipping: 96 jobs open at
 once on one mesh, 20 steps each, all in flight together. Then again with each activation policy
-forced on in turn (`activations` "recompute", "keep": what each sub-model's backward does for
-its forward's activations, which "auto" chooses by measured cost), for the 72 jobs of two to
-four sub-models (one sub-model has no choice: its forward and backward are one task).
+forced on in turn (`activations` "recompute", "keep", "selective": what each sub-model's
+backward does for its forward's activations, which "auto" chooses by measured cost), for the 72
+jobs of two to four sub-models (one sub-model has no choice: its forward and backward are one
+task).
 
 Per-step losses and final parameters (read back from each job's checkpoint) are compared with a
 plain PyTorch loop on the same seeds and data, with `torch.testing.assert_close` at rtol 1e-5 /
@@ -209,7 +210,7 @@ async def run_all(
         print(f"\nopened {len(cases)} jobs in {t1 - t0:.1f} s, trained in {t2 - t1:.1f} s")
 
 
-@pytest.mark.parametrize("activations", ["auto", "recompute", "keep"])
+@pytest.mark.parametrize("activations", ["auto", "recompute", "keep", "selective"])
 def test_the_whole_grid_through_the_mesh_equals_plain_pytorch(
     tmp_path: Path, activations: str
 ) -> None:

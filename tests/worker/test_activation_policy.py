@@ -12,14 +12,25 @@ forward's range overwritten in between.
 
 from __future__ import annotations
 
+import collections
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from flowmesh.train_spec import TrainConfig
-from gpu_worker.activation_keep import KEEP, RECOMPUTE, KeptGraph, choose
+from gpu_worker.activation_keep import (
+    KEEP,
+    RECOMPUTE,
+    SELECTIVE,
+    KeptGraph,
+    SelectiveForward,
+    choose,
+)
 from gpu_worker.train_executor import TrainingExecutor
 from gpu_worker.train_scheduler import Task
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
@@ -38,7 +49,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh-grads", "arena-grads"])
-@pytest.mark.parametrize("policy", [RECOMPUTE, KEEP])
+@pytest.mark.parametrize("policy", [RECOMPUTE, KEEP, SELECTIVE])
 @pytest.mark.parametrize(
     ("model", "clip", "accumulate"), CASES, ids=[f"{m}-clip{c}-acc{a}" for m, c, a in CASES]
 )
@@ -63,25 +74,27 @@ def test_each_policy_forced_equals_plain_pytorch(
         close(t, state[name], f"{model} {policy}: {name}")
 
 
-def test_auto_measures_both_then_keeps_where_it_costs_less() -> None:
-    """A job's first step recomputes and its second keeps (each measured on the way), with the
-    same losses as plain PyTorch; later steps take the cheaper by the costs observed."""
+def test_auto_measures_each_policy_then_takes_the_cheapest() -> None:
+    """A job's first step recomputes, its second keeps, its third is selective (each measured
+    on the way), with the same losses as plain PyTorch; later steps take the cheapest by the
+    costs observed."""
     cfg = TrainConfig(ADAM, seed=RNG_SEED)
     assert cfg.activations == "auto"
-    data = data_for("mlp", 3)
+    data = data_for("mlp", 3)[:3]
     job = job_of("mlp", cfg)
     seen, losses = [], []
     with TrainingExecutor(job.device) as ex:
         ex.open(job)
-        for x, y in data[:2]:  # one at a time: each step is planned after the last one's costs
+        for x, y in data:  # one at a time: each step is planned after the last one's costs
             losses.append(ex.step("mlp", x, y).loss)
             seen.append(job.activation_policy(0))
-    assert seen == [RECOMPUTE, KEEP], seen
-    close(losses, plain(MODELS["mlp"], cfg.optimizer, data[:2], rng_seed=cfg.seed)[0], "auto")
-    # The choice from observed costs (the executor's clock, here given): the cheaper wins.
-    for keep_s, want in ((0.5, KEEP), (3.0, RECOMPUTE)):
+    assert seen == [RECOMPUTE, KEEP, SELECTIVE], seen
+    close(losses, plain(MODELS["mlp"], cfg.optimizer, data, rng_seed=cfg.seed)[0], "auto")
+    # The choice from observed costs (the executor's clock, here given): the cheapest wins.
+    cases = ((0.5, 0.7, KEEP), (3.0, 0.9, SELECTIVE), (3.0, 2.0, RECOMPUTE))
+    for keep_s, selective_s, want in cases:
         job = job_of("mlp", cfg)
-        for policy, seconds in ((RECOMPUTE, 1.0), (KEEP, keep_s)):
+        for policy, seconds in ((RECOMPUTE, 1.0), (KEEP, keep_s), (SELECTIVE, selective_s)):
             job.observe(Task("mlp", 0, "forward", 0, frozenset(), frozenset(), sub=0,
                              payload={"policy": policy}), seconds)  # fmt: skip
         job.begin_step(1, *data[0])
@@ -90,12 +103,67 @@ def test_auto_measures_both_then_keeps_where_it_costs_less() -> None:
 
 
 def test_choose_by_measured_cost() -> None:
-    assert choose(None, None, None, None) == RECOMPUTE  # measure the recompute first
-    assert choose(1.0, None, 10, 100) == KEEP  # then the keep
-    assert choose(1.0, None, 200, 100) == RECOMPUTE  # a stash over the room is never tried
-    assert choose(1.0, 0.5, 10, 100) == KEEP
-    assert choose(1.0, 1.5, 10, 100) == RECOMPUTE
-    assert choose(1.0, 0.5, 200, None) == KEEP  # no room limit
+    r, k, s = RECOMPUTE, KEEP, SELECTIVE
+    assert choose({}, {}, None) == r  # measure the recompute first
+    assert choose({r: 1.0}, {}, 100) == k  # then the keep
+    assert choose({r: 1.0, k: 0.5}, {k: 10}, 100) == s  # then the selective
+    assert choose({r: 1.0, k: 0.5, s: 0.6}, {k: 10, s: 5}, 100) == k  # the cheapest
+    assert choose({r: 1.0, k: 1.5, s: 0.9}, {k: 10, s: 5}, 100) == s
+    assert choose({r: 1.0, k: 1.5, s: 1.2}, {k: 10, s: 5}, 100) == r
+    # A stash over the room is never taken: the selective one, half the size, may fit.
+    assert choose({r: 1.0, k: 0.5}, {k: 200}, 100) == s
+    assert choose({r: 1.0, k: 0.5, s: 0.6}, {k: 200, s: 80}, 100) == s
+    assert choose({r: 1.0, k: 0.5, s: 0.6}, {k: 200, s: 150}, 100) == r
+    assert choose({r: 1.0, k: 0.5, s: 0.6}, {k: 200, s: 150}, None) == k  # no room limit
+
+
+class Counting(TorchDispatchMode):
+    """The aten operations run under it, counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[Any] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_selective_forward_keeps_its_products_and_computes_the_rest_again() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4), nn.Tanh())
+    ref = copy.deepcopy(net)
+    x = torch.randn(5, 8)
+    ref(x).square().sum().backward()
+    stashed: list[torch.Tensor] = []
+    store = SelectiveForward(lambda t: stashed.append(t) or t, lambda t: t)
+    out = checkpoint(net, x, use_reentrant=False, context_fn=store.contexts)
+    addmm = torch.ops.aten.addmm.default
+    assert list(store.kept) == [addmm] and [t.shape for t in stashed] == [(5, 16), (5, 4)]
+    assert store.saved_bytes == (5 * 16 + 5 * 4) * 4
+    with Counting() as seen:
+        out.square().sum().backward()
+    # The products were taken back, not computed again; the activations were.
+    assert seen.counts[addmm] == 0
+    assert seen.counts[torch.ops.aten.gelu.default] == 1
+    assert seen.counts[torch.ops.aten.tanh.default] == 1
+    for n, t in net.named_parameters():
+        torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad, msg=n)
+
+
+def test_a_selective_forward_stashes_at_most_half_what_a_kept_one_does() -> None:
+    """The grid's MLP (blocks of a linear layer and GELU): a kept graph stashes what autograd
+    saves (each layer's input, the GELU's input); a selective forward only the linear layers'
+    outputs."""
+    stashed = {}
+    for policy in (KEEP, SELECTIVE):
+        cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=policy)
+        job = job_of("mlp", cfg)
+        with TrainingExecutor(job.device) as ex:
+            ex.open(job)
+            ex.step("mlp", *data_for("mlp", 1)[0])
+        stashed[policy] = job.stashed_bytes(1)[policy]
+    assert 0 < stashed[SELECTIVE] <= stashed[KEEP] / 2, stashed
 
 
 def test_a_kept_graph_follows_its_tensors_to_where_the_backward_binds_them() -> None:

@@ -185,3 +185,44 @@ def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it()
     for stage in results[True][2]:
         for t in stage.in_arena():
             assert t.is_cuda and lo <= t.data_ptr() < lo + dev.arena.numel()
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt-dropout"])
+def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model: str) -> None:
+    """A job cut into three sub-models, trained by memory flow on the GPU with each activation
+    policy forced: a kept graph's and a selective forward's stashes go to pinned host memory
+    and back on the compute stream, the selective recompute takes its products back; all
+    give the recompute policy's losses and weights (the same kernels, the same dropout)."""
+    from itertools import pairwise
+
+    from flowmesh.modelio.build import build_seeded
+    from flowmesh.modelio.chain import chain_of
+    from flowmesh.modelio.inputs import declared_inputs, make_inputs
+    from gpu_worker.train_config import TrainConfig
+    from gpu_worker.train_executor import TrainingExecutor
+    from gpu_worker.train_job import TrainingJob
+    from tests.support.train_grid import ALLOW, MODELS, RNG_SEED, data_for
+    from tests.support.training import close
+
+    data = data_for(model, 4)[:4]
+    results = {}
+    for policy in ("recompute", "keep", "selective"):
+        cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=RNG_SEED, activations=policy)
+        spec = MODELS[model]
+        net = build_seeded(spec, ALLOW)
+        inputs = declared_inputs(spec, net)
+        blocks = chain_of(net, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
+        bounds = [round(i * len(blocks) / 3) for i in range(4)]
+        dev = CudaDevice(0, 16 * MIB)
+        job = TrainingJob(
+            model, blocks, list(pairwise(bounds)), cfg, dev, inputs=inputs, allow=ALLOW
+        )
+        with TrainingExecutor(dev) as ex:
+            ex.open(job)
+            losses = [ex.step(model, x, y).loss for x, y in data]
+        assert job.activation_policy(0) == policy
+        results[policy] = (losses, {n: t.clone() for n, t in job.state_dict().items()})
+    for policy in ("keep", "selective"):
+        close(results[policy][0], results["recompute"][0], f"{policy}: losses")
+        for name, t in results["recompute"][1].items():
+            close(results[policy][1][name], t, f"{policy}: {name}")
