@@ -165,7 +165,12 @@ class SelectiveForward:
             if not isinstance(t, torch.Tensor):
                 return t
             self.saved_bytes += t.numel() * t.element_size()
-            return self._stash(t.detach())
+            kept = self._stash(t.detach())
+            if kept.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                # Stashed where it is (the CPU stand-in): a copy, as a device's stash is, for
+                # the forward may go on to change the output in place (ReLU(inplace=True)).
+                kept = kept.clone()
+            return kept
 
         self.kept.setdefault(op, []).append(tree_map(one, out))
 

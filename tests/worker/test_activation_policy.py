@@ -151,6 +151,25 @@ def test_a_selective_forward_keeps_its_products_and_computes_the_rest_again() ->
         torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad, msg=n)
 
 
+class ScaledInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2.0).add_(1.0)
+
+
+def test_a_selective_forward_keeps_its_products_as_they_were_made() -> None:
+    """Outputs changed in place after they were kept (a ReLU(inplace=True) after a linear
+    layer, an in-place scale): the backward gets them as the product made them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), ScaledInPlace(), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    ref = copy.deepcopy(net)
+    x = torch.randn(5, 8)
+    ref(x).square().sum().backward()
+    store = SelectiveForward(lambda t: t, lambda t: t)  # kept where it is, as on a CPU
+    checkpoint(net, x, use_reentrant=False, context_fn=store.contexts).square().sum().backward()
+    for n, t in net.named_parameters():
+        torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad, msg=n)
+
+
 def test_a_selective_forward_stashes_at_most_half_what_a_kept_one_does() -> None:
     """The grid's MLP (blocks of a linear layer and GELU): a kept graph stashes what autograd
     saves (each layer's input, the GELU's input); a selective forward only the linear layers'
