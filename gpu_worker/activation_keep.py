@@ -33,6 +33,7 @@ computes.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -122,21 +123,18 @@ class KeptGraph:
 
 # The operations whose outputs a selective forward keeps: matrix products and convolutions,
 # what costs most to compute again (as torch's own selective checkpointing examples choose).
+# Not the fused attention kernels: with dropout they draw from the generator, which a recompute
+# that skipped them would leave behind, so that every later random draw of the sub-model (its
+# dropout masks) would differ from the forward's; they are computed again.
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(
-    op
-    for op in (
+    (
         _aten.mm.default,
         _aten.addmm.default,
         _aten.bmm.default,
         _aten.baddbmm.default,
         _aten.convolution.default,
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
     )
-    if op is not None
-    for op in ([op.default] if isinstance(op, torch._ops.OpOverloadPacket) else [op])
 )
 
 
@@ -154,7 +152,7 @@ class SelectiveForward:
     ) -> None:
         self._stash = stash
         self._unstash = unstash
-        self.kept: dict[Any, list[Any]] = {}
+        self.kept: dict[Any, collections.deque[Any]] = {}
         self.saved_bytes = 0
 
     def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
@@ -172,19 +170,21 @@ class SelectiveForward:
                 kept = kept.clone()
             return kept
 
-        self.kept.setdefault(op, []).append(tree_map(one, out))
+        self.kept.setdefault(op, collections.deque()).append(tree_map(one, out))
 
     def take(self, op: Any) -> Any:
         outs = self.kept.get(op)
         if not outs:
-            # The recompute ran an operation the forward did not: not the same computation.
-            raise RuntimeError(
-                f"a selective forward's recompute ran {op} more often than its forward did"
-            )
+            raise NotRepeated(f"its recompute ran {op} more often than the forward did")
         return tree_map(
             lambda t: self._unstash(t).detach() if isinstance(t, torch.Tensor) else t,
-            outs.pop(0),
+            outs.popleft(),
         )
+
+
+class NotRepeated(RuntimeError):
+    """A selective forward's recompute did not run what its forward ran (a forward whose
+    operations depend on something besides its input, parameters, buffers and the RNG)."""
 
 
 class _Keeping(TorchDispatchMode):

@@ -49,7 +49,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.modelio.chain import Block
@@ -64,6 +64,7 @@ from gpu_worker.activation_keep import (
     RECOMPUTE,
     SELECTIVE,
     KeptGraph,
+    NotRepeated,
     SelectiveForward,
     choose,
 )
@@ -731,8 +732,32 @@ class TrainingJob:
         return _as_output(out)
 
     def _computed_forward(self, sub: SubModel, x: Any) -> torch.Tensor:
+        """A selective forward's (and its recompute's): on a copy of its input, which checkpoint
+        keeps to run it again from, so that a forward changing its input in place (a clamp_ on
+        the batch) leaves that as it was."""
+        if isinstance(x, torch.Tensor):
+            x = x.clone()
+        elif isinstance(x, Mapping):
+            x = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
         with self._compute():
             return self._forward(sub, x)
+
+    @contextmanager
+    def _repeated(self, task: Task) -> Iterator[None]:
+        """A selective forward's backward runs the forward again: where it did not run the same
+        operations, the job's MODEL_ERROR says so, and what to open it with instead."""
+        try:
+            yield
+        except (CheckpointError, NotRepeated) as exc:
+            if task.payload.get("policy") != SELECTIVE:
+                raise
+            why = str(exc).strip().splitlines()[0]
+            raise FlowmeshError(
+                Code.MODEL_ERROR,
+                f"job {self.name!r}: {self._where(task)}: its forward did not repeat under the "
+                f"selective activation policy ({why}); open the job with activations='keep' "
+                "or 'recompute'",
+            ) from None
 
     def _pause_hook(self, _: torch.Tensor) -> None:
         self.pause()
@@ -921,7 +946,7 @@ class TrainingJob:
             else:
                 incoming = self._unstash(self._grads.pop(key))
                 if out.requires_grad:
-                    with self._model_code(task):
+                    with self._model_code(task), self._repeated(task):
                         torch.autograd.backward(out, incoming)
         if task.sub > 0:
             if not isinstance(x, torch.Tensor) or x.grad is None:

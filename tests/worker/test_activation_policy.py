@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.modelio.chain import chain_of
+from flowmesh.reference import train
 from flowmesh.train_spec import TrainConfig
 from gpu_worker.activation_keep import (
     KEEP,
@@ -31,7 +34,9 @@ from gpu_worker.activation_keep import (
     SelectiveForward,
     choose,
 )
+from gpu_worker.device import CpuStandIn
 from gpu_worker.train_executor import TrainingExecutor
+from gpu_worker.train_job import TrainingJob
 from gpu_worker.train_scheduler import Task
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import MODELS, RNG_SEED, data_for
@@ -168,6 +173,60 @@ def test_a_selective_forward_keeps_its_products_as_they_were_made() -> None:
     checkpoint(net, x, use_reentrant=False, context_fn=store.contexts).square().sum().backward()
     for n, t in net.named_parameters():
         torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad, msg=n)
+
+
+class ClampsItsInput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp_(-1.0, 1.0)
+
+
+class CallCounted(nn.Module):
+    """A block whose forward runs its layer once more on every other call: not the same
+    computation when run again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.layer(self.layer(x)) if self.calls % 2 else self.layer(x)
+
+
+def selective_job(net: nn.Module, name: str, ranges: list[tuple[int, int]]) -> TrainingJob:
+    cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=SELECTIVE)
+    return TrainingJob(name, chain_of(net), ranges, cfg, CpuStandIn(1 << 20))
+
+
+def test_a_selective_forward_that_changes_its_input_in_place_trains_as_plain_pytorch() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(ClampsItsInput(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16),
+                        nn.ReLU(), nn.Linear(16, 5))  # fmt: skip
+    ref = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(3)
+    data = [(3 * torch.randn(4, 8, generator=g), torch.randint(0, 5, (4,), generator=g))
+            for _ in range(4)]  # fmt: skip
+    job = selective_job(net, "clamps", [(0, 2), (2, 4), (4, 6)])  # the clamp in the first
+    with TrainingExecutor(job.device) as ex:
+        ex.open(job)
+        losses = [ex.step("clamps", x.clone(), y).loss for x, y in data]
+    expected = train(ref, ADAM, [(x.clone(), y) for x, y in data], rng_seed=RNG_SEED)
+    close(losses, expected, "losses")
+    for name, t in ref.state_dict().items():
+        close(job.state_dict()[name], t, name)
+
+
+def test_a_forward_that_does_not_repeat_fails_its_step_saying_so() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), CallCounted(), nn.ReLU(), nn.Linear(16, 5))
+    job = selective_job(net, "counted", [(0, 1), (1, 3), (3, 4)])
+    with TrainingExecutor(job.device) as ex, pytest.raises(FlowmeshError) as failed:
+        ex.open(job)
+        ex.step("counted", torch.randn(4, 8), torch.randint(0, 5, (4,)))
+    assert failed.value.code == Code.MODEL_ERROR
+    assert "did not repeat under the selective activation policy" in failed.value.reason
+    assert "activations='keep'" in failed.value.reason
 
 
 def test_a_selective_forward_stashes_at_most_half_what_a_kept_one_does() -> None:
