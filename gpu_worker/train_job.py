@@ -297,6 +297,8 @@ class TrainingJob:
         self._policy: list[str] = [RECOMPUTE if forced == "auto" else forced] * k
         self._cost: list[dict[str, list[float]]] = [{} for _ in range(k)]
         self._saved: list[dict[str, int]] = [{} for _ in range(k)]
+        # Per (step, sub-model): the policy its tasks run with (`_policy_of`).
+        self._step_policy: dict[tuple[int, int], str] = {}
         self._losses: dict[int, list[float]] = {}
         self._nonfinite: dict[int, bool] = {}
         self._updated: set[int] = set()
@@ -404,10 +406,10 @@ class TrainingJob:
         ]
 
     def activation_policy(self, i: int) -> str:
-        """What sub-model i's backward does for its forward's activations in the step planned
-        last (`gpu_worker.activation_keep`): every sub-model but the last has a FORWARD task and
-        a BACKWARD task that either recomputes the forward from its kept input or runs the kept
-        graph; the last runs both in its LAST task."""
+        """What sub-model i's backward does for its forward's activations, as chosen last
+        (`gpu_worker.activation_keep`): every sub-model but the last has a FORWARD task and a
+        BACKWARD task that either recomputes the forward from its kept input or runs the kept
+        graph (whole or selectively); the last runs both in its LAST task."""
         return NO_POLICY if i == self.parts - 1 else self._policy[i]
 
     def stashed_bytes(self, i: int) -> dict[str, int]:
@@ -415,19 +417,31 @@ class TrainingJob:
         something from it ("keep", "selective"), as `choose` weighs it against the room."""
         return dict(self._saved[i])
 
-    def _choose_policies(self) -> None:
+    def _policy_of(self, task: Task) -> str:
+        """The activation policy of a FORWARD or BACKWARD task (set in its payload, for
+        `observe`): its sub-model's in its step, chosen when the step's first forward of that
+        sub-model runs, from the costs measured until then (not when the step was planned:
+        steps sent together are planned before any of them ran), and the same for the step's
+        other micro-batches and for the backward."""
+        key = (task.request, task.sub)
+        policy = self._step_policy.get(key)
+        if policy is None:
+            policy = self._step_policy[key] = self._choose_policy(task.sub)
+            self._policy[task.sub] = policy
+        task.payload["policy"] = policy
+        return policy
+
+    def _choose_policy(self, i: int) -> str:
         forced = self.config.activations
+        if forced != "auto":
+            return forced
         room = self.host_bytes()  # a job's kept graphs: at most its own host tier's bytes
-        for i in range(self.parts - 1):
-            if forced != "auto":
-                self._policy[i] = forced
-                continue
-            mean: dict[str, float | None] = {p: s / n for p, (s, n) in self._cost[i].items() if n}
-            # Every micro-batch's forward stashes as much, held until its backward.
-            saved: dict[str, int | None] = {
-                p: b * self.config.accumulate for p, b in self._saved[i].items()
-            }
-            self._policy[i] = choose(mean, saved, room)
+        mean: dict[str, float | None] = {p: s / n for p, (s, n) in self._cost[i].items() if n}
+        # Every micro-batch's forward stashes as much, held until its backward.
+        saved: dict[str, int | None] = {
+            p: b * self.config.accumulate for p, b in self._saved[i].items()
+        }
+        return choose(mean, saved, room)
 
     def observe(self, task: Task, seconds: float) -> None:
         """A FORWARD or BACKWARD task's compute seconds (the executor's clock), under the policy
@@ -537,14 +551,13 @@ class TrainingJob:
         task = Task(self.name, request, kind, layout.total, reads, writes, sub=i, micro=micro)
         task.payload = {"update": update}
         if kind in (FORWARD, BACKWARD):
-            task.payload["policy"] = self._policy[i]
+            task.payload["policy"] = None  # chosen when it runs (`_policy_of`)
         return task
 
     def plan_step(self, request: int) -> list[Task]:
         """The chain of tasks of one step (see the module docstring)."""
         k, n = self.parts, self.config.accumulate
         clip = self.config.clip_grad_norm is not None
-        self._choose_policies()  # one policy per sub-model for the whole step
         tasks: list[Task] = []
         for m in range(n):
             update = m == n - 1 and not clip
@@ -813,7 +826,7 @@ class TrainingJob:
         again, from its input, with the buffers this forward saw)."""
         key = (task.request, task.micro, task.sub)
         x = self._input(task)
-        policy = task.payload.get("policy")
+        policy = self._policy_of(task)
         kept: KeptGraph | None = None
         selective: SelectiveForward | None = None
         graph = policy in (KEEP, SELECTIVE)  # the forward's graph kept for the backward task
@@ -926,6 +939,8 @@ class TrainingJob:
         result = TaskResult()
         layout = self._layout(task)
         self._touched = set()
+        if task.kind == BACKWARD:
+            self._policy_of(task)  # its forward's
         kept = self._kept.pop(key, None)
         if kept is not None:
             x, out = kept  # its forward's graph: nothing to run again
@@ -1124,13 +1139,16 @@ class TrainingJob:
         metrics: dict[str, float] = {"nonfinite": float(nonfinite)}
         if total is not None:
             metrics["grad_norm"] = float(total)
-        policies = [self.activation_policy(i) for i in range(self.parts)]
-        return StepResult(sum(losses), self.step_count, metrics, policies)
+        policies = [
+            self._step_policy.pop((request, i), self.activation_policy(i))
+            for i in range(self.parts - 1)
+        ]
+        return StepResult(sum(losses), self.step_count, metrics, [*policies, NO_POLICY])
 
     def abort_step(self, request: int, reason: str) -> None:
         """Forget a failed step: its kept activations and partial gradients go; if an update
         of it was already applied, the job is inconsistent and refuses further steps."""
-        for store in (self._acts, self._grads, self._replay, self._kept):
+        for store in (self._acts, self._grads, self._replay, self._kept, self._step_policy):
             for key in [k for k in store if k[0] == request]:
                 del store[key]
         self._data.pop(request, None)

@@ -79,32 +79,42 @@ def test_each_policy_forced_equals_plain_pytorch(
         close(t, state[name], f"{model} {policy}: {name}")
 
 
-def test_auto_measures_each_policy_then_takes_the_cheapest() -> None:
+@pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-in-flight"])
+def test_auto_measures_each_policy_then_takes_the_cheapest(together: bool) -> None:
     """A job's first step recomputes, its second keeps, its third is selective (each measured
-    on the way), with the same losses as plain PyTorch; later steps take the cheapest by the
+    on the way), with the same losses as plain PyTorch, whether each step is sent after the
+    last one's answer or all are sent at once (a policy is chosen when the step's forward of
+    its sub-model runs, not when the step was sent); later steps take the cheapest by the
     costs observed."""
     cfg = TrainConfig(ADAM, seed=RNG_SEED)
     assert cfg.activations == "auto"
-    data = data_for("mlp", 3)[:3]
+    data = data_for("mlp", 4)[:4]
     job = job_of("mlp", cfg)
-    seen, losses = [], []
     with TrainingExecutor(job.device) as ex:
         ex.open(job)
-        for x, y in data:  # one at a time: each step is planned after the last one's costs
-            losses.append(ex.step("mlp", x, y).loss)
-            seen.append(job.activation_policy(0))
-    assert seen == [RECOMPUTE, KEEP, SELECTIVE], seen
-    close(losses, plain(MODELS["mlp"], cfg.optimizer, data, rng_seed=cfg.seed)[0], "auto")
+        if together:
+            results = [f.result(timeout=120) for f in [ex.submit("mlp", x, y) for x, y in data]]
+        else:
+            results = [ex.step("mlp", x, y) for x, y in data]
+    seen = [r.activations[0] for r in results]
+    assert seen[:3] == [RECOMPUTE, KEEP, SELECTIVE] and seen[3] in (RECOMPUTE, KEEP, SELECTIVE)
+    assert all(r.activations == [p, p, "none"] for r, p in zip(results, seen, strict=True))
+    close(
+        [r.loss for r in results],
+        plain(MODELS["mlp"], cfg.optimizer, data, rng_seed=cfg.seed)[0],
+        "auto",
+    )
     # The choice from observed costs (the executor's clock, here given): the cheapest wins.
     cases = ((0.5, 0.7, KEEP), (3.0, 0.9, SELECTIVE), (3.0, 2.0, RECOMPUTE))
     for keep_s, selective_s, want in cases:
         job = job_of("mlp", cfg)
         for policy, seconds in ((RECOMPUTE, 1.0), (KEEP, keep_s), (SELECTIVE, selective_s)):
-            job.observe(Task("mlp", 0, "forward", 0, frozenset(), frozenset(), sub=0,
-                             payload={"policy": policy}), seconds)  # fmt: skip
-        job.begin_step(1, *data[0])
-        job.plan_step(1)
-        assert job.activation_policy(0) == want
+            for sub in (0, 1):
+                job.observe(Task("mlp", 0, "forward", 0, frozenset(), frozenset(), sub=sub,
+                                 payload={"policy": policy}), seconds)  # fmt: skip
+        with TrainingExecutor(job.device) as ex:
+            ex.open(job)
+            assert ex.step("mlp", *data[0]).activations == [want, want, "none"]
 
 
 def test_choose_by_measured_cost() -> None:
