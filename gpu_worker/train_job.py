@@ -102,6 +102,11 @@ from gpu_worker.train_layout import (
 from gpu_worker.train_scheduler import ANY, Task
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
+# A sub-model's steps between two rounds of measuring every activation policy ("auto"): its
+# first measurements are of cold steps (first allocations, first kernels), and costs drift
+# (serving beside training), so they are taken again; a round costs at most two steps under
+# another policy than the cheapest.
+REMEASURE_EVERY = 32
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 
 
@@ -297,8 +302,10 @@ class TrainingJob:
         self._policy: list[str] = [RECOMPUTE if forced == "auto" else forced] * k
         self._cost: list[dict[str, list[float]]] = [{} for _ in range(k)]
         self._saved: list[dict[str, int]] = [{} for _ in range(k)]
-        # Per (step, sub-model): the policy its tasks run with (`_policy_of`).
+        # Per (step, sub-model): the policy its tasks run with (`_policy_of`); per sub-model,
+        # the policies chosen so far (a new round of measurements every REMEASURE_EVERY).
         self._step_policy: dict[tuple[int, int], str] = {}
+        self._chosen = [0] * k
         self._losses: dict[int, list[float]] = {}
         self._nonfinite: dict[int, bool] = {}
         self._updated: set[int] = set()
@@ -435,6 +442,9 @@ class TrainingJob:
         forced = self.config.activations
         if forced != "auto":
             return forced
+        self._chosen[i] += 1
+        if self._chosen[i] % REMEASURE_EVERY == 0:
+            self._cost[i].clear()  # `choose` measures each again, then takes the cheapest
         room = self.host_bytes()  # a job's kept graphs: at most its own host tier's bytes
         mean: dict[str, float | None] = {p: s / n for p, (s, n) in self._cost[i].items() if n}
         # Every micro-batch's forward stashes as much, held until its backward.
