@@ -445,12 +445,15 @@ class TrainingJob:
         self._chosen[i] += 1
         if self._chosen[i] % REMEASURE_EVERY == 0:
             self._cost[i].clear()  # `choose` measures each again, then takes the cheapest
-        room = self.host_bytes()  # a job's kept graphs: at most its own host tier's bytes
-        mean: dict[str, float | None] = {p: s / n for p, (s, n) in self._cost[i].items() if n}
-        # Every micro-batch's forward stashes as much, held until its backward.
-        saved: dict[str, int | None] = {
-            p: b * self.config.accumulate for p, b in self._saved[i].items()
-        }
+        # Every micro-batch's forward stashes as much, held until its backward, and the job's
+        # other sub-models' stashes (under their latest policies) are held at the same time: a
+        # job's kept graphs take at most its own host tier's bytes.
+        n = self.config.accumulate
+        others = sum(self._saved[j].get(self._policy[j], 0) for j in range(self.parts - 1))
+        others -= self._saved[i].get(self._policy[i], 0)
+        room = max(self.host_bytes() - others * n, 0)
+        mean: dict[str, float | None] = {p: s / k for p, (s, k) in self._cost[i].items() if k}
+        saved: dict[str, int | None] = {p: b * n for p, b in self._saved[i].items()}
         return choose(mean, saved, room)
 
     def observe(self, task: Task, seconds: float) -> None:

@@ -133,6 +133,30 @@ def test_auto_measures_every_policy_again_every_so_many_steps(
     assert seen[:3] == seen[4:7] == [RECOMPUTE, KEEP, SELECTIVE], seen
 
 
+def test_the_job_stashes_of_its_sub_models_together_stay_within_its_room() -> None:
+    """Keeping is the cheapest for both sub-models that choose, but the job's room is one byte
+    short of both kept graphs: one keeps, the other stashes selectively (its kept graph would
+    fit the room alone, not beside the other's)."""
+    cfg = TrainConfig(ADAM, seed=RNG_SEED)
+    data = data_for("mlp", 5)[:5]
+    job = job_of("mlp", cfg)
+    for policy, seconds in ((RECOMPUTE, 1.0), (KEEP, 0.1), (SELECTIVE, 0.5)):
+        for sub in (0, 1):
+            job.observe(Task("mlp", 0, "forward", 0, frozenset(), frozenset(), sub=sub,
+                             payload={"policy": policy}), seconds)  # fmt: skip
+    with TrainingExecutor(job.device) as ex:
+        ex.open(job)
+        assert ex.step("mlp", *data[0]).activations == [KEEP, KEEP, "none"]  # room enough
+        kept = [job.stashed_bytes(i)[KEEP] for i in (0, 1)]
+        room = sum(kept) - 1
+        assert max(kept) <= room
+        job.host_bytes = lambda: room  # type: ignore[method-assign]
+        seen = [ex.step("mlp", x, y).activations for x, y in data[1:]]
+    assert sorted(seen[-1][:2]) == [KEEP, SELECTIVE], seen
+    held = sum(job.stashed_bytes(i)[p] for i, p in enumerate(seen[-1][:2]))
+    assert held <= room
+
+
 def test_choose_by_measured_cost() -> None:
     r, k, s = RECOMPUTE, KEEP, SELECTIVE
     assert choose({}, {}, None) == r  # measure the recompute first
