@@ -17,7 +17,7 @@ the backward what it needs (issue 23 §1):
   grad under `torch.utils.checkpoint` (non-reentrant), keeping only the outputs of its matrix
   products and convolutions (`SAVED_OPS`, stashed like a kept graph's activations) and its
   input; the backward runs the forward again from that input, each kept product's output
-  taken back in place of computing it again, the rest (activations, norms, softmax: cheap,
+  taken back in place of computing it again, the rest (activations, norms, attention: cheaper,
   elementwise or nearly) recomputed. Costs that cheap recompute, and a stash of half a kept
   graph's or less for a block of a linear layer and its activation (its output kept; its
   input and the activation's output made again).
@@ -139,7 +139,7 @@ SAVED_OPS = frozenset(
 
 
 class SelectiveForward:
-    """One selective forward's kept outputs (`SAVED_OPS`'), in the order it made them, with the
+    """One selective forward's kept outputs (of `SAVED_OPS`), in the order it made them, with the
     two dispatch modes `torch.utils.checkpoint` takes as `context_fn`: the first, around the
     forward, stashes each kept output (`stash`); the second, around the recompute in the
     backward, hands them back (`unstash`) in place of running those operations again.
