@@ -17,10 +17,10 @@ the backward what it needs (issue 23 §1):
   grad under `torch.utils.checkpoint` (non-reentrant), keeping only the outputs of its matrix
   products and convolutions (`SAVED_OPS`, stashed like a kept graph's activations) and its
   input; the backward runs the forward again from that input, each kept product's output
-  taken back in place of computing it again, the rest (activations, norms, attention: cheaper,
-  elementwise or nearly) recomputed. Costs that cheap recompute, and a stash of half a kept
-  graph's or less for a block of a linear layer and its activation (its output kept; its
-  input and the activation's output made again).
+  taken back in place of computing it again, the rest recomputed (activations and norms,
+  elementwise or nearly, and the fused attention kernels). Costs that recompute, and a stash
+  of half a kept graph's or less for a block of a linear layer and its activation (its output
+  kept; its input and the activation's output made again).
 
 `choose` picks among them by measured cost, as eviction picks its victims: the compute seconds
 the sub-model's tasks took under each (the stash's copies included), within the room the host
