@@ -362,25 +362,24 @@ def test_streams_past_the_per_key_limit_get_429_while_others_run(
     keyed: tuple[str, str, str],
 ) -> None:
     url, a, b = keyed
+    # Greedy: a sampled token may be the end of the sequence, and these streams must run out
+    # their tokens ("length").
+    stream = {"model": "lm", "prompt": "hi", "stream": True, "temperature": 0}
     with _held_stream(url, a):
         assert _open_streams(url) == 1
         with pytest.raises(openai.RateLimitError) as over:  # a's one stream is open
-            _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2, stream=True)
+            _api(url, a).completions.create(max_tokens=2, **stream)
         assert over.value.status_code == 429 and "1 streams" in over.value.message
         assert _open_streams(url) == 1  # still held: the 429 was no accident of timing
         # Another key's stream, and a's own blocking call, run meanwhile.
-        events = list(
-            _api(url, b).completions.create(model="lm", prompt="hi", max_tokens=3, stream=True)
-        )
+        events = list(_api(url, b).completions.create(max_tokens=3, **stream))
         assert events and events[-1].choices[0].finish_reason == "length"
         assert _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2).choices
     # Gone: its slot is given back once the gateway sees it go.
     until_blocking(
         lambda: _open_streams(url) == 0, "the held stream's slot to be given back", poll=0.05
     )
-    events = list(
-        _api(url, a).completions.create(model="lm", prompt="hi", max_tokens=2, stream=True)
-    )
+    events = list(_api(url, a).completions.create(max_tokens=2, **stream))
     assert events[-1].choices[0].finish_reason == "length"
 
 
