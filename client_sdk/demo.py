@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import random
 import sys
@@ -248,6 +249,9 @@ class Trained:
     seconds: float
     errors: list[str] = field(default_factory=list)
     timed_out: int = 0  # steps with no answer in time (among `errors`)
+    # Its last step's activation policy per sub-model ("auto" measures each, then takes the
+    # cheapest: gpu_worker/activation_keep.py).
+    activations: list[str] = field(default_factory=list)
 
 
 async def train_all(
@@ -293,6 +297,7 @@ async def train_all(
                 seconds=seconds,
                 errors=errors,
                 timed_out=timed_out,
+                activations=results[-1].activations if results else [],
             )
 
         done = await asyncio.gather(*(run(n) for n in jobs))
@@ -645,6 +650,13 @@ def report(
     return 0
 
 
+def policies(activations: list[str]) -> str:
+    """A step's activation policies, counted ("2 keep, 1 recompute"; the last sub-model, whose
+    forward and backward are one task, has none)."""
+    counts = collections.Counter(p for p in activations if p != "none")
+    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "-"
+
+
 def describe_optimizer(opt: dict[str, Any]) -> str:
     extra = "+momentum" if opt.get("momentum") else ""
     return f"{opt['name']}{extra} lr {opt['lr']:g}"
@@ -669,6 +681,7 @@ def report_training(
                 describe_optimizer(optimizers[name]),
                 t.worker,
                 t.sub_models,
+                policies(t.activations),
                 fmt_bytes(t.footprint),
                 len(t.losses),
                 f"{t.losses[0]:.4f}" if t.losses else "-",
@@ -688,6 +701,7 @@ def report_training(
                 "optimizer",
                 "worker",
                 "sub-models",
+                "activations",
                 "footprint",
                 "steps",
                 "first loss",

@@ -68,6 +68,9 @@ def test_demo_training_matches_plain_pytorch(
     expected = {n: demo.plain_losses(s, optimizers[n], data[n]) for n, s in specs.items()}
     for name, t in trained.items():
         assert t.errors == [] and t.steps == list(range(1, STEPS + 1)), name
+        # Each sub-model's policy in the last step ("auto" has measured each by then).
+        assert len(t.activations) == t.sub_models and t.activations[-1] == "none", t
+        assert set(t.activations[:-1]) <= {"recompute", "keep", "selective"}, t
         assert_forward_close(
             torch.tensor(t.losses), torch.tensor(expected[name]), f"job {name} losses"
         )
@@ -78,7 +81,10 @@ def test_demo_training_matches_plain_pytorch(
     # The point of the demo: one worker holds jobs that do not fit its training bytes together.
     assert max(by_worker.values()) > budget, by_worker
     assert demo.report_training(status, specs, optimizers, trained, expected, 0.0) == 0
-    assert "OK: every job's losses match plain PyTorch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "OK: every job's losses match plain PyTorch" in out
+    assert "activations" in out
+    assert demo.policies(["keep", "recompute", "keep", "none"]) == "2 keep, 1 recompute"
 
     # The sweep: every trial ran as a job (none failed), at least one completed, and the pruner
     # was asked at every evaluation before a trial's last step; its table, trials.json and
