@@ -449,8 +449,9 @@ class TrainingJob:
         # other sub-models' stashes (under their latest policies) are held at the same time: a
         # job's kept graphs take at most its own host tier's bytes.
         n = self.config.accumulate
-        others = sum(self._saved[j].get(self._policy[j], 0) for j in range(self.parts - 1))
-        others -= self._saved[i].get(self._policy[i], 0)
+        others = sum(
+            self._saved[j].get(self._policy[j], 0) for j in range(self.parts - 1) if j != i
+        )
         room = max(self.host_bytes() - others * n, 0)
         mean: dict[str, float | None] = {p: s / k for p, (s, k) in self._cost[i].items() if k}
         saved: dict[str, int | None] = {p: b * n for p, b in self._saved[i].items()}

@@ -6,6 +6,7 @@ from FLOWMESH_KEYS)."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +59,14 @@ def _gateway(broker: str, log: Path, cli: bool, args: Sequence[str]) -> Iterator
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def nobody() -> str:
+    """A broker address nothing listens on (a port bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture(scope="session")

@@ -27,14 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_INPUTS = {"inputs": []}
 
 
-@pytest.fixture(scope="module")
-def nobody() -> str:
-    """A broker address nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def test_keys_add_api_prints_the_key_once_and_stores_its_hash(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

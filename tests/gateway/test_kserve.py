@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
@@ -57,11 +56,8 @@ def test_health_readiness_and_metadata(v2: triton.InferenceServerClient) -> None
 
 
 def test_without_a_broker_live_but_not_ready(
-    start_gateway: Callable[..., AbstractContextManager[str]],
+    start_gateway: Callable[..., AbstractContextManager[str]], nobody: str
 ) -> None:
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        nobody = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     with start_gateway(nobody) as url:
         v2 = triton.InferenceServerClient(url.removeprefix("http://"))
         assert v2.is_server_live()

@@ -6,7 +6,6 @@ under /v1 (test_kserve.py has the 504 of a v2 infer)."""
 from __future__ import annotations
 
 import signal
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -77,11 +76,8 @@ def test_a_call_past_the_timeout_answers_504_in_openais_body(
 
 
 def test_without_a_broker_calls_answer_503_in_each_protocols_body(
-    start_gateway: Callable[..., AbstractContextManager[str]],
+    start_gateway: Callable[..., AbstractContextManager[str]], nobody: str
 ) -> None:
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        nobody = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     with start_gateway(nobody) as url:
         infer = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0, 1]}]}
         complete = {"model": "lm", "prompt": PROMPT, "max_tokens": 2}
