@@ -50,6 +50,29 @@ POLICIES = (RECOMPUTE, KEEP, SELECTIVE)  # the order `choose` measures them in
 NO_POLICY = "none"  # the last sub-model: its forward and backward are one task
 
 
+class Stash:
+    """A tensor waiting in the host tier between a job's tasks: an activation between sub-models,
+    an incoming gradient, what a kept or selective forward saved (`TrainingJob._stash`).
+
+    `host` is its host copy (on the CPU stand-in the tensor itself) and `landed` the marker set
+    once the copy to the host is in (made on the write lane: the compute goes on meanwhile).
+    `brought` is (its device copy, the marker set once that copy is there) once the copy lane
+    started bringing it back ahead of the task that reads it (`TrainingJob.prefetch`), else
+    None: the task brings it back itself. One attribute, set in one assignment, so that the
+    copy lane and the compute lane never see half of it."""
+
+    __slots__ = ("brought", "host", "landed")
+
+    def __init__(self, host: torch.Tensor, landed: Any) -> None:
+        self.host = host
+        self.landed = landed
+        self.brought: tuple[torch.Tensor, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+
 @dataclass(frozen=True)
 class BoundView:
     """A saved tensor that is a view of a bound tensor: re-viewed at unpack time."""
@@ -72,14 +95,15 @@ class KeptGraph:
         self,
         bound: dict[str, torch.Tensor],
         arena: torch.Tensor,
-        stash: Callable[[torch.Tensor], torch.Tensor],
-        unstash: Callable[[torch.Tensor], torch.Tensor],
+        stash: Callable[[torch.Tensor], Stash],
+        unstash: Callable[[Stash], torch.Tensor],
     ) -> None:
         self._arena = arena.untyped_storage().data_ptr()
         self._bound = dict(bound)
         self._stash = stash
         self._unstash = unstash
         self.saved_bytes = 0
+        self.stashes: list[Stash] = []  # for the copy lane to bring back ahead of the backward
         # The bound tensors' memory as it is during the forward: [start, end) byte addresses.
         self._ranges: list[tuple[int, int, str, torch.Tensor]] = []
         for name, t in bound.items():
@@ -105,7 +129,9 @@ class KeptGraph:
             # this one, so what the backward needs of it is copied out now.
             t = t.clone()
         self.saved_bytes += t.numel() * t.element_size()
-        return self._stash(t)
+        kept = self._stash(t)
+        self.stashes.append(kept)
+        return kept
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """In the backward task: a bound view is re-viewed where that task bound its tensor
@@ -147,13 +173,14 @@ class SelectiveForward:
 
     def __init__(
         self,
-        stash: Callable[[torch.Tensor], torch.Tensor],
-        unstash: Callable[[torch.Tensor], torch.Tensor],
+        stash: Callable[[torch.Tensor], Stash],
+        unstash: Callable[[Stash], torch.Tensor],
     ) -> None:
         self._stash = stash
         self._unstash = unstash
         self.kept: dict[Any, collections.deque[Any]] = {}
         self.saved_bytes = 0
+        self.stashes: list[Stash] = []  # for the copy lane to bring back ahead of the backward
 
     def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         return _Keeping(self), _Replaying(self)
@@ -164,10 +191,11 @@ class SelectiveForward:
                 return t
             self.saved_bytes += t.numel() * t.element_size()
             kept = self._stash(t.detach())
-            if kept.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            if kept.host.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 # Stashed where it is (the CPU stand-in): a copy, as a device's stash is, for
                 # the forward may go on to change the output in place (ReLU(inplace=True)).
-                kept = kept.clone()
+                kept.host = kept.host.clone()
+            self.stashes.append(kept)
             return kept
 
         self.kept.setdefault(op, collections.deque()).append(tree_map(one, out))
@@ -177,7 +205,7 @@ class SelectiveForward:
         if not outs:
             raise NotRepeated(f"its recompute ran {op} more often than the forward did")
         return tree_map(
-            lambda t: self._unstash(t).detach() if isinstance(t, torch.Tensor) else t,
+            lambda t: self._unstash(t).detach() if isinstance(t, Stash) else t,
             outs.popleft(),
         )
 

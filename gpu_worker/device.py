@@ -84,6 +84,10 @@ class CpuMarker:
         self.wait()
 
 
+# What a CPU stand-in's stash waits for: nothing (`CpuStandIn.stash_out`).
+_LANDED = CpuMarker(done=True)
+
+
 class CudaMarker:
     """A CUDA event, plus a host flag saying it has been recorded.
 
@@ -199,6 +203,22 @@ class Device:
         """Mark `marker` at the current point of copy lane `lane` (after what it issued)."""
         marker.set()
 
+    def stash_out(self, t: torch.Tensor, lane: int) -> tuple[torch.Tensor, Any]:
+        """Start moving `t` (device memory of torch's, not the arena's) to the host on copy lane
+        `lane`, after the calling thread's compute work so far: (its host copy, a marker set
+        once the copy is in). The calling thread goes on computing meanwhile."""
+        raise NotImplementedError
+
+    def stash_in(self, host: torch.Tensor, landed: Any, lane: int) -> tuple[torch.Tensor, Any]:
+        """Start bringing `host` (a `stash_out` copy, in once `landed` is) back to the device on
+        copy lane `lane`: (its device copy, a marker set once it is there). Whoever computes
+        with it orders its work after that marker first and says so (`use_here`)."""
+        raise NotImplementedError
+
+    def use_here(self, t: torch.Tensor) -> None:
+        """`t`, made on a copy lane, is used from now on (and dropped) by the calling thread's
+        compute work."""
+
     def compute(self, serving: bool = False) -> contextlib.AbstractContextManager[None]:
         """Where this thread's compute runs; `serving`: inference, ahead of training. On the
         CPU: right here (one reusable no-op context, entered on every run)."""
@@ -265,6 +285,14 @@ class CpuStandIn(Device):
 
     def mark_done(self, marker: CpuMarker) -> None:
         marker.set()  # CPU work is complete when the thread gets here
+
+    def stash_out(self, t: torch.Tensor, lane: int) -> tuple[torch.Tensor, CpuMarker]:
+        return t, _LANDED  # host memory is where it already is
+
+    def stash_in(
+        self, host: torch.Tensor, landed: CpuMarker, lane: int
+    ) -> tuple[torch.Tensor, CpuMarker]:
+        return host, landed
 
     def info(self) -> dict[str, Any]:
         # No pinned host tier here: host copies are plain memory (the worker's `host_bytes`).
@@ -362,6 +390,36 @@ class CudaDevice(Device):
                     host.copy_(dev, non_blocking=True)
         finally:
             marker.record(stream)
+
+    def stash_out(self, t: torch.Tensor, lane: int) -> tuple[torch.Tensor, CudaMarker]:
+        if not t.is_cuda:  # a model's output it made on the host: in the host tier already
+            return t, self.done_marker()
+        # torch's pinned allocator: the block is not handed out again before the copies that
+        # used it ran (it records an event on their streams).
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        landed = CudaMarker()
+        self.copy_out([(host, t)], landed, lane)
+        # `t` was made on the compute stream and is read on the lane's: torch's allocator must
+        # not give its block to the compute stream's next tensor before the copy read it.
+        t.record_stream(self.lane_stream(lane))
+        return host, landed
+
+    def stash_in(
+        self, host: torch.Tensor, landed: CudaMarker, lane: int
+    ) -> tuple[torch.Tensor, CudaMarker]:
+        stream = self.lane_stream(lane)
+        there = CudaMarker()
+        with torch.cuda.stream(stream):
+            landed.order_current()
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+            dev.copy_(host, non_blocking=True)
+            there.record(stream)
+        return dev, there
+
+    def use_here(self, t: torch.Tensor) -> None:
+        # Made on a copy lane's stream: its block goes back to that stream's pool only once
+        # the calling stream's work on it ran.
+        t.record_stream(torch.cuda.current_stream(self.index))
 
     @contextlib.contextmanager
     def compute(self, serving: bool = False) -> Iterator[None]:

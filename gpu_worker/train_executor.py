@@ -7,7 +7,9 @@ in-process. Four threads, so heavy work never runs where requests arrive:
 - the **driver** owns all bookkeeping (the `FlowScheduler`, the arena, the requests): it admits
   tasks when memory frees, plans their copies, starts computes and settles results;
 - the **copy lane** brings admitted tasks' bytes from the host tier into their arena extents,
-  ordered after the previous users of those bytes (their markers), while
+  ordered after the previous users of those bytes (their markers), and starts bringing back
+  what each will read of the host tier besides (activations, gradients, a kept forward's
+  stash: `TrainingJob.prefetch`), while
 - the **compute lane** runs one task at a time (a job's RNG stream is the global generator for
   the duration of its task, so computes do not overlap; copies do overlap them), and
 - the **write lane** copies what a computed task wrote (updated parameters and optimizer state,
@@ -302,6 +304,9 @@ class TrainingExecutor:
             "job_switches": 0,
             # Tasks whose memory serving took back before they ran (admitted again later).
             "tasks_reclaimed": 0,
+            # What the copy lane brought back from the host tier ahead of the tasks reading it,
+            # besides their extents' bytes (`TrainingJob.prefetch`).
+            "stash_bytes_prefetched": 0,
         }
         self._last_job: str | None = None
         self._closed = False
@@ -622,13 +627,13 @@ class TrainingExecutor:
         # reads has finished computing; the copies wait for those write-backs too.
         keys = job.written if ANY in task.reads else task.reads
         adm.waits = [m for k in keys if (m := job.written.get(k)) is not None and not m.done()]
-        fut = self._copy.submit(self._do_copy, adm)
+        fut = self._copy.submit(self._do_copy, task, adm)
         # Quiet: at close the lanes' last work ends after the driver (nothing left to tell).
         fut.add_done_callback(
             lambda f, t=task: self._post_quiet(lambda: self._on_copied(t, adm, f))
         )
 
-    def _do_copy(self, adm: _Admission) -> None:
+    def _do_copy(self, task: Task, adm: _Admission) -> None:
         """Copy lane: order after the extent's previous users, then bring the bytes in."""
         ext, plan, markers = adm.extent, adm.plan, adm.markers
         after = [*(ext.after if ext is not None else ()), *adm.waits]
@@ -654,6 +659,11 @@ class TrainingExecutor:
                     arena[offset : offset + src.numel()], src, after, marker, lane=TRAIN_LANE
                 )
                 after = []
+            # What the task reads from the host tier besides its extent's bytes (activations,
+            # gradients, a kept forward's stash): on its way too, under the compute before it.
+            prefetched = task.payload["job"].prefetch(task)
+            with self._lock:
+                self.counters["stash_bytes_prefetched"] += prefetched
         except BaseException:
             for m in markers:  # whoever waits on these bytes must not wait forever
                 if not m.recorded():  # (a recorded one is ordered after its copy already)

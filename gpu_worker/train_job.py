@@ -66,9 +66,10 @@ from gpu_worker.activation_keep import (
     KeptGraph,
     NotRepeated,
     SelectiveForward,
+    Stash,
     choose,
 )
-from gpu_worker.device import Device
+from gpu_worker.device import TRAIN_LANE, TRAIN_WRITE_LANE, Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.train_checkpoint import save_checkpoint
@@ -293,8 +294,9 @@ class TrainingJob:
         self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
         self._replay: dict[tuple[int, int, int], tuple[RngState, torch.Tensor | None]] = {}
         # Kept forwards (policies KEEP and SELECTIVE): the input and output whose graph the
-        # backward runs (a selective one's recomputes its forward from that input on the way).
-        self._kept: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
+        # backward runs (a selective one's recomputes its forward from that input on the way),
+        # and what the forward stashed for it (`prefetch`).
+        self._kept: dict[tuple[int, int, int], tuple[Any, torch.Tensor, list[Stash]]] = {}
         # Per sub-model: the policy of the step planned last, and what each policy's tasks
         # cost ([seconds, tasks] per policy) and what a kept or selective forward stashed, per
         # policy (`observe`, `choose`).
@@ -790,26 +792,64 @@ class TrainingJob:
         self.pause()
 
     def _stash(self, t: Any) -> Any:
-        """Keep an activation in the host tier between tasks (on a CPU stand-in, host memory
-        is where it already is). On CUDA the copy is queued on the compute stream into pinned
-        memory (torch pins a non-blocking copy's host side), not waited for: the compute goes
-        on, whatever reads the stash does so on the device after it (`_unstash`, same stream),
-        and the lane synchronizes at the end of each task anyway (`TrainingExecutor`)."""
-        if self.device.kind == "cpu" or not isinstance(t, torch.Tensor):
+        """Keep an activation (or a gradient) in the host tier between tasks (`Stash`). On
+        CUDA the copy to the host is queued on the write lane's stream after the compute so
+        far, not waited for: the compute stream goes on, and whatever reads the stash orders
+        itself after the copy (`_unstash`). On a CPU stand-in host memory is where it already
+        is."""
+        if not isinstance(t, torch.Tensor):
             return t
-        return t.to("cpu", non_blocking=True)
+        if self.device.kind != "cpu" and t.untyped_storage().data_ptr() == self._arena_ptr():
+            # Arena bytes (a forward that returned a view of its parameters): they belong to
+            # the extent's next owner as soon as this task's compute ran, before the write lane
+            # may have copied them; what the stash reads is copied off them first.
+            t = t.clone()
+        return Stash(*self.device.stash_out(t, TRAIN_WRITE_LANE))
+
+    def _arena_ptr(self) -> int:
+        return self.device.arena.untyped_storage().data_ptr()
 
     def _unstash(self, x: Any) -> Any:
-        """A stash (or a step's data) on the device, queued on the compute stream: from pinned
-        memory the host does not wait (torch's pinned allocator keeps the source until the copy
-        ran, though the stash is dropped); from pageable memory torch copies it through a staging
-        buffer first, as a blocking copy would."""
+        """A stash (or a step's data) on the device, for the compute stream: the copy the copy
+        lane brought ahead (`prefetch`), after it landed; else one queued now on the compute
+        stream, after the stash's copy to the host landed (from pinned memory the host does
+        not wait). A step's data from pageable memory torch copies through a staging buffer
+        first, as a blocking copy would."""
+        if isinstance(x, Stash):
+            brought, x.brought = x.brought, None
+            if brought is not None:
+                t, there = brought
+                there.order_current()
+                self.device.use_here(t)
+                return t
+            x.landed.order_current()
+            return x.host.to(self.device.torch_device, non_blocking=True)
         dev = self.device.torch_device
         if isinstance(x, torch.Tensor):
             return x.to(dev, non_blocking=True)
         if isinstance(x, Mapping):
             return {k: v.to(dev, non_blocking=True) for k, v in x.items()}
         return x
+
+    def prefetch(self, task: Task) -> int:
+        """On the copy lane, once the task's own copies are queued: start bringing back what
+        the task will read from the host tier that is there already (its input, its incoming
+        gradient, what its kept or selective forward stashed), so that the copies run under
+        the compute before it. What is not there yet (a gradient the task just before it
+        makes) the task brings back itself. The bytes started."""
+        if task.kind not in (FORWARD, BACKWARD, LAST, EVAL):
+            return 0
+        key = (task.request, task.micro, task.sub)
+        stashes = [s for s in (self._acts.get(key), self._grads.get(key)) if isinstance(s, Stash)]
+        kept = self._kept.get(key)
+        if kept is not None:  # set once its forward ended: the list is whole
+            stashes.extend(kept[2])
+        started = 0
+        for s in stashes:
+            if s.brought is None:
+                s.brought = self.device.stash_in(s.host, s.landed, TRAIN_LANE)
+                started += s.nbytes
+        return started
 
     def _input(self, task: Task) -> Any:
         key = (task.request, task.micro, task.sub)
@@ -875,7 +915,7 @@ class TrainingJob:
             self.rng = _rng_get(self._cuda)
         if graph:
             self._saved[task.sub][policy] = (kept or selective).saved_bytes  # type: ignore[union-attr]
-            self._kept[key] = (x, out)
+            self._kept[key] = (x, out, (kept or selective).stashes)  # type: ignore[union-attr]
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
 
@@ -957,7 +997,7 @@ class TrainingJob:
             self._policy_of(task)  # its forward's
         kept = self._kept.pop(key, None)
         if kept is not None:
-            x, out = kept  # its forward's graph: nothing to run again
+            x, out, _ = kept  # its forward's graph: nothing to run again
         else:
             x = self._input(task)
             if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():

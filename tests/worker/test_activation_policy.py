@@ -34,9 +34,10 @@ from gpu_worker.activation_keep import (
     SELECTIVE,
     KeptGraph,
     SelectiveForward,
+    Stash,
     choose,
 )
-from gpu_worker.device import CpuStandIn
+from gpu_worker.device import CpuMarker, CpuStandIn
 from gpu_worker.train_executor import TrainingExecutor
 from gpu_worker.train_job import TrainingJob
 from gpu_worker.train_scheduler import Task
@@ -157,6 +158,24 @@ def test_the_job_stashes_of_its_sub_models_together_stay_within_its_room() -> No
     assert held <= room
 
 
+@pytest.mark.parametrize("policy", [KEEP, SELECTIVE])
+def test_the_copy_lane_brings_a_kept_forwards_stash_back_ahead_of_its_backward(
+    policy: str,
+) -> None:
+    """A backward's copies start while the task before it computes (the executor's look-ahead);
+    what its sub-model's forward stashed was there long before, and comes back with them, not
+    when the backward reads it (on a GPU: under the compute before, on the copy lane)."""
+    cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=policy)
+    job = job_of("mlp", cfg)
+    with TrainingExecutor(job.device) as ex:
+        ex.open(job)
+        result = ex.step("mlp", *data_for("mlp", 1)[0])
+        prefetched = ex.stats()["stash_bytes_prefetched"]
+    assert result.activations == [policy, policy, "none"]
+    stashed = sum(job.stashed_bytes(i)[policy] for i in (0, 1))
+    assert 0 < stashed <= prefetched, (stashed, prefetched)
+
+
 def test_choose_by_measured_cost() -> None:
     r, k, s = RECOMPUTE, KEEP, SELECTIVE
     assert choose({}, {}, None) == r  # measure the recompute first
@@ -184,6 +203,15 @@ class Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def here(t: torch.Tensor) -> Stash:
+    """A stash kept where it is, as a CPU stand-in's is."""
+    return Stash(t, CpuMarker(done=True))
+
+
+def there(s: Stash) -> torch.Tensor:
+    return s.host
+
+
 def test_a_selective_forward_keeps_its_products_and_computes_the_rest_again() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4), nn.Tanh())
@@ -191,7 +219,7 @@ def test_a_selective_forward_keeps_its_products_and_computes_the_rest_again() ->
     x = torch.randn(5, 8)
     ref(x).square().sum().backward()
     stashed: list[torch.Tensor] = []
-    store = SelectiveForward(lambda t: stashed.append(t) or t, lambda t: t)
+    store = SelectiveForward(lambda t: stashed.append(t) or here(t), there)
     out = checkpoint(net, x, use_reentrant=False, context_fn=store.contexts)
     addmm = torch.ops.aten.addmm.default
     assert list(store.kept) == [addmm] and [t.shape for t in stashed] == [(5, 16), (5, 4)]
@@ -219,7 +247,7 @@ def test_a_selective_forward_keeps_its_products_as_they_were_made() -> None:
     ref = copy.deepcopy(net)
     x = torch.randn(5, 8)
     ref(x).square().sum().backward()
-    store = SelectiveForward(lambda t: t, lambda t: t)  # kept where it is, as on a CPU
+    store = SelectiveForward(here, there)  # kept where it is, as on a CPU
     checkpoint(net, x, use_reentrant=False, context_fn=store.contexts).square().sum().backward()
     for n, t in net.named_parameters():
         torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad, msg=n)
@@ -312,7 +340,7 @@ def test_a_kept_graph_follows_its_tensors_to_where_the_backward_binds_them() -> 
             base += t.numel() * 4
 
     bind(64)
-    kept = KeptGraph(params, arena, lambda t: t, lambda t: t)
+    kept = KeptGraph(params, arena, here, there)
     with kept.hooks():
         out = net(x)
     assert 0 < kept.saved_bytes < sum(t.numel() * 4 for t in homes.values()) + 4096

@@ -191,8 +191,10 @@ def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it()
 def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model: str) -> None:
     """A job cut into three sub-models, trained by memory flow on the GPU with each activation
     policy forced: a kept graph's and a selective forward's stashes go to pinned host memory
-    and back on the compute stream, the selective recompute takes its products back; all
-    give the recompute policy's losses and weights (the same kernels, the same dropout)."""
+    on the write lane's stream and come back on the copy lane's ahead of the backward (or on
+    the compute stream, for what was not there yet when its copies ran), the selective
+    recompute takes its products back; all give the recompute policy's losses and weights
+    (the same kernels, the same dropout)."""
     from itertools import pairwise
 
     from flowmesh.modelio.build import build_seeded
@@ -220,7 +222,10 @@ def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model:
         with TrainingExecutor(dev) as ex:
             ex.open(job)
             losses = [ex.step(model, x, y).loss for x, y in data]
+            prefetched = ex.stats()["stash_bytes_prefetched"]
         assert job.activation_policy(0) == policy
+        if policy != "recompute":
+            assert prefetched >= job.stashed_bytes(0)[policy] > 0
         results[policy] = (losses, {n: t.clone() for n, t in job.state_dict().items()})
     for policy in ("keep", "selective"):
         close(results[policy][0], results["recompute"][0], f"{policy}: losses")
