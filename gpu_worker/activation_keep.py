@@ -34,14 +34,15 @@ computes.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 RECOMPUTE = "recompute"
 KEEP = "keep"
@@ -103,7 +104,7 @@ class KeptGraph:
         self._stash = stash
         self._unstash = unstash
         self.saved_bytes = 0
-        self.stashes: list[Stash] = []  # for the copy lane to bring back ahead of the backward
+        self._stashes: list[Stash] = []
         # The bound tensors' memory as it is during the forward: [start, end) byte addresses.
         self._ranges: list[tuple[int, int, str, torch.Tensor]] = []
         for name, t in bound.items():
@@ -130,8 +131,13 @@ class KeptGraph:
             t = t.clone()
         self.saved_bytes += t.numel() * t.element_size()
         kept = self._stash(t)
-        self.stashes.append(kept)
+        self._stashes.append(kept)
         return kept
+
+    def to_bring(self, unread: Mapping[Any, int]) -> list[Stash]:
+        """What the backward will unpack, for the copy lane to bring back ahead of it: all of
+        it (autograd unpacks what it saved as the backward reaches each node)."""
+        return list(self._stashes)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """In the backward task: a bound view is re-viewed where that task bound its tensor
@@ -180,7 +186,6 @@ class SelectiveForward:
         self._unstash = unstash
         self.kept: dict[Any, collections.deque[Any]] = {}
         self.saved_bytes = 0
-        self.stashes: list[Stash] = []  # for the copy lane to bring back ahead of the backward
 
     def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         return _Keeping(self), _Replaying(self)
@@ -195,10 +200,26 @@ class SelectiveForward:
                 # Stashed where it is (the CPU stand-in): a copy, as a device's stash is, for
                 # the forward may go on to change the output in place (ReLU(inplace=True)).
                 kept.host = kept.host.clone()
-            self.stashes.append(kept)
             return kept
 
         self.kept.setdefault(op, collections.deque()).append(tree_map(one, out))
+
+    def unread(self) -> dict[Any, int]:
+        """After the backward: per operation, how many of its kept outputs the recompute did not
+        take back. torch.utils.checkpoint stops its recompute once it made everything the
+        backward needs, so a sub-model's last products (a final linear layer's output, which
+        no backward reads) are never asked for."""
+        return {op: len(outs) for op, outs in self.kept.items() if outs}
+
+    def to_bring(self, unread: Mapping[Any, int]) -> list[Stash]:
+        """What the recompute will take back, for the copy lane to bring back ahead of it: each
+        operation's kept outputs but the last `unread[op]` (what the same sub-model's last
+        backward left, `unread`; if this one takes more, those come back when taken)."""
+        out: list[Stash] = []
+        for op, outs in self.kept.items():
+            for item in itertools.islice(outs, max(len(outs) - unread.get(op, 0), 0)):
+                out.extend(t for t in tree_leaves(item) if isinstance(t, Stash))
+        return out
 
     def take(self, op: Any) -> Any:
         outs = self.kept.get(op)

@@ -296,7 +296,12 @@ class TrainingJob:
         # Kept forwards (policies KEEP and SELECTIVE): the input and output whose graph the
         # backward runs (a selective one's recomputes its forward from that input on the way),
         # and what the forward stashed for it (`prefetch`).
-        self._kept: dict[tuple[int, int, int], tuple[Any, torch.Tensor, list[Stash]]] = {}
+        self._kept: dict[
+            tuple[int, int, int], tuple[Any, torch.Tensor, KeptGraph | SelectiveForward]
+        ] = {}
+        # Per sub-model: what its last selective backward left of its forward's stash, per
+        # operation (`SelectiveForward.unread`): not brought back ahead of the next one.
+        self._unread: list[dict[Any, int]] = [{} for _ in range(k)]
         # Per sub-model: the policy of the step planned last, and what each policy's tasks
         # cost ([seconds, tasks] per policy) and what a kept or selective forward stashed, per
         # policy (`observe`, `choose`).
@@ -842,8 +847,8 @@ class TrainingJob:
         key = (task.request, task.micro, task.sub)
         stashes = [s for s in (self._acts.get(key), self._grads.get(key)) if isinstance(s, Stash)]
         kept = self._kept.get(key)
-        if kept is not None:  # set once its forward ended: the list is whole
-            stashes.extend(kept[2])
+        if kept is not None:  # set once its forward ended: its stash is whole
+            stashes.extend(kept[2].to_bring(self._unread[task.sub]))
         started = 0
         for s in stashes:
             if s.brought is None:
@@ -915,7 +920,7 @@ class TrainingJob:
             self.rng = _rng_get(self._cuda)
         if graph:
             self._saved[task.sub][policy] = (kept or selective).saved_bytes  # type: ignore[union-attr]
-            self._kept[key] = (x, out, (kept or selective).stashes)  # type: ignore[union-attr]
+            self._kept[key] = (x, out, kept or selective)  # type: ignore[assignment]
         self._acts[(task.request, task.micro, task.sub + 1)] = self._stash(out.detach())
         return TaskResult(bytes_out=self._buffers_write_back(sub, arena, base))
 
@@ -996,8 +1001,9 @@ class TrainingJob:
         if task.kind == BACKWARD:
             self._policy_of(task)  # its forward's
         kept = self._kept.pop(key, None)
+        store = None
         if kept is not None:
-            x, out, _ = kept  # its forward's graph: nothing to run again
+            x, out, store = kept  # its forward's graph: nothing to run again
         else:
             x = self._input(task)
             if task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -1017,6 +1023,8 @@ class TrainingJob:
                 if out.requires_grad:
                     with self._model_code(task), self._repeated(task):
                         torch.autograd.backward(out, incoming)
+                if isinstance(store, SelectiveForward):
+                    self._unread[task.sub] = store.unread()
         if task.sub > 0:
             if not isinstance(x, torch.Tensor) or x.grad is None:
                 raise FlowmeshError(

@@ -174,6 +174,10 @@ def test_the_copy_lane_brings_a_kept_forwards_stash_back_ahead_of_its_backward(
     assert result.activations == [policy, policy, "none"]
     stashed = sum(job.stashed_bytes(i)[policy] for i in (0, 1))
     assert 0 < stashed <= prefetched, (stashed, prefetched)
+    # The first sub-model ends in a linear layer, whose output its backward never reads: a
+    # selective one's next stash is brought back without it.
+    unread = {torch.ops.aten.addmm.default: 1} if policy == SELECTIVE else {}
+    assert job._unread == [unread, {}, {}]
 
 
 def test_choose_by_measured_cost() -> None:
@@ -232,6 +236,24 @@ def test_a_selective_forward_keeps_its_products_and_computes_the_rest_again() ->
     assert seen.counts[torch.ops.aten.tanh.default] == 1
     for n, t in net.named_parameters():
         torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad, msg=n)
+
+
+def test_what_a_selective_recompute_left_unread_is_not_brought_back_next_time() -> None:
+    """checkpoint stops its recompute once it made what the backward needs: a block ending in a
+    linear layer never asks for that layer's output. The store says so after the backward, and
+    the next forward's stash is brought back without it (and all of it while not known)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    addmm = torch.ops.aten.addmm.default
+    first = SelectiveForward(here, there)
+    out = checkpoint(net, x, use_reentrant=False, context_fn=first.contexts)
+    assert [s.host.shape for s in first.to_bring({})] == [(5, 16), (5, 4)]
+    out.square().sum().backward()
+    assert first.unread() == {addmm: 1}
+    second = SelectiveForward(here, there)
+    checkpoint(net, x, use_reentrant=False, context_fn=second.contexts)
+    assert [s.host.shape for s in second.to_bring(first.unread())] == [(5, 16)]
 
 
 class ScaledInPlace(nn.Module):
