@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import weakref
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -57,17 +58,19 @@ class Stash:
 
     `host` is its host copy (on the CPU stand-in the tensor itself) and `landed` the marker set
     once the copy to the host is in (made on the write lane: the compute goes on meanwhile).
-    `brought` is (its device copy, the marker set once that copy is there) once the copy lane
-    started bringing it back ahead of the task that reads it (`TrainingJob.prefetch`), else
-    None: the task brings it back itself. One attribute, set in one assignment, so that the
-    copy lane and the compute lane never see half of it."""
+    `brought` is (its device copy, the marker set once that copy is there, the admission it was
+    brought for) once the copy lane started bringing it back into the extent of the task that
+    reads it (`TrainingJob.prefetch`), else None: the task brings it back itself. The task takes
+    it only if it is its own admission's: a copy in another admission's extent (one serving
+    took back before it ran) is not. One attribute, set in one assignment, so that the copy
+    lane and the compute lane never see half of it."""
 
     __slots__ = ("brought", "host", "landed")
 
     def __init__(self, host: torch.Tensor, landed: Any) -> None:
         self.host = host
         self.landed = landed
-        self.brought: tuple[torch.Tensor, Any] | None = None
+        self.brought: tuple[torch.Tensor, Any, object] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +108,8 @@ class KeptGraph:
         self._unstash = unstash
         self.saved_bytes = 0
         self._stashes: list[Stash] = []
+        # What was stashed, weakly, with its version then (`check_unchanged`).
+        self._versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
         # The bound tensors' memory as it is during the forward: [start, end) byte addresses.
         self._ranges: list[tuple[int, int, str, torch.Tensor]] = []
         for name, t in bound.items():
@@ -129,15 +134,32 @@ class KeptGraph:
             # Arena memory that is no bound tensor's: the range goes to another task after
             # this one, so what the backward needs of it is copied out now.
             t = t.clone()
+        else:
+            self._versions.append((weakref.ref(t), t._version))
         self.saved_bytes += t.numel() * t.element_size()
         kept = self._stash(t)
         self._stashes.append(kept)
         return kept
 
+    def check_unchanged(self) -> None:
+        """After the forward: raise `ChangedInPlace` if it changed a tensor in place after
+        autograd saved it. Plain autograd refuses that in the backward (a saved tensor's version
+        moved); with these hooks it cannot see it, and the stash may hold either value (the
+        tensor itself on a CPU stand-in; on a GPU, whatever the write lane's copy found)."""
+        for ref, version in self._versions:
+            t = ref()
+            if t is not None and t._version != version:
+                raise ChangedInPlace(
+                    f"a {tuple(t.shape)} {t.dtype} tensor its backward needs was changed in "
+                    "place after it was saved"
+                )
+        self._versions = []
+
     def to_bring(self, unread: Mapping[Any, int]) -> list[Stash]:
         """What the backward will unpack, for the copy lane to bring back ahead of it: all of
-        it (autograd unpacks what it saved as the backward reaches each node)."""
-        return list(self._stashes)
+        it, the last saved first (autograd unpacks as the backward reaches each node, from the
+        output back)."""
+        return self._stashes[::-1]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """In the backward task: a bound view is re-viewed where that task bound its tensor
@@ -195,12 +217,9 @@ class SelectiveForward:
             if not isinstance(t, torch.Tensor):
                 return t
             self.saved_bytes += t.numel() * t.element_size()
-            kept = self._stash(t.detach())
-            if kept.host.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-                # Stashed where it is (the CPU stand-in): a copy, as a device's stash is, for
-                # the forward may go on to change the output in place (ReLU(inplace=True)).
-                kept.host = kept.host.clone()
-            return kept
+            # A copy, on the compute stream: the forward may go on to change the output in
+            # place (ReLU(inplace=True)), before a GPU's write lane copied it to the host.
+            return self._stash(t.detach().clone())
 
         self.kept.setdefault(op, collections.deque()).append(tree_map(one, out))
 
@@ -229,6 +248,10 @@ class SelectiveForward:
             lambda t: self._unstash(t).detach() if isinstance(t, Stash) else t,
             outs.popleft(),
         )
+
+
+class ChangedInPlace(RuntimeError):
+    """A kept forward changed a tensor in place after autograd saved it for the backward."""
 
 
 class NotRepeated(RuntimeError):

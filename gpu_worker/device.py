@@ -209,15 +209,19 @@ class Device:
         once the copy is in). The calling thread goes on computing meanwhile."""
         raise NotImplementedError
 
-    def stash_in(self, host: torch.Tensor, landed: Any, lane: int) -> tuple[torch.Tensor, Any]:
-        """Start bringing `host` (a `stash_out` copy, in once `landed` is) back to the device on
-        copy lane `lane`: (its device copy, a marker set once it is there). Whoever computes
-        with it orders its work after that marker first and says so (`use_here`)."""
+    def stash_in(
+        self,
+        host: torch.Tensor,
+        landed: Any,
+        into: torch.Tensor,
+        after: list[Marker],
+        lane: int,
+    ) -> tuple[torch.Tensor, Any]:
+        """Start bringing `host` (a `stash_out` copy, in once `landed` is) back into the arena
+        bytes `into` (at least its bytes, aligned for its dtype) on copy lane `lane`, ordered
+        after `after` (those bytes' previous users) too: (the tensor there, a marker set once
+        it is). Whoever computes with it orders its work after that marker first."""
         raise NotImplementedError
-
-    def use_here(self, t: torch.Tensor) -> None:
-        """`t`, made on a copy lane, is used from now on (and dropped) by the calling thread's
-        compute work."""
 
     def compute(self, serving: bool = False) -> contextlib.AbstractContextManager[None]:
         """Where this thread's compute runs; `serving`: inference, ahead of training. On the
@@ -290,9 +294,14 @@ class CpuStandIn(Device):
         return t, _LANDED  # host memory is where it already is
 
     def stash_in(
-        self, host: torch.Tensor, landed: CpuMarker, lane: int
+        self,
+        host: torch.Tensor,
+        landed: CpuMarker,
+        into: torch.Tensor,
+        after: list[Marker],
+        lane: int,
     ) -> tuple[torch.Tensor, CpuMarker]:
-        return host, landed
+        return host, landed  # the stash is where the compute reads it already
 
     def info(self) -> dict[str, Any]:
         # No pinned host tier here: host copies are plain memory (the worker's `host_bytes`).
@@ -395,8 +404,10 @@ class CudaDevice(Device):
         if not t.is_cuda:  # a model's output it made on the host: in the host tier already
             return t, self.done_marker()
         # torch's pinned allocator: the block is not handed out again before the copies that
-        # used it ran (it records an event on their streams).
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        # used it ran (it records an event on their streams). Its strides `t`'s where `t` is
+        # dense (a transposed or channels-last activation stays so: the same kernels read it
+        # back as read it first), else contiguous.
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
         landed = CudaMarker()
         self.copy_out([(host, t)], landed, lane)
         # `t` was made on the compute stream and is read on the lane's: torch's allocator must
@@ -405,21 +416,26 @@ class CudaDevice(Device):
         return host, landed
 
     def stash_in(
-        self, host: torch.Tensor, landed: CudaMarker, lane: int
+        self,
+        host: torch.Tensor,
+        landed: CudaMarker,
+        into: torch.Tensor,
+        after: list[Marker],
+        lane: int,
     ) -> tuple[torch.Tensor, CudaMarker]:
+        # The arena's bytes, not torch's allocator's: accounted in the task's extent, and no
+        # block made on the copy lane's stream for the compute stream to hand back.
+        flat = into[: host.numel() * host.element_size()].view(host.dtype)
+        # `stash_out`'s host copies are dense: the same strides, one range.
+        dev = flat.as_strided(host.shape, host.stride()) if dense(host) else flat.view(host.shape)
         stream = self.lane_stream(lane)
         there = CudaMarker()
         with torch.cuda.stream(stream):
-            landed.order_current()
-            dev = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+            for m in (*after, landed):
+                m.order_current()  # type: ignore[attr-defined]
             dev.copy_(host, non_blocking=True)
             there.record(stream)
         return dev, there
-
-    def use_here(self, t: torch.Tensor) -> None:
-        # Made on a copy lane's stream: its block goes back to that stream's pool only once
-        # the calling stream's work on it ran.
-        t.record_stream(torch.cuda.current_stream(self.index))
 
     @contextlib.contextmanager
     def compute(self, serving: bool = False) -> Iterator[None]:
@@ -455,6 +471,19 @@ class CudaDevice(Device):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), **self.host_slab.stats(), **gpu_info(self.index)}
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill one range of memory, each once, in some order of its
+    dimensions (contiguous, channels-last, transposed): what `empty_like` keeps the strides of."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def default_host_tier_bytes(budget_bytes: int) -> int:

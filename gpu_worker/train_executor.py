@@ -661,7 +661,9 @@ class TrainingExecutor:
                 after = []
             # What the task reads from the host tier besides its extent's bytes (activations,
             # gradients, a kept forward's stash): on its way too, under the compute before it.
-            prefetched = task.payload["job"].prefetch(task)
+            prefetched, brought = task.payload["job"].prefetch(
+                task, adm.base, plan, arena, after
+            )
             with self._lock:
                 self.counters["stash_bytes_prefetched"] += prefetched
         except BaseException:
@@ -669,7 +671,7 @@ class TrainingExecutor:
                 if not m.recorded():  # (a recorded one is ordered after its copy already)
                     self.device.mark_copied(m, lane=TRAIN_LANE)
             raise
-        adm.ready = list(markers) if markers else after
+        adm.ready = [*markers, *brought] if markers else [*after, *brought]
 
     def _on_copied(self, task: Task, adm: _Admission, fut: Future[None]) -> None:
         if task.payload.get("adm") is not adm:

@@ -56,13 +56,14 @@ from flowmesh.modelio.chain import Block
 from flowmesh.modelio.dtypes import TORCH_DTYPES
 from flowmesh.modelio.inputs import call_model
 from flowmesh.optimizers import step_adopting
-from flowmesh.spec import TensorSpec
+from flowmesh.spec import BLOCK_ALIGN, TENSOR_ALIGN, TensorSpec
 from flowmesh.steps import StepResult
 from gpu_worker.activation_keep import (
     KEEP,
     NO_POLICY,
     RECOMPUTE,
     SELECTIVE,
+    ChangedInPlace,
     KeptGraph,
     NotRepeated,
     SelectiveForward,
@@ -92,6 +93,7 @@ from gpu_worker.train_layout import (
     Region,
     SubModel,
     TensorInfo,
+    aligned,
     check_ranges,
     collect,
     lay_out_slab,
@@ -299,6 +301,8 @@ class TrainingJob:
         self._kept: dict[
             tuple[int, int, int], tuple[Any, torch.Tensor, KeptGraph | SelectiveForward]
         ] = {}
+        # The admission (its copy plan) of the task computing (`run`, `prefetch`).
+        self._admission: object = None
         # Per sub-model: what its last selective backward left of its forward's stash, per
         # operation (`SelectiveForward.unread`): not brought back ahead of the next one.
         self._unread: list[dict[Any, int]] = [{} for _ in range(k)]
@@ -652,6 +656,7 @@ class TrainingJob:
         sub = self.subs[task.sub]
         with MODEL_CODE_LOCK:
             bound = self._bind(task, sub, base, arena)
+            self._admission = plan  # whose stashes brought ahead are this task's (`_unstash`)
             try:
                 if task.kind == FORWARD:
                     return self._run_forward(task, sub, base, arena, bound)
@@ -661,6 +666,7 @@ class TrainingJob:
                     return self._run_update(task, sub, base, arena)
                 return self._run_backward(task, sub, base, arena)
             finally:
+                self._admission = None
                 self._unbind(bound)
 
     def _view(self, arena: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
@@ -804,10 +810,10 @@ class TrainingJob:
         is."""
         if not isinstance(t, torch.Tensor):
             return t
-        if self.device.kind != "cpu" and t.untyped_storage().data_ptr() == self._arena_ptr():
+        if t.untyped_storage().data_ptr() == self._arena_ptr():
             # Arena bytes (a forward that returned a view of its parameters): they belong to
-            # the extent's next owner as soon as this task's compute ran, before the write lane
-            # may have copied them; what the stash reads is copied off them first.
+            # the extent's next owner as soon as this task's compute ran (on a GPU, perhaps
+            # before the write lane copied them); what the stash keeps is copied off them now.
             t = t.clone()
         return Stash(*self.device.stash_out(t, TRAIN_WRITE_LANE))
 
@@ -822,10 +828,9 @@ class TrainingJob:
         first, as a blocking copy would."""
         if isinstance(x, Stash):
             brought, x.brought = x.brought, None
-            if brought is not None:
-                t, there = brought
+            if brought is not None and brought[2] is self._admission:
+                t, there, _ = brought
                 there.order_current()
-                self.device.use_here(t)
                 return t
             x.landed.order_current()
             return x.host.to(self.device.torch_device, non_blocking=True)
@@ -836,25 +841,46 @@ class TrainingJob:
             return {k: v.to(dev, non_blocking=True) for k, v in x.items()}
         return x
 
-    def prefetch(self, task: Task) -> int:
-        """On the copy lane, once the task's own copies are queued: start bringing back what
-        the task will read from the host tier that is there already (its input, its incoming
-        gradient, what its kept or selective forward stashed), so that the copies run under
-        the compute before it. What is not there yet (a gradient the task just before it
-        makes) the task brings back itself. The bytes started."""
+    def prefetch(
+        self, task: Task, base: int, plan: CopyPlan, arena: torch.Tensor, after: list[Any]
+    ) -> tuple[int, list[Any]]:
+        """On the copy lane, once the task's own copies (`plan`, into its extent at `base`) are
+        queued: start bringing back what the task will read from the host tier, when its copy
+        to the host is in already (its input, its incoming gradient, what its kept or
+        selective forward stashed, the last saved first), into the activation bytes its extent
+        reserves, as far as they go; ordered after `after` where no copy of the plan was. What
+        is not there yet, or does not fit, the task brings back itself when it reads it. The
+        bytes started, and the markers of their copies: the task's compute orders itself after
+        all of them (`TrainingExecutor`), so that whoever is given its extent next, ordered
+        after that compute, never races a copy into it (one the task did not read)."""
         if task.kind not in (FORWARD, BACKWARD, LAST, EVAL):
-            return 0
+            return 0, []
         key = (task.request, task.micro, task.sub)
-        stashes = [s for s in (self._acts.get(key), self._grads.get(key)) if isinstance(s, Stash)]
-        kept = self._kept.get(key)
-        if kept is not None:  # set once its forward ended: its stash is whole
+        kept = self._kept.get(key)  # set once its forward ended: its stash is whole
+        stashes = [self._grads.get(key)]
+        if kept is None:  # a kept graph's backward does not read its input again
+            stashes.append(self._acts.get(key))
+        else:
             stashes.extend(kept[2].to_bring(self._unread[task.sub]))
-        started = 0
+        layout = self._layout(task)
+        end = base + layout.total
+        offset = end - aligned(layout.reserve, BLOCK_ALIGN)
+        started, markers = 0, []
         for s in stashes:
-            if s.brought is None:
-                s.brought = self.device.stash_in(s.host, s.landed, TRAIN_LANE)
-                started += s.nbytes
-        return started
+            if not isinstance(s, Stash) or not s.nbytes or not s.landed.done():
+                continue
+            size = aligned(s.nbytes, TENSOR_ALIGN)
+            if offset + size > end:
+                break
+            t, there = self.device.stash_in(
+                s.host, s.landed, arena[offset : offset + size], after, TRAIN_LANE
+            )
+            s.brought = (t, there, plan)
+            markers.append(there)
+            after = []
+            offset += size
+            started += s.nbytes
+        return started, markers
 
     def _input(self, task: Task) -> Any:
         key = (task.request, task.micro, task.sub)
@@ -918,6 +944,16 @@ class TrainingJob:
                     with self._compute():
                         out = self._forward(sub, x)
             self.rng = _rng_get(self._cuda)
+        if kept is not None:
+            try:
+                kept.check_unchanged()
+            except ChangedInPlace as exc:
+                raise FlowmeshError(
+                    Code.MODEL_ERROR,
+                    f"job {self.name!r}: {self._where(task)}: {exc}, which plain PyTorch's "
+                    "backward refuses too (a variable needed for gradient computation modified "
+                    "by an inplace operation): change the model's in-place operation",
+                ) from None
         if graph:
             self._saved[task.sub][policy] = (kept or selective).saved_bytes  # type: ignore[union-attr]
             self._kept[key] = (x, out, kept or selective)  # type: ignore[assignment]

@@ -131,9 +131,12 @@ def teacher(rows: int = 320, seed: int = 1) -> Dataset:
     return Dataset({"": x}, (x @ torch.randn(8, 4, generator=g)).argmax(1), "teacher")
 
 
-def job_of(model: str, cfg: TrainConfig, parts: int = 3) -> TrainingJob:
+def job_of(
+    model: str, cfg: TrainConfig, parts: int = 3, act_bytes: int | None = None
+) -> TrainingJob:
     """The grid's `MODELS[model]` as a seeded in-process job (a CPU stand-in of 1 MiB), its chain
-    cut into `parts` even sub-models."""
+    cut into `parts` even sub-models; `act_bytes`: the activation bytes each sub-model's tasks
+    reserve (None: none, as for a job built by hand)."""
     if model == "hf-gpt2-tied":
         pytest.importorskip("transformers")
     spec = MODELS[model]
@@ -149,4 +152,6 @@ def job_of(model: str, cfg: TrainConfig, parts: int = 3) -> TrainingJob:
         CpuStandIn(1 << 20),
         inputs=inputs,
         allow=GRID_ALLOW,
+        act_bytes=None if act_bytes is None else [act_bytes] * parts,
+        fwd_bytes=None if act_bytes is None else [act_bytes] * parts,
     )

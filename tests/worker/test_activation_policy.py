@@ -163,17 +163,20 @@ def test_the_copy_lane_brings_a_kept_forwards_stash_back_ahead_of_its_backward(
     policy: str,
 ) -> None:
     """A backward's copies start while the task before it computes (the executor's look-ahead);
-    what its sub-model's forward stashed was there long before, and comes back with them, not
-    when the backward reads it (on a GPU: under the compute before, on the copy lane)."""
+    what its sub-model's forward stashed was there long before, and comes back with them, into
+    the activation bytes its extent reserves, not when the backward reads it (on a GPU: under
+    the compute before, on the copy lane). Where those bytes are too few, it is not."""
     cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=policy)
-    job = job_of("mlp", cfg)
-    with TrainingExecutor(job.device) as ex:
-        ex.open(job)
-        result = ex.step("mlp", *data_for("mlp", 1)[0])
-        prefetched = ex.stats()["stash_bytes_prefetched"]
-    assert result.activations == [policy, policy, "none"]
+    prefetched = {}
+    for act_bytes in (0, 64 << 10):
+        job = job_of("mlp", cfg, act_bytes=act_bytes)
+        with TrainingExecutor(job.device) as ex:
+            ex.open(job)
+            result = ex.step("mlp", *data_for("mlp", 1)[0])
+            prefetched[act_bytes] = ex.stats()["stash_bytes_prefetched"]
+        assert result.activations == [policy, policy, "none"]
     stashed = sum(job.stashed_bytes(i)[policy] for i in (0, 1))
-    assert 0 < stashed <= prefetched, (stashed, prefetched)
+    assert prefetched[0] == 0 and 0 < stashed <= prefetched[64 << 10], (stashed, prefetched)
     # The first sub-model ends in a linear layer, whose output its backward never reads: a
     # selective one's next stash is brought back without it.
     unread = {torch.ops.aten.addmm.default: 1} if policy == SELECTIVE else {}
@@ -327,6 +330,30 @@ def test_a_forward_that_does_not_repeat_fails_its_step_saying_so() -> None:
     assert failed.value.code == Code.MODEL_ERROR
     assert "did not repeat under the selective activation policy" in failed.value.reason
     assert "activations='keep'" in failed.value.reason
+
+
+class BumpsWhatItSaved(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()  # autograd saves the result for exp's backward
+        return y.add_(1.0)
+
+
+def test_a_kept_forward_that_changes_what_it_saved_fails_its_step_saying_so() -> None:
+    """Plain autograd refuses such a backward (a saved tensor's version moved); a kept graph's
+    hooks hide that from it, and its stash would hold either value: the step fails instead,
+    naming the in-place change."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), BumpsWhatItSaved(), nn.Linear(16, 5))
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        nn.functional.cross_entropy(copy.deepcopy(net)(x), y).backward()
+    cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=KEEP)
+    job = TrainingJob("bumps", chain_of(net), [(0, 1), (1, 2), (2, 3)], cfg, CpuStandIn(1 << 20))
+    with TrainingExecutor(job.device) as ex, pytest.raises(FlowmeshError) as failed:
+        ex.open(job)
+        ex.step("bumps", x, y)
+    assert failed.value.code == Code.MODEL_ERROR
+    assert "changed in place after it was saved" in failed.value.reason
 
 
 def test_a_selective_forward_stashes_at_most_half_what_a_kept_one_does() -> None:

@@ -191,8 +191,9 @@ def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it()
 def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model: str) -> None:
     """A job cut into three sub-models, trained by memory flow on the GPU with each activation
     policy forced: a kept graph's and a selective forward's stashes go to pinned host memory
-    on the write lane's stream and come back on the copy lane's ahead of the backward (or on
-    the compute stream, for what was not there yet when its copies ran), the selective
+    on the write lane's stream and come back on the copy lane's ahead of the backward, into
+    the activation bytes its extent reserves (or on the compute stream, for what was not
+    there yet when its copies ran), the selective
     recompute takes its products back; all give the recompute policy's losses and weights
     (the same kernels, the same dropout)."""
     from itertools import pairwise
@@ -216,8 +217,17 @@ def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model:
         blocks = chain_of(net, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
         bounds = [round(i * len(blocks) / 3) for i in range(4)]
         dev = CudaDevice(0, 16 * MIB)
+        # Each task reserves 1 MiB of activations: room for its stash to come back into.
         job = TrainingJob(
-            model, blocks, list(pairwise(bounds)), cfg, dev, inputs=inputs, allow=ALLOW
+            model,
+            blocks,
+            list(pairwise(bounds)),
+            cfg,
+            dev,
+            inputs=inputs,
+            allow=ALLOW,
+            act_bytes=[MIB] * 3,
+            fwd_bytes=[MIB] * 3,
         )
         with TrainingExecutor(dev) as ex:
             ex.open(job)
