@@ -249,11 +249,16 @@ class CpuStandIn(Device):
     # torch's helper threads: few, large copies are fastest.
     copy_chunk_bytes = 1 << 30
 
-    def __init__(self, budget_bytes: int, prefault: bool = True) -> None:
+    def __init__(
+        self, budget_bytes: int, prefault: bool = True, stash_copies: bool = False
+    ) -> None:
         super().__init__(budget_bytes, prefault)
         # torch.empty leaves pages untouched; the OS would commit them as ranges are first used.
         self.arena = torch.empty(budget_bytes, dtype=torch.uint8)
         self.name = "cpu"
+        # Training's stashes copied out and back into the arena as a device's are (the tests
+        # of that path); else they stay where they are, which is host memory already.
+        self.stash_copies = stash_copies
         self._prefault_arena()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -291,6 +296,8 @@ class CpuStandIn(Device):
         marker.set()  # CPU work is complete when the thread gets here
 
     def stash_out(self, t: torch.Tensor, lane: int) -> tuple[torch.Tensor, CpuMarker]:
+        if self.stash_copies:
+            return t.clone(), _LANDED
         return t, _LANDED  # host memory is where it already is
 
     def stash_in(
@@ -301,7 +308,13 @@ class CpuStandIn(Device):
         after: list[Marker],
         lane: int,
     ) -> tuple[torch.Tensor, CpuMarker]:
-        return host, landed  # the stash is where the compute reads it already
+        if not self.stash_copies:
+            return host, landed  # the stash is where the compute reads it already
+        for m in after:
+            m.order_current()  # type: ignore[attr-defined]
+        dev = arena_tensor(into, host)
+        dev.copy_(host)
+        return dev, _LANDED
 
     def info(self) -> dict[str, Any]:
         # No pinned host tier here: host copies are plain memory (the worker's `host_bytes`).
@@ -425,9 +438,7 @@ class CudaDevice(Device):
     ) -> tuple[torch.Tensor, CudaMarker]:
         # The arena's bytes, not torch's allocator's: accounted in the task's extent, and no
         # block made on the copy lane's stream for the compute stream to hand back.
-        flat = into[: host.numel() * host.element_size()].view(host.dtype)
-        # `stash_out`'s host copies are dense: the same strides, one range.
-        dev = flat.as_strided(host.shape, host.stride()) if dense(host) else flat.view(host.shape)
+        dev = arena_tensor(into, host)
         stream = self.lane_stream(lane)
         there = CudaMarker()
         with torch.cuda.stream(stream):
@@ -484,6 +495,24 @@ def dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def arena_tensor(into: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor over the arena bytes `into` (aligned for `like`'s dtype), shaped as `like`, with
+    its strides where it is dense (`stash_out`'s host copies are: one range), else contiguous.
+    Not a view: a view of the arena would share its version counter, which every copy into any
+    of its ranges moves, so that autograd, having saved the tensor, would refuse its backward."""
+    shape = tuple(like.shape)
+    if dense(like):
+        stride = tuple(like.stride())
+    else:
+        stride, n = [], 1
+        for size in reversed(shape):
+            stride.insert(0, n)
+            n *= size
+    offset = into.storage_offset() // like.element_size()
+    t = torch.empty(0, dtype=like.dtype, device=into.device)
+    return t.set_(into.untyped_storage(), offset, shape, stride)
 
 
 def default_host_tier_bytes(budget_bytes: int) -> int:

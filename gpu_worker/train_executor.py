@@ -113,6 +113,10 @@ class _Admission:
     nbytes: int
     plan: CopyPlan = field(default_factory=CopyPlan)
     markers: list[Any] = field(default_factory=list)
+    # Set on the copy lane after everything its copy wrote into the extent (the plan's copies
+    # and the stashes brought back with them), or once it made none: an extent given back
+    # unused is freed after it.
+    copied: Any = None
     ready: list[Any] = field(default_factory=list)
     # Markers of the write-backs to host regions its copies read (`TrainingJob.written`).
     waits: list[Any] = field(default_factory=list)
@@ -611,7 +615,8 @@ class TrainingExecutor:
         if adm.extent is not None:
             ext, adm.extent = adm.extent, None
             # Ordered after its copy (if it ran): the next owner never races its writes.
-            self.memory.free(ext, list(adm.markers), "training", reclaimed)
+            after = [*adm.markers, *([adm.copied] if adm.copied is not None else [])]
+            self.memory.free(ext, after, "training", reclaimed)
 
     def _start_copy(self, task: Task) -> None:
         job: TrainingJob = task.payload["job"]
@@ -623,6 +628,7 @@ class TrainingExecutor:
             return
         # Blocking: on CUDA the lanes wait on them asleep, not spinning a core (`CudaMarker`).
         adm.markers = [self.device.new_marker(blocking=True) for _ in adm.plan.copies]
+        adm.copied = self.device.new_marker(blocking=True)
         # The scheduler admits a task only once every earlier task writing a host region it
         # reads has finished computing; the copies wait for those write-backs too.
         keys = job.written if ANY in task.reads else task.reads
@@ -635,6 +641,15 @@ class TrainingExecutor:
 
     def _do_copy(self, task: Task, adm: _Admission) -> None:
         """Copy lane: order after the extent's previous users, then bring the bytes in."""
+        try:
+            self._copy_in(task, adm)
+        finally:
+            # After whatever it queued (the stand-in's copies are done): an extent given back
+            # unused, even mid-way, is given to its next owner only after them.
+            if adm.copied is not None and not adm.copied.recorded():
+                self.device.mark_copied(adm.copied, lane=TRAIN_LANE)
+
+    def _copy_in(self, task: Task, adm: _Admission) -> None:
         ext, plan, markers = adm.extent, adm.plan, adm.markers
         after = [*(ext.after if ext is not None else ()), *adm.waits]
         if self.device.kind == "cpu":
@@ -653,6 +668,7 @@ class TrainingExecutor:
                 self.resident += adm.nbytes
                 self.resident_peak = max(self.resident_peak, self.resident)
         arena = self.device.arena
+        brought: list[Any] = []
         try:
             for (offset, src), marker in zip(plan.copies, markers, strict=True):
                 self.device.copy_in(
@@ -660,12 +676,13 @@ class TrainingExecutor:
                 )
                 after = []
             # What the task reads from the host tier besides its extent's bytes (activations,
-            # gradients, a kept forward's stash): on its way too, under the compute before it.
-            prefetched, brought = task.payload["job"].prefetch(
-                task, adm.base, plan, arena, after
-            )
-            with self._lock:
-                self.counters["stash_bytes_prefetched"] += prefetched
+            # gradients, a kept forward's stash): on its way too, under the compute before it
+            # (not for a task that will not run from here: serving took its memory back).
+            if not adm.cancelled:
+                job: TrainingJob = task.payload["job"]
+                prefetched, brought = job.prefetch(task, adm.base, plan, arena, after)
+                with self._lock:
+                    self.counters["stash_bytes_prefetched"] += prefetched
         except BaseException:
             for m in markers:  # whoever waits on these bytes must not wait forever
                 if not m.recorded():  # (a recorded one is ordered after its copy already)

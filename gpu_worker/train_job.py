@@ -810,15 +810,15 @@ class TrainingJob:
         is."""
         if not isinstance(t, torch.Tensor):
             return t
-        if t.untyped_storage().data_ptr() == self._arena_ptr():
+        if self._in_arena(t):
             # Arena bytes (a forward that returned a view of its parameters): they belong to
             # the extent's next owner as soon as this task's compute ran (on a GPU, perhaps
             # before the write lane copied them); what the stash keeps is copied off them now.
             t = t.clone()
         return Stash(*self.device.stash_out(t, TRAIN_WRITE_LANE))
 
-    def _arena_ptr(self) -> int:
-        return self.device.arena.untyped_storage().data_ptr()
+    def _in_arena(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() == self.device.arena.untyped_storage().data_ptr()
 
     def _unstash(self, x: Any) -> Any:
         """A stash (or a step's data) on the device, for the compute stream: the copy the copy
@@ -827,8 +827,9 @@ class TrainingJob:
         not wait). A step's data from pageable memory torch copies through a staging buffer
         first, as a blocking copy would."""
         if isinstance(x, Stash):
-            brought, x.brought = x.brought, None
+            brought = x.brought
             if brought is not None and brought[2] is self._admission:
+                x.brought = None
                 t, there, _ = brought
                 there.order_current()
                 return t
@@ -858,10 +859,12 @@ class TrainingJob:
         key = (task.request, task.micro, task.sub)
         kept = self._kept.get(key)  # set once its forward ended: its stash is whole
         stashes = [self._grads.get(key)]
-        if kept is None:  # a kept graph's backward does not read its input again
-            stashes.append(self._acts.get(key))
-        else:
+        if kept is not None:
             stashes.extend(kept[2].to_bring(self._unread[task.sub]))
+        elif task.kind != BACKWARD or self._step_policy.get((task.request, task.sub)) == RECOMPUTE:
+            # Its input (a kept graph's backward does not read it again; one whose forward has
+            # not run yet may turn out to be one).
+            stashes.append(self._acts.get(key))
         layout = self._layout(task)
         end = base + layout.total
         offset = end - aligned(layout.reserve, BLOCK_ALIGN)
@@ -871,7 +874,7 @@ class TrainingJob:
                 continue
             size = aligned(s.nbytes, TENSOR_ALIGN)
             if offset + size > end:
-                break
+                continue  # a smaller one after it may fit
             t, there = self.device.stash_in(
                 s.host, s.landed, arena[offset : offset + size], after, TRAIN_LANE
             )
@@ -915,6 +918,10 @@ class TrainingJob:
         kept: KeptGraph | None = None
         selective: SelectiveForward | None = None
         graph = policy in (KEEP, SELECTIVE)  # the forward's graph kept for the backward task
+        if graph and isinstance(x, torch.Tensor) and self._in_arena(x):
+            # Brought back into this task's extent, which is another task's once this one ran;
+            # the backward reads it (a selective forward's recompute starts from it).
+            x = x.clone()
         if graph and task.sub > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.detach().requires_grad_(True)
         if policy == KEEP:

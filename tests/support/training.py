@@ -132,11 +132,19 @@ def teacher(rows: int = 320, seed: int = 1) -> Dataset:
 
 
 def job_of(
-    model: str, cfg: TrainConfig, parts: int = 3, act_bytes: int | None = None
+    model: str,
+    cfg: TrainConfig,
+    parts: int = 3,
+    act_bytes: int | None = None,
+    stash_copies: bool = False,
+    name: str | None = None,
+    device: CpuStandIn | None = None,
 ) -> TrainingJob:
     """The grid's `MODELS[model]` as a seeded in-process job (a CPU stand-in of 1 MiB), its chain
     cut into `parts` even sub-models; `act_bytes`: the activation bytes each sub-model's tasks
-    reserve (None: none, as for a job built by hand)."""
+    reserve (None: none, as for a job built by hand); `stash_copies`: the stand-in copies
+    stashes out and back into the arena as a device does (`CpuStandIn`); `name`: the job's
+    (the model's by default); `device`: another job's, to run beside it."""
     if model == "hf-gpt2-tied":
         pytest.importorskip("transformers")
     spec = MODELS[model]
@@ -145,11 +153,11 @@ def job_of(
     blocks = chain_of(net, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
     bounds = [round(i * len(blocks) / parts) for i in range(parts + 1)]
     return TrainingJob(
-        model,
+        name or model,
         blocks,
         list(pairwise(bounds)),
         cfg,
-        CpuStandIn(1 << 20),
+        device or CpuStandIn(1 << 20, stash_copies=stash_copies),
         inputs=inputs,
         allow=GRID_ALLOW,
         act_bytes=None if act_bytes is None else [act_bytes] * parts,

@@ -82,6 +82,42 @@ def test_each_policy_forced_equals_plain_pytorch(
         close(t, state[name], f"{model} {policy}: {name}")
 
 
+@pytest.mark.parametrize("policy", [RECOMPUTE, KEEP, SELECTIVE])
+@pytest.mark.parametrize(
+    ("model", "clip", "accumulate"), CASES, ids=[f"{m}-clip{c}-acc{a}" for m, c, a in CASES]
+)
+def test_stashes_copied_out_and_brought_back_into_the_arena_train_as_plain_pytorch(
+    policy: str, model: str, clip: float | None, accumulate: int
+) -> None:
+    """The device's path for stashes, on the stand-in: each copied to host memory, and brought
+    back by the copy lane into the activation bytes of the extent of the task that reads it,
+    which is another task's once that one ran (its version counter its own: autograd saves
+    some of them). Two jobs side by side, all steps sent at once, in memory for one and a
+    half of their largest tasks: a job's next task is often admitted only once the one
+    before it computed, so that its input is there to bring too."""
+    cfg = TrainConfig(
+        ADAM, clip_grad_norm=clip, accumulate=accumulate, seed=RNG_SEED, activations=policy
+    )
+    data = data_for(model, STEPS)
+    reserve = 96 << 10
+    device = CpuStandIn(job_of(model, cfg, act_bytes=reserve).largest_task() * 3 // 2,
+                        stash_copies=True)  # fmt: skip
+    jobs = [job_of(model, cfg, act_bytes=reserve, name=n, device=device) for n in "ab"]
+    with TrainingExecutor(device) as ex:
+        for job in jobs:
+            ex.open(job)
+        sent = [[ex.submit(job.name, x, y) for job in jobs] for x, y in data]
+        results = [[f.result(timeout=120) for f in step] for step in sent]
+        assert ex.stats()["stash_bytes_prefetched"] > 0
+    losses, state = plain(
+        MODELS[model], cfg.optimizer, data, clip=clip, accumulate=accumulate, rng_seed=cfg.seed
+    )
+    for i, job in enumerate(jobs):
+        close([r[i].loss for r in results], losses, f"{job.name} {policy}: per-step losses")
+        for name, t in job.state_dict().items():
+            close(t, state[name], f"{job.name} {policy}: {name}")
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-in-flight"])
 def test_auto_measures_each_policy_then_takes_the_cheapest(together: bool) -> None:
     """A job's first step recomputes, its second keeps, its third is selective (each measured
