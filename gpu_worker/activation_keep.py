@@ -57,7 +57,7 @@ class Stash:
     an incoming gradient, what a kept or selective forward saved (`TrainingJob._stash`).
 
     `host` is its host copy (on the CPU stand-in the tensor itself) and `landed` the marker set
-    once the copy to the host is in (made on the write lane: the compute goes on meanwhile).
+    once the copy to the host is in (made on the stash lane: the compute goes on meanwhile).
     `brought` is (its device copy, the marker set once that copy is there, the admission it was
     brought for) once the copy lane started bringing it back into the extent of the task that
     reads it (`TrainingJob.prefetch`), else None: the task brings it back itself. The task takes
@@ -145,7 +145,7 @@ class KeptGraph:
         """After the forward: raise `ChangedInPlace` if it changed a tensor in place after
         autograd saved it. Plain autograd refuses that in the backward (a saved tensor's version
         moved); with these hooks it cannot see it, and the stash may hold either value (the
-        tensor itself on a CPU stand-in; on a GPU, whatever the write lane's copy found)."""
+        tensor itself on a CPU stand-in; on a GPU, whatever the stash lane's copy found)."""
         for ref, version in self._versions:
             t = ref()
             if t is not None and t._version != version:
@@ -218,7 +218,7 @@ class SelectiveForward:
                 return t
             self.saved_bytes += t.numel() * t.element_size()
             # A copy, on the compute stream: the forward may go on to change the output in
-            # place (ReLU(inplace=True)), before a GPU's write lane copied it to the host.
+            # place (ReLU(inplace=True)), before a GPU's stash lane copied it to the host.
             return self._stash(t.detach().clone())
 
         self.kept.setdefault(op, collections.deque()).append(tree_map(one, out))

@@ -130,6 +130,9 @@ class CudaMarker:
 TRAIN_LANE = -1
 # Its write-back lane: device-to-host copies, on a stream apart from the host-to-device ones.
 TRAIN_WRITE_LANE = -2
+# Its stashes' lane: activations and gradients to the host between tasks, apart from the
+# write-backs (which a task's extent and answer wait for).
+TRAIN_STASH_LANE = -3
 
 
 class Device:
@@ -416,12 +419,17 @@ class CudaDevice(Device):
     def stash_out(self, t: torch.Tensor, lane: int) -> tuple[torch.Tensor, CudaMarker]:
         if not t.is_cuda:  # a model's output it made on the host: in the host tier already
             return t, self.done_marker()
+        # The values its conjugate and negative bits stand for: torch's device-to-host copy
+        # applies them to the destination on the host, before a non-blocking copy landed.
+        t = t.resolve_conj().resolve_neg()
         # torch's pinned allocator: the block is not handed out again before the copies that
         # used it ran (it records an event on their streams). Its strides `t`'s where `t` is
         # dense (a transposed or channels-last activation stays so: the same kernels read it
-        # back as read it first), else contiguous.
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        landed = CudaMarker()
+        # back as read it first), else contiguous (one copy, no staging through pageable
+        # memory that would block this thread).
+        layout = torch.preserve_format if dense(t) else torch.contiguous_format
+        host = torch.empty_like(t, device="cpu", pin_memory=True, memory_format=layout)
+        landed = CudaMarker(blocking=True)  # `TrainingJob._stash` may wait for it, asleep
         self.copy_out([(host, t)], landed, lane)
         # `t` was made on the compute stream and is read on the lane's: torch's allocator must
         # not give its block to the compute stream's next tensor before the copy read it.

@@ -309,7 +309,8 @@ class TrainingExecutor:
             # Tasks whose memory serving took back before they ran (admitted again later).
             "tasks_reclaimed": 0,
             # What the copy lane brought back from the host tier ahead of the tasks reading it,
-            # besides their extents' bytes (`TrainingJob.prefetch`).
+            # besides their extents' bytes (`TrainingJob.prefetch`; on a CPU stand-in, where
+            # a stash stays where it is, what it would have brought).
             "stash_bytes_prefetched": 0,
         }
         self._last_job: str | None = None

@@ -40,6 +40,7 @@ norm) is known. What makes it exact:
 
 from __future__ import annotations
 
+import collections
 import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -70,7 +71,7 @@ from gpu_worker.activation_keep import (
     Stash,
     choose,
 )
-from gpu_worker.device import TRAIN_LANE, TRAIN_WRITE_LANE, Device
+from gpu_worker.device import TRAIN_LANE, TRAIN_STASH_LANE, Device
 from gpu_worker.host_tier import Slot, view_of
 from gpu_worker.model_code import MODEL_CODE_LOCK
 from gpu_worker.train_checkpoint import save_checkpoint
@@ -110,6 +111,10 @@ Inputs = torch.Tensor | dict[str, torch.Tensor]
 # (serving beside training), so they are taken again; a round costs at most two steps under
 # another policy than the cheapest.
 REMEASURE_EVERY = 32
+# Bytes of a job's stashes on their way to the host at once (`_stash`): device memory torch's
+# allocator holds for each until its copy landed, outside what the tasks reserve. Past it, the
+# compute lane waits for the oldest to land.
+STASH_IN_FLIGHT_BYTES = 64 << 20
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 
 
@@ -301,6 +306,10 @@ class TrainingJob:
         self._kept: dict[
             tuple[int, int, int], tuple[Any, torch.Tensor, KeptGraph | SelectiveForward]
         ] = {}
+        # Stashes whose copy to the host has not landed yet, oldest first, and their bytes
+        # (`_stash`, on the compute lane).
+        self._stashing: collections.deque[tuple[int, Any]] = collections.deque()
+        self._stashing_bytes = 0
         # The admission (its copy plan) of the task computing (`run`, `prefetch`).
         self._admission: object = None
         # Per sub-model: what its last selective backward left of its forward's stash, per
@@ -804,18 +813,28 @@ class TrainingJob:
 
     def _stash(self, t: Any) -> Any:
         """Keep an activation (or a gradient) in the host tier between tasks (`Stash`). On
-        CUDA the copy to the host is queued on the write lane's stream after the compute so
+        CUDA the copy to the host is queued on the stash lane's stream after the compute so
         far, not waited for: the compute stream goes on, and whatever reads the stash orders
-        itself after the copy (`_unstash`). On a CPU stand-in host memory is where it already
-        is."""
+        itself after the copy (`_unstash`), unless more than STASH_IN_FLIGHT_BYTES are on
+        their way. On a CPU stand-in host memory is where it already is."""
         if not isinstance(t, torch.Tensor):
             return t
         if self._in_arena(t):
             # Arena bytes (a forward that returned a view of its parameters): they belong to
             # the extent's next owner as soon as this task's compute ran (on a GPU, perhaps
-            # before the write lane copied them); what the stash keeps is copied off them now.
+            # before the stash lane copied them); what the stash keeps is copied off them now.
             t = t.clone()
-        return Stash(*self.device.stash_out(t, TRAIN_WRITE_LANE))
+        stash = Stash(*self.device.stash_out(t, TRAIN_STASH_LANE))
+        if not stash.landed.done():
+            self._stashing.append((stash.nbytes, stash.landed))
+            self._stashing_bytes += stash.nbytes
+        while self._stashing and (
+            self._stashing_bytes > STASH_IN_FLIGHT_BYTES or self._stashing[0][1].done()
+        ):
+            nbytes, landed = self._stashing.popleft()
+            landed.wait()  # asleep, on CUDA (a blocking event)
+            self._stashing_bytes -= nbytes
+        return stash
 
     def _in_arena(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() == self.device.arena.untyped_storage().data_ptr()

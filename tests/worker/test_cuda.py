@@ -191,7 +191,7 @@ def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it()
 def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model: str) -> None:
     """A job cut into three sub-models, trained by memory flow on the GPU with each activation
     policy forced: a kept graph's and a selective forward's stashes go to pinned host memory
-    on the write lane's stream and come back on the copy lane's ahead of the backward, into
+    on the stash lane's stream and come back on the copy lane's ahead of the backward, into
     the activation bytes its extent reserves (or on the compute stream, for what was not
     there yet when its copies ran), the selective
     recompute takes its products back; all give the recompute policy's losses and weights
