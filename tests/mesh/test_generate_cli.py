@@ -124,12 +124,16 @@ def test_undeploy_drain_cuts_a_running_generation_and_says_so(
 ) -> None:
     """`flowmesh undeploy --drain 0` under a running stream: the stream fails at once,
     and the command says that one generation was cut."""
-    mesh, model_dir = lm
+    mesh, short = lm
+    # A long context: the generation must still be running when its worker is stopped, and a
+    # test process put aside for a while on a busy machine must not see 48 tokens end first.
+    # (Beside the other model: under the mesh's data root.)
+    model_dir = tiny_lm_dir(short.parent / "tiny-llama-long", "llama", seed=5, max_positions=1024)
     with mesh.client() as c:
-        c.deploy("lm-cut", hf=str(model_dir), stages=1, replicas=1)
+        c.deploy("lm-cut", hf=str(model_dir), stages=1, replicas=1, max_seqs=1)
         (row,) = [m for m in c.status().models if m.name == "lm-cut"]
         worker = mesh.child(row.replicas[0].workers[0]).proc
-        with c.generate_stream("lm-cut", PROMPT, max_tokens=48, ignore_eos=True) as stream:
+        with c.generate_stream("lm-cut", PROMPT, max_tokens=1000, ignore_eos=True) as stream:
             next(iter(stream))  # the first token: the rest are still to come
             # Its worker held still meanwhile (well within its heartbeats' grace), so that the
             # generation is surely still running when the undeploy comes, however fast it is.
