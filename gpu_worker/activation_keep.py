@@ -108,8 +108,10 @@ class KeptGraph:
         self._unstash = unstash
         self.saved_bytes = 0
         self._stashes: list[Stash] = []
-        # What was stashed, weakly, with its version then (`check_unchanged`).
-        self._versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # What was stashed, weakly, with its version then and its stash (`mark_changed`); the
+        # stashes of those the forward changed after, and what each was.
+        self._versions: list[tuple[weakref.ref[torch.Tensor], int, Stash]] = []
+        self._changed: dict[Stash, str] = {}
         # The bound tensors' memory as it is during the forward: [start, end) byte addresses.
         self._ranges: list[tuple[int, int, str, torch.Tensor]] = []
         for name, t in bound.items():
@@ -134,25 +136,27 @@ class KeptGraph:
             # Arena memory that is no bound tensor's: the range goes to another task after
             # this one, so what the backward needs of it is copied out now.
             t = t.clone()
+            watched = False
         else:
-            self._versions.append((weakref.ref(t), t._version))
+            watched = True
         self.saved_bytes += t.numel() * t.element_size()
         kept = self._stash(t)
         self._stashes.append(kept)
+        if watched:
+            self._versions.append((weakref.ref(t), t._version, kept))
         return kept
 
-    def check_unchanged(self) -> None:
-        """After the forward: raise `ChangedInPlace` if it changed a tensor in place after
-        autograd saved it. Plain autograd refuses that in the backward (a saved tensor's version
+    def mark_changed(self) -> None:
+        """After the forward: note what it changed in place after autograd saved it, for
+        `unpack` to refuse. Plain autograd refuses such a tensor in the backward (its version
         moved); with these hooks it cannot see it, and the stash may hold either value (the
-        tensor itself on a CPU stand-in; on a GPU, whatever the stash lane's copy found)."""
-        for ref, version in self._versions:
+        tensor itself on a CPU stand-in; on a GPU, whatever the stash lane's copy found). Only
+        what the backward unpacks is refused, as plain autograd does: a saved tensor no
+        gradient flows through may change."""
+        for ref, version, kept in self._versions:
             t = ref()
             if t is not None and t._version != version:
-                raise ChangedInPlace(
-                    f"a {tuple(t.shape)} {t.dtype} tensor its backward needs was changed in "
-                    "place after it was saved"
-                )
+                self._changed[kept] = f"a {tuple(t.shape)} {t.dtype} tensor"
         self._versions = []
 
     def to_bring(self, unread: Mapping[Any, int]) -> list[Stash]:
@@ -167,6 +171,11 @@ class KeptGraph:
         if isinstance(packed, BoundView):
             d = self._bound[packed.name].data
             return d.as_strided(packed.size, packed.stride, d.storage_offset() + packed.offset)
+        what = self._changed.get(packed)
+        if what is not None:
+            raise ChangedInPlace(
+                f"its forward changed {what} in place after autograd saved it for the backward"
+            )
         return self._unstash(packed)
 
     def hooks(self) -> AbstractContextManager[None]:

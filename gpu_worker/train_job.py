@@ -794,9 +794,18 @@ class TrainingJob:
     @contextmanager
     def _repeated(self, task: Task) -> Iterator[None]:
         """A selective forward's backward runs the forward again: where it did not run the same
-        operations, the job's MODEL_ERROR says so, and what to open it with instead."""
+        operations, the job's MODEL_ERROR says so, and what to open it with instead. A kept
+        one's that reads what its forward changed in place (`KeptGraph.mark_changed`): the
+        same."""
         try:
             yield
+        except ChangedInPlace as exc:
+            raise FlowmeshError(
+                Code.MODEL_ERROR,
+                f"job {self.name!r}: {self._where(task)}: {exc}, which plain PyTorch's "
+                "backward refuses too (a variable needed for gradient computation modified by "
+                "an inplace operation): change the model's in-place operation",
+            ) from None
         except (CheckpointError, NotRepeated) as exc:
             if task.payload.get("policy") != SELECTIVE:
                 raise
@@ -971,15 +980,7 @@ class TrainingJob:
                         out = self._forward(sub, x)
             self.rng = _rng_get(self._cuda)
         if kept is not None:
-            try:
-                kept.check_unchanged()
-            except ChangedInPlace as exc:
-                raise FlowmeshError(
-                    Code.MODEL_ERROR,
-                    f"job {self.name!r}: {self._where(task)}: {exc}, which plain PyTorch's "
-                    "backward refuses too (a variable needed for gradient computation modified "
-                    "by an inplace operation): change the model's in-place operation",
-                ) from None
+            kept.mark_changed()
         if graph:
             self._saved[task.sub][policy] = (kept or selective).saved_bytes  # type: ignore[union-attr]
             self._kept[key] = (x, out, kept or selective)  # type: ignore[assignment]

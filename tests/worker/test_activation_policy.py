@@ -389,7 +389,33 @@ def test_a_kept_forward_that_changes_what_it_saved_fails_its_step_saying_so() ->
         ex.open(job)
         ex.step("bumps", x, y)
     assert failed.value.code == Code.MODEL_ERROR
-    assert "changed in place after it was saved" in failed.value.reason
+    assert "in place after autograd saved it" in failed.value.reason
+
+
+class BumpsWhatNoGradientNeeds(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        aux = x.exp()  # saved for a backward no gradient flows through
+        aux.add_(1.0)
+        return x * 2.0
+
+
+def test_a_kept_forward_that_changes_what_no_gradient_reads_trains_as_plain_pytorch() -> None:
+    """What plain autograd lets pass, a kept graph does too: a saved tensor its backward never
+    unpacks may change."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), BumpsWhatNoGradientNeeds(), nn.Linear(16, 5))
+    ref = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 5, (4,), generator=g))
+            for _ in range(3)]  # fmt: skip
+    cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=KEEP)
+    job = TrainingJob("aux", chain_of(net), [(0, 1), (1, 2), (2, 3)], cfg, CpuStandIn(1 << 20))
+    with TrainingExecutor(job.device) as ex:
+        ex.open(job)
+        losses = [ex.step("aux", x, y).loss for x, y in data]
+    close(losses, train(ref, ADAM, data, rng_seed=RNG_SEED), "losses")
+    for name, t in ref.state_dict().items():
+        close(job.state_dict()[name], t, name)
 
 
 def test_a_selective_forward_stashes_at_most_half_what_a_kept_one_does() -> None:
