@@ -34,6 +34,9 @@ from enum import Enum
 from typing import Any
 
 ANY = "*"  # a read key that conflicts with every write of the job (a checkpoint reads it all)
+# Decisions `FlowScheduler.log` keeps: the most recent ones only, since a worker trains for days
+# (four events per task, tens of tasks a second), and tests read a run of a few hundred.
+LOG_KEPT = 10_000
 
 
 class Phase(Enum):
@@ -80,8 +83,9 @@ class FlowScheduler:
         self._seq: dict[str, int] = {}
         self._tick = 0
         self._blocking: Task | None = None  # a starved candidate holding admissions back
-        # (event, task label) in the order decided: "admit", "run", "done", "drop"
-        self.log: list[tuple[str, str]] = []
+        # (event, task label) in the order decided, the last LOG_KEPT: "admit", "run", "done",
+        # "drop", "reclaim"
+        self.log: deque[tuple[str, str]] = deque(maxlen=LOG_KEPT)
 
     # -- jobs and tasks ------------------------------------------------------------------
 

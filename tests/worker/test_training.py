@@ -32,7 +32,7 @@ from gpu_worker.train_checkpoint import read_meta
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_executor import TrainingExecutor, open_job
 from gpu_worker.train_job import StepResult, TrainingJob
-from gpu_worker.train_scheduler import ANY, FlowScheduler, Task
+from gpu_worker.train_scheduler import ANY, LOG_KEPT, FlowScheduler, Task
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_cases import (
     CASES,
@@ -601,6 +601,23 @@ def test_scheduler_admits_in_order_heads_first_and_prefetches_one() -> None:
     s.finished(a4)
     pool.used -= 4
     assert [t.label for t in s.admit(pool)] == ["b#1:t1.0", "a#1:t2.0"]
+
+
+def test_scheduler_keeps_only_its_last_decisions() -> None:
+    """A worker trains for days: the decision log is the last LOG_KEPT, not every one made."""
+    s = FlowScheduler(prefetch=0)
+    s.add_job("a")
+    pool = Pool(10)
+    for _ in range(LOG_KEPT // 3 + 1):  # three decisions each: admit, run, done
+        s.push([task("a", 1)])
+        (t,) = s.admit(pool)
+        s.copied(t)
+        s.started(t)
+        s.finished(t)
+        pool.used -= t.nbytes
+    # 3 x (LOG_KEPT // 3 + 1) made: the first task's admit and run are the two forgotten
+    assert len(s.log) == LOG_KEPT
+    assert [e for e, _ in list(s.log)[:4]] == ["done", "admit", "run", "done"]
 
 
 def test_scheduler_holds_a_prefetch_that_reads_what_an_earlier_task_writes() -> None:
