@@ -477,6 +477,10 @@ class TrainingExecutor:
         self.gate.close()
         self._events.put(None)
         self._driver.join(timeout=10)
+        if self._driver.is_alive():
+            # Still in an event (a job's close waiting for its write-backs): it finds the
+            # lanes shut below and marks what it would have handed them (`_start_copy`).
+            log.warning("training driver still busy after 10 s at close; closing its lanes")
         # Computes queued are not cancelled but run, each returning at once (`_closed`), so
         # that their markers are set: a copy in progress may be waiting on one, into the range
         # that compute gave back.
@@ -634,7 +638,12 @@ class TrainingExecutor:
         # reads has finished computing; the copies wait for those write-backs too.
         keys = job.written if ANY in task.reads else task.reads
         adm.waits = [m for k in keys if (m := job.written.get(k)) is not None and not m.done()]
-        fut = self._copy.submit(self._do_copy, task, adm)
+        try:
+            fut = self._copy.submit(self._do_copy, task, adm)
+        except RuntimeError:  # closing, and the driver late (`close`): the lane takes no more
+            for m in [*adm.markers, adm.copied]:  # whoever waits on these bytes may go
+                self.device.mark_copied(m, lane=TRAIN_LANE)
+            raise
         # Quiet: at close the lanes' last work ends after the driver (nothing left to tell).
         fut.add_done_callback(
             lambda f, t=task: self._post_quiet(lambda: self._on_copied(t, adm, f))
@@ -722,7 +731,11 @@ class TrainingExecutor:
                     if adm.counted:
                         adm.counted = False
                         self.resident -= adm.nbytes
-        fut = self._compute.submit(self._do_compute, task, adm, done)
+        try:
+            fut = self._compute.submit(self._do_compute, task, adm, done)
+        except RuntimeError:  # closing, and the driver late (`close`): the extent's next owner
+            self.device.mark_done(done)  # must not wait for a compute that will never run
+            raise
         fut.add_done_callback(lambda f, t=task: self._post_quiet(lambda: self._on_computed(t, f)))
 
     def _do_compute(self, task: Task, adm: _Admission, done: Any) -> TaskResult:
