@@ -49,9 +49,10 @@ OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 LOOPBACK = frozenset({"127.0.0.1", "::1"})
 IDENTITY = "flowmesh.identity"  # the scope's key for the caller's `Identity`
 MODEL = "flowmesh.model"  # the scope's key for a model named in a body (the /v1 routes)
-# A model label only where the name is one the mesh answered for: a refused caller's, or an
-# unknown model's, could be anything, and each new label value is a new series.
-UNLABELLED = frozenset({401, 403, 404, 413, 431})
+# A model label only on an answer the mesh gave for that model (a status under 400): the name
+# in a refused, unknown, malformed or unanswered request could be anything a caller chose, and
+# each new label value is a new series, kept and exported for the gateway's life.
+LABELLED_BELOW = 400
 
 
 def find_api_keys(api_keys: str | None, keys: Any) -> Path | None:
@@ -226,7 +227,7 @@ class Guard:
         finally:
             route, model = self._route(scope)
             code = status or 500  # nothing sent: the server's last-resort handler answers 500
-            if code in UNLABELLED:
+            if code >= LABELLED_BELOW:
                 model = ""
             self._requests(route, str(code), model).inc()
 

@@ -391,6 +391,10 @@ def test_metrics_count_requests_first_bytes_and_streams(keyed: tuple[str, str, s
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="nope", prompt="hi", max_tokens=2)
     httpx.get(f"{url}/v1/models", timeout=30)  # no key: 401
+    # Refused at the door before the mesh saw the name (n=2 is not supported): a 400 that
+    # would otherwise make a series of whatever name a caller chose.
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model="made-up-by-caller", prompt="hi", max_tokens=2, n=2)
     scraped = httpx.get(f"{url}/metrics", timeout=30)  # open, like the probes
     assert scraped.status_code == 200
     samples = {
@@ -407,7 +411,8 @@ def test_metrics_count_requests_first_bytes_and_streams(keyed: tuple[str, str, s
     # An unknown model's name, or a refused caller's, is no label value (any name would be).
     assert requests("/v1/completions", "404", "") >= 1
     assert requests("/v1/models", "401", "") >= 1
-    assert not any("nope" in str(key) for key in samples)
+    assert requests("/v1/completions", "400", "") >= 1
+    assert not any("nope" in str(key) or "made-up" in str(key) for key in samples)
     first = ("flowmesh_gateway_first_byte_seconds_count", (("route", "/v1/completions"),))
     assert samples[first] >= 3
     assert ("flowmesh_gateway_open_streams", ()) in samples
