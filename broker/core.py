@@ -308,6 +308,7 @@ class BrokerCore:
             self.registry.deploy_overdue(model, now)
             self.registry.catalogue.check_drain(model, now)
         self.serving.expire_running(now)
+        self.serving.forget_gone()
         self.generation.tick(now)
         for cid, call in list(self.calls.items()):
             if call.deadline <= now and self.calls.get(cid) is call:

@@ -139,6 +139,15 @@ class ServingRouter:
         # stages hold live sequences (never evicted), told how its iterations end.
         self.gen: GenSink | None = None
 
+    def forget_gone(self) -> None:
+        """Forget the figures of models undeployed and workers gone (each tick): kept, they
+        would grow with every model and worker name the broker ever saw."""
+        self.timings.keep_only(self.models, self.peers)
+        for key in [k for k in self.refused if k[0] and k[0] not in self.models]:
+            del self.refused[key]
+        for name in [w for w in self.bandwidth if w not in self.peers]:
+            del self.bandwidth[name]
+
     # ================================================================== requests
 
     def infer(self, addr: bytes, msg: p.Infer, now: float) -> None:

@@ -6,7 +6,7 @@ the registry (which answers a deploy with its model's row) and the facade build 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -120,6 +120,24 @@ class Timings:
         )
         self._children: dict[str, tuple[Histogram, ...]] = {}
         self._token_children: dict[str, tuple[Histogram, Histogram]] = {}
+        self._workers: set[str] = set()  # those with load series
+
+    def keep_only(self, models: Container[str], workers: Container[str]) -> None:
+        """Drop the series of models no longer deployed and of workers no longer registered: a
+        broker lives for weeks, models come and go, and a CPU worker's name changes with its
+        pid. (A name back later starts its series again, as a counter reset.)"""
+        for name in [m for m in self._children if m not in models]:
+            del self._children[name]
+            for h in (self.latency, self.queue_wait, self.load_wait, self.run, self.batch):
+                h.remove(name)
+        for name in [m for m in self._token_children if m not in models]:
+            del self._token_children[name]
+            self.ttft.remove(name)
+            self.itl.remove(name)
+        for name in [w for w in self._workers if w not in workers]:
+            self._workers.discard(name)
+            self.load.remove(name)
+            self.load_bytes.remove(name)
 
     def answered(self, model: str, info: Mapping[str, Any]) -> None:
         """One request answered with `info` (the Result's, in milliseconds)."""
@@ -173,6 +191,7 @@ class Timings:
         return out
 
     def loaded(self, worker: str, nbytes: int, seconds: float) -> None:
+        self._workers.add(worker)
         self.load.labels(worker).observe(seconds)
         self.load_bytes.labels(worker).inc(nbytes)
 

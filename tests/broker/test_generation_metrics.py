@@ -15,6 +15,7 @@ from broker.lm_files import LmFiles, read_lm_files
 from broker.status import TOKEN_BUCKETS, bucket_quantile
 from client_sdk import views
 from flowmesh import metrics
+from flowmesh import protocol as p
 from flowmesh.reports import WorkerStats
 from tests.support.generation import Gen, run_of
 from tests.support.lm import tiny_lm_dir
@@ -92,6 +93,26 @@ def test_ttft_and_inter_token_times_are_histograms_status_reads(
         "lm tokens: 0.3/s, first token p50 350.0 ms p99 497.0 ms, between tokens p50 500.0 ms "
         "p99 990.0 ms"
     ]
+
+
+def test_an_undeployed_model_s_series_go_with_it(lm_dir: Path, files: LmFiles) -> None:
+    """A broker lives for weeks while models come and go: the histograms of a model undeployed
+    leave /metrics at the next tick, instead of one more set per name ever deployed."""
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=2))
+    g.h.now = 0.25
+    run = run_of(g.step(run, [11]), g.w0)
+    g.h.now = 0.5
+    g.step(run, [12])
+    g.answered_once()
+    g.tick(1.0)
+    timed = "flowmesh_broker_time_to_first_token_seconds_count"
+    assert scrape(g)[f'{timed}{{model="lm"}}'] == 1  # kept while the model is deployed
+    g.client(p.Undeploy(id=8, model="lm", drain_s=0))
+    assert g.core.models == {}
+    g.tick(2.0)
+    left = [k for k in scrape(g) if 'model="lm"' in k]
+    assert left == []
 
 
 def test_bucket_quantiles_follow_histogram_quantile() -> None:
