@@ -285,9 +285,9 @@ class WorkerCore:
         self.jobs: dict[str, StepLedger[Answer]] = {}
         # The stages of pipelined jobs held here, by job: what the broker opened them with
         # (their ticket and their peers), once open; the steps handed to their coordinators,
-        # by the broker's call id: their seq.
+        # by the broker's call id: (their job, their seq).
         self.pipes: dict[str, p.PipeOpen] = {}
-        self.pipe_steps: dict[int, int] = {}
+        self.pipe_steps: dict[int, tuple[str, int]] = {}
         # What each stage was built from (`protocol.stage_digest`), reported with it.
         self.digests: dict[StageKey, str] = {}
         self.last_load = 0  # id of the last Load handled, carried by each `Resident` report
@@ -548,7 +548,7 @@ class WorkerCore:
             )
         ledger.start(msg.seq)
         if pipe is not None:
-            self.pipe_steps[msg.id] = msg.seq
+            self.pipe_steps[msg.id] = (msg.job, msg.seq)
             self.out.append(PipeStep(msg, inputs, targets))
         else:
             self.out.append(SubmitStep(msg, ledger, inputs, targets))
@@ -576,8 +576,9 @@ class WorkerCore:
         """The coordinator of pipelined job `job` answered a step (`TrainStepResult`, or an
         `Error` with the step's id)."""
         ledger = self.jobs.get(job)
-        seq = self.pipe_steps.pop(getattr(msg, "id", -1), None)
-        if ledger is not None and seq is not None:
+        step = self.pipe_steps.pop(getattr(msg, "id", -1), None)
+        if ledger is not None and step is not None:
+            seq = step[1]
             answer: Answer
             if isinstance(msg, p.TrainStepResult):
                 answer = p.StepOk(seq=seq, loss=msg.loss, step=msg.step, metrics=dict(msg.metrics))
@@ -618,6 +619,10 @@ class WorkerCore:
                 self.direct.finished(work.run)
         elif isinstance(work, SubmitStep):
             self._step_done(work, result)
+        elif isinstance(work, PipeStep) and failed:
+            # Failed before its runner took it (its job closed meanwhile): answered as the
+            # runner's errors are, so that the step is no longer counted as in flight.
+            self.pipe_answered(work.msg.job, p.error_for(result, work.msg.id))
         elif isinstance(work, PipeHopIn):
             if failed:  # a hop has no id to answer: the step it belongs to fails on its own
                 self.log_throttle.error("a pipelined job's hop failed: %r", result)
@@ -701,6 +706,9 @@ class WorkerCore:
         msg = work.msg
         self.jobs.pop(msg.job, None)
         self.pipes.pop(msg.job, None)
+        # Its steps still in its runner are never answered now (`WorkerHands` drops them).
+        for sid in [i for i, (job, _) in self.pipe_steps.items() if job == msg.job]:
+            del self.pipe_steps[sid]
         if not work.answer:
             return
         if isinstance(result, BaseException):

@@ -15,12 +15,14 @@ from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.spec import ModelSpec
 from flowmesh.steps import StepResult
+from flowmesh.train_spec import TrainConfig
 from gpu_worker.core import (
     AddStage,
     CloseJob,
     FreeKV,
     LoadStage,
     OpenJob,
+    PipeStep,
     PrepareStage,
     RunChunk,
     RunStage,
@@ -244,6 +246,39 @@ def test_only_the_latest_answers_are_kept_and_a_closed_job_s_late_step_stays_its
     core.finished(late, StepResult(4.0, 4), 4.0)
     assert sent(core.drain()) == [p.TrainStepResult(id=104, job="j", seq=4, loss=4.0, step=4)]
     assert (core.jobs["j"].last, list(core.jobs["j"].answers)) == (0, [])
+
+
+def test_a_pipelined_job_s_steps_are_forgotten_when_they_fail_early_or_their_job_closes() -> None:
+    """Steps handed to a pipelined job's runner are counted until it answers them; one that
+    fails before the runner took it, or is still there when the job closes, is never answered
+    by the runner and must not stay counted for the worker's life."""
+    core = WorkerCore("w", train_bytes=1 << 20)
+    peers = [p.PipePeer(worker=f"w{i}", endpoint=f"inproc://w{i}") for i in range(2)]
+    config = TrainConfig(optimizer={"name": "sgd", "lr": 0.1})
+    msg = p.PipeOpen(id=1, job="j", spec=SPEC, config=config, batch=4, stage=0, ticket=1,
+                     peers=peers)  # fmt: skip
+    core.handle(msg, 0.0)
+    (work,) = core.drain()
+    core.finished(work, opened_job("j", blocks=((0, 1),)), 1.0)
+    core.drain()
+    tensors = {"inputs": torch.zeros(2, 4), "targets": torch.zeros(2)}
+    works = []
+    for seq in (1, 2):
+        core.handle(received(p.TrainStep(id=100 + seq, job="j", seq=seq, tensors=tensors)), 0.0)
+        (w,) = core.drain()
+        assert isinstance(w, PipeStep)
+        works.append(w)
+    assert set(core.pipe_steps) == {101, 102}
+    core.finished(works[0], FlowmeshError(Code.MODEL_NOT_FOUND, "training job 'j' was closed"), 2)
+    assert sent(core.drain()) == [
+        p.Error(id=101, code="model_not_found", reason="training job 'j' was closed")
+    ]
+    assert set(core.pipe_steps) == {102} and core.jobs["j"].running == {2}
+    core.handle(p.TrainClose(id=50, job="j"), 3.0)
+    (close,) = core.drain()
+    core.finished(close, None, 4.0)
+    assert sent(core.drain()) == [p.TrainClosed(id=50, job="j")]
+    assert core.pipe_steps == {} and core.jobs == {} and core.pipes == {}
 
 
 def test_a_job_opened_for_a_broker_that_forgot_it_is_closed_unanswered() -> None:
