@@ -204,6 +204,7 @@ class AsyncClient:
             p.Undeploy(id=self.connection.next_id(), model=name, drain_s=drain), timeout
         )
         assert isinstance(reply, p.Undeployed)
+        self.codecs.forget(name)  # a model deployed under that name later may be another
         return reply
 
     async def infer(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,47 +77,56 @@ class GenAsk:
 
 
 class Codecs:
-    """Each model's `TextCodec`, fetched once (None: the model has no tokenizer)."""
+    """Each model's `TextCodec`, fetched once (or the broker's refusal of one), for the
+    KEPT models used last: a client that lives long (the gateway's) sees models come and go,
+    and a tokenizer is megabytes."""
+
+    KEPT = 64
 
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
-        self._codecs: dict[str, asyncio.Future[TextCodec | None]] = {}
-        self._refusals: dict[str, ClientError] = {}
+        # A model's codec, or the broker's refusal to give one (a model without a tokenizer).
+        self._codecs: OrderedDict[str, asyncio.Future[TextCodec | ClientError]] = OrderedDict()
 
     async def get(self, model: str, *, needed: bool, timeout: float | None) -> TextCodec | None:
         """`model`'s codec; when it has none, None, or (`needed`) the broker's refusal."""
         fut = self._codecs.get(model)
-        if fut is None:
+        if fut is not None:
+            self._codecs.move_to_end(model)
+        else:
             fut = self._codecs[model] = asyncio.get_running_loop().create_future()
+            while len(self._codecs) > self.KEPT:
+                self.forget(next(iter(self._codecs)), waited=True)
             try:
                 fut.set_result(await self._fetch(model, timeout))
             except BaseException as exc:
-                del self._codecs[model]  # not kept: the next call asks again
+                if self._codecs.get(model) is fut:  # not kept: the next call asks again
+                    del self._codecs[model]
                 fut.set_exception(exc)
                 fut.exception()  # retrieved: the waiters (if any) raise it themselves
                 raise
-        codec = await asyncio.shield(fut)
-        if codec is None and needed:
-            refusal = self._refusals[model]
-            raise type(refusal)(refusal.code, refusal.reason)
-        return codec
+        got = await asyncio.shield(fut)
+        if isinstance(got, ClientError):
+            if needed:
+                raise type(got)(got.code, got.reason)
+            return None
+        return got
 
-    async def _fetch(self, model: str, timeout: float | None) -> TextCodec | None:
+    async def _fetch(self, model: str, timeout: float | None) -> TextCodec | ClientError:
         conn = self.client.connection
         try:
             reply = await conn.call(p.TokenizerInfo(id=conn.next_id(), model=model), timeout)
         except BadRequest as exc:  # a model without a tokenizer (or no language model)
-            self._refusals[model] = exc
-            return None
+            return exc
         assert isinstance(reply, p.TokenizerReply)
         return await asyncio.to_thread(TextCodec.from_reply, reply)
 
-    def forget(self, model: str) -> None:
-        """Drop `model`'s codec (it was undeployed: a model of that name may be another)."""
+    def forget(self, model: str, *, waited: bool = False) -> None:
+        """Drop `model`'s codec (it was undeployed: a model of that name may be another); one
+        still being fetched stays for its waiters, unless `waited` (they hold it already)."""
         fut = self._codecs.get(model)
-        if fut is not None and fut.done():
+        if fut is not None and (waited or fut.done()):
             del self._codecs[model]
-        self._refusals.pop(model, None)
 
 
 def _sampling(ask: GenAsk) -> p.Sampling:
