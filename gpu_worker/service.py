@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,10 @@ from gpu_worker.core import SendHop, WorkerCore, run_parts, run_result
 from gpu_worker.device import Device
 from gpu_worker.direct import DirectRuns
 from gpu_worker.hands import WorkerHands
+
+# Sockets to other workers' peer endpoints a worker keeps open (`WorkerService._peer`): far
+# more than a mesh has workers, so that only endpoints gone long ago are closed.
+PEERS_KEPT = 64
 
 
 class WorkerService(MeshPeer):
@@ -93,8 +98,10 @@ class WorkerService(MeshPeer):
         self._peer_sock: zmq.asyncio.Socket | None = None
         self.peer_keys = PeerKeys()
         self._peer_auth: Any = None
-        # Connections to the next stages' workers, by (endpoint, its key).
-        self._to_peers: dict[tuple[str, str], zmq.asyncio.Socket] = {}
+        # Connections to the next stages' workers, by (endpoint, its key), used last at the
+        # end: at most PEERS_KEPT (a worker restarted binds another port, and the socket to
+        # its old endpoint would reconnect for ever with what it queued).
+        self._to_peers: OrderedDict[tuple[str, str], zmq.asyncio.Socket] = OrderedDict()
         self._ctx: zmq.asyncio.Context | None = None
         # What does the core's work: the executors and the deploy thread (`gpu_worker.hands`).
         self.hands = WorkerHands(
@@ -273,9 +280,12 @@ class WorkerService(MeshPeer):
         send(self._peer(peer.endpoint, peer.key, f"job {hop.job!r}"), hop)
 
     def _peer(self, endpoint: str, key: str, what: str) -> zmq.asyncio.Socket:
-        """The socket to another worker's peer endpoint (one per endpoint and key, kept)."""
+        """The socket to another worker's peer endpoint (one per endpoint and key, kept for
+        the PEERS_KEPT used last)."""
         sock = self._to_peers.get((endpoint, key))
-        if sock is None:
+        if sock is not None:
+            self._to_peers.move_to_end((endpoint, key))
+        else:
             assert self._ctx is not None
             curve = None
             if self.curve is not None:
@@ -285,4 +295,7 @@ class WorkerService(MeshPeer):
             sock = self._to_peers[(endpoint, key)] = connect_dealer(
                 self._ctx, endpoint, limits=self.limits, curve=curve
             )
+            while len(self._to_peers) > PEERS_KEPT:
+                _, old = self._to_peers.popitem(last=False)
+                old.close(linger=0)
         return sock

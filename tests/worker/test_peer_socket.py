@@ -22,7 +22,7 @@ from flowmesh.errors import Code, FlowmeshError
 from flowmesh.transport import connect_dealer, send
 from gpu_worker.device import CpuStandIn
 from gpu_worker.direct import DirectRuns
-from gpu_worker.service import WorkerService
+from gpu_worker.service import PEERS_KEPT, WorkerService
 from tests.support.log_lines import Lines, captured_lines
 from tests.support.waiting import until
 
@@ -125,3 +125,17 @@ async def test_a_flood_at_the_peer_socket_from_a_sender_that_leaves_writes_few_l
         assert any(said in line for line in logged), (said, logged[:5])
     # Two throttles: the peer socket's reader's and the worker's own.
     assert len(logged) <= 2 * 21 * (math.ceil(elapsed) + 1), (len(logged), elapsed, logged[:3])
+
+
+async def test_sockets_to_peer_endpoints_are_kept_for_the_last_used_only(worker: Any) -> None:
+    """A next-stage worker restarted binds another port: the socket to its old endpoint must
+    not stay open (reconnecting for ever, holding what it queued) for the worker's life."""
+    svc, _ = worker
+    first = svc._peer("tcp://127.0.0.1:2", "", "run 1")
+    ports = range(3, PEERS_KEPT + 2)
+    opened = [svc._peer(f"tcp://127.0.0.1:{port}", "", "run 1") for port in ports]
+    assert svc._peer("tcp://127.0.0.1:2", "", "run 1") is first  # kept, and used last now
+    svc._peer("tcp://127.0.0.1:9999", "", "run 1")  # one more: the least recently used goes
+    assert len(svc._to_peers) == PEERS_KEPT
+    assert ("tcp://127.0.0.1:3", "") not in svc._to_peers and opened[0].closed
+    assert not first.closed and ("tcp://127.0.0.1:2", "") in svc._to_peers
