@@ -95,8 +95,8 @@ class Codecs:
             self._codecs.move_to_end(model)
         else:
             fut = self._codecs[model] = asyncio.get_running_loop().create_future()
-            while len(self._codecs) > self.KEPT:
-                self.forget(next(iter(self._codecs)), waited=True)
+            while len(self._codecs) > self.KEPT:  # the used longest ago (its waiters hold it)
+                self._codecs.popitem(last=False)
             try:
                 fut.set_result(await self._fetch(model, timeout))
             except BaseException as exc:
@@ -121,11 +121,10 @@ class Codecs:
         assert isinstance(reply, p.TokenizerReply)
         return await asyncio.to_thread(TextCodec.from_reply, reply)
 
-    def forget(self, model: str, *, waited: bool = False) -> None:
-        """Drop `model`'s codec (it was undeployed: a model of that name may be another); one
-        still being fetched stays for its waiters, unless `waited` (they hold it already)."""
+    def forget(self, model: str) -> None:
+        """Drop `model`'s codec (it was undeployed: a model of that name may be another)."""
         fut = self._codecs.get(model)
-        if fut is not None and (waited or fut.done()):
+        if fut is not None and fut.done():
             del self._codecs[model]
 
 

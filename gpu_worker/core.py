@@ -578,7 +578,7 @@ class WorkerCore:
         ledger = self.jobs.get(job)
         step = self.pipe_steps.pop(getattr(msg, "id", -1), None)
         if ledger is not None and step is not None:
-            seq = step[1]
+            _, seq = step
             answer: Answer
             if isinstance(msg, p.TrainStepResult):
                 answer = p.StepOk(seq=seq, loss=msg.loss, step=msg.step, metrics=dict(msg.metrics))
