@@ -91,11 +91,19 @@ def format_status(st: BrokerStatus) -> str:
                     f"; pipelined stages {t.pipe_stages} holding {fmt_bytes(t.pipe_bytes)} "
                     f"({fmt_bytes(t.training_held)} of the arena held)"
                 )
+            stashes = ""
+            if t.train_stash_device_limit:
+                stashes = (
+                    f"; stashes on the device {fmt_bytes(t.train_stash_device_bytes)} "
+                    f"(peak {fmt_bytes(t.train_stash_device_peak)}) of "
+                    f"{fmt_bytes(t.train_stash_device_limit)}, "
+                    f"{fmt_bytes(t.train_stash_host_bytes)} to the host tier"
+                )
             out.append(
                 f"{w.name} training: resident {fmt_bytes(t.train_resident_bytes)} "
                 f"(peak {fmt_bytes(t.train_resident_peak)}) of "
                 f"{fmt_bytes(t.train_budget_bytes)}, tasks {t.train_tasks}, "
-                f"job switches {t.train_job_switches}{piped}"
+                f"job switches {t.train_job_switches}{stashes}{piped}"
             )
         if w.kv_limit_bytes:  # a worker with a language model's stages
             out.append(

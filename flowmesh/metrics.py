@@ -295,6 +295,30 @@ WORKER_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("train_resident_bytes", "train_resident_bytes", "gauge", "Training tasks' resident bytes"),
     ("train_step_errors", "train_step_errors", "counter", "Training steps that failed"),
     ("train_tasks_reclaimed", "train_tasks_reclaimed", "counter", "Tasks serving took memory from"),
+    (
+        "train_stash_device_bytes",
+        "train_stash_device_bytes",
+        "gauge",
+        "Training stashes kept on the device beside the arena",
+    ),
+    (
+        "train_stash_device_limit",
+        "train_stash_device_limit_bytes",
+        "gauge",
+        "Most bytes training stashes may keep on the device",
+    ),
+    (
+        "train_stash_device_kept_bytes",
+        "train_stash_device_kept_bytes",
+        "counter",
+        "Training stash bytes that stayed on the device",
+    ),
+    (
+        "train_stash_host_bytes",
+        "train_stash_host_bytes",
+        "counter",
+        "Training stash bytes copied to the host tier",
+    ),
     ("dropped_sends", "dropped_sends", "counter", "Messages to the broker dropped"),
     ("reconnects", "reconnects", "counter", "Fresh sockets after the broker fell silent"),
 )

@@ -145,6 +145,14 @@ class WorkerStats(_Row, tag="worker", tag_field="role"):
     train_tasks_started: Count = 0
     train_job_switches: Count = 0
     train_tasks_reclaimed: Count = 0
+    # What a step's tasks left for its later ones (activations, what a forward saved for its
+    # backward): bytes kept on the device beside the arena now, at most, and the room's limit;
+    # all told, bytes kept there and bytes copied to the host tier (`gpu_worker.resident_room`).
+    train_stash_device_bytes: Count = 0
+    train_stash_device_peak: Count = 0
+    train_stash_device_limit: Count = 0
+    train_stash_device_kept_bytes: Count = 0
+    train_stash_host_bytes: Count = 0
     # Pipelined jobs' stages held here, and the bytes they keep resident with their gradients
     # (their parameters and optimizer state in the arena: `training_held`).
     pipe_stages: Count = 0

@@ -97,6 +97,15 @@ OPTIONS = Options(
             "a deploy that does not fit fails with NO_SPACE",
         ),
         Option(
+            "--train-resident-bytes",
+            SIZE,
+            None,
+            "device memory beside the arena where training keeps what a step's later tasks read "
+            "(activations, what a forward saved for its backward) instead of copying it to the "
+            "host tier and back, on CUDA (default: half of what is free once the arena and the "
+            "host tier are reserved; 0: always the host tier)",
+        ),
+        Option(
             "--prefault",
             INT,
             1,
@@ -176,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         budget + train_bytes if budget is not None else None,
         host_tier_bytes=args.host_tier_bytes,
         prefault=bool(args.prefault),
+        resident_bytes=args.train_resident_bytes,
     )
     if device.budget_bytes < train_bytes:
         raise SystemExit(f"--train-bytes {args.train_bytes} leaves no device memory for serving")

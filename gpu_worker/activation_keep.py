@@ -11,8 +11,9 @@ the backward what it needs (issue 23 §1):
   autograd saves for the backward is packed by `KeptGraph`'s hooks: a view of one of the task's
   bound tensors (a weight, a buffer) as that tensor's name and the view's geometry, so that the
   backward re-views the tensor where its own task bound it; anything else (the activations) is
-  stashed like the activations between sub-models are (in the host tier on a GPU; on a CPU
-  stand-in it stays where it is). Costs the stash's copies and its host room.
+  stashed like the activations between sub-models are (in the host tier on a GPU, or on the
+  device while the worker's resident room has space for it, `gpu_worker.resident_room`; on a
+  CPU stand-in it stays where it is). Costs the stash's copies and its host room.
 - **selective** (`SELECTIVE`): torch's selective activation checkpointing. The forward runs with
   grad under `torch.utils.checkpoint` (non-reentrant), keeping only the outputs of its matrix
   products and convolutions (`SAVED_OPS`, stashed like a kept graph's activations) and its
@@ -63,13 +64,18 @@ class Stash:
     reads it (`TrainingJob.prefetch`), else None: the task brings it back itself. The task takes
     it only if it is its own admission's: a copy in another admission's extent (one serving
     took back before it ran) is not. One attribute, set in one assignment, so that the copy
-    lane and the compute lane never see half of it."""
+    lane and the compute lane never see half of it.
 
-    __slots__ = ("brought", "host", "landed")
+    `resident`: the stash stayed on the device, in the room the worker keeps for that
+    (`gpu_worker.resident_room`); `host` is then the device tensor itself, and nothing is
+    copied either way."""
 
-    def __init__(self, host: torch.Tensor, landed: Any) -> None:
+    __slots__ = ("__weakref__", "brought", "host", "landed", "resident")
+
+    def __init__(self, host: torch.Tensor, landed: Any, resident: bool = False) -> None:
         self.host = host
         self.landed = landed
+        self.resident = resident
         self.brought: tuple[torch.Tensor, Any, object] | None = None
 
     @property

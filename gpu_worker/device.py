@@ -24,6 +24,7 @@ import torch
 
 from gpu_worker.host_slab import PAGE, HostSlab
 from gpu_worker.memory import Marker
+from gpu_worker.resident_room import FREE_SHARE, ResidentRoom
 
 log = logging.getLogger("flowmesh.worker.device")
 
@@ -147,6 +148,9 @@ class Device:
         self.prefault = prefault
         self.prefault_s: float | None = None  # seconds the arena took to fault in at start
         self.arena: torch.Tensor
+        # Device memory beside the arena where training's stashes may stay between their tasks
+        # (`gpu_worker.resident_room`); None: a stash is never copied (the stand-in's default).
+        self.resident_room: ResidentRoom | None = None
 
     def _prefault_arena(self) -> None:
         """Touch (zero) every page of the arena once, now, so that no load pays for first use.
@@ -253,15 +257,23 @@ class CpuStandIn(Device):
     copy_chunk_bytes = 1 << 30
 
     def __init__(
-        self, budget_bytes: int, prefault: bool = True, stash_copies: bool = False
+        self,
+        budget_bytes: int,
+        prefault: bool = True,
+        stash_copies: bool = False,
+        resident_bytes: int = 0,
     ) -> None:
         super().__init__(budget_bytes, prefault)
         # torch.empty leaves pages untouched; the OS would commit them as ranges are first used.
         self.arena = torch.empty(budget_bytes, dtype=torch.uint8)
         self.name = "cpu"
         # Training's stashes copied out and back into the arena as a device's are (the tests
-        # of that path); else they stay where they are, which is host memory already.
+        # of that path), but for `resident_bytes` of them at once, which stay where they are
+        # as a device's resident room keeps them; else they all stay where they are, which is
+        # host memory already.
         self.stash_copies = stash_copies
+        if stash_copies:
+            self.resident_room = ResidentRoom(resident_bytes)
         self._prefault_arena()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -340,6 +352,7 @@ class CudaDevice(Device):
         budget_bytes: int,
         host_tier_bytes: int | None = None,
         prefault: bool = True,
+        resident_bytes: int | None = None,
     ) -> None:
         super().__init__(budget_bytes, prefault)
         self.index = index
@@ -360,6 +373,15 @@ class CudaDevice(Device):
             "pinned host tier of %d bytes reserved in %.3f s (--host-tier-bytes)",
             size,
             time.perf_counter() - t,
+        )
+        if resident_bytes is None:
+            free, _total = torch.cuda.mem_get_info(index)
+            resident_bytes = int(free * FREE_SHARE)
+        self.resident_room = ResidentRoom(resident_bytes)
+        log.info(
+            "training stashes may keep %d bytes on the device beside the arena "
+            "(--train-resident-bytes)",
+            resident_bytes,
         )
 
     def _sync(self) -> None:
@@ -642,12 +664,16 @@ def open_device(
     budget_bytes: int | None,
     host_tier_bytes: int | None = None,
     prefault: bool = True,
+    resident_bytes: int | None = None,
 ) -> Device:
     """'cpu' (a stand-in; budget required) or 'cuda:N' (budget defaults to 80% of free memory).
 
     `host_tier_bytes`: size of the pinned host tier on CUDA (default: default_host_tier_bytes);
     the CPU stand-in keeps plain host memory. `prefault`: fault the arena in now (see
-    Device._prefault_arena); off only to measure what it saves.
+    Device._prefault_arena); off only to measure what it saves. `resident_bytes`: device
+    memory beside the arena that training's stashes may stay in on CUDA (default: FREE_SHARE
+    of what is free once the arena and the host tier are reserved; 0: every stash goes to the
+    host tier); the stand-in's stashes stay where they are anyway.
     """
     if spec == "cpu":
         if not budget_bytes:
@@ -660,5 +686,7 @@ def open_device(
         if budget_bytes is None:
             free, _total = torch.cuda.mem_get_info(index)
             budget_bytes = int(free * 0.8)  # activations live outside the arena
-        return CudaDevice(index, budget_bytes, host_tier_bytes, prefault=prefault)
+        return CudaDevice(
+            index, budget_bytes, host_tier_bytes, prefault=prefault, resident_bytes=resident_bytes
+        )
     raise ValueError(f"unknown device {spec!r}: use 'cpu' or 'cuda:N'")

@@ -257,6 +257,11 @@ class WorkerHands:
                 train_tasks_started=t["tasks_started"],
                 train_job_switches=t["job_switches"],
                 train_tasks_reclaimed=t["tasks_reclaimed"],
+                train_stash_device_bytes=t["stash_device_bytes"],
+                train_stash_device_peak=t["stash_device_peak"],
+                train_stash_device_limit=t["stash_device_limit"],
+                train_stash_device_kept_bytes=t["stash_device_kept_bytes"],
+                train_stash_host_bytes=t["stash_host_bytes"],
             )
         pipes = [runner.stage for runner, _ in list(self.pipes.values())]
         out["pipe_stages"] = len(pipes)

@@ -77,6 +77,7 @@ from flowmesh.threads import torch_pool
 from gpu_worker.device import TRAIN_LANE, TRAIN_WRITE_LANE, Device
 from gpu_worker.memory import DeviceMemory, Extent, OutOfSpace
 from gpu_worker.model_code import building_model
+from gpu_worker.resident_room import NO_ROOM
 from gpu_worker.train_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from gpu_worker.train_config import LOSSES, TrainConfig
 from gpu_worker.train_job import Inputs, StepResult, TaskResult, TrainingJob, no_pause
@@ -466,6 +467,9 @@ class TrainingExecutor:
             # Training's waits for serving at its yield points (`ServingGate`).
             "yield_pauses": self.gate.counters["pauses"],
             "yield_pause_s": self.gate.counters["pause_s"],
+            # Stashes kept on the device beside the arena, and those copied to the host tier
+            # (`gpu_worker.resident_room`; zero where stashes are never copied).
+            **(room.stats() if (room := self.device.resident_room) else NO_ROOM),
             "jobs": jobs,
         }
 

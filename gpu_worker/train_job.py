@@ -310,6 +310,8 @@ class TrainingJob:
         # (`_stash`, on the compute lane).
         self._stashing: collections.deque[tuple[int, Any]] = collections.deque()
         self._stashing_bytes = 0
+        # What a stash that stayed on the device waits on: nothing (made on the compute lane).
+        self._landed = device.done_marker()
         # The admission (its copy plan) of the task computing (`run`, `prefetch`).
         self._admission: object = None
         # Per sub-model: what its last selective backward left of its forward's stash, per
@@ -825,7 +827,9 @@ class TrainingJob:
         CUDA the copy to the host is queued on the stash lane's stream after the compute so
         far, not waited for: the compute stream goes on, and whatever reads the stash orders
         itself after the copy (`_unstash`), unless more than STASH_IN_FLIGHT_BYTES are on
-        their way. On a CPU stand-in host memory is where it already is."""
+        their way. Where the device's resident room has space for it, it stays on the device
+        instead (`gpu_worker.resident_room`), its bytes given back once the stash is dropped.
+        On a CPU stand-in host memory is where it already is."""
         if not isinstance(t, torch.Tensor):
             return t
         if self._in_arena(t):
@@ -833,6 +837,14 @@ class TrainingJob:
             # the extent's next owner as soon as this task's compute ran (on a GPU, perhaps
             # before the stash lane copied them); what the stash keeps is copied off them now.
             t = t.clone()
+        room = self.device.resident_room
+        if room is not None and t.device == self.device.torch_device:
+            # Its whole storage stays alive (a view keeps its base): that is what is counted.
+            nbytes = t.untyped_storage().nbytes()
+            if room.take(nbytes):
+                stash = Stash(t, self._landed, resident=True)
+                room.hold(stash, nbytes)
+                return stash
         stash = Stash(*self.device.stash_out(t, TRAIN_STASH_LANE))
         if not stash.landed.done():
             self._stashing.append((stash.nbytes, stash.landed))
@@ -855,6 +867,8 @@ class TrainingJob:
         not wait). A step's data from pageable memory torch copies through a staging buffer
         first, as a blocking copy would."""
         if isinstance(x, Stash):
+            if x.resident:
+                return x.host  # made on the compute stream, read on it
             brought = x.brought
             if brought is not None and brought[2] is self._admission:
                 x.brought = None
@@ -898,7 +912,7 @@ class TrainingJob:
         offset = end - aligned(layout.reserve, BLOCK_ALIGN)
         started, markers = 0, []
         for s in stashes:
-            if not isinstance(s, Stash) or not s.nbytes or not s.landed.done():
+            if not isinstance(s, Stash) or s.resident or not s.nbytes or not s.landed.done():
                 continue
             size = aligned(s.nbytes, TENSOR_ALIGN)
             if offset + size > end:

@@ -73,6 +73,7 @@ from torch.nn import functional as F
 from flowmesh.errors import FlowmeshError
 from flowmesh.modelio.build import build_seeded
 from flowmesh.spec import ModelSpec
+from flowmesh.units import parse_size
 from gpu_worker.activation_keep import KEEP, NO_POLICY, SELECTIVE
 from gpu_worker.device import CpuStandIn, Device, open_device
 from gpu_worker.train_config import TrainConfig
@@ -285,7 +286,9 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
     # The host tier holds every job's state once (jobs of one mode are dropped before the next
     # mode's are made), plus the replayed copies' source; CPU: plain memory, this is ignored.
     host_tier = int(1.5 * total) + 2 * budget + (64 << 20)
-    dev = open_device(args.device, budget, host_tier_bytes=host_tier)
+    dev = open_device(
+        args.device, budget, host_tier_bytes=host_tier, resident_bytes=args.train_resident_bytes
+    )
     batches = data(ws, args.batch, args.steps)
     names = [f"job{i}" for i in range(k)]
 
@@ -375,6 +378,9 @@ def bench(k: int, pressure: float, sizes: str, args: argparse.Namespace) -> dict
         "cpu_seconds": cpu,
         "cpu_flow_vs_turns": cpu["turns"] / cpu["flow"] if fits else None,
         "cpu_flow_vs_alone": cpu["alone"] / cpu["flow"],
+        # Flow's stashes (taking turns keeps none): on the device beside the arena, and to the
+        # host tier, all repeats told (a GPU's; none on the CPU stand-in, where they stay put).
+        "stashes": dev.resident_room.stats() if dev.resident_room else None,
     }
     del dev
     release()
@@ -545,6 +551,13 @@ def main() -> None:
         "--activations",
         default="auto",
         help="auto | recompute | keep | selective: the jobs' policy",
+    )
+    ap.add_argument(
+        "--train-resident-bytes",
+        type=parse_size,
+        default=None,
+        help="CUDA: device bytes beside the arena flow's stashes may stay in (the worker's "
+        "--train-resident-bytes; default as a worker's, 0: every stash to the host tier)",
     )
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()

@@ -22,10 +22,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from client_sdk import views
+from flowmesh import metrics
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.modelio.chain import chain_of
 from flowmesh.reference import train
+from flowmesh.reports import WorkerStats
 from flowmesh.train_spec import TrainConfig
+from flowmesh.units import fmt_bytes
 from gpu_worker import train_job
 from gpu_worker.activation_keep import (
     KEEP,
@@ -38,9 +42,11 @@ from gpu_worker.activation_keep import (
     choose,
 )
 from gpu_worker.device import CpuMarker, CpuStandIn
+from gpu_worker.resident_room import NO_ROOM
 from gpu_worker.train_executor import TrainingExecutor
 from gpu_worker.train_job import TrainingJob
 from gpu_worker.train_scheduler import Task
+from tests.support.reports import broker_status, worker_row
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import MODELS, RNG_SEED, data_for
 from tests.support.training import close, job_of, plain
@@ -116,6 +122,70 @@ def test_stashes_copied_out_and_brought_back_into_the_arena_train_as_plain_pytor
         close([r[i].loss for r in results], losses, f"{job.name} {policy}: per-step losses")
         for name, t in job.state_dict().items():
             close(t, state[name], f"{job.name} {policy}: {name}")
+
+
+def _two_jobs_through(
+    model: str, cfg: TrainConfig, data: Any, resident_bytes: int
+) -> tuple[list[TrainingJob], list[list[Any]], dict[str, Any]]:
+    """Two jobs side by side on a stand-in that copies stashes as a device does, but for
+    `resident_bytes` of them at once, which stay where they are (a device's resident room);
+    every step sent at once. The jobs, each step's results, the executor's stats at the end."""
+    reserve = 96 << 10
+    budget = job_of(model, cfg, act_bytes=reserve).largest_task() * 3 // 2
+    device = CpuStandIn(budget, stash_copies=True, resident_bytes=resident_bytes)
+    jobs = [job_of(model, cfg, act_bytes=reserve, name=n, device=device) for n in "ab"]
+    with TrainingExecutor(device) as ex:
+        for job in jobs:
+            ex.open(job)
+        sent = [[ex.submit(job.name, x, y) for job in jobs] for x, y in data]
+        results = [[f.result(timeout=120) for f in step] for step in sent]
+        return jobs, results, ex.stats()
+
+
+@pytest.mark.parametrize("policy", [RECOMPUTE, KEEP, SELECTIVE])
+@pytest.mark.parametrize("model", ["mlp", "gpt-dropout"])
+def test_stashes_kept_on_the_device_while_its_room_lasts_train_as_plain_pytorch(
+    policy: str, model: str
+) -> None:
+    """Issue 23 §1, kept resident where it fits: with room for every stash, none is copied to
+    the host or brought back; with room for half of them at most, the rest go to the host tier
+    and come back; the room is never overrun and is all given back once the steps are done;
+    plain PyTorch's losses and tensors either way."""
+    clip, accumulate = 0.3, 2
+    cfg = TrainConfig(
+        ADAM, clip_grad_norm=clip, accumulate=accumulate, seed=RNG_SEED, activations=policy
+    )
+    data = data_for(model, 4)
+    losses, state = plain(
+        MODELS[model], cfg.optimizer, data, clip=clip, accumulate=accumulate, rng_seed=cfg.seed
+    )
+    every = 1 << 30
+    jobs, results, stats = _two_jobs_through(model, cfg, data, every)
+    assert stats["stash_host_bytes"] == 0 and stats["stash_bytes_prefetched"] == 0, stats
+    peak = stats["stash_device_peak"]
+    assert 0 < peak <= stats["stash_device_kept_bytes"], stats
+    runs = [(jobs, results, stats)]
+    runs.append(_two_jobs_through(model, cfg, data, peak // 2))
+    half = runs[1][2]
+    assert half["stash_device_kept_bytes"] > 0 and half["stash_host_bytes"] > 0, half
+    assert half["stash_device_peak"] <= peak // 2, half
+    # What status and the metrics show of it (the worker's heartbeat names for these figures).
+    fig = {f"train_{k}": half[k] for k in NO_ROOM}
+    st = broker_status(workers=[worker_row("w0", stats=WorkerStats(train_budget_bytes=1, **fig))])
+    assert (
+        f"stashes on the device 0 B (peak {fmt_bytes(half['stash_device_peak'])}) of "
+        f"{fmt_bytes(peak // 2)}, {fmt_bytes(half['stash_host_bytes'])} to the host tier"
+    ) in views.format_status(st)
+    got = {s.name: s.value for f in metrics.worker_families("w0", st.workers[0].stats)
+           for s in f.samples}  # fmt: skip
+    assert got["flowmesh_worker_train_stash_host_bytes_total"] == half["stash_host_bytes"]
+    assert got["flowmesh_worker_train_stash_device_limit_bytes"] == peak // 2
+    for jobs, results, stats in runs:
+        assert stats["stash_device_bytes"] == 0, stats  # every stash dropped, its room back
+        for i, job in enumerate(jobs):
+            close([r[i].loss for r in results], losses, f"{job.name} {policy}: per-step losses")
+            for name, t in job.state_dict().items():
+                close(t, state[name], f"{job.name} {policy}: {name}")
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-in-flight"])

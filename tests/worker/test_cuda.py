@@ -190,12 +190,13 @@ def test_a_pipelined_stage_placed_in_the_gpu_arena_steps_as_one_left_beside_it()
 @pytest.mark.parametrize("model", ["mlp", "gpt-dropout"])
 def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model: str) -> None:
     """A job cut into three sub-models, trained by memory flow on the GPU with each activation
-    policy forced: a kept graph's and a selective forward's stashes go to pinned host memory
-    on the stash lane's stream and come back on the copy lane's ahead of the backward, into
-    the activation bytes its extent reserves (or on the compute stream, for what was not
-    there yet when its copies ran), the selective
-    recompute takes its products back; all give the recompute policy's losses and weights
-    (the same kernels, the same dropout)."""
+    policy forced, with no resident room: a kept graph's and a selective forward's stashes go
+    to pinned host memory on the stash lane's stream and come back on the copy lane's ahead
+    of the backward, into the activation bytes its extent reserves (or on the compute stream,
+    for what was not there yet when its copies ran), the selective recompute takes its
+    products back; and with the default room, where every stash stays on the device (issue 23
+    §1): all give the recompute policy's losses and weights (the same kernels, the same
+    dropout)."""
     from itertools import pairwise
 
     from flowmesh.modelio.build import build_seeded
@@ -209,14 +210,15 @@ def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model:
 
     data = data_for(model, 4)[:4]
     results = {}
-    for policy in ("recompute", "keep", "selective"):
+    rooms = (0, None)  # every stash to the host tier; the default room, where they all fit
+    for policy, room in [(p, r) for p in ("recompute", "keep", "selective") for r in rooms]:
         cfg = TrainConfig({"name": "adam", "lr": 0.01}, seed=RNG_SEED, activations=policy)
         spec = MODELS[model]
         net = build_seeded(spec, ALLOW)
         inputs = declared_inputs(spec, net)
         blocks = chain_of(net, make_inputs(inputs, 1, 1, "cpu") if inputs is not None else None)
         bounds = [round(i * len(blocks) / 3) for i in range(4)]
-        dev = CudaDevice(0, 16 * MIB)
+        dev = CudaDevice(0, 16 * MIB, resident_bytes=room)
         # Each task reserves 1 MiB of activations: room for its stash to come back into.
         job = TrainingJob(
             model,
@@ -232,12 +234,18 @@ def test_memory_flow_on_the_gpu_trains_alike_under_each_activation_policy(model:
         with TrainingExecutor(dev) as ex:
             ex.open(job)
             losses = [ex.step(model, x, y).loss for x, y in data]
-            prefetched = ex.stats()["stash_bytes_prefetched"]
+            stats = ex.stats()
         assert job.activation_policy(0) == policy
-        if policy != "recompute":
-            assert prefetched >= job.stashed_bytes(0)[policy] > 0
-        results[policy] = (losses, {n: t.clone() for n, t in job.state_dict().items()})
-    for policy in ("keep", "selective"):
-        close(results[policy][0], results["recompute"][0], f"{policy}: losses")
-        for name, t in results["recompute"][1].items():
-            close(results[policy][1][name], t, f"{policy}: {name}")
+        if room == 0:
+            assert stats["stash_device_kept_bytes"] == 0 and stats["stash_host_bytes"] > 0
+            if policy != "recompute":
+                assert stats["stash_bytes_prefetched"] >= job.stashed_bytes(0)[policy] > 0
+        else:
+            assert stats["stash_host_bytes"] == 0 and stats["stash_bytes_prefetched"] == 0
+            assert stats["stash_device_kept_bytes"] > 0 and stats["stash_device_bytes"] == 0
+        results[policy, room] = (losses, {n: t.clone() for n, t in job.state_dict().items()})
+    want = results["recompute", 0]
+    for key, (losses, state) in results.items():
+        close(losses, want[0], f"{key}: losses")
+        for name, t in want[1].items():
+            close(state[name], t, f"{key}: {name}")
