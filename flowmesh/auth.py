@@ -20,7 +20,8 @@ A worker or partitioner given `--keys DIR` uses DIR/<its name>.key_secret (or `-
 secret file itself); the broker's public key is broker.key next to it.
 
 A worker's peer socket (direct runs) is a CURVE server with the worker's own key and a ZAP handler
-of its own (`PeerKeys`): it lets in only the keys the broker named as a run's previous stage.
+of its own (`PeerKeys`): it lets in only the keys the broker named lately as a run's previous
+stage, or as a stage of a pipelined job open on the worker.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -446,44 +449,82 @@ class MeshAuthenticator(AsyncioAuthenticator):
 # ---------------------------------------------------------------------- between workers
 
 
+# How long a key stays allowed on a worker's peer socket after the last Run that named it: past
+# a burst's reconnects, and short enough that a worker whose key left the broker's directory
+# (which then names it in no Run) is refused again soon after, without a restart.
+RUN_KEY_S = 300.0
+
+
 class PeerKeys:
     """Who may connect to a worker's peer socket (direct runs under CURVE): the workers the
-    broker named as a run's previous stage (`Run.from_key`), and nobody else.
+    broker named as a run's previous stage (`Run.from_key`), for RUN_KEY_S after the last Run
+    that named them, and the stages' workers of a pipelined job open here (`PipeOpen.peers`),
+    for as long as it is open; nobody else.
 
     The keys come from the broker, which takes them from its key directory. A handshake from a
     key not named yet waits a little for the Run that names it (the Run and the first
-    activations travel on different connections), then is refused."""
+    activations travel on different connections), then is refused. A connection is checked at
+    its handshake; what comes through it later is checked against the run or job it is for
+    (`gpu_worker.direct`, `WorkerCore`)."""
 
-    def __init__(self, wait_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        wait_s: float = 2.0,
+        keep_s: float = RUN_KEY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.wait_s = wait_s
-        self.allowed: set[str] = set()
+        self.keep_s = keep_s
+        self.clock = clock
+        self.until: dict[str, float] = {}  # key -> when the last Run's leave ends
+        self.held: dict[str, set[str]] = {}  # key -> the pipelined jobs open here that name it
         self.refused = 0
         self._changed = asyncio.Event()
 
-    def allow(self, key: str) -> None:
-        if key and key not in self.allowed:
-            self.allowed.add(key)
+    def allows(self, key: str) -> bool:
+        return key in self.held or self.until.get(key, -math.inf) > self.clock()
+
+    def allow(self, key: str, job: str = "") -> None:
+        """`key` may connect: for RUN_KEY_S from now, or while pipelined `job` is open here."""
+        if not key:
+            return
+        new = not self.allows(key)
+        if job:
+            self.held.setdefault(key, set()).add(job)
+        else:
+            now = self.clock()
+            if new:  # the expired ones go as new ones come: the map stays the keys in use
+                self.until = {k: t for k, t in self.until.items() if t > now}
+            self.until[key] = now + self.keep_s
+        if new:
             self._changed.set()
             self._changed = asyncio.Event()
+
+    def release(self, job: str) -> None:
+        """Pipelined `job` closed here: the keys it held are allowed no longer on its account."""
+        for key in [k for k, jobs in self.held.items() if job in jobs]:
+            self.held[key].discard(job)
+            if not self.held[key]:
+                del self.held[key]
 
     async def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq's credentials-provider hook: may this z85 `key` connect?"""
         text = key.decode("ascii")
         if domain == PEERS_DOMAIN:
             deadline = asyncio.get_running_loop().time() + self.wait_s
-            while text not in self.allowed:
+            while not self.allows(text):
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), left)
-            if text in self.allowed:
+            if self.allows(text):
                 return True
         self.refused += 1
         if self.refused <= 20 or self.refused % 1000 == 0:
             log.warning(
-                "refused a connection to the peer socket: key %s was named by no run (%d "
-                "refused so far)",
+                "refused a connection to the peer socket: key %s was named by no recent run or "
+                "open job (%d refused so far)",
                 text,
                 self.refused,
             )

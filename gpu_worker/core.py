@@ -5,7 +5,8 @@ the broker or from a peer, a piece of work finished, a clock tick) changes its s
 to `out` what must happen next, in order:
 
 - `Send`: a message to the broker; `AllowPeer`: a key the peer socket may take (the run that
-  names it is announced);
+  names it is announced, or the pipelined job that names it opens), `ReleasePeers`: those a
+  pipelined job named, once it is closed here;
 - work for the shell to do, on its sockets, executors and threads: `SendHop` (a direct run's
   activations to the next stage's worker), `RunStage`, `RunChunk`,
   `LoadStage`, `EvictStage`, `DropStage`, `FreeKV`, `PrepareStage`, `AddStage`, `OpenJob`,
@@ -86,9 +87,18 @@ class SendHop:
 
 @dataclass
 class AllowPeer:
-    """The peer socket may take this key (a direct run names it as its previous stage's)."""
+    """The peer socket may take this key: a direct run names it as its previous stage's (for a
+    while), or pipelined `job`, opening here, as one of its stages' (while it is open)."""
 
     key: str
+    job: str = ""
+
+
+@dataclass
+class ReleasePeers:
+    """Pipelined `job` is no longer open here: the keys it named are not allowed on its account."""
+
+    job: str
 
 
 @dataclass
@@ -254,7 +264,7 @@ Work = (
     | PipeSave
     | PipeHopIn
 )
-Action = Send | AllowPeer | Work
+Action = Send | AllowPeer | ReleasePeers | Work
 
 
 @dataclass
@@ -569,7 +579,7 @@ class WorkerCore:
             raise FlowmeshError(Code.BAD_REQUEST, "a training job needs a configuration")
         for peer in msg.peers:
             if peer.key:
-                self.out.append(AllowPeer(peer.key))
+                self.out.append(AllowPeer(peer.key, msg.job))
         self.out.append(OpenJob(msg, self.epoch))
 
     def pipe_answered(self, job: str, msg: p.Message) -> None:
@@ -688,6 +698,9 @@ class WorkerCore:
 
     def _job_opened(self, work: OpenJob, result: Any) -> None:
         msg = work.msg
+        failed = isinstance(result, BaseException) or work.epoch != self.epoch
+        if failed and isinstance(msg, p.PipeOpen) and msg.job not in self.pipes:
+            self.out.append(ReleasePeers(msg.job))  # what `_pipe_open` allowed for it
         if isinstance(result, BaseException):
             self._fail(msg.id, result)
             return
@@ -705,7 +718,8 @@ class WorkerCore:
     def _job_closed(self, work: CloseJob, result: Any) -> None:
         msg = work.msg
         self.jobs.pop(msg.job, None)
-        self.pipes.pop(msg.job, None)
+        if self.pipes.pop(msg.job, None) is not None:
+            self.out.append(ReleasePeers(msg.job))
         # Its steps still in its runner are never answered now (`WorkerHands` drops them).
         for sid in [i for i, (job, _) in self.pipe_steps.items() if job == msg.job]:
             del self.pipe_steps[sid]

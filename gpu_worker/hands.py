@@ -10,8 +10,9 @@ reports with its heartbeats (`stats`).
 
 What needs a socket is given as callbacks: `send` (a message to the broker, on the loop),
 `send_from_thread` (the same from a compute lane; False when it cannot go from there),
-`send_hop` (a direct run's micro-batch to the next stage's worker) and `allow_peer` (a key the
-peer socket may take). The process shell (`gpu_worker.service`) gives its sockets; the
+`send_hop` (a direct run's micro-batch to the next stage's worker), `allow_peer` (a key the
+peer socket may take, for a while or for a pipelined job's life) and `release_peers` (those a
+pipelined job held). The process shell (`gpu_worker.service`) gives its sockets; the
 in-process test mesh (tests/support/inproc.py) gives the other workers' cores.
 """
 
@@ -44,6 +45,7 @@ from gpu_worker.core import (
     PipeSave,
     PipeStep,
     PrepareStage,
+    ReleasePeers,
     RunChunk,
     RunStage,
     SaveJob,
@@ -92,7 +94,8 @@ class WorkerHands:
         send: Callable[[p.Message], bool],
         send_from_thread: Callable[[p.Message], bool],
         send_hop: Callable[[SendHop], None],
-        allow_peer: Callable[[str], None],
+        allow_peer: Callable[[str, str], None],
+        release_peers: Callable[[str], None],
         clock: Callable[[], float],
         compute_lanes: int = 2,
         train_bytes: int = 0,
@@ -106,7 +109,7 @@ class WorkerHands:
         self.core = core
         self.device = device
         self.send, self.send_from_thread = send, send_from_thread
-        self.send_hop, self.allow_peer = send_hop, allow_peer
+        self.send_hop, self.allow_peer, self.release_peers = send_hop, allow_peer, release_peers
         self.send_pipe = send_pipe
         # The stages of pipelined jobs held here: each job's runner and the one thread it runs
         # on (its compute, and its messages in the order they came).
@@ -278,7 +281,9 @@ class WorkerHands:
             if isinstance(action, Send):
                 self.send(action.msg)
             elif isinstance(action, AllowPeer):
-                self.allow_peer(action.key)
+                self.allow_peer(action.key, action.job)
+            elif isinstance(action, ReleasePeers):
+                self.release_peers(action.job)
             else:
                 try:
                     self._start(action)

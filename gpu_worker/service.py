@@ -112,6 +112,7 @@ class WorkerService(MeshPeer):
             send_hop=self._hop,
             send_pipe=self._pipe_hop,
             allow_peer=self.peer_keys.allow,
+            release_peers=self.peer_keys.release,
             clock=lambda: self.clock(),
             compute_lanes=compute_lanes,
             train_bytes=train_bytes,

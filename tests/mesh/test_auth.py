@@ -30,6 +30,7 @@ from flowmesh.auth import (
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.reports import PeerRow
 from flowmesh.testing import assert_forward_close
+from tests.support import training
 from tests.support.mesh import FAST, deploy, mlp_spec, reference
 
 WIDTH = 64
@@ -38,7 +39,8 @@ SPEC = mlp_spec("auth-mlp", width=WIDTH, depth=2, seed=11)
 
 @pytest.fixture(scope="module")
 def keyed_mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(cpu_workers=2, memory_budget="8MiB", keys=True, **FAST) as m:
+    with LocalMesh(cpu_workers=2, memory_budget="8MiB", train_bytes="4MiB", keys=True,
+                   **FAST) as m:  # fmt: skip
         with m.client(timeout=30) as c:
             deploy(c, SPEC)
         yield m
@@ -312,3 +314,19 @@ def test_an_operator_deploys_and_infers_end_to_end(keyed_mesh: LocalMesh) -> Non
             assert_forward_close(ops.infer(spec.name, x), model(x))
         ops.undeploy(spec.name)
         assert spec.name not in [m.name for m in ops.status().models]
+
+
+def test_a_pipelined_job_trains_worker_to_worker_under_keys(keyed_mesh: LocalMesh) -> None:
+    """Each stage's worker lets the other stages' keys onto its peer socket while the job is
+    open there (`PeerKeys`): activations and gradients go worker to worker, and the losses are
+    plain PyTorch's."""
+    s = training.spec(21)
+    batches = training.data(21, steps=3)
+    kw = {k: v for k, v in training.open_kw(s, training.ADAM).items() if k != "chunk_bytes"}
+    with keyed_mesh.client(timeout=60) as ops:
+        job = ops.train_open("auth-piped", s.factory, pipeline=2, accumulate=2, **kw)
+        assert len(set(job.info.pipeline)) == 2  # one stage on each worker
+        losses = [job.step(x, y, timeout=60).loss for x, y in batches]
+        job.close()
+    want, _ = training.plain(s, training.ADAM, batches, accumulate=2)
+    training.close(losses, want, "pipelined under keys: per-step losses")

@@ -18,12 +18,14 @@ from flowmesh.steps import StepResult
 from flowmesh.train_spec import TrainConfig
 from gpu_worker.core import (
     AddStage,
+    AllowPeer,
     CloseJob,
     FreeKV,
     LoadStage,
     OpenJob,
     PipeStep,
     PrepareStage,
+    ReleasePeers,
     RunChunk,
     RunStage,
     Send,
@@ -277,8 +279,43 @@ def test_a_pipelined_job_s_steps_are_forgotten_when_they_fail_early_or_their_job
     core.handle(p.TrainClose(id=50, job="j"), 3.0)
     (close,) = core.drain()
     core.finished(close, None, 4.0)
-    assert sent(core.drain()) == [p.TrainClosed(id=50, job="j")]
+    assert core.drain() == [ReleasePeers("j"), Send(p.TrainClosed(id=50, job="j"))]
     assert core.pipe_steps == {} and core.jobs == {} and core.pipes == {}
+
+
+def test_a_pipelined_job_s_peer_keys_are_allowed_while_it_is_open_here() -> None:
+    """The stages' keys of a pipelined job are allowed on the peer socket on its account from
+    its open, and released when it closes, fails to open, or opened for a broker that forgot
+    it; a second open of a name open here fails without releasing the first one's."""
+    config = TrainConfig(optimizer={"name": "sgd", "lr": 0.1})
+    peers = [p.PipePeer(worker=f"w{i}", endpoint=f"inproc://w{i}", key=f"k{i}") for i in range(2)]
+
+    def pipe_open(core: WorkerCore, job: str, id: int = 1) -> Any:
+        core.handle(p.PipeOpen(id=id, job=job, spec=SPEC, config=config, batch=4, stage=1,
+                               ticket=1, peers=peers), 0.0)  # fmt: skip
+        *allowed, work = core.drain()
+        assert allowed == [AllowPeer("k0", job), AllowPeer("k1", job)]
+        return work
+
+    core = WorkerCore("w", train_bytes=1 << 20)
+    core.finished(pipe_open(core, "j"), opened_job("j", blocks=((0, 1),)), 1.0)
+    assert [type(a) for a in core.drain()] == [Send]
+    again = pipe_open(core, "j", id=2)
+    core.finished(again, FlowmeshError(Code.BAD_REQUEST, "job 'j' is open here"), 1.5)
+    assert [type(a) for a in core.drain()] == [Send]  # the open one keeps its keys
+    core.handle(p.TrainClose(id=50, job="j"), 2.0)
+    (close,) = core.drain()
+    core.finished(close, None, 3.0)
+    assert core.drain() == [ReleasePeers("j"), Send(p.TrainClosed(id=50, job="j"))]
+    core.finished(pipe_open(core, "bad"), FlowmeshError(Code.BAD_REQUEST, "no"), 4.0)
+    assert core.drain()[0] == ReleasePeers("bad")
+    late = pipe_open(core, "late")
+    core.registered_again()
+    core.finished(late, opened_job("late", blocks=((0, 1),)), 5.0)
+    assert core.drain() == [
+        ReleasePeers("late"),
+        CloseJob(p.TrainClose(id=0, job="late"), answer=False),
+    ]
 
 
 def test_a_job_opened_for_a_broker_that_forgot_it_is_closed_unanswered() -> None:

@@ -165,6 +165,31 @@ def test_under_keys_only_the_announced_previous_worker_s_hops_are_taken() -> Non
     assert d.accept(hop(chunk=0), sender="alice") is state
 
 
+async def test_a_peer_key_is_let_in_while_a_recent_run_or_an_open_pipelined_job_names_it() -> None:
+    """A key a Run named is let in for `keep_s` after the last such Run, then refused again (a
+    worker whose key left the broker's directory is named by no Run after); one a pipelined
+    job named is let in while that job is open here, whatever the clock says."""
+    now = [0.0]
+    keys = PeerKeys(wait_s=0.0, keep_s=10.0, clock=lambda: now[0])
+    keys.allow("alice")
+    keys.allow("bob", "job-1")
+    keys.allow("bob", "job-2")
+    now[0] = 9.0
+    keys.allow("alice")  # named again: its leave starts over
+    now[0] = 18.0
+    assert await keys.callback(PEERS_DOMAIN, b"alice")
+    now[0] = 19.5
+    assert not await keys.callback(PEERS_DOMAIN, b"alice")
+    assert await keys.callback(PEERS_DOMAIN, b"bob")
+    keys.release("job-1")
+    assert await keys.callback(PEERS_DOMAIN, b"bob")  # job-2 still holds it
+    keys.release("job-2")
+    assert not await keys.callback(PEERS_DOMAIN, b"bob")
+    assert keys.refused == 2 and keys.held == {}
+    keys.allow("carol")  # a new key: the expired ones are forgotten
+    assert set(keys.until) == {"carol"}
+
+
 async def test_a_peer_key_is_let_in_once_a_run_names_it_and_refused_otherwise() -> None:
     keys = PeerKeys(wait_s=0.2)
     assert not await keys.callback(PEERS_DOMAIN, b"mallory")  # named by no run: refused
