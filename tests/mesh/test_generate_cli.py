@@ -44,6 +44,9 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalMesh, Path]:
     root = tmp_path_factory.mktemp("gen-cli")
     model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=64)
     with LocalMesh(cpu_workers=2, memory_budget="8MiB", **roots_at(root), **FAST) as mesh:
+        # The model the tests generate from (each test stands alone: any may run first).
+        with mesh.client(timeout=120) as c:
+            c.deploy("lm", hf=str(model_dir), stages=2, replicas=1, max_seqs=4)
         yield mesh, model_dir
 
 
@@ -51,7 +54,7 @@ def test_deploy_flags_reach_the_spec(
     lm: tuple[LocalMesh, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     mesh, model_dir = lm
-    base = ["deploy", "lm", "--hf", str(model_dir), "--stages", "2", "--replicas", "1"]
+    base = ["deploy", "lm-flags", "--hf", str(model_dir), "--stages", "2", "--replicas", "1"]
     base += ["--no-progress", "--broker", mesh.frontend]
     # Out of range, each refused by the broker's check of the spec: the flag got there.
     for flag, value, named in [("--max-seqs", "0", "max_seqs"), ("--kv-share", "1.5", "kv_share")]:
@@ -59,10 +62,10 @@ def test_deploy_flags_reach_the_spec(
         assert refused.returncode == 1 and named in refused.stderr, refused.stderr
     done = cli(capsys, *base, "--max-seqs", "4", "--kv-share", "0.5", "--max-context", "48")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("deployed lm: "), done.stdout
+    assert done.stdout.startswith("deployed lm-flags: "), done.stdout
     # The deployed context is 48, not the config's 64: 30 + 20 is past it.
     past = cli(
-        capsys, "generate", "lm", "--ids", ",".join(["3"] * 30), "--max-tokens", "20",
+        capsys, "generate", "lm-flags", "--ids", ",".join(["3"] * 30), "--max-tokens", "20",
         "--broker", mesh.frontend,
     )  # fmt: skip
     assert past.returncode == 1 and "max_context" in past.stderr and "(48)" in past.stderr
