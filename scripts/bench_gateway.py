@@ -23,12 +23,17 @@ One mesh on loopback (real broker, partitioner, 2 CPU workers and the gateway as
   Beside the times, each side's CPU per request in every process of the mesh and in the
   bench's own ("client"): on a machine whose cores they all share, the ratio of requests/s
   follows the ratio of these sums.
+- **one at a time**: in each round, after those, `--solo-requests` infers per side from one
+  caller that sends the next only once the last answered: the latency the gateway adds to a
+  request, with no queue. Under the closed loop above both sides keep the cores busy, so their
+  latencies are mostly queueing and their ratio follows that of requests/s.
 - **stream**: `--prompts` greedy completions of `--max-tokens` tokens, one after the other,
   through the SDK's `generate_stream` and through the gateway's `/v1/completions` with
   `stream=True` (the official `openai` client). Greedy, so both make the same tokens (checked):
   tokens/s of each, and the ratio, and the time to the first chunk.
 
-    python scripts/bench_gateway.py [--requests 400] [--rounds 5] [--clients 8] [--rows 1]
+    python scripts/bench_gateway.py [--requests 400] [--rounds 5] [--clients 8]
+        [--solo-requests 100] [--rows 1]
         [--width 64] [--prompts 8] [--max-tokens 32] [--http-client aiohttp|httpx|pycurl]
         [--out bench-out]
 
@@ -233,6 +238,7 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
 
     sdk_lat: list[float] = []
     gw_lat: list[float] = []
+    solo: dict[str, list[float]] = {"sdk": [], "gateway": []}
     sdk_wall = gw_wall = gw_cpu = sdk_cpu = 0.0
     gw_pid = mesh.child("gateway").proc.pid
     # Every process's CPU on each side, the bench's own included ("client"): where the
@@ -283,6 +289,15 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
             charge("gateway", before)
             gw_lat += lat
             gw_wall += wall
+            # One caller, one request at a time: the latency each side adds, with no queue.
+            solo["sdk"] += (await closed_loop(args.solo_requests, 1, sdk))[0]
+            if args.http_client == "pycurl":
+                lat, _ = await asyncio.to_thread(
+                    curl_closed_loop, url, lambda k: body(xs[k]), args.solo_requests, 1
+                )
+            else:
+                lat, _ = await closed_loop(args.solo_requests, 1, gateway)
+            solo["gateway"] += lat
     sdk_s, gw_s = summary(sdk_lat, sdk_wall), summary(gw_lat, gw_wall)
     # The gateway process's own CPU (all its threads) per request: unlike the times, it hardly
     # moves with the machine's other load.
@@ -298,7 +313,12 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
         "p99": gw_s["p99_ms"] / sdk_s["p99_ms"],
         "requests_per_s": gw_s["requests_per_s"] / sdk_s["requests_per_s"],
     }
-    return {"sdk": sdk_s, "gateway": gw_s, "ratio_gateway_over_sdk": ratios}
+    one = {side: {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+           for side, lat in solo.items()}  # fmt: skip
+    one["ratio_gateway_over_sdk"] = {
+        q: one["gateway"][f"{q}_ms"] / one["sdk"][f"{q}_ms"] for q in ("p50", "p99")
+    }
+    return {"sdk": sdk_s, "gateway": gw_s, "ratio_gateway_over_sdk": ratios, "one_at_a_time": one}
 
 
 async def bench_stream(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, Any]:
@@ -358,6 +378,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400, help="infers per side in each round")
     ap.add_argument("--rounds", type=int, default=5, help="turns of SDK then gateway infers")
     ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument(
+        "--solo-requests",
+        type=int,
+        default=100,
+        help="infers per side in each round from one caller, one at a time (added latency)",
+    )
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
@@ -402,6 +428,14 @@ def main() -> None:
     print(
         f"infer gateway/SDK: p50 {r['p50']:.2f}x  p99 {r['p99']:.2f}x  "
         f"requests/s {r['requests_per_s']:.2f}x"
+    )
+    one = infer["one_at_a_time"]
+    print(
+        f"infer one at a time ({args.rounds} x {args.solo_requests} requests, one caller): "
+        f"SDK p50 {one['sdk']['p50_ms']:.2f} ms p99 {one['sdk']['p99_ms']:.2f} ms; gateway "
+        f"p50 {one['gateway']['p50_ms']:.2f} ms p99 {one['gateway']['p99_ms']:.2f} ms: "
+        f"gateway/SDK p50 {one['ratio_gateway_over_sdk']['p50']:.2f}x "
+        f"p99 {one['ratio_gateway_over_sdk']['p99']:.2f}x"
     )
     for side, figures in (("SDK", sdk), ("gateway", gw)):
         per = figures["process_cpu_us_per_request"]
