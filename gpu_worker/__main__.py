@@ -102,8 +102,8 @@ OPTIONS = Options(
             None,
             "device memory beside the arena where training keeps what a step's later tasks read "
             "(activations, what a forward saved for its backward) instead of copying it to the "
-            "host tier and back, on CUDA (default: half of what is free once the arena and the "
-            "host tier are reserved; 0: always the host tier)",
+            "host tier and back, on CUDA (default: a quarter of what is free once the arena and "
+            "the host tier are reserved; 0: always the host tier)",
         ),
         Option(
             "--prefault",

@@ -67,8 +67,8 @@ class Stash:
     lane and the compute lane never see half of it.
 
     `resident`: the stash stayed on the device, in the room the worker keeps for that
-    (`gpu_worker.resident_room`); `host` is then the device tensor itself, and nothing is
-    copied either way."""
+    (`gpu_worker.resident_room`); `host` is then the device tensor itself, `landed` its lease
+    on the room (done: nothing to wait for), and nothing is copied either way."""
 
     __slots__ = ("__weakref__", "brought", "host", "landed", "resident")
 

@@ -966,6 +966,12 @@ class TrainingExecutor:
         # Its host tier goes back once it is dropped: not while write-backs are landing in it.
         job.wait_written()
         job.defer_writes = False
+        # Its steps' stashes go on the compute lane, after its compute there (one thread, in
+        # order), which may still be reading them.
+        try:
+            self._compute.submit(job.drop_steps)
+        except RuntimeError:  # the lanes are shut (the executor closing): nothing runs now
+            job.drop_steps()
 
     def _fail_all(self, error: FlowmeshError) -> None:
         for key in list(self._requests):

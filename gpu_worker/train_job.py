@@ -277,6 +277,8 @@ class TrainingJob:
         for sub in self.subs:
             i = sub.index
             sub.layouts = task_layouts(sub, self.tensors, self.fwd_bytes[i], self.act_bytes[i])
+        # The names of parameters a backward gave a gradient (their hooks, `_touch`).
+        self._touched: set[str] = set()
         for info in self.tensors.values():
             if info.trainable:
                 info.tensor.register_post_accumulate_grad_hook(self._touch(info.name))
@@ -310,8 +312,6 @@ class TrainingJob:
         # (`_stash`, on the compute lane).
         self._stashing: collections.deque[tuple[int, Any]] = collections.deque()
         self._stashing_bytes = 0
-        # What a stash that stayed on the device waits on: nothing (made on the compute lane).
-        self._landed = device.done_marker()
         # The admission (its copy plan) of the task computing (`run`, `prefetch`).
         self._admission: object = None
         # Per sub-model: what its last selective backward left of its forward's stash, per
@@ -333,7 +333,6 @@ class TrainingJob:
         self._updated: set[int] = set()
         self._norms: dict[str, torch.Tensor] = {}
         self._total_norm: dict[int, torch.Tensor] = {}
-        self._touched: set[str] = set()
         self._correct: dict[int, list[int]] = {}  # eval request -> [right, counted] predictions
         # An evaluation cut into more micro-batches than a step's (over the job's batch): its
         # rows, by which each micro-batch's loss is weighed.
@@ -406,8 +405,12 @@ class TrainingJob:
                     self.state_valid[n] = bool(info.state_homes)
 
     def _touch(self, name: str) -> Callable[[torch.Tensor], None]:
+        # The set, not the job: a hook kept by a tensor that held the job would keep a closed
+        # job, its modules and its host tier alive for the worker's life.
+        touched = self._touched
+
         def hook(_: torch.Tensor) -> None:
-            self._touched.add(name)
+            touched.add(name)
 
         return hook
 
@@ -832,6 +835,10 @@ class TrainingJob:
         On a CPU stand-in host memory is where it already is."""
         if not isinstance(t, torch.Tensor):
             return t
+        # Its values only (the same storage and version counter): a tensor autograd saved may
+        # carry the very node that saved it, a cycle through C++ that would keep the stash, and
+        # its device memory, alive if the graph is dropped without a backward (a failed step).
+        t = t.detach()
         if self._in_arena(t):
             # Arena bytes (a forward that returned a view of its parameters): they belong to
             # the extent's next owner as soon as this task's compute ran (on a GPU, perhaps
@@ -839,12 +846,9 @@ class TrainingJob:
             t = t.clone()
         room = self.device.resident_room
         if room is not None and t.device == self.device.torch_device:
-            # Its whole storage stays alive (a view keeps its base): that is what is counted.
-            nbytes = t.untyped_storage().nbytes()
-            if room.take(nbytes):
-                stash = Stash(t, self._landed, resident=True)
-                room.hold(stash, nbytes)
-                return stash
+            lease = room.lease(t)
+            if lease is not None:
+                return Stash(t, lease, resident=True)
         stash = Stash(*self.device.stash_out(t, TRAIN_STASH_LANE))
         if not stash.landed.done():
             self._stashing.append((stash.nbytes, stash.landed))
@@ -1074,7 +1078,7 @@ class TrainingJob:
         key = (task.request, task.micro, task.sub)
         result = TaskResult()
         layout = self._layout(task)
-        self._touched = set()
+        self._touched.clear()
         if task.kind == BACKWARD:
             self._policy_of(task)  # its forward's
         kept = self._kept.pop(key, None)
@@ -1283,6 +1287,25 @@ class TrainingJob:
             for i in range(self.parts - 1)
         ]
         return StepResult(sum(losses), self.step_count, metrics, [*policies, NO_POLICY])
+
+    def drop_steps(self) -> None:
+        """The job is closed: what its steps and evaluations kept goes, the graphs its kept
+        forwards left for backwards that will never run too (they hold the job through their
+        hooks as it holds them: a cycle through autograd's C++ that the garbage collector
+        cannot see), and with them their stashes' memory. Run after the job's last compute."""
+        for store in (
+            self._acts,
+            self._grads,
+            self._replay,
+            self._kept,
+            self._step_policy,
+            self._data,
+            self._losses,
+            self._nonfinite,
+            self._total_norm,
+            self._correct,
+        ):
+            store.clear()
 
     def abort_step(self, request: int, reason: str) -> None:
         """Forget a failed step: its kept activations and partial gradients go; if an update

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
+import math
+import weakref
 from typing import Any
 
 import pytest
@@ -186,6 +189,37 @@ def test_stashes_kept_on_the_device_while_its_room_lasts_train_as_plain_pytorch(
             close([r[i].loss for r in results], losses, f"{job.name} {policy}: per-step losses")
             for name, t in job.state_dict().items():
                 close(t, state[name], f"{job.name} {policy}: {name}")
+
+
+@pytest.mark.parametrize("policy", [RECOMPUTE, KEEP, SELECTIVE])
+def test_a_failed_step_and_a_closed_job_give_their_stashes_room_back(policy: str) -> None:
+    """A step whose loss is not finite fails with its kept graphs never run backward (what
+    autograd saved may carry the node that saved it: a cycle the stash must not join); a job
+    closed with steps in flight is dropped whole, its modules and host tier too. Either way
+    the room its stashes took on the device is free again."""
+    cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=policy)
+    (x, y), *more = data_for("mlp", 4)
+    reserve = 96 << 10
+    budget = job_of("mlp", cfg, act_bytes=reserve).largest_task() * 3 // 2
+    device = CpuStandIn(budget, stash_copies=True, resident_bytes=1 << 30)
+    room = device.resident_room
+    assert room is not None
+    job = job_of("mlp", cfg, act_bytes=reserve, device=device)
+    closed = weakref.ref(job)
+    with TrainingExecutor(device) as ex:
+        ex.open(job)
+        ex.step("mlp", x, y)
+        with pytest.raises(FlowmeshError, match="loss is nan"):
+            ex.step("mlp", torch.full_like(x, math.nan), y)
+        assert room.kept_bytes > 0 and room.used == 0, room.stats()
+        sent = [ex.submit("mlp", x, y) for x, y in more]
+        ex.close_job("mlp")
+        for future in sent:
+            with pytest.raises(FlowmeshError, match="was closed"):
+                future.result(timeout=60)
+    del job
+    gc.collect()
+    assert closed() is None and room.used == 0, room.stats()
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-in-flight"])
