@@ -47,6 +47,7 @@ what the allocator handed out, and the GPU's stream order keeps two owners apart
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -318,11 +319,18 @@ class TrainingExecutor:
         self._closed = False
         self._driver = threading.Thread(target=self._loop, name="train-driver", daemon=True)
         self._driver.start()
-        self.memory.on_claim.append(lambda: self._post_quiet(self._reclaim))
-        self.memory.wake_training.append(lambda: self._post_quiet(_nothing))
         # A pipelined stage's `hold` waiting for training's tasks to leave its range.
         self._range_freed = threading.Event()
-        self.memory.wake_training.append(self._range_freed.set)
+        # The memory's listeners this executor adds (`close` takes them off again: the memory
+        # may be the worker's, and outlive it).
+        self._listeners = [
+            (self.memory.on_claim, lambda: self._post_quiet(self._reclaim)),
+            (self.memory.wake_training, lambda: self._post_quiet(_nothing)),
+            (self.memory.wake_training, self._range_freed.set),
+            (self.memory.wake_training, self.gate.wake),
+        ]
+        for where, fn in self._listeners[:3]:  # the gate added its own
+            where.append(fn)
 
     # ------------------------------------------------------------------ public API
 
@@ -491,6 +499,13 @@ class TrainingExecutor:
         self._compute.shutdown(wait=True)
         self._write.shutdown(wait=True)  # every write queued runs: a copy may wait on its marker
         self._copy.shutdown(wait=True, cancel_futures=True)
+        # Jobs still open let go of, their steps' kept graphs too (`TrainingJob.drop_steps`).
+        for job in self.jobs.values():
+            job.drop_steps()
+        self.jobs.clear()
+        for where, fn in self._listeners:
+            with contextlib.suppress(ValueError):
+                where.remove(fn)
 
     def __enter__(self) -> TrainingExecutor:
         return self
@@ -537,6 +552,9 @@ class TrainingExecutor:
             except Exception as exc:  # a bookkeeping bug: fail everything loudly, keep running
                 log.exception("training driver failed")
                 self._fail_all(FlowmeshError(Code.INTERNAL, f"training driver: {exc!r}"))
+            # Not kept while waiting for the next event: a callback holds its task, and the
+            # task its job, which a close just let go of.
+            fn = None
         self._fail_all(FlowmeshError(Code.UNAVAILABLE, "the training executor was closed"))
 
     def _open(self, job: TrainingJob) -> None:

@@ -1304,6 +1304,9 @@ class TrainingJob:
             self._nonfinite,
             self._total_norm,
             self._correct,
+            self._eval_rows,
+            self._norms,
+            self._updated,
         ):
             store.clear()
 

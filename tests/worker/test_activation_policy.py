@@ -13,9 +13,11 @@ forward's range overwritten in between.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import gc
 import math
+import time
 import weakref
 from typing import Any
 
@@ -45,6 +47,7 @@ from gpu_worker.activation_keep import (
     choose,
 )
 from gpu_worker.device import CpuMarker, CpuStandIn
+from gpu_worker.memory import DeviceMemory
 from gpu_worker.resident_room import NO_ROOM
 from gpu_worker.train_executor import TrainingExecutor
 from gpu_worker.train_job import TrainingJob
@@ -196,30 +199,55 @@ def test_a_failed_step_and_a_closed_job_give_their_stashes_room_back(policy: str
     """A step whose loss is not finite fails with its kept graphs never run backward (what
     autograd saved may carry the node that saved it: a cycle the stash must not join); a job
     closed with steps in flight is dropped whole, its modules and host tier too. Either way
-    the room its stashes took on the device is free again."""
+    the room its stashes took on the device is free again, while the executor goes on (idle:
+    nothing more comes to its driver). So do a job left open with steps in flight when the
+    executor closes, and the executor itself, off the memory it shared with serving."""
     cfg = TrainConfig(ADAM, seed=RNG_SEED, activations=policy)
     (x, y), *more = data_for("mlp", 4)
     reserve = 96 << 10
     budget = job_of("mlp", cfg, act_bytes=reserve).largest_task() * 3 // 2
-    device = CpuStandIn(budget, stash_copies=True, resident_bytes=1 << 30)
+    device = CpuStandIn(2 * budget, stash_copies=True, resident_bytes=1 << 30)
     room = device.resident_room
     assert room is not None
+    memory = DeviceMemory(budget, budget)  # a worker's: serving's and training's
+    listeners = (list(memory.on_claim), list(memory.wake_training))
+
+    def let_go(ref: weakref.ref[Any]) -> bool:
+        """Whether `ref`'s object is gone once the lanes are done with it (a bounded wait)."""
+        for _ in range(200):
+            gc.collect()
+            if ref() is None:
+                return True
+            time.sleep(0.05)
+        return False
+
+    ex = TrainingExecutor(device, memory=memory)
     job = job_of("mlp", cfg, act_bytes=reserve, device=device)
+    ex.open(job)
+    ex.step("mlp", x, y)
+    with pytest.raises(FlowmeshError, match="loss is nan"):
+        ex.step("mlp", torch.full_like(x, math.nan), y)
+    assert room.kept_bytes > 0 and room.used == 0, room.stats()
+    sent = [ex.submit("mlp", x, y) for x, y in more]
+    ex.close_job("mlp")
+    for future in sent:
+        with pytest.raises(FlowmeshError, match="was closed"):
+            future.result(timeout=60)
     closed = weakref.ref(job)
-    with TrainingExecutor(device) as ex:
-        ex.open(job)
-        ex.step("mlp", x, y)
-        with pytest.raises(FlowmeshError, match="loss is nan"):
-            ex.step("mlp", torch.full_like(x, math.nan), y)
-        assert room.kept_bytes > 0 and room.used == 0, room.stats()
-        sent = [ex.submit("mlp", x, y) for x, y in more]
-        ex.close_job("mlp")
-        for future in sent:
-            with pytest.raises(FlowmeshError, match="was closed"):
-                future.result(timeout=60)
     del job
-    gc.collect()
-    assert closed() is None and room.used == 0, room.stats()
+    assert let_go(closed) and room.used == 0, room.stats()
+    job = job_of("mlp", cfg, act_bytes=reserve, name="left-open", device=device)
+    ex.open(job)
+    sent = [ex.submit("left-open", x, y) for x, y in more]
+    left_open, gone = weakref.ref(job), weakref.ref(ex)
+    del job
+    ex.close()
+    for future in sent:
+        with contextlib.suppress(FlowmeshError):
+            future.result(timeout=60)
+    del ex, sent
+    assert let_go(left_open) and let_go(gone) and room.used == 0, room.stats()
+    assert (memory.on_claim, memory.wake_training) == listeners
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-in-flight"])
