@@ -158,8 +158,7 @@ class Catalogue:
         model.queue.clear()
         for rep in model.replicas:
             self.placement.drop_replica(model.name, rep)
-        for cid in [i for i, c in self.calls.items() if c.data.get("model") == model.name]:
-            del self.calls[cid]
+        self._drop_calls(model.name)
         waited = now - model.drain.since if model.drain is not None else 0.0
         for addr, ref in waiters:
             self.ctx.to_client(
@@ -326,8 +325,7 @@ class Catalogue:
         self.models.pop(model.name, None)
         for rep in model.replicas:
             self.placement.drop_replica(model.name, rep)
-        for cid in [i for i, c in self.calls.items() if c.data.get("model") == model.name]:
-            del self.calls[cid]
+        self._drop_calls(model.name)
         log.warning("deploy failed model=%s code=%s reason=%s", model.name, code, reason)
 
     def deploy_overdue(self, model: Model, now: float) -> None:
@@ -360,6 +358,16 @@ class Catalogue:
                 f"worker {call.peer} did not prepare stage {call.data['stage']} in time"
             )
             self.stage_failed(call, why, code, now)
+
+    def _drop_calls(self, name: str) -> None:
+        """Forget the plan and stage calls made for model `name` (undeployed, or its deploy
+        failed): their answers, if any come, are refused. A partitioner's plan is no longer
+        counted as in progress there (its count chooses the partitioner of the next plan)."""
+        for cid in [i for i, c in self.calls.items() if c.data.get("model") == name]:
+            call = self.calls.pop(cid)
+            peer = self.peers.get(call.peer) if call.kind == "plan" else None
+            if peer is not None:
+                peer.inflight_plans -= 1
 
     def _pop_call(self, cid: int, kind: str, peer: Peer) -> Call:
         """The pending call `cid`, only if it is a `kind` call sent to `peer` (nobody else may

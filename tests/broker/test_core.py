@@ -470,6 +470,29 @@ def test_a_lost_plan_reply_answers_the_client_and_frees_the_partitioner() -> Non
     assert h.core.peers["part"].inflight_plans == 0 and h.core.calls == {}
 
 
+def test_a_plan_given_up_with_its_deploy_is_no_longer_counted_on_its_partitioner() -> None:
+    """A deploy undeployed while its plan is computed, and one whose deadline passes first:
+    their plans are not counted as in progress on the partitioner for good (the count is in
+    status, and chooses the partitioner of the next plan)."""
+    h = Harness(deploy_timeout_s=3.0)
+    part = h.partitioner()
+    h.worker("w0")
+    spec = {"name": "early", "factory": "flowmesh.examples:mlp"}
+    (job,) = only(h.client(CLIENT_A, p.Deploy(id=1, spec=spec)), p.PlanJob)
+    assert h.core.peers["part"].inflight_plans == 1
+    h.client(CLIENT_A, p.Undeploy(id=2, model="early"))
+    assert h.core.peers["part"].inflight_plans == 0 and h.core.calls == {}
+    late = {"name": "late", "factory": "flowmesh.examples:mlp"}
+    (job,) = only(h.client(CLIENT_A, p.Deploy(id=3, spec=late)), p.PlanJob)
+    out = live_until(h, 4.0)
+    assert [(e.id, e.code) for e in only(out, p.Error)] == [(3, Code.TIMEOUT)]
+    assert h.core.peers["part"].inflight_plans == 0 and h.core.calls == {}
+    answer = p.PlanReply(id=job.id, plan=plan_of([MIB]), inputs={})
+    with pytest.raises(FlowmeshError, match="no pending plan call"):
+        h.backend(part, answer)  # too late: refused
+    assert h.core.peers["part"].inflight_plans == 0
+
+
 def test_a_malformed_plan_is_refused_on_receipt_and_fails_the_deploy_at_once() -> None:
     h = Harness()
     part = h.partitioner()
