@@ -147,6 +147,11 @@ class ServingRouter:
             del self.refused[key]
         for name in [w for w in self.bandwidth if w not in self.peers]:
             del self.bandwidth[name]
+        for model in self.models.values():
+            # A worker gone is avoided no more: one that comes back under its name is a new
+            # process (and a CPU worker's name carries its pid: kept, they would pile up).
+            if model.avoid:
+                model.avoid.intersection_update(self.peers)
 
     # ================================================================== requests
 

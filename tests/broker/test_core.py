@@ -380,6 +380,16 @@ def test_a_lost_run_result_times_out_and_the_replica_is_recreated_elsewhere() ->
     assert [a for _, a, m in out if isinstance(m, p.Run)] == [other]
     (res,) = only(h.finish(other, only(out, p.Run)[0]), p.Result)
     assert res.id == rid
+    # The hung worker is avoided for this model while it lives; once it is gone its name goes
+    # too (a CPU worker's carries its pid: kept, they would pile up with every restart).
+    assert h.core.models["m"].avoid == {hung.decode()}
+    while hung.decode() in h.core.peers:
+        h.now += 1.0
+        for addr in (other, b"part"):
+            h.backend(addr, p.Heartbeat())
+        h.core.tick(h.now)
+    h.core.tick(h.now + 1.0)
+    assert h.core.models["m"].avoid == set()
 
 
 def test_a_late_result_of_a_hung_run_is_dropped() -> None:
