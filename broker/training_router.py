@@ -153,6 +153,10 @@ class Job:
     # each one's sub-model row and footprint once open.
     workers: list[str] = field(default_factory=list)
     awaiting: set[str] = field(default_factory=set)
+    # Closing: the ids of the closes sent to its workers. An answer to one that comes after its
+    # call expired (the client was told of a timeout) still counts: the job goes once every
+    # worker closed it, instead of staying open on the broker for good.
+    closes: set[int] = field(default_factory=set)
     opened_rows: dict[str, tuple[SubModelRow, int]] = field(default_factory=dict)
     # A job `pipeline="auto"` pipelined: the client's open, for memory flow on one worker
     # should a stage not open on its worker after all (the plan counted its bytes beforehand);
@@ -337,6 +341,7 @@ class TrainingRouter:
             job.awaiting = set(job.holders)
             for w in job.holders:
                 cid = self._call("close", job, addr, msg.id, now, msg.timeout_ms, worker=w)
+                job.closes.add(cid)
                 self._to_worker(w, p.TrainClose(id=cid, job=job.name))
         elif isinstance(msg, p.Jobs):
             self._to_client(addr, p.JobsReply(id=msg.id, jobs=self.status(now)))
@@ -724,15 +729,17 @@ class TrainingRouter:
             )
         elif isinstance(msg, p.TrainClosed):
             call = self._pop(worker, msg.id, "close", msg.job)
-            if call is None:
-                return
             job = self.jobs.get(msg.job)
+            late = job is not None and msg.id in job.closes and worker in job.holders
+            if call is None and not late:
+                return  # a close nobody waits on (its job was lost, or is another now)
             if job is not None and job.workers:
                 job.awaiting.discard(worker)
                 if job.awaiting:
                     return  # other stages still closing
             self._forget(msg.job, Code.BAD_REQUEST, f"training job {msg.job!r} was closed")
-            self._answer(call, p.TrainClosed(id=call.client_id, job=msg.job))
+            if call is not None:
+                self._answer(call, p.TrainClosed(id=call.client_id, job=msg.job))
         else:
             raise fail(Code.BAD_REQUEST, f"{msg.TYPE} is not a training answer")
 

@@ -240,6 +240,24 @@ def test_close_fails_what_is_pending_and_forgets_the_job() -> None:
     assert isinstance(jobs, p.JobsReply) and jobs.jobs == []
 
 
+def test_a_close_answered_after_it_timed_out_still_closes_the_job() -> None:
+    """The client is told its close timed out; the worker's late answer still ends the job on
+    the broker (kept, it would count in placement and refuse its name for good). An answer
+    to a close of another job of that name does not."""
+    h = Harness()
+    w = trainer(h, "w", 100 * KIB)
+    open_job(h, "j")
+    _, _, close = only(h.client(C, p.TrainClose(id=9, job="j", timeout_ms=1000)))
+    out = tick(h, 2.0, w)
+    assert [(m.id, m.code) for _, _, m in out if isinstance(m, p.Error)] == [(9, "timeout")]
+    assert [j.name for j in h.core.status(h.now).jobs] == ["j"]
+    assert h.backend(w, p.TrainClosed(id=close.id + 1000, job="j")) == []  # not its close
+    assert [j.name for j in h.core.status(h.now).jobs] == ["j"]
+    assert h.backend(w, p.TrainClosed(id=close.id, job="j")) == []  # nobody waits now
+    assert h.core.status(h.now).jobs == []
+    open_job(h, "j", ref_id=2)  # its name is free again
+
+
 def test_a_job_that_ended_keeps_its_final_figures_in_status_and_metrics() -> None:
     h = Harness()
     w = trainer(h, "w", 200 * KIB)
