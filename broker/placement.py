@@ -135,11 +135,15 @@ class Placement:
             if missing <= 0 or now < model.repair_after:
                 continue
             taken = {(s, w) for r in model.replicas for s, w in enumerate(r.workers)}
-            # Away from workers where this model's runs hung, unless no other can hold it.
+            # Away from workers where this model's runs hung, unless no other can hold it, or
+            # only by streaming its stages through one device (slower, and no generation)
+            # where all the workers would give each stage a worker of its own.
             trusted = [w for w in self.ctx.workers() if w.name not in model.avoid]
-            places = place_replicas(trusted, model.stage_bytes, missing, taken) or place_replicas(
-                self.ctx.workers(), model.stage_bytes, missing, taken
-            )
+            places = place_replicas(trusted, model.stage_bytes, missing, taken)
+            if not places or any(len(set(ws)) < len(ws) for ws in places):
+                anywhere = place_replicas(self.ctx.workers(), model.stage_bytes, missing, taken)
+                if not places or (anywhere and all(len(set(ws)) == len(ws) for ws in anywhere)):
+                    places = anywhere
             for workers_of in places:
                 self.deploy_replica(model, workers_of, now + self.cfg.deploy_timeout_s)
                 log.info("re-creating replica model=%s workers=%s", model.name, workers_of)

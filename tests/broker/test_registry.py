@@ -496,6 +496,23 @@ def test_a_replica_given_up_after_a_hung_run_is_recreated_away_from_that_worker(
     assert rig.events == [("change", 6.5)]
 
 
+def test_a_replica_given_up_is_not_recreated_streamed_on_the_workers_left_trusted() -> None:
+    """Two stages on two workers, one of which hung: the one left could hold both only by
+    streaming them through its device (slower, and a generating model could not generate);
+    the replica goes back on both workers, each stage on one of its own."""
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0")
+    rig.join("w1")
+    model = rig.deploy("m", [MIB, MIB], replicas=1)
+    (rep,) = model.replicas
+    rig.reg.give_up_replica(model, rep, rep.workers[0], "hung")
+    rig.out()
+    rig.reg.reconcile(6.0)
+    (again,) = model.replicas
+    assert sorted(again.workers) == ["w0", "w1"] and not again.streamed
+
+
 def test_a_failed_repair_waits_before_trying_again() -> None:
     rig = Rig(repair_backoff_s=5.0)
     rig.join("part")
