@@ -179,3 +179,17 @@ async def test_a_serving_load_takes_back_what_training_borrowed_without_waiting_
     finally:
         trainer.close()
         ex.close()
+
+
+def test_closed_executors_leave_the_memory_they_shared_as_they_found_it() -> None:
+    """Each executor listens to the worker's memory (serving's claims and wakes); closed, it
+    listens no more: the memory may outlive it, and would keep it alive."""
+    dev = CpuStandIn(2 << 20)
+    mem = DeviceMemory(1 << 20, 1 << 20, ALIGN)
+    before = (list(mem.on_claim), list(mem.wake_serving), list(mem.wake_training))
+    serving = Executor(dev, compute_lanes=1, memory=mem)
+    trainer = TrainingExecutor(dev, memory=mem)
+    assert (list(mem.on_claim), list(mem.wake_serving), list(mem.wake_training)) != before
+    trainer.close()
+    serving.close()
+    assert (mem.on_claim, mem.wake_serving, mem.wake_training) == before
