@@ -477,20 +477,22 @@ class PeerKeys:
         self.keep_s = keep_s
         self.clock = clock
         self.until: dict[str, float] = {}  # key -> when the last Run's leave ends
-        self.held: dict[str, set[str]] = {}  # key -> the pipelined jobs open here that name it
+        # key -> the opens of pipelined jobs (`gpu_worker.core.pipe_holder`) open here naming it
+        self.held: dict[str, set[str]] = {}
         self.refused = 0
         self._changed = asyncio.Event()
 
     def allows(self, key: str) -> bool:
         return key in self.held or self.until.get(key, -math.inf) > self.clock()
 
-    def allow(self, key: str, job: str = "") -> None:
-        """`key` may connect: for RUN_KEY_S from now, or while pipelined `job` is open here."""
+    def allow(self, key: str, holder: str = "") -> None:
+        """`key` may connect: for RUN_KEY_S from now, or while `holder` (a pipelined job's
+        open) holds it, until `release(holder)`."""
         if not key:
             return
         new = not self.allows(key)
-        if job:
-            self.held.setdefault(key, set()).add(job)
+        if holder:
+            self.held.setdefault(key, set()).add(holder)
         else:
             now = self.clock()
             if new:  # the expired ones go as new ones come: the map stays the keys in use
@@ -500,10 +502,10 @@ class PeerKeys:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    def release(self, job: str) -> None:
-        """Pipelined `job` closed here: the keys it held are allowed no longer on its account."""
-        for key in [k for k, jobs in self.held.items() if job in jobs]:
-            self.held[key].discard(job)
+    def release(self, holder: str) -> None:
+        """What `holder` opened is closed here: its keys are allowed no longer on its account."""
+        for key in [k for k, holders in self.held.items() if holder in holders]:
+            self.held[key].discard(holder)
             if not self.held[key]:
                 del self.held[key]
 

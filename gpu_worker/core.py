@@ -88,17 +88,25 @@ class SendHop:
 @dataclass
 class AllowPeer:
     """The peer socket may take this key: a direct run names it as its previous stage's (for a
-    while), or pipelined `job`, opening here, as one of its stages' (while it is open)."""
+    while), or a pipelined job's open here names it as one of its stages' (while what that
+    open opened is open: `holder`, `pipe_holder`)."""
 
     key: str
-    job: str = ""
+    holder: str = ""
 
 
 @dataclass
 class ReleasePeers:
-    """Pipelined `job` is no longer open here: the keys it named are not allowed on its account."""
+    """What a pipelined job's open (`holder`) opened is no longer open here: the keys it named
+    are not allowed on its account (another open of the same name holds its own)."""
 
-    job: str
+    holder: str
+
+
+def pipe_holder(msg: p.PipeOpen) -> str:
+    """One open of a pipelined job: its name and the broker's id of that open (a job closed
+    and opened again under its name, or opened twice, is another holder)."""
+    return f"{msg.job}#{msg.id}"
 
 
 @dataclass
@@ -579,7 +587,7 @@ class WorkerCore:
             raise FlowmeshError(Code.BAD_REQUEST, "a training job needs a configuration")
         for peer in msg.peers:
             if peer.key:
-                self.out.append(AllowPeer(peer.key, msg.job))
+                self.out.append(AllowPeer(peer.key, pipe_holder(msg)))
         self.out.append(OpenJob(msg, self.epoch))
 
     def pipe_answered(self, job: str, msg: p.Message) -> None:
@@ -699,8 +707,8 @@ class WorkerCore:
     def _job_opened(self, work: OpenJob, result: Any) -> None:
         msg = work.msg
         failed = isinstance(result, BaseException) or work.epoch != self.epoch
-        if failed and isinstance(msg, p.PipeOpen) and msg.job not in self.pipes:
-            self.out.append(ReleasePeers(msg.job))  # what `_pipe_open` allowed for it
+        if failed and isinstance(msg, p.PipeOpen):
+            self.out.append(ReleasePeers(pipe_holder(msg)))  # what `_pipe_open` allowed for it
         if isinstance(result, BaseException):
             self._fail(msg.id, result)
             return
@@ -718,8 +726,9 @@ class WorkerCore:
     def _job_closed(self, work: CloseJob, result: Any) -> None:
         msg = work.msg
         self.jobs.pop(msg.job, None)
-        if self.pipes.pop(msg.job, None) is not None:
-            self.out.append(ReleasePeers(msg.job))
+        opened = self.pipes.pop(msg.job, None)
+        if opened is not None:
+            self.out.append(ReleasePeers(pipe_holder(opened)))
         # Its steps still in its runner are never answered now (`WorkerHands` drops them).
         for sid in [i for i, (job, _) in self.pipe_steps.items() if job == msg.job]:
             del self.pipe_steps[sid]

@@ -11,9 +11,9 @@ reports with its heartbeats (`stats`).
 What needs a socket is given as callbacks: `send` (a message to the broker, on the loop),
 `send_from_thread` (the same from a compute lane; False when it cannot go from there),
 `send_hop` (a direct run's micro-batch to the next stage's worker), `allow_peer` (a key the
-peer socket may take, for a while or for a pipelined job's life) and `release_peers` (those a
-pipelined job held). The process shell (`gpu_worker.service`) gives its sockets; the
-in-process test mesh (tests/support/inproc.py) gives the other workers' cores.
+peer socket may take, for a while or while a pipelined job's open holds it) and
+`release_peers` (those such an open held). The process shell (`gpu_worker.service`) gives its
+sockets; the in-process test mesh (tests/support/inproc.py) gives the other workers' cores.
 """
 
 from __future__ import annotations
@@ -281,9 +281,9 @@ class WorkerHands:
             if isinstance(action, Send):
                 self.send(action.msg)
             elif isinstance(action, AllowPeer):
-                self.allow_peer(action.key, action.job)
+                self.allow_peer(action.key, action.holder)
             elif isinstance(action, ReleasePeers):
-                self.release_peers(action.job)
+                self.release_peers(action.holder)
             else:
                 try:
                     self._start(action)

@@ -92,7 +92,8 @@ class WorkerService(MeshPeer):
         self.clock: Callable[[], float] = time.monotonic
         # Where other workers send us activations ("": no direct runs, the broker relays them).
         # Under CURVE keys it is a CURVE server with our own key, and takes only the workers
-        # the broker names as a run's previous stage (`peer_keys`).
+        # the broker named lately as a run's previous stage, or as a stage of a pipelined job
+        # open here (`peer_keys`).
         self.peer_endpoint = peer_endpoint
         self.peer_bound = ""  # the endpoint actually bound, advertised at registration
         self._peer_sock: zmq.asyncio.Socket | None = None
@@ -161,7 +162,7 @@ class WorkerService(MeshPeer):
         out = self.hands.stats()
         out["reader_runs"] = self.reader_runs  # runs answered from the reader thread
         if self.curve is not None:  # keyless stats stay as they were
-            out["peer_refused"] = self.peer_keys.refused  # peer-socket keys no run named
+            out["peer_refused"] = self.peer_keys.refused  # keys no recent run or open job named
         return out
 
     def on_allow(self, allow: tuple[str, ...]) -> None:

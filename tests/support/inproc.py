@@ -164,8 +164,8 @@ class InProcWorker(_Peer):
             send=self.send,
             send_from_thread=self.send,  # encoded on the lane's thread, as the shell does
             send_hop=self._hop,
-            allow_peer=lambda key, job: None,  # no keys in process
-            release_peers=lambda job: None,
+            allow_peer=lambda key, holder: None,  # no keys in process
+            release_peers=lambda holder: None,
             clock=time.monotonic,
             compute_lanes=compute_lanes,
             train_bytes=train_bytes,

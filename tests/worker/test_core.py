@@ -279,41 +279,48 @@ def test_a_pipelined_job_s_steps_are_forgotten_when_they_fail_early_or_their_job
     core.handle(p.TrainClose(id=50, job="j"), 3.0)
     (close,) = core.drain()
     core.finished(close, None, 4.0)
-    assert core.drain() == [ReleasePeers("j"), Send(p.TrainClosed(id=50, job="j"))]
+    assert core.drain() == [ReleasePeers("j#1"), Send(p.TrainClosed(id=50, job="j"))]
     assert core.pipe_steps == {} and core.jobs == {} and core.pipes == {}
 
 
-def test_a_pipelined_job_s_peer_keys_are_allowed_while_it_is_open_here() -> None:
-    """The stages' keys of a pipelined job are allowed on the peer socket on its account from
-    its open, and released when it closes, fails to open, or opened for a broker that forgot
-    it; a second open of a name open here fails without releasing the first one's."""
+def test_a_pipelined_job_s_peer_keys_are_held_by_the_open_that_named_them() -> None:
+    """The stages' keys of a pipelined job are allowed on the peer socket on its open's account
+    from that open, and released when what it opened closes, when it fails to open, or when it
+    opened for a broker that forgot it. Each open of a name is a holder of its own: a second
+    open of a name open here fails without releasing the first one's, and the close of an
+    open that comes before a new open of the same name (an open retried after a timeout)
+    releases only its own."""
     config = TrainConfig(optimizer={"name": "sgd", "lr": 0.1})
     peers = [p.PipePeer(worker=f"w{i}", endpoint=f"inproc://w{i}", key=f"k{i}") for i in range(2)]
 
-    def pipe_open(core: WorkerCore, job: str, id: int = 1) -> Any:
+    def pipe_open(core: WorkerCore, job: str, id: int) -> Any:
         core.handle(p.PipeOpen(id=id, job=job, spec=SPEC, config=config, batch=4, stage=1,
                                ticket=1, peers=peers), 0.0)  # fmt: skip
         *allowed, work = core.drain()
-        assert allowed == [AllowPeer("k0", job), AllowPeer("k1", job)]
+        assert allowed == [AllowPeer("k0", f"{job}#{id}"), AllowPeer("k1", f"{job}#{id}")]
         return work
 
     core = WorkerCore("w", train_bytes=1 << 20)
-    core.finished(pipe_open(core, "j"), opened_job("j", blocks=((0, 1),)), 1.0)
+    core.finished(pipe_open(core, "j", 1), opened_job("j", blocks=((0, 1),)), 1.0)
     assert [type(a) for a in core.drain()] == [Send]
-    again = pipe_open(core, "j", id=2)
+    again = pipe_open(core, "j", 2)
     core.finished(again, FlowmeshError(Code.BAD_REQUEST, "job 'j' is open here"), 1.5)
-    assert [type(a) for a in core.drain()] == [Send]  # the open one keeps its keys
+    refusal = p.Error(id=2, code="bad_request", reason="job 'j' is open here")
+    assert core.drain() == [ReleasePeers("j#2"), Send(refusal)]
     core.handle(p.TrainClose(id=50, job="j"), 2.0)
     (close,) = core.drain()
+    retried = pipe_open(core, "j", 3)  # the broker's retry, behind the close
     core.finished(close, None, 3.0)
-    assert core.drain() == [ReleasePeers("j"), Send(p.TrainClosed(id=50, job="j"))]
-    core.finished(pipe_open(core, "bad"), FlowmeshError(Code.BAD_REQUEST, "no"), 4.0)
-    assert core.drain()[0] == ReleasePeers("bad")
-    late = pipe_open(core, "late")
+    assert core.drain() == [ReleasePeers("j#1"), Send(p.TrainClosed(id=50, job="j"))]
+    core.finished(retried, opened_job("j", blocks=((0, 1),)), 3.5)
+    assert [type(a) for a in core.drain()] == [Send]  # "j#3" holds its keys
+    core.finished(pipe_open(core, "bad", 4), FlowmeshError(Code.BAD_REQUEST, "no"), 4.0)
+    assert core.drain()[0] == ReleasePeers("bad#4")
+    late = pipe_open(core, "late", 5)
     core.registered_again()
     core.finished(late, opened_job("late", blocks=((0, 1),)), 5.0)
     assert core.drain() == [
-        ReleasePeers("late"),
+        ReleasePeers("late#5"),
         CloseJob(p.TrainClose(id=0, job="late"), answer=False),
     ]
 

@@ -172,8 +172,8 @@ async def test_a_peer_key_is_let_in_while_a_recent_run_or_an_open_pipelined_job_
     now = [0.0]
     keys = PeerKeys(wait_s=0.0, keep_s=10.0, clock=lambda: now[0])
     keys.allow("alice")
-    keys.allow("bob", "job-1")
-    keys.allow("bob", "job-2")
+    keys.allow("bob", "job#1")
+    keys.allow("bob", "job#2")
     now[0] = 9.0
     keys.allow("alice")  # named again: its leave starts over
     now[0] = 18.0
@@ -181,9 +181,9 @@ async def test_a_peer_key_is_let_in_while_a_recent_run_or_an_open_pipelined_job_
     now[0] = 19.5
     assert not await keys.callback(PEERS_DOMAIN, b"alice")
     assert await keys.callback(PEERS_DOMAIN, b"bob")
-    keys.release("job-1")
-    assert await keys.callback(PEERS_DOMAIN, b"bob")  # job-2 still holds it
-    keys.release("job-2")
+    keys.release("job#1")
+    assert await keys.callback(PEERS_DOMAIN, b"bob")  # job#2 (another open) still holds it
+    keys.release("job#2")
     assert not await keys.callback(PEERS_DOMAIN, b"bob")
     assert keys.refused == 2 and keys.held == {}
     keys.allow("carol")  # a new key: the expired ones are forgotten
