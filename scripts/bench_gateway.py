@@ -262,10 +262,10 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
         async def sdk(k: int) -> None:
-            await c.infer("mlp", xs[k])
+            await c.infer("mlp", xs[k % len(xs)])
 
         async def gateway(k: int) -> None:
-            await post(url, body(xs[k]))
+            await post(url, body(xs[k % len(xs)]))
 
         # The two sides in turns, not one after the other: on a shared machine the load of
         # other work drifts, and turns spread it over both alike.
@@ -293,7 +293,7 @@ async def bench_infer(mesh: LocalMesh, args: argparse.Namespace) -> dict[str, An
             solo["sdk"] += (await closed_loop(args.solo_requests, 1, sdk))[0]
             if args.http_client == "pycurl":
                 lat, _ = await asyncio.to_thread(
-                    curl_closed_loop, url, lambda k: body(xs[k]), args.solo_requests, 1
+                    curl_closed_loop, url, lambda k: body(xs[k % len(xs)]), args.solo_requests, 1
                 )
             else:
                 lat, _ = await closed_loop(args.solo_requests, 1, gateway)
@@ -397,6 +397,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    if min(args.requests, args.solo_requests, args.rounds, args.clients) < 1:
+        raise SystemExit("--requests, --solo-requests, --rounds and --clients need at least 1")
     with tempfile.TemporaryDirectory(prefix="bench-gw-") as tmp:
         model_dir = tiny_lm_dir(Path(tmp) / "tiny-llama", "llama", seed=5, max_positions=256)
         mesh = LocalMesh(
