@@ -1401,9 +1401,9 @@ class Executor:
     def close(self) -> None:
         for pool in (self._compute, *self._copies, self._waiter):
             pool.shutdown(wait=False, cancel_futures=True)
-        # Off the memory, which may outlive this executor (a test's, or one shared anew).
-        with contextlib.suppress(ValueError):
-            self.memory.wake_serving.remove(self._wake)
+        # Off the memory, which may outlive this executor: a new list, not this one changed
+        # (another thread may be calling its listeners).
+        self.memory.wake_serving = [f for f in self.memory.wake_serving if f != self._wake]
 
 
 def _run_chain(job: tuple[Any, ...]) -> None:

@@ -47,7 +47,6 @@ what the allocator handed out, and the GPU's stream order keeps two owners apart
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -323,14 +322,14 @@ class TrainingExecutor:
         self._range_freed = threading.Event()
         # The memory's listeners this executor adds (`close` takes them off again: the memory
         # may be the worker's, and outlive it).
-        self._listeners = [
-            (self.memory.on_claim, lambda: self._post_quiet(self._reclaim)),
-            (self.memory.wake_training, lambda: self._post_quiet(_nothing)),
-            (self.memory.wake_training, self._range_freed.set),
-            (self.memory.wake_training, self.gate.wake),
+        self._listeners: list[tuple[str, Callable[[], None]]] = [
+            ("on_claim", lambda: self._post_quiet(self._reclaim)),
+            ("wake_training", lambda: self._post_quiet(_nothing)),
+            ("wake_training", self._range_freed.set),
+            ("wake_training", self.gate.wake),
         ]
         for where, fn in self._listeners[:3]:  # the gate added its own
-            where.append(fn)
+            getattr(self.memory, where).append(fn)
 
     # ------------------------------------------------------------------ public API
 
@@ -499,13 +498,14 @@ class TrainingExecutor:
         self._compute.shutdown(wait=True)
         self._write.shutdown(wait=True)  # every write queued runs: a copy may wait on its marker
         self._copy.shutdown(wait=True, cancel_futures=True)
-        # Jobs still open let go of, their steps' kept graphs too (`TrainingJob.drop_steps`).
-        for job in self.jobs.values():
-            job.drop_steps()
-        self.jobs.clear()
+        if not self._driver.is_alive():  # (else it may still be reading them)
+            # Jobs still open let go of, their steps' kept graphs too (`drop_steps`).
+            for job in self.jobs.values():
+                job.drop_steps()
+            self.jobs.clear()
         for where, fn in self._listeners:
-            with contextlib.suppress(ValueError):
-                where.remove(fn)
+            # A new list, not this one changed: another thread may be calling its listeners.
+            setattr(self.memory, where, [f for f in getattr(self.memory, where) if f != fn])
 
     def __enter__(self) -> TrainingExecutor:
         return self
