@@ -776,6 +776,14 @@ class TrainingRouter:
     def on_error(self, worker: str, msg: p.Error, now: float) -> bool:
         """A worker's error answer; False when it answers no training call."""
         call = self.calls.get(msg.id) if msg.id is not None else None
+        if call is None and msg.id is not None:
+            # A close's error after its call expired: the worker holds the job no more either
+            # way (as an answer in time, it ends the job; nobody is waiting to be told).
+            for job in list(self.jobs.values()):
+                if msg.id in job.closes and worker in job.holders:
+                    why = f"training job {job.name!r} was closed"
+                    self._forget(job.name, Code.BAD_REQUEST, why)
+                    return True
         if call is None or call.worker != worker:
             return False
         del self.calls[msg.id]  # type: ignore[arg-type]

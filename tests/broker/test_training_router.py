@@ -256,6 +256,13 @@ def test_a_close_answered_after_it_timed_out_still_closes_the_job() -> None:
     assert h.backend(w, p.TrainClosed(id=close.id, job="j")) == []  # nobody waits now
     assert h.core.status(h.now).jobs == []
     open_job(h, "j", ref_id=2)  # its name is free again
+    # The same when the late answer is an error (the worker's close raised: it holds the
+    # job no more either way).
+    _, _, close = only(h.client(C, p.TrainClose(id=10, job="j", timeout_ms=1000)))
+    tick(h, h.now + 2.0, w)
+    assert [j.name for j in h.core.status(h.now).jobs] == ["j"]
+    h.backend(w, p.Error(id=close.id, code="internal", reason="close failed"))
+    assert h.core.status(h.now).jobs == []
 
 
 def test_a_job_that_ended_keeps_its_final_figures_in_status_and_metrics() -> None:
