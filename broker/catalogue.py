@@ -366,8 +366,8 @@ class Catalogue:
         for cid in [i for i, c in self.calls.items() if c.data.get("model") == name]:
             call = self.calls.pop(cid)
             peer = self.peers.get(call.peer) if call.kind == "plan" else None
-            if peer is not None:
-                peer.inflight_plans -= 1
+            if peer is not None:  # (perhaps registered anew since: never below 0)
+                peer.inflight_plans = max(0, peer.inflight_plans - 1)
 
     def _pop_call(self, cid: int, kind: str, peer: Peer) -> Call:
         """The pending call `cid`, only if it is a `kind` call sent to `peer` (nobody else may

@@ -102,8 +102,8 @@ OPTIONS = Options(
             None,
             "device memory beside the arena where training keeps what a step's later tasks read "
             "(activations, what a forward saved for its backward) instead of copying it to the "
-            "host tier and back, on CUDA (default: a quarter of what is free once the arena and "
-            "the host tier are reserved; 0: always the host tier)",
+            "host tier and back, on CUDA (default: a quarter of the GPU memory free once the "
+            "arena is reserved; none with --train-bytes 0; 0: always the host tier)",
         ),
         Option(
             "--prefault",
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         budget + train_bytes if budget is not None else None,
         host_tier_bytes=args.host_tier_bytes,
         prefault=bool(args.prefault),
-        resident_bytes=args.train_resident_bytes,
+        # A worker that takes no training jobs keeps no stashes.
+        resident_bytes=args.train_resident_bytes if train_bytes else 0,
     )
     if device.budget_bytes < train_bytes:
         raise SystemExit(f"--train-bytes {args.train_bytes} leaves no device memory for serving")

@@ -672,8 +672,8 @@ def open_device(
     the CPU stand-in keeps plain host memory. `prefault`: fault the arena in now (see
     Device._prefault_arena); off only to measure what it saves. `resident_bytes`: device
     memory beside the arena that training's stashes may stay in on CUDA (default: FREE_SHARE
-    of what is free once the arena and the host tier are reserved; 0: every stash goes to the
-    host tier); the stand-in's stashes stay where they are anyway.
+    of the GPU memory free once the arena is reserved; 0: every stash goes to the host tier);
+    the stand-in's stashes stay where they are anyway.
     """
     if spec == "cpu":
         if not budget_bytes:

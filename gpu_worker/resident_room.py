@@ -21,9 +21,9 @@ import weakref
 
 import torch
 
-# The share of the device memory still free once the arena and the host tier are reserved that
-# stashes may keep by default (`CudaDevice`): the rest is for the tasks' own activations while
-# they compute (which live there too, beside the arena), serving's, and the kernels' workspaces.
+# The share of the device memory still free once the arena is reserved that stashes may keep by
+# default (`CudaDevice`): the rest is for the tasks' own activations while they compute (which
+# live there too, beside the arena), serving's, and the kernels' workspaces.
 FREE_SHARE = 0.25
 # `ResidentRoom.stats` of a device whose stashes are never copied (the CPU stand-in's default).
 NO_ROOM = {

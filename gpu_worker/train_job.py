@@ -872,7 +872,10 @@ class TrainingJob:
         first, as a blocking copy would."""
         if isinstance(x, Stash):
             if x.resident:
-                return x.host  # made on the compute stream, read on it
+                # The stash itself, made on the compute stream and read on it, as on the CPU
+                # stand-in: a forward that changed its input in place would change it too,
+                # but its backward's recompute refuses that (in place on a leaf needing grad).
+                return x.host
             brought = x.brought
             if brought is not None and brought[2] is self._admission:
                 x.brought = None
