@@ -16,10 +16,12 @@ device budget. Samples/s of:
   does by hand today); only where every job fits the budget whole;
 - **(b) bound**: max(total compute time, total bytes moved / copy bandwidth). Compute is the
   plain PyTorch time of (c); bytes are what memory flow moved (the executor's bytes_in +
-  bytes_out: parameters, gradients, optimizer state, buffers; not the sub-models' kept inputs,
-  which a job moves to host memory and back itself on a GPU, a batch x width tensor per
-  boundary); the bandwidth is measured in the same run by replaying, host -> arena on the same
-  device, the copies memory flow issued (their exact sizes, recorded on the copy lane);
+  bytes_out: parameters, gradients, optimizer state, buffers; not the stashes, what a step's
+  later tasks read, which on a GPU stay on the device while the resident room has space for
+  them, `--train-resident-bytes`, else go to host memory and back: the table's "stashes" lines
+  and the JSON's `stashes` say how much did which); the bandwidth is measured in the same run
+  by replaying, host -> arena on the same device, the copies memory flow issued (their exact
+  sizes, recorded on the copy lane);
 - **(c) alone**: plain PyTorch, each job alone and whole on the device, all its steps, then the
   next job (nothing copied); a baseline only where every job fits the budget whole, and always
   the compute term of the bound.
@@ -624,6 +626,16 @@ def main() -> None:
             "a choice (a job's last sub-model runs both in one task); each sub-model's policy "
             "is in the JSON (activation_policies)"
         )
+        for r in rows:
+            st = r["stashes"]
+            if st is not None:  # a device whose stashes move (CUDA)
+                print(
+                    f"stashes, {r['jobs']} jobs {r['sizes']} {r['pressure']:.0f}x: "
+                    f"{st['stash_device_kept_bytes'] / MIB:.0f} MiB stayed on the device (at "
+                    f"most {st['stash_device_peak'] / MIB:.0f} of "
+                    f"{st['stash_device_limit'] / MIB:.0f} MiB at once), "
+                    f"{st['stash_host_bytes'] / MIB:.0f} MiB went to the host tier"
+                )
     if batch_rows:
         print(
             f"\nlargest batch under a budget (the whole model's footprint at batch "
