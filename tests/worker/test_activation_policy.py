@@ -17,7 +17,6 @@ import contextlib
 import copy
 import gc
 import math
-import time
 import weakref
 from typing import Any
 
@@ -56,6 +55,7 @@ from tests.support.reports import broker_status, worker_row
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
 from tests.support.train_grid import MODELS, RNG_SEED, data_for
 from tests.support.training import close, job_of, plain
+from tests.support.waiting import until_blocking
 
 ADAM = {"name": "adam", "lr": 0.01}
 STEPS = 6
@@ -94,6 +94,24 @@ def test_each_policy_forced_equals_plain_pytorch(
         close(t, state[name], f"{model} {policy}: {name}")
 
 
+def _two_jobs_through(
+    model: str, cfg: TrainConfig, data: Any, resident_bytes: int
+) -> tuple[list[TrainingJob], list[list[Any]], dict[str, Any]]:
+    """Two jobs side by side on a stand-in that copies stashes as a device does, but for
+    `resident_bytes` of them at once, which stay where they are (a device's resident room);
+    every step sent at once. The jobs, each step's results, the executor's stats at the end."""
+    reserve = 96 << 10
+    budget = job_of(model, cfg, act_bytes=reserve).largest_task() * 3 // 2
+    device = CpuStandIn(budget, stash_copies=True, resident_bytes=resident_bytes)
+    jobs = [job_of(model, cfg, act_bytes=reserve, name=n, device=device) for n in "ab"]
+    with TrainingExecutor(device) as ex:
+        for job in jobs:
+            ex.open(job)
+        sent = [[ex.submit(job.name, x, y) for job in jobs] for x, y in data]
+        results = [[f.result(timeout=120) for f in step] for step in sent]
+        return jobs, results, ex.stats()
+
+
 @pytest.mark.parametrize("policy", [RECOMPUTE, KEEP, SELECTIVE])
 @pytest.mark.parametrize(
     ("model", "clip", "accumulate"), CASES, ids=[f"{m}-clip{c}-acc{a}" for m, c, a in CASES]
@@ -111,16 +129,8 @@ def test_stashes_copied_out_and_brought_back_into_the_arena_train_as_plain_pytor
         ADAM, clip_grad_norm=clip, accumulate=accumulate, seed=RNG_SEED, activations=policy
     )
     data = data_for(model, STEPS)
-    reserve = 96 << 10
-    device = CpuStandIn(job_of(model, cfg, act_bytes=reserve).largest_task() * 3 // 2,
-                        stash_copies=True)  # fmt: skip
-    jobs = [job_of(model, cfg, act_bytes=reserve, name=n, device=device) for n in "ab"]
-    with TrainingExecutor(device) as ex:
-        for job in jobs:
-            ex.open(job)
-        sent = [[ex.submit(job.name, x, y) for job in jobs] for x, y in data]
-        results = [[f.result(timeout=120) for f in step] for step in sent]
-        assert ex.stats()["stash_bytes_prefetched"] > 0
+    jobs, results, stats = _two_jobs_through(model, cfg, data, resident_bytes=0)
+    assert stats["stash_bytes_prefetched"] > 0
     losses, state = plain(
         MODELS[model], cfg.optimizer, data, clip=clip, accumulate=accumulate, rng_seed=cfg.seed
     )
@@ -128,24 +138,6 @@ def test_stashes_copied_out_and_brought_back_into_the_arena_train_as_plain_pytor
         close([r[i].loss for r in results], losses, f"{job.name} {policy}: per-step losses")
         for name, t in job.state_dict().items():
             close(t, state[name], f"{job.name} {policy}: {name}")
-
-
-def _two_jobs_through(
-    model: str, cfg: TrainConfig, data: Any, resident_bytes: int
-) -> tuple[list[TrainingJob], list[list[Any]], dict[str, Any]]:
-    """Two jobs side by side on a stand-in that copies stashes as a device does, but for
-    `resident_bytes` of them at once, which stay where they are (a device's resident room);
-    every step sent at once. The jobs, each step's results, the executor's stats at the end."""
-    reserve = 96 << 10
-    budget = job_of(model, cfg, act_bytes=reserve).largest_task() * 3 // 2
-    device = CpuStandIn(budget, stash_copies=True, resident_bytes=resident_bytes)
-    jobs = [job_of(model, cfg, act_bytes=reserve, name=n, device=device) for n in "ab"]
-    with TrainingExecutor(device) as ex:
-        for job in jobs:
-            ex.open(job)
-        sent = [[ex.submit(job.name, x, y) for job in jobs] for x, y in data]
-        results = [[f.result(timeout=120) for f in step] for step in sent]
-        return jobs, results, ex.stats()
 
 
 @pytest.mark.parametrize("policy", [RECOMPUTE, KEEP, SELECTIVE])
@@ -214,12 +206,8 @@ def test_a_failed_step_and_a_closed_job_give_their_stashes_room_back(policy: str
 
     def let_go(ref: weakref.ref[Any]) -> bool:
         """Whether `ref`'s object is gone once the lanes are done with it (a bounded wait)."""
-        for _ in range(200):
-            gc.collect()
-            if ref() is None:
-                return True
-            time.sleep(0.05)
-        return False
+        until_blocking(lambda: gc.collect() >= 0 and ref() is None, "an object let go of", 10.0)
+        return True
 
     ex = TrainingExecutor(device, memory=memory)
     job = job_of("mlp", cfg, act_bytes=reserve, device=device)
