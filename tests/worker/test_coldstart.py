@@ -2,8 +2,9 @@
 faulted in as they are made, and on CUDA the host tier is one pinned slab whose ranges go back
 when a stage's host buffer is dropped.
 
-Memory is observed through the process's resident size (/proc/self/statm) and its minor page
-faults (getrusage), never through wall time.
+Memory is observed through which pages of a buffer are resident (mincore(2), which no other
+thread of the process can disturb as its resident size could) and the process's minor page faults
+(getrusage), never through wall time.
 """
 
 from __future__ import annotations
@@ -29,9 +30,20 @@ MIB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def resident_share(buf: torch.Tensor) -> float:
+    """The share of `buf`'s whole pages that are in memory now."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = -(-buf.data_ptr() // page) * page
+    hi = (buf.data_ptr() + buf.numel() * buf.element_size()) // page * page
+    pages = (hi - lo) // page
+    vec = ctypes.create_string_buffer(pages)
+    if LIBC.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec.raw) / pages
 
 
 def minor_faults() -> int:
@@ -42,11 +54,8 @@ def minor_faults() -> int:
 
 
 def test_cpu_arena_is_resident_as_soon_as_the_device_opens() -> None:
-    budget = 96 * MIB
-    before = rss()
-    dev = CpuStandIn(budget)
-    grown = rss() - before
-    assert grown >= 0.9 * budget, f"RSS grew {grown / MIB:.0f} MiB for a {budget / MIB} MiB arena"
+    dev = CpuStandIn(96 * MIB)
+    assert resident_share(dev.arena) == 1.0
     info = dev.info()
     assert isinstance(info["prefault_s"], float) and info["prefault_s"] > 0
     del dev
@@ -55,10 +64,8 @@ def test_cpu_arena_is_resident_as_soon_as_the_device_opens() -> None:
 def test_cpu_arena_without_prefault_stays_untouched() -> None:
     # The control for the test above (a measure that always grew would prove nothing), and the
     # comparison the benchmark makes.
-    budget = 96 * MIB
-    before = rss()
-    dev = CpuStandIn(budget, prefault=False)
-    assert rss() - before < 0.25 * budget
+    dev = CpuStandIn(96 * MIB, prefault=False)
+    assert resident_share(dev.arena) < 0.25
     assert dev.info()["prefault_s"] is None
     assert open_device("cpu", MIB, prefault=False).prefault_s is None
     assert open_device("cpu", MIB).prefault_s is not None
@@ -77,7 +84,7 @@ async def test_first_load_takes_no_page_faults_on_a_prefaulted_arena(prefault: b
     # A worker's arena is made as its process starts; in this process, earlier tests freed
     # memory that malloc would hand out again with its pages still mapped: given back first.
     gc.collect()
-    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    LIBC.malloc_trim(0)
     dev = CpuStandIn(40 * MIB, prefault=prefault)
     ex = Executor(dev, compute_lanes=1)
     blocks, host = stage(dev, 32 * MIB)
@@ -94,11 +101,9 @@ async def test_first_load_takes_no_page_faults_on_a_prefaulted_arena(prefault: b
 
 
 def test_cpu_host_buffers_are_resident_as_they_are_made() -> None:
-    dev = CpuStandIn(MIB)
-    before = rss()
-    buf = dev.host_buffer(64 * MIB)
-    assert rss() - before >= 0.9 * 64 * MIB
-    del buf
+    assert resident_share(CpuStandIn(MIB).host_buffer(64 * MIB)) == 1.0
+    # the control: a measure that always said resident would prove nothing
+    assert resident_share(CpuStandIn(MIB, prefault=False).host_buffer(64 * MIB)) < 0.25
 
 
 # ---------------------------------------------------------------- the slab allocator, fake slab
