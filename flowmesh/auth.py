@@ -343,6 +343,10 @@ async def watch_handshakes(
             )
             on_refused(f"{where}: {_why(kind, keyed)} (CURVE handshake failed{status})")
     finally:
+        # The monitor first: stopping it sends a last event to `mon`, a PAIR socket, and a
+        # send to a PAIR whose peer is closed blocks for ever (a loop torn down with the
+        # client open cancels this watcher before the socket's owner stops the monitor).
+        stop_watching(sock)
         mon.close(linger=0)
 
 

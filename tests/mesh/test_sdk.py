@@ -202,3 +202,36 @@ async def test_peer_counts_dropped_sends_and_never_raises() -> None:
         if peer.sock is not None:
             peer.sock.close(linger=0)
         ctx.term()
+
+
+def test_a_program_that_fails_with_its_client_open_still_exits(small_mesh: LocalMesh) -> None:
+    """`asyncio.run` ending in an error with an `AsyncClient` never closed cancels the client's
+    tasks. Its handshake watcher, cancelled first, used to close its end of the socket monitor
+    and the socket's own stop then blocked for ever on a send to that closed end: the program
+    hung instead of exiting with its error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = f"""
+import asyncio
+from client_sdk.client import AsyncClient
+
+async def main():
+    c = AsyncClient({small_mesh.frontend!r}, timeout=30)
+    await c.__aenter__()
+    await c.status()
+    raise RuntimeError("the program fails")
+
+try:
+    asyncio.run(main())
+except RuntimeError as exc:
+    print("exited:", exc)
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", program], cwd=root, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "exited: the program fails" in out.stdout, out.stderr[-2000:]
