@@ -47,7 +47,6 @@ import dataclasses
 import inspect
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -339,7 +338,13 @@ def open_storage(
     anything else an SQLAlchemy URL (RDBStorage) with heartbeats every `heartbeat_interval`
     seconds, a trial with no beat for `grace_period` seconds (default twice the interval) failed
     and retried up to `retries` times. A bad URL or an unreachable database raises ValueError
-    naming it, after at most 10 s of connecting."""
+    naming it, after at most 10 s of connecting, and so does a grace period no longer than the
+    interval (every live trial would look dead between two of its beats)."""
+    if grace_period is not None and grace_period <= heartbeat_interval:
+        raise ValueError(
+            f"a grace period of {grace_period} s is no longer than the heartbeat interval "
+            f"({heartbeat_interval} s): live trials would be failed as dead"
+        )
     if url.startswith(JOURNAL_PREFIX):
         from optuna.storages.journal import JournalFileBackend
 
@@ -500,8 +505,9 @@ async def sweep_async(
         direction=direction,
         load_if_exists=store is not None,
         # Drivers sharing a study each draw their own parameters: one seed would have them all
-        # sample the same points.
-        sampler=optuna.samplers.TPESampler(seed=seed if store is None else seed + os.getpid()),
+        # sample the same points. Seeded by the OS then, not by the pid, which drivers in
+        # containers or on other hosts often share (1 in a container).
+        sampler=optuna.samplers.TPESampler(seed=seed if store is None else None),
         pruner=make_pruner(pruner, eval_every, steps, reduction_factor),
     )
     running: set[int] = set()  # this driver's trials' ids in the storage, for heartbeats
@@ -540,11 +546,19 @@ async def sweep_async(
         # Without heartbeats a dead driver's trial never ends: do not wait on others then.
         return "wait" if beats and live > len(running) else "stop"
 
+    def beat(trial_id: int) -> None:
+        """One heartbeat; a storage error is warned of, never raised: the next beat tries again
+        (one lost beat is within the grace period), and a trial's training goes on."""
+        try:
+            store.record_heartbeat(trial_id)  # type: ignore[union-attr]
+        except Exception as exc:  # the storage's (SQLAlchemy's, the driver's) own errors
+            warnings.warn(f"sweep {name!r}: a heartbeat failed, tried again: {exc}", stacklevel=1)
+
     async def heartbeat() -> None:
         while True:
             await asyncio.sleep(heartbeat_interval)
             for trial_id in list(running):
-                store.record_heartbeat(trial_id)  # type: ignore[union-attr]
+                beat(trial_id)
 
     async def close_stale() -> None:
         while stale:
@@ -577,7 +591,7 @@ async def sweep_async(
             trial = study.ask(dists)
             running.add(trial._trial_id)
             if beats:
-                store.record_heartbeat(trial._trial_id)  # type: ignore[union-attr]
+                beat(trial._trial_id)
             rec = TrialRecord(trial.number, dict(trial.params), f"{name}-t{trial.number}")
             records.append(rec)
             records.sort(key=lambda r: r.number)
@@ -622,8 +636,16 @@ async def sweep_async(
             rec.value = value
             rec.state = state.name
             rec.seconds = time.perf_counter() - t0
-            study.tell(trial, value, state=state)
             running.discard(trial._trial_id)
+            try:
+                study.tell(trial, value, state=state)
+            except Exception as exc:
+                # Another driver failed it as stale (its beats came late: a stalled loop or
+                # storage), and retried it as a new trial; or the storage failed. Either way
+                # this driver's part is over: noted, and the sweep goes on.
+                rec.state = "FAIL"
+                rec.reason = rec.reason or f"not recorded: {exc}"
+                warnings.warn(f"sweep {name!r}: trial {trial.number}: {exc}", stacklevel=1)
             display.update(rec)
         if on_trial_end is not None:
             res = on_trial_end(rec)
@@ -663,10 +685,17 @@ async def sweep_async(
 
     beating = asyncio.create_task(heartbeat()) if beats else None
     try:
-        if store is None:  # alone on its study: exactly `trials` trials
-            await asyncio.gather(*(run_trial() for _ in range(trials)))
-        else:
-            await asyncio.gather(*(driver() for _ in range(min(concurrency, trials))))
+        # A task group: one that raises cancels the others (whose jobs their `finally` closes),
+        # where a gather left them training on after the sweep had returned.
+        async with asyncio.TaskGroup() as group:
+            if store is None:  # alone on its study: exactly `trials` trials
+                for _ in range(trials):
+                    group.create_task(run_trial())
+            else:
+                for _ in range(min(concurrency, trials)):
+                    group.create_task(driver())
+    except BaseExceptionGroup as group_exc:
+        raise group_exc.exceptions[0] from None  # as the gather raised: the first error
     finally:
         if beating is not None:
             beating.cancel()

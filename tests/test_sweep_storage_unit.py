@@ -34,7 +34,7 @@ def test_a_bad_url_or_an_unreachable_server_is_a_clear_error() -> None:
 
 
 def test_a_retried_trial_counts_once(tmp_path: Path) -> None:
-    storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_interval=1, grace_period=1)
+    storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_interval=1, grace_period=2)
     study = optuna.create_study(storage=storage, study_name="s")
     dead = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
     storage.record_heartbeat(dead._trial_id)  # type: ignore[attr-defined]
@@ -48,3 +48,10 @@ def test_a_retried_trial_counts_once(tmp_path: Path) -> None:
     assert _finished(trials) == 0  # the failed trial lives on as its retry
     study.tell(study.ask(), 0.5)
     assert _finished(study.get_trials()) == 1
+
+
+def test_a_grace_period_within_the_heartbeat_interval_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with pytest.raises(ValueError, match="grace period of 5 s is no longer than the heartbeat"):
+        open_storage(url, heartbeat_interval=5, grace_period=5)
+    open_storage(url, heartbeat_interval=5, grace_period=6)  # and the next second is enough

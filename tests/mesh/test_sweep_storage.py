@@ -9,12 +9,14 @@ parameters, new number)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -24,7 +26,7 @@ from client_sdk.mesh import LocalMesh
 from client_sdk.sweep import _finished, open_storage
 from tests.support.mesh import FAST, mesh_options, roots_at
 from tests.support.training import teacher
-from tests.support.waiting import until_blocking
+from tests.support.waiting import until, until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = mesh_options(cpu_workers=1, train_bytes="256KiB")
@@ -208,3 +210,69 @@ def test_a_trial_whose_driver_died_before_its_first_heartbeat_is_retried(
     retry = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
     assert [t.params for t in trials if retry(t) == orphan.number] == [orphan.params]
     assert _finished(trials) == TRIALS
+
+
+async def test_a_failed_heartbeat_does_not_make_a_live_trial_look_dead(
+    mesh: LocalMesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One heartbeat of driver A fails (its database dropped the connection); its beats go on,
+    so driver B, waiting for A's trial, never takes it for dead: the trial runs once, in A."""
+    import sqlalchemy.exc
+
+    from client_sdk import sweep as sweeping
+    from client_sdk.client import AsyncClient
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    beats: list[str] = []
+    real_open = sweeping.open_storage
+
+    def open_flaky(url: str, **kw: Any) -> optuna.storages.BaseStorage:
+        store = real_open(url, **kw)
+        if beats:  # B's: as it is
+            return store
+        real_beat = store.record_heartbeat  # type: ignore[attr-defined]
+
+        def beat(trial_id: int) -> None:
+            beats.append("tried")
+            if len(beats) == 2:  # the first periodic beat, after the one at `ask`
+                raise sqlalchemy.exc.OperationalError("UPDATE", {}, Exception("connection lost"))
+            real_beat(trial_id)
+
+        store.record_heartbeat = beat  # type: ignore[attr-defined]
+        return store
+
+    monkeypatch.setattr(sweeping, "open_storage", open_flaky)
+    data = teacher()
+    kw = dict(
+        factory="flowmesh.examples:mlp",
+        kwargs={"width": 16, "depth": 2, "in_features": 8, "out_features": 4},
+        space={"lr": {"type": "float", "low": 1e-4, "high": 0.1, "log": True}},
+        data=data,
+        trials=1,
+        pruner="none",
+        concurrency=1,
+        show=False,
+        storage=url,
+        heartbeat_interval=1,
+        grace_period=3,
+        timeout=60,
+    )
+
+    async def run(steps: int, after: Callable[[], bool] | None = None) -> sweeping.SweepResult:
+        if after is not None:
+            await until(after, "A's trial to start", timeout=60)
+        async with AsyncClient(mesh.frontend, timeout=60) as c:
+            return await sweeping.sweep_async(  # type: ignore[arg-type]
+                c, name="flaky", steps=steps, eval_every=steps, **kw
+            )
+
+    def a_running() -> bool:
+        return len(beats) >= 1
+
+    # A's one trial lasts several grace periods (B, with nothing to ask, watches it meanwhile).
+    with pytest.warns(UserWarning, match="heartbeat failed"):
+        a, b = await asyncio.gather(run(1500), run(6, after=a_running))
+    trials = optuna.load_study(study_name="flaky", storage=url).get_trials()
+    assert [(t.number, t.state.name) for t in trials] == [(0, "COMPLETE")]
+    assert [(r.number, r.state) for r in a.trials] == [(0, "COMPLETE")] and b.trials == []
+    assert len(beats) > 3  # beating went on after the failed one
