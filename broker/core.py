@@ -406,6 +406,12 @@ class BrokerCore:
             "could not send %s to %s %r: %s", msg.TYPE, dest, addr, exc.reason
         )
         if dest == CLIENT:
+            if exc.code == Code.UNAVAILABLE and isinstance(msg, p.GenChunk):
+                # PeerGone: the ROUTER has no connection under that address (ROUTER_MANDATORY;
+                # a full queue is OVERLOADED, not this). The ROUTER numbers connections itself,
+                # so a client that reconnects comes under another address: nobody reads this
+                # call again. It stops as a StopGenerate would, its KV freed; only this call.
+                self.generation.client_gone(addr, msg.id, now)
             return  # the client's own timeout answers it
         if exc.code == Code.UNAVAILABLE:  # PeerGone
             self.peer_unreachable(addr, now)

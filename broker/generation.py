@@ -26,10 +26,11 @@ keeps the sequences of every Generate call (one per prompt):
   requests (residency, loads, keep lists, direct runs, failover: `ServingRouter.start_gen`).
   The last stage answers one new token per sequence. A sequence ends on an end-of-sequence id
   (unless `ignore_eos`) or one of its `stop_ids` ("stop", the token kept), at `max_tokens`
-  ("length"), or by `StopGenerate` ("stop"); its stages' workers are told to free its KV
-  blocks (`FreeSeqs`), never while an iteration holding it (its group's) runs. A streamed call
+  ("length"), or by `StopGenerate` ("stop"), as does a streamed call whose chunk finds its
+  client gone (`client_gone`); its stages' workers are told to free its KV blocks (`FreeSeqs`,
+  parked copies too), never while an iteration holding it (its group's) runs. A streamed call
   gets a `GenChunk` per new token; every call gets one `Generated` once all its sequences
-  ended.
+  ended (but one whose client is gone: nobody would read it).
 - **Memory**: a stage that cannot place a prefill's KV blocks answers NO_SPACE; that
   iteration's prefills wait again and no new prefill joins that replica until a sequence of the
   model frees memory; the decodes run on. A prefill that fails alone (nothing else running on
@@ -50,8 +51,10 @@ keeps the sequences of every Generate call (one per prompt):
   fail WORKER_LOST. A stage found not resident under a decode (its KV went with it) starts
   its sequences again the same way (its prefills run again, through a Load);
   an iteration that hangs, fails on the worker or returns a malformed answer fails the calls in
-  it (the other groups' calls run on); a call past its timeout is answered TIMEOUT. Whatever
-  happens, every call gets one answer.
+  it (the other groups' calls run on), but for TOO_BIG, which names its longest sequence (that
+  one's KV could never fit a stage's share): only that call fails, the others run again (the
+  broker knows no block size to refuse it at the door); a call past its timeout is answered
+  TIMEOUT. Whatever happens, every call gets one answer (but one whose client is gone).
 """
 
 from __future__ import annotations
@@ -334,6 +337,22 @@ class GenerationRoom:
                     )
                 self._drop(seq)
         self._maybe_done(call, now)
+        self.pump(now)
+
+    def client_gone(self, addr: bytes, client_id: int, now: float) -> None:
+        """A chunk of call `client_id` could not reach its client, gone: the call ends as
+        `stop` ends it (its sequences "stop", their KV freed, never under an iteration that
+        holds them), answered to nobody (nobody would read it); its client's other calls run
+        on. A late or unknown one changes nothing."""
+        call = self.calls.get((addr, client_id))
+        if call is None:
+            return
+        log.info("model=%s client %r is gone: its generate %d stops", call.model, addr, client_id)
+        for s in call.seqs:
+            if s.finish is None:
+                s.finish = "stop"
+            self._drop(s)
+        self._close(call)
         self.pump(now)
 
     def tokenizer_info(self, addr: bytes, msg: p.TokenizerInfo, now: float) -> None:
@@ -869,6 +888,9 @@ class GenerationRoom:
         if code == Code.NO_SPACE:
             self._no_space(gm, g, k, it, reason, now)
             return
+        if code == Code.TOO_BIG:
+            self._too_big_in_group(gm, g, k, it, reason, now)
+            return
         # Only this group's calls: the other groups' iterations are runs of their own.
         for call in {id(s.call): s.call for s in it.seqs}.values():
             self._fail_call(call, code, reason)
@@ -931,6 +953,33 @@ class GenerationRoom:
             g.solo = True
         if alone:
             self._wait_for_room(gm, g, prefills[0], reason, now)
+
+    def _too_big_in_group(
+        self, gm: GenModel, g: GenRep, k: Group, it: Iteration, reason: str, now: float
+    ) -> None:
+        """A stage refused group `k`'s iteration `it` TOO_BIG: the KV of its longest sequence
+        could never fit the model's share of that stage's worker, whatever is freed there (the
+        worker measures the longest step, having placed nothing: `Executor._place_kv`). The
+        calls of the sequences that long fail; the iteration's other prefills wait again (freed
+        where they were placed, a resumed one parked again) and its decodes run on, as after
+        NO_SPACE: one call too long for the stages does not fail those batched with it."""
+        top = max(step.start + step.count for step in it.step.seqs)
+        at_fault = {
+            id(s.call): s
+            for s, step in zip(it.seqs, it.step.seqs, strict=True)
+            if step.start + step.count == top
+        }
+        for s in at_fault.values():
+            self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
+        prefills = [s for s, pre in zip(it.seqs, it.prefill, strict=True) if pre and not s.finish]
+        k.running = [s for s in k.running if s not in prefills]
+        resumed = [s for s, kind in zip(it.seqs, it.resume, strict=True) if kind == "swap"]
+        resumed = [s for s in resumed if s in prefills]
+        self._park(gm, g.rep, resumed, now, wake=False)
+        self._free(gm, g.rep, [s for s in prefills if s not in resumed], wake=False)
+        for s in reversed(prefills):
+            s.rep, s.group, s.prefilled = None, None, False
+            gm.waiting.appendleft(s)
 
     def _beside(self, gm: GenModel, g: GenRep) -> list[str]:
         """The other models resident on `g`'s workers: what may hold the KV room a sequence of
@@ -1009,26 +1058,35 @@ class GenerationRoom:
     # ================================================================== ending
 
     def _drop(self, s: Seq) -> None:
-        """Take an ended sequence out of the model's tables; free its KV (parked copies at
-        once) unless an iteration holding it runs (its return frees it)."""
+        """Take an ended sequence out of the model's tables; free its KV (parked copies too)
+        unless an iteration holding it runs: its return frees it. That holds for the parked
+        copies of one resuming from them in that iteration: a stage it has not reached yet
+        copies them back as it comes, and would find nothing."""
         gm = s.call.gm
-        self._unpark(s)
         if s in gm.waiting:
+            self._unpark(s)
             gm.waiting.remove(s)
             return
         g, k = s.rep, s.group
-        if g is None or k is None or s not in k.running or k.batch is not None:
+        if g is None or k is None or s not in k.running:
+            self._unpark(s)
             return
+        if k.batch is not None:
+            return  # `iteration_done` / `_failed` free it (and forget its parked KV)
         k.running.remove(s)
-        self._free(gm, g.rep, [s])
+        self._free(gm, g.rep, [s])  # its parked copies there too
+        self._unpark(s)  # copies its FreeSeqs did not reach (it was not sent since)
 
     def _free(
         self, gm: GenModel, rep: Replica, seqs: list[Seq], skip: str = "", *, wake: bool = True
     ) -> None:
-        """FreeSeqs for `seqs` to each stage's worker; a freed sequence lets waiting prefills
-        of the model try again."""
+        """FreeSeqs for `seqs` to each stage's worker (which drops their KV held or parked
+        there: parked copies on `rep` are forgotten with it); a freed sequence lets waiting
+        prefills of the model try again."""
         ids = [s.id for s in seqs if s.sent]
         for s in seqs:
+            if s.sent and s.parked_rep is rep:
+                self._unpark(s, tell=False)
             s.sent = False
         if not ids:
             return

@@ -15,7 +15,8 @@ from broker.generation import KV_RETRY_S, PARK_WAIT_S
 from broker.lm_files import LmFiles, read_lm_files
 from broker.state import Phase, Residency
 from flowmesh import protocol as p
-from flowmesh.errors import Code
+from flowmesh.errors import Code, FlowmeshError
+from flowmesh.transport import PeerGone
 from tests.support.broker import CLIENT_A, CLIENT_B, MIB, kinds, only, ref
 from tests.support.generation import (
     VOCAB,
@@ -534,6 +535,46 @@ def test_stopping_a_waiting_sequence_sends_nothing_to_workers(lm_dir: Path, file
     assert steps(run) == [(a, 2, 1, 1)]
 
 
+def test_a_stream_whose_client_is_gone_stops_and_frees_its_kv(lm_dir: Path, files: LmFiles) -> None:
+    g = Gen(lm_dir, files, gen_groups=1)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=50, stream=True))
+    ((a, *_),) = steps(run)
+    assert g.generate(2, [[1, 6]], max_tokens=3, stream=True) == []
+    out = g.step(run, [10])
+    run = run_of(out, g.w0)
+    (_, (b, *_)) = steps(run)
+    # A full queue to the client (the high-water mark: OVERLOADED) stops nothing.
+    full = FlowmeshError(Code.OVERLOADED, "peer queue full (high-water mark reached)")
+    g.core.send_failed(CLIENT, CLIENT_A, only(out, p.GenChunk)[0], full, g.h.now)
+    assert g.keep(g.h.out()) == []
+    out = g.step(run, [11, 20])
+    run = run_of(out, g.w0)
+    assert steps(run) == [(a, 3, 1, 2), (b, 2, 1, 1)]
+    # Call 1's chunk finds its client gone (PeerGone: no connection under that address): the
+    # call stops, answered to nobody; its KV is freed once the iteration holding it is back.
+    chunk = p.GenChunk(id=1, index=0, ids=[11])
+    assert only(out, p.GenChunk)[0] == chunk
+    g.core.send_failed(CLIENT, CLIENT_A, chunk, PeerGone("peer is not connected"), g.h.now)
+    assert g.keep(g.h.out()) == []
+    out = g.step(run, [12, 21])
+    run = run_of(out, g.w0)
+    assert out == [
+        (CLIENT, CLIENT_A, p.GenChunk(id=2, index=0, ids=[21])),
+        *freed(a),
+        (BACKEND, g.w0, run),
+    ]
+    # The call whose chunk went out runs on; a late PeerGone of the stopped one changes nothing.
+    assert steps(run) == [(b, 3, 1, 2)]
+    g.core.send_failed(CLIENT, CLIENT_A, chunk, PeerGone("peer is not connected"), g.h.now)
+    assert g.keep(g.h.out()) == []
+    assert g.step(run, [22]) == [
+        (CLIENT, CLIENT_A, p.GenChunk(id=2, index=0, ids=[22], finish="length")),
+        *freed(b),
+        (CLIENT, CLIENT_A, p.Generated(id=2, outputs=[out_of([20, 21, 22], "length", 2)])),
+    ]
+    assert g.finals(1) == [] and g.core.generation.calls == {} and g.core.ctx.outstanding == {}
+
+
 # ====================================================================== KV memory
 
 
@@ -968,6 +1009,45 @@ def test_an_error_from_a_stage_fails_the_calls_in_it(lm_dir: Path, files: LmFile
     g.answered_once()
 
 
+def test_a_sequence_too_big_for_the_stages_fails_alone_not_those_batched_with_it(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, gen_groups=1)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    run = run_of(g.step(run, [10]), g.w0)
+    assert g.generate(2, [[1] + [7] * 40], max_tokens=8, addr=CLIENT_B) == []
+    assert g.generate(3, [[1, 8]], max_tokens=2, addr=CLIENT_B) == []
+    run = run_of(g.step(run, [11]), g.w0)
+    (_, (b, *_), (c, *_)) = steps(run)
+    assert steps(run) == [(a, 3, 1, 2), (b, 0, 41, 0), (c, 0, 2, 0)]
+    # Stage 1 finds the longest sequence's KV over the model's share there, even alone: that
+    # call fails; the other prefill waits again (freed where placed), the decode runs on.
+    why = f"'lm'/1: sequence {b} needs 6144 bytes of KV at 41 tokens, over its model's share"
+    out = g.keep(
+        g.h.backend(g.w1, p.Error(id=g.stage0(run).id, code=str(Code.TOO_BIG), reason=why))
+    )
+    run = run_of(out, g.w0)
+    reason = (
+        "a sequence of 41 prompt tokens + 8 new (49) does not fit the KV memory of 'lm''s "
+        f"stages even alone: {why}"
+    )
+    assert out == [
+        *freed(b),
+        (CLIENT, CLIENT_B, p.Error(id=2, code=str(Code.TOO_BIG), reason=reason)),
+        *freed(c),
+        (BACKEND, g.w0, run),
+    ]
+    assert steps(run) == [(a, 3, 1, 2), (c, 0, 2, 0)] and ids_of(run) == [11, 1, 8]
+    run = run_of(g.step(run, [12, 30]), g.w0)
+    assert g.step(run, [13, 31]) == [
+        *freed(a, c),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12, 13], "length", 2)])),
+        (CLIENT, CLIENT_B, p.Generated(id=3, outputs=[out_of([30, 31], "length", 2)])),
+    ]
+    g.answered_once()
+
+
 def test_a_call_past_its_deadline_is_answered_timeout(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=8, timeout_ms=1000, stream=True))
@@ -1242,6 +1322,30 @@ def test_a_parked_sequence_stopped_while_waiting_has_its_copies_dropped(
     out = g.client(p.StopGenerate(id=2), addr=CLIENT_B)
     assert out[:2] == freed(b) and kinds(out[2:]) == [(CLIENT_B, "generated")]
     assert g.core.generation.parked == {}
+
+
+@pytest.mark.parametrize("answer", ["tokens", "error"])
+def test_a_sequence_stopped_as_it_resumes_from_its_parked_kv_is_freed_once_that_is_back(
+    lm_dir: Path, files: LmFiles, answer: str
+) -> None:
+    g = Gen(lm_dir, files)
+    a, b, run = _preempted(g)
+    _both_parked(g, b)
+    run = run_of(_a_ends(g, a, run), g.w0)
+    assert steps(run) == [(b, 3, 1, 1)]
+    stage1 = g.stage0(run)
+    # Stopped while the iteration resuming it is between stages: stage 1 has yet to copy its
+    # parked KV back, so nothing is freed now (its answer, whatever it is, frees it).
+    assert g.client(p.StopGenerate(id=2), CLIENT_B) == [
+        (CLIENT, CLIENT_B, p.Generated(id=2, outputs=[out_of([20], "stop", 3)]))
+    ]
+    if answer == "tokens":
+        assert g.last(stage1, [{"tokens": tokens([21])}]) == freed(b)
+    else:
+        err = p.Error(id=stage1.id, code=str(Code.MODEL_ERROR), reason="RuntimeError: boom")
+        assert g.keep(g.h.backend(g.w1, err)) == freed(b)
+    assert g.core.generation.parked == {}
+    g.answered_once()
 
 
 def test_a_stopped_prefill_out_of_memory_is_no_verdict_on_the_call(

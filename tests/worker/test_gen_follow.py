@@ -3,7 +3,8 @@ saved with save_pretrained on an executor over a CPU stand-in. Sent while the on
 still queued, it takes in the tokens that one draws and runs right after it on the same compute
 lane; a greedy generation of such iterations gives Hugging Face's tokens. One that cannot
 follow (the iteration named did not run here, failed, or is not the stage's latest; a stage
-that does not draw tokens) is refused and changes nothing."""
+that does not draw tokens) is refused and changes nothing. And no sequence's sampling fails an
+iteration it shares with others: a temperature too small to divide by draws the greedy token."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.messages import GenStep, Sampling, SeqStep
+from flowmesh.modelio.sampling import GREEDY_BELOW, new_generator, sample
 from gpu_worker.executor import Executor, FollowedFailed
 from tests.support.decode_models import (
     hf_greedy,
@@ -124,3 +126,55 @@ async def test_only_a_stage_that_draws_the_tokens_runs_a_follower(llama) -> None
     assert err.value.code == Code.BAD_REQUEST
     assert "only a stage that takes token ids and draws the next ones" in err.value.reason
     ex.close()
+
+
+async def test_a_tiny_temperature_draws_greedily_and_fails_nobody_batched_with_it(llama) -> None:  # type: ignore[no-untyped-def]
+    model, spec = llama
+    ex = await two_stage_executor(spec, 4 * MIB)
+    a, b = prompts([9, 5])
+    # A valid Sampling whose temperature overflows logits / temperature (to inf, then NaN).
+    tiny = Sampling(temperature=1e-40, seed=1)
+
+    async def iteration(steps: list[SeqStep], ids: list[int]) -> list[int]:
+        gen = GenStep(seqs=steps)
+        h = (await ex.run(("lm", 0), [{"ids": torch.tensor(ids)}], gen=gen)).parts[0][""]
+        return (await ex.run(("lm", 1), [{"": h}], gen=gen)).parts[0]["tokens"].tolist()
+
+    got_a = await iteration([SeqStep(seq=1, start=0, count=9, sampling=GREEDY)], a)
+    got = await iteration(
+        [
+            SeqStep(seq=1, start=9, count=1, sampling=GREEDY, drawn=1),
+            SeqStep(seq=2, start=0, count=5, sampling=tiny),
+        ],
+        got_a + b,
+    )
+    got_a, got_b = got_a + got[:1], got[1:]
+    for i in range(1, 3):
+        got = await iteration(
+            [
+                SeqStep(seq=1, start=8 + len(got_a), count=1, sampling=GREEDY, drawn=len(got_a)),
+                SeqStep(seq=2, start=4 + len(got_b), count=1, sampling=tiny, drawn=i),
+            ],
+            [got_a[-1], got_b[-1]],
+        )
+        got_a, got_b = got_a + got[:1], got_b + got[1:]
+    assert got_a == hf_greedy(model, a, 4)[0]
+    assert got_b == hf_greedy(model, b, 3)[0]
+    ex.close()
+
+
+def test_no_temperature_overflows_the_draw() -> None:
+    rows = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    for scale, temperature in (
+        (1.0, 1e-40),
+        (1.0, 5e-324),
+        (1.0, GREEDY_BELOW / 2),
+        # Logits large enough that dividing them by the temperature overflows float32.
+        (1e37, GREEDY_BELOW * 2),
+        (1e37, 0.01),
+    ):
+        logits = rows * scale
+        s = Sampling(temperature=temperature, seed=2)
+        gens = [new_generator(s, logits.device) for _ in range(len(logits))]
+        got = sample(logits, [s] * len(logits), gens)
+        assert got.tolist() == logits.argmax(-1).tolist(), (scale, temperature)
