@@ -355,7 +355,7 @@ class WorkerHands:
             self._feed(asyncio.wrap_future(fut), work)
         elif isinstance(work, PipeSave):
             runner, pool = self._pipe(work.msg.job)
-            fut = pool.submit(runner.on_save, work.msg.id, work.msg.path)
+            fut = pool.submit(runner.on_save, work.msg.id, work.msg.path, work.msg.timeout_ms)
             self._feed(asyncio.wrap_future(fut), work)
         elif isinstance(work, PipeHopIn):
             runner, pool = self._pipe(work.hop.job)
@@ -540,7 +540,9 @@ class WorkerHands:
             def save(stage: Any, path: str, step: int, rng: Any) -> None:  # on the job's thread
                 save_stage(stage, roots.writable(path, "checkpoint"), step, rng)
 
-            runner = PipeRunner(stage, msg.ticket, send, answer, step_count=step, save=save)
+            runner = PipeRunner(
+                stage, msg.ticket, send, answer, step_count=step, save=save, batch=msg.batch
+            )
             if rng is not None:
                 runner.rng = rng
             self.pipes[job] = (runner, torch_pool(1, f"pipe-{job}"))
@@ -561,9 +563,10 @@ class WorkerHands:
         )
 
     def tick(self) -> None:
-        """Each pipelined job's coordinator checks its step's deadline, on the job's thread."""
+        """Each pipelined job's coordinator checks the deadline of what it has under way (a step,
+        an evaluation, a save), on the job's thread."""
         for runner, pool in list(self.pipes.values()):
-            if runner.coordinator and runner.current is not None:
+            if runner.coordinator and runner.under_way:
                 pool.submit(runner.on_tick)
 
     def _send_pipe(self, peer: p.PipePeer, hop: p.PipeHop) -> None:

@@ -28,9 +28,13 @@ to worker over the peer sockets, as `p.PipeHop`s carrying the job's ticket:
 
 An evaluation (`on_eval`) waits for the step under way to end, like a step, and runs its
 micro-batches' forwards in eval mode through the stages, the last one summing their losses;
-nothing changes, the RNG state included. A save (`on_save`) waits likewise; the coordinator
-asks every stage to write its part of the checkpoint ("save": `gpu_worker.pipe_checkpoint`) and
-answers once each has ("saved").
+nothing changes, the RNG state included. Its micro-batches are the step's count, but none has
+more rows than a step's micro-batch at the batch the job was opened for (`batch`): that is
+what each stage's memory was planned for, as memory flow bounds its evaluations. A save
+(`on_save`) waits likewise; the coordinator asks every stage to write its part of the
+checkpoint ("save": `gpu_worker.pipe_checkpoint`) and answers once each has ("saved").
+Evaluations and saves have a deadline as steps do: a hop lost on the way fails the one under
+way with TIMEOUT, and what was queued behind it goes on, where it waited for ever.
 
 A failure on any stage ("fail") fails the step everywhere ("abort"): no stage updates from it
 (a failure in an update breaks the job: its stages no longer agree). Plain logic: `on_step` and
@@ -123,8 +127,8 @@ class _Step:
 
 @dataclass
 class _Eval:
-    """An evaluation under way: on the coordinator, its call; on the last stage, its targets,
-    each micro-batch's share of the rows, and the sums so far."""
+    """An evaluation under way: on the coordinator, its call and deadline; on the last stage,
+    its targets, each micro-batch's share of the rows, and the sums so far."""
 
     ref: int
     targets: list[torch.Tensor] = field(default_factory=list)
@@ -133,15 +137,24 @@ class _Eval:
     loss: float = 0.0
     right: int = 0
     counted: int = 0
+    deadline: float = math.inf
 
 
 @dataclass
 class _Save:
+    """The coordinator's save under way: its call (which its stages' hops carry as their
+    `seq`, so that a late answer to a save given up is not counted for the next one)."""
+
     ref: int
     path: str
+    deadline: float = math.inf
     answers: int = 0
     code: str = ""
     reason: str = ""
+
+
+def _deadline_s(timeout_ms: int | None) -> float:
+    return timeout_ms / 1000 if timeout_ms else STEP_TIMEOUT_S
 
 
 def save_to(stage: PipeStage, path: str, step: int, rng: RngState | None) -> None:
@@ -160,6 +173,7 @@ class PipeRunner:
         step_count: int = 0,
         save: Callable[[PipeStage, str, int, RngState | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        batch: int | None = None,
     ) -> None:
         if len(stage.ranges) < 2:
             raise FlowmeshError(Code.BAD_REQUEST, "a pipelined job has at least two stages")
@@ -171,6 +185,9 @@ class PipeRunner:
         self._answer = answer
         self.coordinator = stage.first
         self.micros = stage.config.accumulate
+        # The most rows of an evaluation's micro-batch: a step's, at the batch the job was
+        # opened for (None: as many as the evaluation's rows split into `micros`).
+        self.eval_rows = max(1, batch // self.micros) if batch else None
         self.clip = stage.config.clip_grad_norm is not None
         self.step_count = step_count  # steps applied
         self.last_seq = 0  # the last step begun here
@@ -211,13 +228,38 @@ class PipeRunner:
         self._drain(self._next)
 
     def on_tick(self) -> None:
-        """The coordinator: a step past its deadline fails everywhere (TIMEOUT), so that the
-        steps behind it go on (`timeout_ms` of its TrainStep, else STEP_TIMEOUT_S)."""
+        """The coordinator: a step, evaluation or save past its deadline fails (TIMEOUT), so
+        that what is queued behind it goes on (`timeout_ms` of its message, else
+        STEP_TIMEOUT_S)."""
         self._drain(self._check_deadline)
 
+    @property
+    def under_way(self) -> bool:
+        """Whether the coordinator has a step, evaluation or save under way (one to tick)."""
+        return self.current is not None or self._eval is not None or self._saving is not None
+
     def _check_deadline(self) -> None:
+        if not self.coordinator:
+            return
+        now = self.clock()
+        ev, save = self._eval, self._saving
+        if ev is not None and now >= ev.deadline:
+            self._eval_failed(ev, FlowmeshError(
+                Code.TIMEOUT,
+                f"job {self.job!r}: an evaluation did not end within its time on the "
+                f"pipeline's {self.n} workers (one of them did not answer); nothing changed",
+            ))  # fmt: skip
+        if save is not None and now >= save.deadline:
+            self._saving = None
+            self._answer(p.Error(
+                id=save.ref, code=str(Code.TIMEOUT),
+                reason=f"job {self.job!r}: the save to {save.path!r} did not end within its "
+                f"time on the pipeline's {self.n} workers (one of them did not answer): "
+                "it may be incomplete there; save again",
+            ))  # fmt: skip
+            self._next()
         step = self.current
-        if not self.coordinator or step is None or self.clock() < step.deadline:
+        if step is None or now < step.deadline:
             return
         late = FlowmeshError(
             Code.TIMEOUT,
@@ -227,11 +269,11 @@ class PipeRunner:
         )
         self._fail(step, late)
 
-    def on_save(self, ref: int, path: str) -> None:
+    def on_save(self, ref: int, path: str, timeout_ms: int | None = None) -> None:
         """The broker's save (stage 0 only), after every step sent before it."""
         if not self.coordinator:
             raise FlowmeshError(Code.BAD_REQUEST, f"job {self.job!r}: saves go to stage 0")
-        self.queued.append(("save", ref, path))
+        self.queued.append(("save", ref, path, timeout_ms))
         self._drain(self._next)
 
     def on_hop(self, hop: p.PipeHop) -> None:
@@ -273,18 +315,17 @@ class PipeRunner:
                 self._begin_eval(*item[1:])
                 continue
             if item[0] == "save":
-                _, ref, path = item
-                self._saving = _Save(ref, path)
+                _, ref, path, timeout_ms = item
+                self._saving = _Save(ref, path, self.clock() + _deadline_s(timeout_ms))
                 for s in range(self.n):
-                    self._hop(s, "save", self.last_seq, path=path)
+                    self._hop(s, "save", ref, path=path)
                 return
             _, msg, inputs, targets = item
             if self.broken is not None:
                 self._answer(p.Error(id=msg.id, code=str(Code.MODEL_ERROR), reason=self.broken))
                 continue
             step = self.current = _Step(msg.seq, serial=self.random, call=msg.id)
-            timeout = msg.timeout_ms / 1000 if msg.timeout_ms else STEP_TIMEOUT_S
-            step.deadline = self.clock() + timeout
+            step.deadline = self.clock() + _deadline_s(msg.timeout_ms)
             self.last_seq = msg.seq
             try:
                 step.inputs = micro_batches(inputs, self.micros)
@@ -304,12 +345,15 @@ class PipeRunner:
 
     def _begin_eval(self, msg: p.TrainEval, inputs: Any, targets: torch.Tensor) -> None:
         """The coordinator: the evaluation's micro-batches (the step's count, the last one
-        shorter when the rows do not split evenly) through stage 0, on to the others."""
+        shorter when the rows do not split evenly; more, of a step's micro-batch, when it has
+        more rows than the job's batch) through stage 0, on to the others."""
         rows = int(targets.shape[0])
         size = max(1, -(-rows // self.micros))
+        if self.eval_rows is not None:
+            size = min(size, self.eval_rows)
         ys = list(targets.split(size))
         xs = split_rows(inputs, size)
-        ev = self._eval = _Eval(msg.id)
+        ev = self._eval = _Eval(msg.id, deadline=self.clock() + _deadline_s(msg.timeout_ms))
         try:
             self._hop(self.n - 1, "target", msg.id, evaluating=True,
                       values=[len(y) / rows for y in ys],
@@ -592,8 +636,8 @@ class PipeRunner:
 
     def _saved(self, hop: p.PipeHop) -> None:
         save = self._saving
-        if save is None:
-            return
+        if save is None or hop.seq != save.ref:
+            return  # of a save given up (its deadline passed)
         save.answers += 1
         if hop.code and not save.code:
             save.code, save.reason = hop.code, f"stage {hop.stage}: {hop.reason}"

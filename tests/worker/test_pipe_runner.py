@@ -38,12 +38,13 @@ from tests.support.train_cases import (
 class Bus:
     """Runners of one job and the hops between them, delivered in a seeded random order."""
 
-    def __init__(self, stages: list[PipeStage], seed: int) -> None:
+    def __init__(self, stages: list[PipeStage], seed: int, batch: int | None = None) -> None:
         self.rand = random.Random(seed)
         self.lanes: dict[tuple[int, int], deque[p.PipeHop]] = {}
         self.answers: list[p.Message] = []
         self.runners = [
-            PipeRunner(s, 7, self._sender(s.stage), self.answers.append) for s in stages
+            PipeRunner(s, 7, self._sender(s.stage), self.answers.append, batch=batch)
+            for s in stages
         ]
 
     def _sender(self, frm: int) -> Any:
@@ -262,3 +263,113 @@ def test_a_step_whose_hop_is_lost_fails_at_its_deadline_and_the_rest_go_on() -> 
     assert [a.step for a in done] == [1, 2, 3, 4]
     good = [data[0], *data[2:]]
     close([a.loss for a in done], plain_step_loop(build("mlp"), cfg, good), "losses")
+
+
+def test_an_evaluation_or_a_save_whose_hop_is_lost_fails_at_its_deadline(tmp_path: Any) -> None:
+    """An evaluation's activation lost between stages 1 and 2, then a save's answer from stage
+    2 lost (the workers alive): each is answered TIMEOUT at its deadline, and the steps queued
+    behind them run, where they waited for ever. The lost answer, come late while the next save
+    is under way, is not counted for that one."""
+    cfg = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=2, seed=21)
+    data = data_for("mlp", steps=3)
+    held_x, held_y = data_for("mlp", steps=1, batch=8, seed=9)[0]
+    now = [0.0]
+    bus = Bus(pipe_stages("mlp", cfg, 3), seed=8)
+    for r in bus.runners:
+        r.clock = lambda: now[0]
+    lost: list[tuple[int, p.PipeHop]] = []
+    act_send, saved_send = bus.runners[1]._send, bus.runners[2]._send
+
+    def lossy_act(to: int, hop: p.PipeHop) -> None:
+        if hop.evaluating and hop.kind == "act" and not lost:
+            lost.append((to, hop))
+            return
+        act_send(to, hop)
+
+    def lossy_saved(to: int, hop: p.PipeHop) -> None:
+        if hop.kind == "saved" and len(lost) in (1, 2):  # held back: each save's first
+            lost.append((to, hop))
+            return
+        saved_send(to, hop)
+
+    bus.runners[1]._send, bus.runners[2]._send = lossy_act, lossy_saved
+    r0 = bus.runners[0]
+    r0.on_step(p.TrainStep(id=1, job="job", seq=1, timeout_ms=30_000), *data[0])
+    r0.on_eval(p.TrainEval(id=50, job="job", timeout_ms=30_000), held_x, held_y)
+    r0.on_step(p.TrainStep(id=2, job="job", seq=2, timeout_ms=30_000), *data[1])
+    bus.run()
+    assert [a.id for a in bus.answers] == [1] and r0.under_way and len(lost) == 1
+    now[0] = 29.0
+    r0.on_tick()
+    assert len(bus.answers) == 1  # not yet
+    now[0] = 31.0
+    r0.on_tick()
+    bus.run()
+    assert [(type(a).__name__, a.id) for a in bus.answers] == [
+        ("TrainStepResult", 1), ("Error", 50), ("TrainStepResult", 2)]  # fmt: skip
+    err = bus.answers[1]
+    assert isinstance(err, p.Error) and err.code == str(Code.TIMEOUT)
+    assert "an evaluation did not end within its time" in err.reason
+    assert not r0.under_way
+
+    path = str(tmp_path / "ck")
+    r0.on_save(60, path, 10_000)
+    r0.on_step(p.TrainStep(id=3, job="job", seq=3, timeout_ms=30_000), *data[2])
+    bus.run()
+    assert len(bus.answers) == 3 and len(lost) == 2  # the save waits, the step behind it
+    now[0] = 31.0 + 11.0
+    r0.on_tick()
+    bus.run()
+    assert [(type(a).__name__, a.id) for a in bus.answers[3:]] == [
+        ("Error", 60), ("TrainStepResult", 3)]  # fmt: skip
+    late = bus.answers[3]
+    assert isinstance(late, p.Error) and late.code == str(Code.TIMEOUT)
+    assert "it may be incomplete there; save again" in late.reason
+
+    # The next save, the lost answer of the last one come late: counted for nothing, so the
+    # new one is not answered while stage 2's own answer is still on its way.
+    r0.on_save(61, path, 10_000)
+    to, hop = lost[1]
+    assert to == 0
+    r0.on_hop(hop)
+    bus.run()
+    assert len(bus.answers) == 5 and len(lost) == 3
+    to, hop = lost[2]
+    r0.on_hop(hop)
+    saved = bus.answers[5:]
+    assert [(type(a).__name__, a.id) for a in saved] == [("TrainSaved", 61)], saved
+    assert read_pipe_meta(path)["step"] == 3
+
+
+def test_an_evaluation_over_the_jobs_batch_runs_in_micro_batches_of_a_steps_rows() -> None:
+    """A job opened for 8 rows a step in 2 micro-batches: its stages' memory was planned for
+    forwards of 4 rows. An evaluation of 40 rows runs as forwards of at most 4 rows (not 2 of
+    20), and its loss and accuracy are the plain model's."""
+    cfg = TrainConfig({"name": "sgd", "lr": 0.05}, accumulate=2, seed=21)
+    data = data_for("mlp", steps=2)
+    held_x, held_y = data_for("mlp", steps=1, batch=40, seed=9)[0]
+    bus = Bus(pipe_stages("mlp", cfg, 2), seed=3, batch=8)
+    seen: list[int] = []
+    for r in bus.runners:
+        evaluate = r.stage.evaluate
+
+        def counted(x: Any, rng: Any, evaluate: Any = evaluate) -> Any:
+            seen.append(int(x.shape[0]))
+            return evaluate(x, rng)
+
+        r.stage.evaluate = counted  # type: ignore[method-assign]
+    for seq, (x, y) in enumerate(data, 1):
+        bus.runners[0].on_step(p.TrainStep(id=seq, job="job", seq=seq), x, y)
+    bus.runners[0].on_eval(p.TrainEval(id=70, job="job"), held_x, held_y)
+    bus.run()
+    ev = bus.answers[-1]
+    assert isinstance(ev, p.TrainEvalResult) and ev.id == 70
+    assert seen and max(seen) == 4 and sum(seen) == 2 * 40, seen  # both stages, every row
+    reference = build("mlp")
+    plain_step_loop(reference, cfg, data)
+    reference.eval()
+    with torch.no_grad():
+        out = reference(held_x)
+        want = torch.nn.functional.cross_entropy(out, held_y)
+    close(ev.loss, float(want), "the evaluation's loss")
+    assert ev.metrics["accuracy"] == int((out.argmax(-1) == held_y).sum()) / len(held_y)
