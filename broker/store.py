@@ -34,7 +34,7 @@ import msgpack
 
 FILE = "broker.sqlite3"
 LOCK = "broker.lock"  # held (flock) by the broker using the directory; the kernel drops it at exit
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
@@ -55,12 +55,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     worker TEXT NOT NULL,
     saved_step INTEGER,
     saved_path TEXT,
-    pipeline BLOB
+    pipeline BLOB,
+    idle_close_s REAL
 );
 """
 # What takes a directory written by an older broker to this schema, by the version it was at.
 _MIGRATIONS = {
     1: "ALTER TABLE jobs ADD COLUMN pipeline BLOB",  # pipelined jobs kept from version 2 on
+    2: "ALTER TABLE jobs ADD COLUMN idle_close_s REAL",  # jobs closed when idle, from 3 on
 }
 
 
@@ -114,6 +116,8 @@ class JobRecord:
     saved_path: str | None = None
     # A pipelined job's stages' workers in stage order (`worker` is stage 0's); empty: one.
     workers: list[str] = field(default_factory=list)
+    # Closed by the broker after this many seconds without a call naming it (None: never).
+    idle_close_s: float | None = None
 
 
 @dataclass
@@ -164,7 +168,7 @@ class Store:
             # New, or made by a version-1 broker killed before it stamped it (its jobs table,
             # which CREATE ... IF NOT EXISTS left as it was, has no pipeline column).
             columns = {c[1] for c in db.execute("PRAGMA table_info(jobs)")}
-            version = SCHEMA_VERSION if "pipeline" in columns else 1
+            version = 3 if "idle_close_s" in columns else 2 if "pipeline" in columns else 1
             db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(version),))
             row = (_pack(version),)
         if _unpack(row[0]) in _MIGRATIONS:
@@ -231,7 +235,7 @@ class Store:
     def save_job(self, rec: JobRecord) -> None:
         self._write(
             "INSERT OR REPLACE INTO jobs (name, spec, config, batch, worker, saved_step, "
-            "saved_path, pipeline) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "saved_path, pipeline, idle_close_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 rec.name,
                 _pack(rec.spec),
@@ -241,6 +245,7 @@ class Store:
                 rec.saved_step,
                 rec.saved_path,
                 _pack(list(rec.workers)) if rec.workers else None,
+                rec.idle_close_s,
             ),
         )
 
@@ -294,10 +299,13 @@ class Store:
                 saved_step=saved_step,
                 saved_path=saved_path,
                 workers=list(_unpack(pipeline)) if pipeline is not None else [],
+                idle_close_s=idle,
             )
-            for name, spec, config, batch, worker, saved_step, saved_path, pipeline in db.execute(
-                "SELECT name, spec, config, batch, worker, saved_step, saved_path, pipeline "
-                "FROM jobs ORDER BY name"
+            for name, spec, config, batch, worker, saved_step, saved_path, pipeline, idle in (
+                db.execute(
+                    "SELECT name, spec, config, batch, worker, saved_step, saved_path, pipeline, "
+                    "idle_close_s FROM jobs ORDER BY name"
+                )
             )
         }
         row = db.execute("SELECT value FROM meta WHERE key = 'allow'").fetchone()

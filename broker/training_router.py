@@ -18,6 +18,9 @@ own.
   that may never come.
 - **Deadlines**: every call to a worker has one, enforced on `tick`; an expired open closes the
   half-opened job on its worker.
+- **Idle jobs**: a job opened with `idle_close_s` is closed by the broker once no client call
+  has named it, nor been in flight for it, for that long (a sweep driver killed, a notebook
+  lost: its memory goes back to the mesh); a later call of it is told so.
 - **Lost workers**: the job's pending calls fail with `worker_lost`, naming the last step saved
   to a checkpoint (from which `train_open(resume=...)` continues), and the job is forgotten.
 - **Restarts** (`--state-dir`): an opened job is kept in the store (`broker.store`) before its
@@ -163,6 +166,11 @@ class Job:
     # and when the client's open times out (`_open_auto`).
     auto: p.TrainOpen | None = None
     deadline: float = math.inf
+    # Closed once idle that long (`TrainOpen.idle_close_s`; None: never), counted from the
+    # last client call naming it, or the last tick with a call of it in flight.
+    idle_close_s: float | None = None
+    active: float = -math.inf
+    why: str = ""  # once ended by the broker itself: what a later call of it is told
 
     @property
     def holders(self) -> list[str]:
@@ -269,7 +277,9 @@ class TrainingRouter:
         self.jobs: dict[str, Job] = {}
         self.finished: dict[str, Job] = {}  # by name, oldest first; state "closed" or "lost"
         self.calls: dict[int, JobCall] = {}
-        self.totals = {"train_steps": 0, "train_step_errors": 0, "train_expired": 0}
+        self.totals = {
+            "train_steps": 0, "train_step_errors": 0, "train_expired": 0, "train_idle_closed": 0,
+        }  # fmt: skip
         # Where jobs are kept across restarts (`--state-dir`); None: nowhere.
         self.store: Store | None = None
         # How a `pipeline="auto"` open asks a partitioner where the job goes (set by the core:
@@ -292,6 +302,8 @@ class TrainingRouter:
     def on_client(self, addr: bytes, msg: p.Message, now: float) -> None:
         job_name = getattr(msg, "job", None)
         waiting = self.jobs.get(job_name) if isinstance(job_name, str) else None
+        if waiting is not None:
+            waiting.active = now  # its client is alive
         restoring = waiting is not None and waiting.state == "restoring"
         if waiting is not None and restoring and not isinstance(msg, p.TrainOpen):
             if len(waiting.held) >= MAX_HELD:
@@ -350,6 +362,9 @@ class TrainingRouter:
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
+        ended = self.finished.get(name)
+        if job is None and ended is not None and ended.why:
+            raise fail(Code.MODEL_NOT_FOUND, f"training job {name!r} {ended.why}")
         if job is None:
             known = ", ".join(sorted(self.jobs)) or "none"
             raise fail(Code.MODEL_NOT_FOUND, f"no training job {name!r} (open: {known})")
@@ -365,7 +380,7 @@ class TrainingRouter:
         self,
         kind: str,
         job: Job,
-        addr: bytes,
+        addr: bytes | None,  # None: the broker's own (answered to nobody)
         ref: int,
         now: float,
         timeout_ms: int | None,
@@ -424,6 +439,7 @@ class TrainingRouter:
             return
         worker = self.place()
         job = Job(msg.job, worker, spec, msg.config, msg.batch, now)
+        job.idle_close_s = msg.idle_close_s
         self.jobs[job.name] = job
         cid = self._call("open", job, addr, msg.id, now, msg.timeout_ms)
         self._to_worker(
@@ -583,6 +599,7 @@ class TrainingRouter:
         ]
         ticket = secrets.randbits(62) + 1
         job = Job(msg.job, workers[0], msg.spec, msg.config, msg.batch, now, workers=workers)
+        job.idle_close_s = msg.idle_close_s
         job.awaiting = set(workers)
         self.jobs[job.name] = job
         for stage, w in enumerate(workers):
@@ -870,6 +887,7 @@ class TrainingRouter:
                     saved_step=job.saved_step,
                     saved_path=job.saved_path,
                     workers=list(job.workers),
+                    idle_close_s=job.idle_close_s,
                 )
             )
         except Exception as exc:
@@ -893,6 +911,7 @@ class TrainingRouter:
             job.state = "restoring"
             job.awaiting = set(job.holders)  # the workers still to bring it back
             job.saved_step, job.saved_path = rec.saved_step, rec.saved_path
+            job.idle_close_s = rec.idle_close_s
             self.jobs[job.name] = job
             log.info("restored training job=%s (waiting for workers=%s)", job.name, job.holders)
 
@@ -1012,6 +1031,34 @@ class TrainingRouter:
                         del self.calls[other]
             self.log_throttle.warning("training call expired: %s", reason)
             self._answer(call, p.Error(id=call.client_id, code=str(Code.TIMEOUT), reason=reason))
+        self._close_idle(now)
+
+    def _close_idle(self, now: float) -> None:
+        """Close every ready job idle past its `idle_close_s` (module docstring), on its
+        workers as a client's close would, answered to nobody."""
+        busy = {c.job for c in self.calls.values()}
+        for job in list(self.jobs.values()):
+            if job.idle_close_s is None or job.state != "ready":
+                continue
+            if job.name in busy:
+                job.active = now
+                continue
+            idle = now - max(job.active, job.opened)
+            if idle < job.idle_close_s:
+                continue
+            log.warning("training job=%s closed: no call of it for %.0f s (its idle_close_s)",
+                        job.name, idle)  # fmt: skip
+            self.totals["train_idle_closed"] += 1
+            job.why = (
+                f"was closed by the broker after {job.idle_close_s:g} s without a call of it "
+                f"(the idle_close_s it was opened with); {job.checkpoint_note()}"
+            )
+            job.state = "closing"
+            job.awaiting = set(job.holders)
+            for w in job.holders:
+                cid = self._call("close", job, None, 0, now, None, worker=w)
+                job.closes.add(cid)
+                self._to_worker(w, p.TrainClose(id=cid, job=job.name))
 
     def worker_lost(self, worker: str) -> None:
         for job in [j for j in self.jobs.values() if worker in j.holders]:

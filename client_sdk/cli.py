@@ -660,7 +660,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 SWEEP_KEYS = {
     "name", "factory", "trials", "steps", "eval_every", "concurrency", "pruner",
     "reduction_factor", "objective", "direction", "batch", "loss", "seed", "chunk_bytes", "out",
-    "pipeline", "hf",
+    "pipeline", "hf", "idle_close",
     "kwargs", "optimizer", "data", "space",
 }  # fmt: skip
 SWEEP_DATA_KEYS = {"file", "eval_file", "samples", "seq", "seed", "holdout"}
@@ -759,6 +759,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 storage=args.storage,
                 heartbeat_interval=args.heartbeat,
                 grace_period=args.grace,
+                # 0: kept until closed
+                idle_close=float(cfg.get("idle_close", 300.0)) or None,
             )
         except ValueError as exc:
             raise SystemExit(f"flowmesh sweep: {args.config}: {exc}") from None

@@ -378,6 +378,7 @@ class AsyncClient:
         chunk_bytes: int | None = None,
         pipeline: int | Literal["auto"] = 0,
         timeout: float = 600.0,
+        idle_close: float | None = None,
     ) -> AsyncJob:
         """Open training job `name` of model `factory(**kwargs)` on the worker with the most
         free training memory; returns the job once its worker holds it.
@@ -405,7 +406,10 @@ class AsyncClient:
         `accumulate` micro-batches flowing through them; 0 or 1, one worker by memory flow;
         "auto", the broker's choice: one worker unless the job does not fit the free training
         bytes of the worker it would go to and, cut into stages, fits those of several (then
-        over the fewest that hold it; `job.info.pipeline` says which)."""
+        over the fewest that hold it; `job.info.pipeline` says which). `idle_close`: the broker
+        closes the job once no call of it has been made, nor been in flight, for that many
+        seconds (a client that died gives its memory back; a later call of it is told why);
+        None, the default: open until closed."""
         if optimizer is None and resume is None:
             raise ValueError("train_open needs optimizer=..., or resume= a checkpoint")
         if isinstance(pipeline, str) and pipeline.strip().lower() == "auto":
@@ -452,6 +456,7 @@ class AsyncClient:
             chunk_bytes=chunk_bytes,
             timeout_ms=self.connection.timeout_ms(timeout),
             pipeline=pipeline,
+            idle_close_s=idle_close,
         )
         reply = await self.connection.call(msg, timeout)
         assert isinstance(reply, p.TrainOpened)

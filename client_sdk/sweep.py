@@ -427,6 +427,7 @@ async def sweep_async(
     heartbeat_interval: int = 5,
     grace_period: int | None = None,
     retries: int = 3,
+    idle_close: float | None = 300.0,
 ) -> SweepResult:
     """A hyper-parameter sweep of `factory` through the mesh with Optuna (ask-and-tell) and its
     pruners: `trials` trials of `steps` steps of `batch` rows of `data`, `concurrency` at a time,
@@ -453,7 +454,10 @@ async def sweep_async(
     `storage` (see `open_storage`) shares the study `name` with every driver given the same
     storage: `trials` then counts the study's finished trials, whoever ran them, and this
     driver's result holds the trials it ran. `heartbeat_interval`, `grace_period` and `retries`
-    set how a dead driver's running trials are found, failed and retried (RDB storages)."""
+    set how a dead driver's running trials are found, failed and retried (RDB storages).
+    `idle_close`: each trial's job is closed by the broker once idle that many seconds
+    (`train_open(idle_close=...)`): a driver that dies leaves no job holding the mesh's memory,
+    whatever its storage (None: kept until closed)."""
     if trials < 1 or steps < 1 or not 1 <= eval_every <= steps or concurrency < 1:
         raise ValueError("trials, steps, concurrency need >= 1 and eval_every in 1..steps")
     if (factory is None) == (hf is None):
@@ -618,6 +622,7 @@ async def sweep_async(
                     # A diverged step comes back as a loss to prune on, not as an error.
                     stop_on_nonfinite=False,
                     timeout=timeout,
+                    idle_close=idle_close,
                 )
                 opened = True
                 rec.workers = list(job.info.pipeline) or [job.info.worker]

@@ -350,6 +350,10 @@ class TrainOpen(Message, tag="train_open"):
     # chooses, pipelining only a job that does not fit one worker's free training bytes
     # (`broker.training_router`).
     pipeline: Annotated[int, Meta(ge=0, le=64)] | Literal["auto"] = 0
+    # Closed by the broker once no call has named it, nor been in flight for it, for this many
+    # seconds: a job whose client died (a killed sweep driver, a lost notebook) gives its
+    # memory back. None: open until closed.
+    idle_close_s: Annotated[float, Meta(gt=0)] | None = None
 
 
 class TrainOpened(Message, tag="train_opened"):

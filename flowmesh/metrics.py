@@ -105,6 +105,7 @@ def broker_families(st: BrokerStatus) -> list[Metric]:
         ("dropped_sends", "dropped_sends", "Messages not sent (peer gone or its queue full)"),
         ("heartbeat_losses", "heartbeat_losses", "Peers lost for missing heartbeats"),
         ("train_expired", "train_expired_calls", "Training calls that got no answer in time"),
+        ("train_idle_closed", "train_idle_closed_jobs", "Training jobs closed for being idle"),
         ("auth_refused", "auth_refused", "Messages refused for their peer's key (CURVE)"),
         ("direct_batches", "direct_batches", "Batches whose activations went worker to worker"),
         (

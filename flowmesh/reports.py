@@ -425,6 +425,7 @@ class Totals(_Row):
     train_steps: Count = 0
     train_step_errors: Count = 0
     train_expired: Count = 0
+    train_idle_closed: Count = 0
 
 
 class BrokerStatus(_Row):

@@ -71,7 +71,30 @@ def test_a_directory_an_older_broker_wrote_is_taken_to_this_schema(tmp_path: Pat
     store.close()
     assert Store(tmp_path).open().load_all().jobs == {"old": old, "piped": piped}
     schema = sqlite3.connect(tmp_path / FILE).execute("SELECT value FROM meta WHERE key='schema'")
-    assert msgpack.unpackb(schema.fetchone()[0]) == SCHEMA_VERSION == 2
+    assert msgpack.unpackb(schema.fetchone()[0]) == SCHEMA_VERSION == 3
+
+
+def test_a_version_2_directory_is_taken_to_this_schema(tmp_path: Path) -> None:
+    """Version 2 (before jobs closed when idle): its jobs read back with no idle close, and
+    one with an idle close is kept beside them from then on."""
+    db = sqlite3.connect(tmp_path / FILE)
+    db.executescript(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);"
+        "CREATE TABLE jobs (name TEXT PRIMARY KEY, spec BLOB NOT NULL, config BLOB NOT NULL,"
+        " batch INTEGER NOT NULL, worker TEXT NOT NULL, saved_step INTEGER, saved_path TEXT,"
+        " pipeline BLOB);"
+    )
+    db.execute("INSERT INTO meta VALUES ('schema', ?)", (msgpack.packb(2),))
+    db.execute("INSERT INTO jobs VALUES ('old', ?, ?, 4, 'w0', NULL, NULL, NULL)",
+               (msgpack.packb({"name": "old"}), msgpack.packb({})))  # fmt: skip
+    db.commit()
+    db.close()
+    store = Store(tmp_path).open()
+    idle = JobRecord("idle", {"name": "idle"}, {}, 2, "w1", idle_close_s=90.0)
+    store.save_job(idle)
+    store.close()
+    old = JobRecord("old", {"name": "old"}, {}, 4, "w0")
+    assert Store(tmp_path).open().load_all().jobs == {"old": old, "idle": idle}
 
 
 def test_a_version_1_directory_never_stamped_is_taken_to_this_schema(tmp_path: Path) -> None:

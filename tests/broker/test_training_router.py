@@ -373,3 +373,36 @@ def test_an_eval_is_forwarded_behind_the_steps_and_changes_no_job_figures() -> N
     with pytest.raises(FlowmeshError) as info:
         h.client(C, p.TrainEval(id=24, job="nope", tensors=tensors))
     assert info.value.code == Code.MODEL_NOT_FOUND
+
+
+def test_a_job_idle_past_its_idle_close_is_closed_and_a_later_call_is_told_why() -> None:
+    h = Harness(default_timeout_s=100.0)
+    w = trainer(h, "w", 100 * KIB)
+    opening = p.TrainOpen(id=1, job="j", spec=SPEC, config=CONFIG, batch=4, idle_close_s=30.0)
+    _, _, fwd = only(h.client(C, opening))
+    only(h.backend(w, p.JobOpened(id=fwd.id, job=opened_job("j"))))
+    open_job(h, "kept", ref_id=2)  # no idle close: open until closed
+    h.now = 20.0
+    _, _, sent = only(step(h, "j", 1, 11))  # a call of it: idle counts from here
+    # A step in flight keeps it open, however long it takes...
+    assert tick(h, 49.0, w) == [] and tick(h, 75.0, w) == []
+    h.now = 76.0
+    only(h.backend(w, result(sent, 0.5, 1)))  # ... and idle counts from its last tick in flight
+    assert tick(h, 104.0, w) == []
+    out = tick(h, 105.0, w)
+    assert [(d, a, type(m).__name__) for d, a, m in out] == [(BACKEND, w, "TrainClose")]
+    close = out[0][2]
+    assert isinstance(close, p.TrainClose) and close.job == "j"
+    with pytest.raises(FlowmeshError) as closing:
+        step(h, "j", 2, 12)  # while its worker closes it
+    assert closing.value.code == Code.UNAVAILABLE
+    assert h.backend(w, p.TrainClosed(id=close.id, job="j")) == []  # answered to nobody
+    with pytest.raises(FlowmeshError) as gone:
+        step(h, "j", 2, 13)
+    assert gone.value.code == Code.MODEL_NOT_FOUND
+    assert "closed by the broker after 30 s without a call" in gone.value.reason
+    assert "saved no checkpoint" in gone.value.reason
+    assert [j.name for j in h.core.status(h.now).jobs] == ["kept"]
+    assert tick(h, 1000.0, w) == []  # the other job stays
+    assert h.core.status(h.now).totals.train_idle_closed == 1
+    open_job(h, "j", ref_id=3)  # its name free again

@@ -88,3 +88,40 @@ def test_sweep_command_on_a_toml(mesh: LocalMesh, tmp_path: Path) -> None:
     config.write_text(SWEEP_TOML.replace("eval_every", "eval_evry"))
     bad = flowmesh_sweep(mesh, config)
     assert bad.returncode != 0 and "unknown keys eval_evry" in bad.stderr, bad.stderr
+
+
+def test_a_killed_drivers_job_is_closed_once_idle(mesh: LocalMesh, tmp_path: Path) -> None:
+    """A `flowmesh sweep` on no shared storage SIGKILLed mid-trial: nobody would ever close its
+    trial's job. Opened with the TOML's `idle_close`, the broker closes it once idle that long:
+    its memory goes back, and its name can be opened again."""
+    import signal
+
+    from tests.support.waiting import until_blocking
+
+    data = teacher()
+    save_file(
+        {"inputs": data.inputs[""], "targets": data.targets}, str(tmp_path / "data.safetensors")
+    )
+    config = tmp_path / "sweep.toml"
+    toml = SWEEP_TOML.replace('name = "cli-sweep"', 'name = "killed"\nidle_close = 1.5')
+    toml = toml.replace("steps = 6", "steps = 100000").replace("trials = 4", "trials = 1")
+    config.write_text(toml)
+    cmd = [sys.executable, "-m", "client_sdk.cli", "sweep", "--broker", mesh.frontend, "--quiet"]
+    driver = subprocess.Popen([*cmd, str(config)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    with mesh.client(timeout=30) as c:
+        before = c.status().totals.train_idle_closed
+
+        def training() -> bool:
+            assert driver.poll() is None, driver.communicate()[1]
+            return any(j.name == "killed-t0" and j.step > 0 for j in c.jobs())
+
+        until_blocking(training, "the driver's trial to train", timeout=60, poll=0.1)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+        until_blocking(lambda: c.jobs() == [], "the broker to close the idle job", timeout=30)
+        assert c.status().totals.train_idle_closed == before + 1
+        job = c.train_open(
+            "killed-t0", "flowmesh.examples:mlp", kwargs=MLP, seed=0,
+            optimizer={"name": "adam"}, batch_size=16,
+        )  # fmt: skip
+        job.close()
