@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -76,48 +77,90 @@ class GenAsk:
     timeout: float | None = None
 
 
+@dataclass(frozen=True)
+class _Refusal:
+    """The broker's refusal of a model's tokenizer, and the loop's time it came."""
+
+    error: ClientError
+    at: float
+
+
 class Codecs:
-    """Each model's `TextCodec`, fetched once (or the broker's refusal of one), for the
-    KEPT models used last: a client that lives long (the gateway's) sees models come and go,
-    and a tokenizer is megabytes."""
+    """Each model's `TextCodec`, fetched once, for the KEPT models used last: a client that
+    lives long (the gateway's) sees models come and go, and a tokenizer is megabytes.
+
+    A fetch runs as a task of its own that every call asking for the model waits on (shielded):
+    a caller cancelled meanwhile (its HTTP client left) leaves the fetch to the others. The
+    broker's refusal (a model without a tokenizer) is believed for REFUSAL_S seconds by calls
+    that can do without one, and never by a call that needs one: that call would fail on it,
+    and the model may have been deployed again since with a tokenizer (from another client,
+    which this one does not hear of), so it asks again."""
 
     KEPT = 64
+    # Seconds a refusal is taken as the answer by calls that go on without a codec (token ids
+    # in, no stop strings): they would otherwise ask the broker again on every call.
+    REFUSAL_S = 5.0
 
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
-        # A model's codec, or the broker's refusal to give one (a model without a tokenizer).
-        self._codecs: OrderedDict[str, asyncio.Future[TextCodec | ClientError]] = OrderedDict()
+        # Each model's fetch: its codec, or the broker's refusal to give one.
+        self._codecs: OrderedDict[str, asyncio.Task[TextCodec | _Refusal]] = OrderedDict()
 
     async def get(self, model: str, *, needed: bool, timeout: float | None) -> TextCodec | None:
         """`model`'s codec; when it has none, None, or (`needed`) the broker's refusal."""
-        fut = self._codecs.get(model)
-        if fut is not None:
-            self._codecs.move_to_end(model)
-        else:
-            fut = self._codecs[model] = asyncio.get_running_loop().create_future()
-            while len(self._codecs) > self.KEPT:  # the used longest ago (its waiters hold it)
-                self._codecs.popitem(last=False)
+        while True:
+            fetch = self._fetch_of(model, needed, timeout)
             try:
-                fut.set_result(await self._fetch(model, timeout))
-            except BaseException as exc:
-                if self._codecs.get(model) is fut:  # not kept: the next call asks again
-                    del self._codecs[model]
-                fut.set_exception(exc)
-                fut.exception()  # retrieved: the waiters (if any) raise it themselves
+                got = await asyncio.shield(fetch)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if fetch.cancelled() and task is not None and not task.cancelling():
+                    continue  # the fetch was cancelled, not this call: fetch again
                 raise
-        got = await asyncio.shield(fut)
-        if isinstance(got, ClientError):
-            if needed:
-                raise type(got)(got.code, got.reason)
-            return None
-        return got
+            if isinstance(got, _Refusal):
+                if needed:
+                    raise type(got.error)(got.error.code, got.error.reason)
+                return None
+            return got
 
-    async def _fetch(self, model: str, timeout: float | None) -> TextCodec | ClientError:
+    def _fetch_of(
+        self, model: str, needed: bool, timeout: float | None
+    ) -> asyncio.Task[TextCodec | _Refusal]:
+        """The fetch of `model`'s codec to wait on: the one under way or kept, else a new one."""
+        loop = asyncio.get_running_loop()
+        fetch = self._codecs.get(model)
+        if fetch is not None and not self._stale(fetch, needed, loop.time()):
+            self._codecs.move_to_end(model)
+            return fetch
+        fetch = self._codecs[model] = loop.create_task(self._fetch(model, timeout))
+        self._codecs.move_to_end(model)
+        fetch.add_done_callback(functools.partial(self._fetched, model))
+        while len(self._codecs) > self.KEPT:  # the used longest ago (its waiters hold it)
+            self._codecs.popitem(last=False)
+        return fetch
+
+    def _stale(self, fetch: asyncio.Task[TextCodec | _Refusal], needed: bool, now: float) -> bool:
+        """Whether a kept fetch's answer is not to be believed (see the class's docstring)."""
+        if not fetch.done():
+            return False
+        if fetch.cancelled() or fetch.exception() is not None:
+            return True  # (dropped when it ended; here only if its done callback has not run)
+        got = fetch.result()
+        return isinstance(got, _Refusal) and (needed or now - got.at > self.REFUSAL_S)
+
+    def _fetched(self, model: str, fetch: asyncio.Task[TextCodec | _Refusal]) -> None:
+        """A fetch ended: one that failed (or was cancelled) is not kept, so the next call asks
+        again; its waiters, if any, raise its error themselves."""
+        failed = fetch.cancelled() or fetch.exception() is not None  # (retrieved: not logged)
+        if failed and self._codecs.get(model) is fetch:
+            del self._codecs[model]
+
+    async def _fetch(self, model: str, timeout: float | None) -> TextCodec | _Refusal:
         conn = self.client.connection
         try:
             reply = await conn.call(p.TokenizerInfo(id=conn.next_id(), model=model), timeout)
         except BadRequest as exc:  # a model without a tokenizer (or no language model)
-            return exc
+            return _Refusal(exc, asyncio.get_running_loop().time())
         assert isinstance(reply, p.TokenizerReply)
         return await asyncio.to_thread(TextCodec.from_reply, reply)
 

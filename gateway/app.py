@@ -13,13 +13,14 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from client_sdk.client import AsyncClient
 from flowmesh.errors import FlowmeshError
 from gateway import BODY_TIMEOUT_S, MAX_BODY, MAX_HEADER, MAX_STREAMS_PER_KEY, kserve, openai_api
 from gateway.disconnect import ClientGone, on_client_gone
-from gateway.errors import on_flowmesh_error, on_invalid_body
+from gateway.errors import on_flowmesh_error, on_http_error, on_invalid_body
 from gateway.guard import ApiKeys, Guard, Streams
 from gateway.metrics import GatewayMetrics
 
@@ -77,6 +78,7 @@ def create_app(
     app.add_exception_handler(FlowmeshError, on_flowmesh_error)
     app.add_exception_handler(RequestValidationError, on_invalid_body)
     app.add_exception_handler(ClientGone, on_client_gone)
+    app.add_exception_handler(HTTPException, on_http_error)
     metrics = GatewayMetrics()
     app.state.streams = Streams(max_streams_per_key, metrics)
 

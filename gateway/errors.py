@@ -5,8 +5,11 @@ v2's `{"error": message}` elsewhere)."""
 from __future__ import annotations
 
 from fastapi import Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from flowmesh.errors import Code, FlowmeshError
 
@@ -44,6 +47,7 @@ _OPENAI_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
@@ -85,3 +89,18 @@ async def on_invalid_body(request: Request, exc: Exception) -> JSONResponse:
         for e in exc.errors()
     )
     return error_response(request.url.path, Code.BAD_REQUEST, problems or "invalid body")
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (a path no route has: 404; a method its route does not take:
+    405), under /v1 and /v2 in the protocol's error body: FastAPI's `{"detail": ...}` is a body
+    neither protocol's clients read. Elsewhere, FastAPI's own answer."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if not any(path == root or path.startswith(root + "/") for root in ("/v1", "/v2")):
+        return await http_exception_handler(request, exc)
+    code = Code.NOT_ALLOWED if exc.status_code == 405 else Code.BAD_REQUEST
+    message = f"{exc.detail}: {request.method} {path}"
+    answer = error_response(path, code, message, status=exc.status_code)
+    answer.headers.update(exc.headers or {})  # a 405's Allow
+    return answer

@@ -89,9 +89,10 @@ def _parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
     """The request's JSON header and the bytes after it (the binary extension's tensors)."""
     split = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        length = _byte_count(header_length)
+        if length is None or length > len(body):
             raise bad(f"{HEADER_LENGTH} {header_length!r} is not a length within the body")
-        split = int(header_length)
+        split = length
     try:
         # msgspec's decoder: several times json's on the numbers of a tensor's data.
         head = msgspec.json.decode(memoryview(body)[:split])
@@ -100,6 +101,15 @@ def _parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
     if not isinstance(head, dict) or not isinstance(head.get("inputs"), list) or not head["inputs"]:
         raise bad("the request needs a non-empty list of inputs")
     return head, memoryview(body)[split:]
+
+
+def _byte_count(text: str) -> int | None:
+    """`text` as a count of bytes, None if it is not one. ASCII digits only: '²' is a digit to
+    `str.isdigit` but not to `int`; and few enough of them for `int` to read (it refuses
+    thousands), more than any body has."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        return None
+    return int(text)
 
 
 def _inputs(head: dict[str, Any], rest: memoryview) -> dict[str, torch.Tensor]:
@@ -123,19 +133,54 @@ def _inputs(head: dict[str, Any], rest: memoryview) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _wanted(head: dict[str, Any], outputs: dict[str, torch.Tensor]) -> list[tuple[str, bool]]:
-    """(name, in binary) of each output to answer: those asked for, else all."""
-    default = bool((head.get("parameters") or {}).get("binary_data_output", False))
+def _parameters(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """`item`'s parameters ({} without any)."""
+    params = item.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise bad(f"{where}parameters must be an object")
+    return params
+
+
+def _flag(params: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise bad(f"{where}parameters.{key} must be true or false")
+    return value
+
+
+def _asked(head: dict[str, Any]) -> tuple[bool, list[tuple[str, bool]] | None]:
+    """What the request asks of its answer, read before the model runs (a malformed request
+    costs the mesh nothing): whether outputs are sent in binary unless they say otherwise, and
+    (name, in binary) of each output asked for (None: all of them)."""
+    default = _flag(_parameters(head, ""), "binary_data_output", "", False)
     asked = head.get("outputs")
-    if not asked:
-        return [(name, default) for name in outputs]
+    if asked is None:
+        return default, None
+    if not isinstance(asked, list):
+        raise bad("outputs must be a list of objects, each with a name")
     out = []
-    for item in asked:
+    for k, item in enumerate(asked):
+        where = f"outputs[{k}]."
         name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str):
+            raise bad(f"{where}name must be a string (outputs: a list of objects with a name)")
+        out.append((name, _flag(_parameters(item, where), "binary_data", where, default)))
+    return default, out or None
+
+
+def _wanted(
+    default: bool, asked: list[tuple[str, bool]] | None, outputs: dict[str, torch.Tensor]
+) -> list[tuple[str, bool]]:
+    """(name, in binary) of each output to answer: those asked for, else all. Outputs are not
+    declared to flowmesh, so a name is checked only here, against the model's answer."""
+    if asked is None:
+        return [(name, default) for name in outputs]
+    for name, _ in asked:
         if name not in outputs:
             raise bad(f"output {name!r} is not one of the model's: {', '.join(outputs)}")
-        out.append((name, bool((item.get("parameters") or {}).get("binary_data", default))))
-    return out
+    return asked
 
 
 async def _infer(
@@ -147,6 +192,7 @@ async def _infer(
     well); `receive`: the request's, its body read already (for the disconnect)."""
     head, rest = _parse(body, header_length)
     tensors = _inputs(head, rest)
+    default, asked = _asked(head)
     client: AsyncClient = state.client
     answer = await unless_gone_on(receive, client.infer(model, tensors))
     outputs = {OUTPUT: answer} if isinstance(answer, torch.Tensor) else dict(answer)
@@ -154,7 +200,7 @@ async def _infer(
     if "id" in head:
         reply["id"] = head["id"]
     blobs = []
-    for name, binary in _wanted(head, outputs):
+    for name, binary in _wanted(default, asked, outputs):
         if binary:
             meta, raw = to_bytes(name, outputs[name])
             reply["outputs"].append(meta)

@@ -202,7 +202,11 @@ async def _stream(
     )
     head = {**head, "object": kind}
     try:
-        first: Chunk | None = await anext(stream)
+        # Watched for the client leaving, as the blocking routes are: until the first token
+        # nothing is written, so the server would not notice it gone, and its sequence (its KV
+        # memory) and its stream slot would be held until then; cancelled, the stream stops
+        # the sequence on the broker.
+        first: Chunk | None = await unless_gone(request, anext(stream))
     except StopAsyncIteration:
         first = None
     except BaseException:

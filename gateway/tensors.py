@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 
 # v2 datatype -> torch dtype: those flowmesh's tensors carry (`flowmesh.spec.TENSOR_DTYPES`).
@@ -41,6 +42,15 @@ _NUMPY = {
 }
 
 
+# The most dimensions a tensor may have: what the mesh's codec takes (`flowmesh.codec.Limits`),
+# so that a shape it would refuse is refused here, before anything is forwarded.
+MAX_DIMS = p.DEFAULT_LIMITS.max_dims
+# The most bytes a shape may span, its dimensions of size 0 counted as 1: no tensor the mesh
+# carries is larger (a message is at most this), and a tensor with no element still has
+# strides, which past this would overflow torch's int64 (and numpy's) offsets.
+MAX_EXTENT = p.DEFAULT_LIMITS.max_message_bytes
+
+
 def bad(reason: str) -> FlowmeshError:
     return FlowmeshError(Code.BAD_REQUEST, reason)
 
@@ -59,12 +69,26 @@ def _header(item: Any, where: str) -> tuple[str, torch.dtype, tuple[int, ...]]:
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise bad(f"input {name!r}: shape must be a list of sizes >= 0")
-    return name, TORCH_BY_V2[datatype], tuple(shape)
+    if len(shape) > MAX_DIMS:
+        raise bad(f"input {name!r}: shape of {len(shape)} dimensions, at most {MAX_DIMS}")
+    dtype = TORCH_BY_V2[datatype]
+    # Checked one dimension at a time, so that a huge one is never multiplied further.
+    extent = dtype.itemsize
+    for d in shape:
+        extent *= max(d, 1)
+        if extent > MAX_EXTENT:
+            raise bad(f"input {name!r}: shape {list(shape)} spans over {MAX_EXTENT} bytes")
+    return name, dtype, tuple(shape)
 
 
 def binary_size(item: Mapping[str, Any]) -> int | None:
     """The byte count of an input sent in the binary extension (None: its data is JSON)."""
-    size = (item.get("parameters") or {}).get("binary_data_size")
+    params = item.get("parameters")
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise bad(f"input {item.get('name')!r}: parameters must be an object")
+    size = params.get("binary_data_size")
     if size is None:
         return None
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:

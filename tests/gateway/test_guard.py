@@ -15,8 +15,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import tritonclient.http as triton
 from fastapi.testclient import TestClient
+from tritonclient.utils import InferenceServerException
 
 from client_sdk import cli
 from flowmesh.auth import api_key_hash, read_api_keys
@@ -137,3 +140,29 @@ def test_headers_over_max_header_are_refused_with_431(small: str) -> None:
     assert chat.status_code == 431 and chat.json()["error"]["code"] == "too_large"
     fine = httpx.get(f"{small}/v2/health/live", headers={"X-Padding": "x" * 1500}, timeout=30)
     assert fine.status_code == 200
+
+
+def test_unknown_paths_and_methods_answer_in_each_protocols_body(small: str) -> None:
+    # Starlette's own 404 and 405, answered by the gateway itself (no broker behind this one):
+    # in OpenAI's body under /v1, KServe's under /v2, not FastAPI's {"detail": ...}.
+    api = openai.OpenAI(base_url=f"{small}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as lost:
+        api.embeddings.create(model="lm", input="hi")  # a route flowmesh does not serve
+    assert lost.value.type == "invalid_request_error"
+    assert "Not Found: POST /v1/embeddings" in lost.value.message
+    v2 = triton.InferenceServerClient(small.removeprefix("http://"))
+    with pytest.raises(InferenceServerException) as absent:
+        v2.get_model_config("m")  # nor this one
+    assert absent.value.status() == "404"
+    assert absent.value.message() == "Not Found: GET /v2/models/m/config"
+    # A route asked with a method it does not take: 405, its Allow header kept.
+    for path in ("/v1/completions", "/v2/models/m/infer"):
+        answer = httpx.get(f"{small}{path}", timeout=30)
+        assert answer.status_code == 405 and answer.headers["allow"] == "POST"
+        error = answer.json()["error"]
+        if path.startswith("/v1"):
+            assert error["type"] == "invalid_request_error" and error["code"] == "not_allowed"
+        else:
+            assert error == f"Method Not Allowed: GET {path}"
+    # Outside both protocols' paths, FastAPI's own answer is left as it was.
+    assert httpx.get(f"{small}/nowhere", timeout=30).json() == {"detail": "Not Found"}

@@ -158,17 +158,46 @@ def test_infer_refusals_at_the_door_and_in_the_body(
     # Let in, refused for its body: not JSON, no inputs, data short of the shape, a header
     # length past the body, bytes left after the binary inputs.
     head = json.dumps(good).encode()
+    given = good["inputs"][0]
+
+    def body(**fields: object) -> bytes:
+        return json.dumps({**good, **fields}).encode()
+
+    def binary(shape: list[int], data: bytes) -> tuple[bytes, dict[str, str]]:
+        item = {**given, "shape": shape, "parameters": {"binary_data_size": len(data)}}
+        item.pop("data")
+        meta = json.dumps({"inputs": [item]}).encode()
+        return meta + data, {"Inference-Header-Content-Length": str(len(meta))}
+
     cases = [
         (b"{not json", {}, "not JSON"),
         (b'{"inputs": {}}', {}, "non-empty list of inputs"),
         (json.dumps({"inputs": [{**good["inputs"][0], "data": x[:3]}]}).encode(), {}, "takes 8"),
         (head, {"Inference-Header-Content-Length": "99999"}, "within the body"),
         (head + b"\0" * 4, {"Inference-Header-Content-Length": str(len(head))}, "after"),
+        # Each of these was a 500 in text/plain (an exception other than FlowmeshError), and
+        # the last two only after the model had run; or, in binary, forwarded to the mesh.
+        (body(inputs=[{**given, "parameters": [1]}]), {}, "parameters must be an object"),
+        # '²' is a digit to str.isdigit, not to int (the header read as latin-1).
+        (head, {"Inference-Header-Content-Length": b"\xb2"}, "within the body"),
+        (body(inputs=[{**given, "shape": [0, 2**64], "data": []}]), {}, "spans over"),
+        (body(inputs=[{**given, "shape": [1] * 65, "data": [0.5]}]), {}, "65 dimensions"),
+        (*binary([0, 2**62], b""), "spans over"),
+        (*binary([1] * 100, b"\0" * 4), "100 dimensions"),
+        (body(parameters=[1]), {}, "parameters must be an object"),
+        (body(outputs=5), {}, "outputs must be a list"),
+        (body(outputs=[{"name": "output0", "parameters": {"binary_data": "yes"}}]), {}, "true"),
     ]
-    for body, headers, why in cases:
-        answer = httpx.post(infer, content=body, headers={**auth, **headers}, timeout=30)
+    with served[0].client() as c:
+        before = next(m for m in c.status().models if m.name == "mlp")
+    for content, headers, why in cases:
+        answer = httpx.post(infer, content=content, headers={**auth, **headers}, timeout=30)
         assert answer.status_code == 400 and why in answer.json()["error"], answer.text
         assert answer.headers["content-type"] == "application/json"
+    with served[0].client() as c:
+        after = next(m for m in c.status().models if m.name == "mlp")
+    # Every refusal came before the infer was forwarded: the model saw none of them.
+    assert (after.requests, after.refused) == (before.requests, before.refused)
     unknown = httpx.post(f"{url}/v2/models/nope/infer", json=good, headers=auth, timeout=30)
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
     # And let in with a good body: the SDK's answer, in the v2 body.

@@ -1,18 +1,22 @@
 """The OpenAI API through a real gateway in front of a real mesh, spoken by the official `openai`
 client: completions and chat equal the SDK's `generate` for the same request, streams join to
 the blocking answer, refusals come back with OpenAI's statuses and error body, and a client that
-goes away mid-stream, or before a blocking answer, stops its sequence on the broker. A second
-gateway in front of the same mesh has API keys: only their bearers get in, each key holds at
-most its streams, and /metrics counts what was answered."""
+goes away mid-stream, before a blocking answer or before its stream's first token, stops its
+sequence on the broker. A second gateway in front of the same mesh has API keys: only their
+bearers get in, each key holds at most its streams, and /metrics counts what was answered. Last,
+a model's tokenizer: fetched once for every request that waits on it, whichever of them leaves,
+and asked for again when a model refused one may have been deployed anew."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import httpx
 import openai
@@ -22,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from client_sdk.client import AsyncClient
+from client_sdk.errors import ModelNotFound
 from client_sdk.mesh import LocalMesh
 from flowmesh.auth import add_api_key
 from tests.support.lm import tiny_lm_dir
@@ -416,3 +421,141 @@ def test_metrics_count_requests_first_bytes_and_streams(keyed: tuple[str, str, s
     first = ("flowmesh_gateway_first_byte_seconds_count", (("route", "/v1/completions"),))
     assert samples[first] >= 3
     assert ("flowmesh_gateway_open_streams", ()) in samples
+
+
+# The tests below freeze the broker (SIGSTOP) for a moment: while it is frozen nothing it would
+# answer comes, whatever the machine's speed, so the gateway is caught waiting for a tokenizer
+# or a first token. Last in the module, as a frozen broker's peers are the module's too.
+
+
+async def _gateway_counts(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """(open streams, requests answered 499: the client gone) from the gateway's /metrics."""
+    streams = gone = 0.0
+    for family in text_string_to_metric_families((await http.get(f"{url}/metrics")).text):
+        for s in family.samples:
+            if s.name == "flowmesh_gateway_open_streams":
+                streams = s.value
+            elif s.name == "flowmesh_gateway_requests_total" and s.labels["status"] == "499":
+                gone += s.value
+    return streams, gone
+
+
+def test_a_client_gone_before_its_streams_first_token_stops_its_sequence(
+    served: tuple[LocalMesh, str],
+) -> None:
+    """Before its first token a stream has written nothing, so only a watch on the connection
+    sees its client go: then its sequence is stopped and its stream slot given back at once,
+    not when a first token comes."""
+    mesh, url = served
+    broker = mesh.child("broker").proc
+    ask = {"model": "lm", "prompt": "Once upon", "max_tokens": ENOUGH, "temperature": 0}
+
+    async def main() -> None:
+        async with (
+            AsyncClient(mesh.frontend, timeout=60) as c,
+            httpx.AsyncClient(timeout=60) as http,
+        ):
+
+            async def row() -> tuple[int, int]:
+                m = next(m for m in (await c.status()).models if m.name == "lm")
+                return m.running_seqs + m.waiting_seqs, m.tokens_generated
+
+            async def streams(n: int) -> bool:
+                return (await _gateway_counts(http, url))[0] == n
+
+            # The gateway has the model's tokenizer: the stream waits for its first token only.
+            warm = await http.post(f"{url}/v1/completions", json={**ask, "max_tokens": 1})
+            assert warm.status_code == 200
+            _, start = await row()
+            broker.send_signal(signal.SIGSTOP)
+            try:
+                call = asyncio.ensure_future(
+                    http.post(f"{url}/v1/completions", json={**ask, "stream": True})
+                )
+                await until(lambda: streams(1), "the stream to wait for its first token")
+                call.cancel()  # the client gives up: its connection closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+                # Given back while the broker is still frozen: no token came meanwhile.
+                gone = "the gone stream's slot to be given back"
+                await until(lambda: streams(0), gone, timeout=20)
+            finally:
+                broker.send_signal(signal.SIGCONT)
+            # Its Generate reached the broker with its StopGenerate after it: stopped there.
+            running, made = await settled(row)
+            assert running == 0 and made - start < ENOUGH
+            await kv_freed(c)
+
+    asyncio.run(main())
+
+
+def test_the_tokenizer_fetch_outlives_the_first_caller_leaving(
+    served: tuple[LocalMesh, str], start_gateway: Callable[..., AbstractContextManager[str]]
+) -> None:
+    """The first request for a model fetches its tokenizer for every request that comes
+    meanwhile; its client leaving (its request cancelled) must not fail theirs."""
+    mesh, _ = served
+    broker = mesh.child("broker").proc
+    stream = {"model": "lm", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+    chat = {"model": "lm", "messages": CHAT, "max_tokens": 3, "temperature": 0, "stream": True}
+    # A gateway of its own: it has fetched no tokenizer yet.
+    with start_gateway(mesh.frontend) as url:
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200  # connected
+
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as http:
+
+                async def streams(n: int) -> bool:
+                    return await _gateway_counts(http, url) == (n, 0)
+
+                async def gone() -> bool:
+                    return (await _gateway_counts(http, url))[1] == 1
+
+                broker.send_signal(signal.SIGSTOP)  # the fetch is not answered meanwhile
+                try:
+                    first = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=stream))
+                    # A stream holds its slot from before it asks for the tokenizer.
+                    await until(lambda: streams(1), "the first stream to fetch the tokenizer")
+                    others = [
+                        asyncio.ensure_future(http.post(f"{url}/v1/completions", json=stream)),
+                        asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=chat)),
+                    ]
+                    await until(lambda: streams(3), "two more streams to wait for it")
+                    first.cancel()  # its client leaves: the gateway cancels its request
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await first
+                    # Seen gone (its 499) while the fetch is still unanswered; what became
+                    # of the others is for their answers to tell.
+                    await until(gone, "the gateway to see the first one gone")
+                finally:
+                    broker.send_signal(signal.SIGCONT)
+                return await asyncio.gather(*others)
+
+        for answer in asyncio.run(main()):
+            assert answer.status_code == 200, answer.text
+            assert answer.text.rstrip().endswith("data: [DONE]") and '"error"' not in answer.text
+
+
+def test_a_model_refused_a_tokenizer_is_asked_again_once_deployed_anew(
+    served: tuple[LocalMesh, str], api: openai.OpenAI
+) -> None:
+    """A model without a tokenizer is refused text prompts; deployed again under its name as a
+    language model (by another client: this gateway hears nothing of it), it is answered."""
+    mesh, _ = served
+    assert mesh.data_roots
+    root = Path(mesh.data_roots[0])  # where the mesh reads models from
+    model_dir = tiny_lm_dir(root / "tiny-m", "llama", seed=2, layers=1, hidden=16)
+    with mesh.client() as c:
+        c.deploy("m", "flowmesh.examples:mlp", kwargs={"width": 8, "depth": 1}, seed=1)
+    try:
+        with pytest.raises(openai.BadRequestError, match="not a language model"):
+            api.completions.create(model="m", prompt=PROMPT, max_tokens=2)
+        with mesh.client() as c:
+            c.undeploy("m")
+            c.deploy("m", hf=str(model_dir), stages=1, replicas=1, max_seqs=1)
+            sdk = c.generate("m", PROMPT, max_tokens=3, temperature=0.0)
+        got = api.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0)
+        assert got.choices[0].text == sdk.text
+    finally:
+        with mesh.client() as c, contextlib.suppress(ModelNotFound):
+            c.undeploy("m")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowmesh.errors import Code, FlowmeshError
-from gateway.tensors import TORCH_BY_V2, from_bytes, from_json, to_bytes, to_json
+from gateway.tensors import TORCH_BY_V2, binary_size, from_bytes, from_json, to_bytes, to_json
 
 
 def sample(dtype: torch.dtype) -> torch.Tensor:
@@ -64,4 +64,42 @@ def test_binary_data_of_the_wrong_size_is_refused() -> None:
     item = {"name": "x", "datatype": "FP32", "shape": [2]}
     with pytest.raises(FlowmeshError, match="takes 8 bytes, got 7") as refused:
         from_bytes(item, b"\0" * 7, "inputs[0]")
+    assert refused.value.code == Code.BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    ("shape", "match"),
+    [
+        ([1] * 17, "17 dimensions, at most 16"),  # past what the mesh's codec takes
+        ([0, 2**64], "spans over"),  # past int64: numpy and torch raised their own errors
+        ([0, 2**62], "spans over"),  # no element, but strides past int64 offsets
+        ([2**31, 2**31, 0], "spans over"),
+    ],
+)
+def test_shapes_past_what_the_mesh_carries_are_bad_requests(shape: list[int], match: str) -> None:
+    # Both ways in: binary tensors used to be made (torch.empty) and forwarded as they were.
+    item = {"name": "x", "datatype": "FP32", "shape": shape}
+    with pytest.raises(FlowmeshError, match=match) as refused:
+        from_json({**item, "data": [1.0] if 0 not in shape else []}, "inputs[0]")
+    assert refused.value.code == Code.BAD_REQUEST
+    with pytest.raises(FlowmeshError, match=match) as refused:
+        from_bytes(item, b"\0\0\0\0" if 0 not in shape else b"", "inputs[0]")
+    assert refused.value.code == Code.BAD_REQUEST
+
+
+def test_the_widest_shape_the_mesh_carries_is_taken() -> None:
+    # No element, each row a whole message's worth of bytes: a shape a tensor may have.
+    widest = 1 << 28  # FP32: 4 bytes each, 1 GiB in all
+    item = {"name": "x", "datatype": "FP32", "shape": [0, widest]}
+    assert from_bytes(item, b"", "inputs[0]")[1].shape == (0, widest)
+    assert from_json({**item, "data": []}, "inputs[0]")[1].shape == (0, widest)
+    ranked = {"name": "x", "datatype": "FP32", "shape": [1] * 16, "data": [2.0]}
+    assert from_json(ranked, "inputs[0]")[1].shape == (1,) * 16
+
+
+@pytest.mark.parametrize("parameters", [[1], "binary", 3])
+def test_parameters_that_are_not_an_object_are_bad_requests(parameters: object) -> None:
+    item = {"name": "x", "datatype": "FP32", "shape": [1], "parameters": parameters}
+    with pytest.raises(FlowmeshError, match="parameters must be an object") as refused:
+        binary_size(item)
     assert refused.value.code == Code.BAD_REQUEST
