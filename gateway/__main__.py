@@ -41,7 +41,8 @@ OPTIONS = Options(
             FLOAT,
             BODY_TIMEOUT_S,
             f"seconds a request's body may take to arrive ({BODY_TIMEOUT_S:g}): 408 past it, "
-            "so that a client sending slowly, or not at all, does not hold its request open",
+            "so that a client sending slowly, or not at all, does not hold its request open; "
+            "and an event stream's client to take each event (cut off past it)",
         ),
         Option(
             "--api-keys",

@@ -62,7 +62,8 @@ def create_app(
     bearer tokens must be in (None: loopback callers only, or anyone with `insecure_open`);
     `max_body`: bytes a request body may have (413 beyond); `max_header`: bytes its headers
     may have in all (431 beyond); `body_timeout`: seconds a body may take to arrive (408
-    past it); `max_streams_per_key`: event streams each key may hold open at once (429
+    past it), and an event stream's client to take each event (cut off past it);
+    `max_streams_per_key`: event streams each key may hold open at once (429
     beyond)."""
 
     @asynccontextmanager
@@ -81,6 +82,7 @@ def create_app(
     app.add_exception_handler(HTTPException, on_http_error)
     metrics = GatewayMetrics()
     app.state.streams = Streams(max_streams_per_key, metrics)
+    app.state.write_timeout = body_timeout  # an event stream's, for each event (`EventStream`)
 
     @app.get("/metrics", include_in_schema=False)
     async def scrape() -> Response:

@@ -245,7 +245,9 @@ async def _stream(
                 yield event(openai_body(exc.code, exc.reason))
         yield DONE
 
-    return EventStream(events(), on_close=release)
+    # A client that stops reading is cut off as one whose body stops coming is (`body_timeout`).
+    write_timeout = getattr(request.app.state, "write_timeout", None)
+    return EventStream(events(), on_close=release, write_timeout=write_timeout)
 
 
 async def _chain(first: Chunk | None, rest: AsyncGenStream) -> AsyncIterator[Chunk]:

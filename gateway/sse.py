@@ -4,6 +4,9 @@ Starlette's `StreamingResponse`, under an ASGI 2.4 server, notices a gone client
 next write, and leaves the body's generator to the garbage collector. A token stream must stop
 its sequence on the broker at once (its KV memory is freed then), so this one watches for the
 disconnect while it streams, cancels the stream when it comes, and always closes the source.
+A client that stays connected but stops reading is cut off the same way once an event has
+waited `write_timeout` seconds to be taken (the server's write waits while the connection's
+buffers are full): else it would hold its sequence, and its key's stream slot, for ever.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import anyio
 import msgspec
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
 
@@ -31,7 +34,10 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, source: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+        self,
+        source: AsyncIterator[bytes],
+        on_close: Callable[[], None] | None = None,
+        write_timeout: float | None = None,
     ) -> None:
         # No proxy buffering: each event is worth sending as it comes.
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -40,14 +46,20 @@ class EventStream(StreamingResponse):
         # Called once the stream is over, however it ended (a generator never started does
         # not run its own `finally` when closed, so this cannot live in the source).
         self._on_close = on_close
+        self._write_timeout = write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            with anyio.fail_after(self._write_timeout):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the client went away mid-write
-                        await self.stream_response(send)
+                    # OSError: the client went away mid-write; TimeoutError: it stopped reading.
+                    with contextlib.suppress(OSError, TimeoutError):
+                        await self.stream_response(timed_send)
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
