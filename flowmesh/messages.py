@@ -507,6 +507,8 @@ class PipeHop(Message, tag="pipe_hop"):
     reason: str = ""
     updated: bool = False  # a failure after this stage's update: the job is broken
     path: str = ""  # save: the checkpoint directory, as the client named it
+    # save: its id, drawn by the coordinator, in every stage's file (`gpu_worker.pipe_checkpoint`)
+    save_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""
     evaluating: bool = False  # the hops of an evaluation (no backward, nothing updated)
 
 

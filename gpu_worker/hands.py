@@ -537,8 +537,9 @@ class WorkerHands:
 
             roots = self.core.roots
 
-            def save(stage: Any, path: str, step: int, rng: Any) -> None:  # on the job's thread
-                save_stage(stage, roots.writable(path, "checkpoint"), step, rng)
+            def save(stage: Any, path: str, step: int, rng: Any, save_id: str) -> None:
+                # (on the job's thread)
+                save_stage(stage, roots.writable(path, "checkpoint"), step, rng, save_id)
 
             runner = PipeRunner(
                 stage, msg.ticket, send, answer, step_count=step, save=save, batch=msg.batch

@@ -1,23 +1,47 @@
 """Checkpoints of a pipelined training job (issue 23 §2): one file per stage in one directory.
 
-Each stage's worker writes `stage-<k>.safetensors` into the job's checkpoint directory: every
-tensor the stage uses under its `state_dict` name (a tied weight in both stages that use it),
-the optimizer state of the parameters it owns as `optimizer/<parameter>/<key>`, and, from stage
-0, the job's RNG state (`rng/cpu`, `rng/cuda`); its header holds the step, the stage count and
-the training configuration (`flowmesh`, JSON). The directory must be one every stage's worker
-reaches (one host, or shared storage) for a resume elsewhere.
+Each stage's worker writes its part of a save as one safetensors file: every tensor the stage
+uses under its `state_dict` name (a tied weight in both stages that use it), the optimizer state
+of the parameters it owns as `optimizer/<parameter>/<key>`, and, from stage 0, the job's RNG
+state (`rng/cpu`, `rng/cuda`); its header (`flowmesh`, JSON) holds the job, the stage, the
+stage count, the step, the save's id (one the coordinator gives, or "") and the training
+configuration. The directory must be one every stage's worker reaches (one host, or shared
+storage) for a resume elsewhere.
 
-A resume reads the tensors each new stage uses from whichever stage file holds them, by name, so
-a job may resume cut into another number of stages (after losing a worker, say). Each file is
-written beside the old one and put in place whole (`os.replace`), so a save cut short leaves
-each stage's old file or its new one; the step in every file says which save it came from, and
-a resume refuses files of different steps.
+A save is known by its key (job, stage count, step, id) and its files by their headers, never
+by their names. The stages write with no commit between them, so:
+
+- a stage puts its file in place as `stage-<k>.safetensors` (written beside it, flushed, then
+  `os.replace`d), after moving the one there, if it is of another save, aside to
+  `stage-<k>-of-<n>.step-<step>[.<id>].safetensors`: a save never overwrites another's file;
+- a stage that finds every stage's file of its save present once its own is in place (the save
+  complete) removes the files of every other save (a complete one of a higher step too: another
+  run's, saved over), but an incomplete one of a later step (a later save of this job, under
+  way after a save given up on); so after a complete save the directory holds its
+  `stage-<k>.safetensors` files alone, the layout it always had;
+- a resume reads the complete save of the highest step (of one step, the one written last),
+  whatever stage count it was cut into, and leaves the rest aside: a save cut short or failed
+  on some stage (a full disk, roots refusing), or the stage files of an older cut beside a
+  newer one (a job resumed on fewer workers), never hide the last complete save nor mix with
+  it. A directory of plain `stage-<k>.safetensors` files written before saves had keys reads
+  the same way (no id).
+
+Two saves of one key are one save to a resume. With no id, a job resumed from an older save
+that saves again at the step of a save that failed on some stage, cut the same way, may leave
+a mix of the two saves' files that reads as complete (until a later save completes); an id the
+coordinator draws for each save (`save_stage(..., save_id=...)`) rules that out.
+
+A resume reads the tensors each new stage uses from whichever stage file holds them, by name,
+so a job may resume cut into another number of stages (after losing a worker, say).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +55,198 @@ from gpu_worker.train_checkpoint import _write_new, _write_safetensors
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_job import RngState
 
+log = logging.getLogger("gpu_worker.pipe_checkpoint")
+
 FORMAT = "flowmesh-pipelined-checkpoint"
 PREFIX = "stage-"
+SUFFIX = ".safetensors"
+SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # it goes into file names
+
+Key = tuple[str, int, int, str]  # a save's: job, stage count, step, id
 
 
 def stage_file(directory: Path, stage: int) -> Path:
-    return directory / f"{PREFIX}{stage}.safetensors"
+    """Where `stage`'s file of the newest save is put."""
+    return directory / f"{PREFIX}{stage}{SUFFIX}"
+
+
+def aside_file(directory: Path, meta: dict[str, Any]) -> Path:
+    """Where a stage's file of an older save is set aside (named by its key, but the job)."""
+    tail = f".{meta['save']}" if meta.get("save") else ""
+    name = f"{PREFIX}{meta['stage']}-of-{meta['stages']}.step-{meta['step']}{tail}{SUFFIX}"
+    return directory / name
+
+
+def key_of(meta: dict[str, Any]) -> Key:
+    return (str(meta.get("job", "")), meta["stages"], meta["step"], str(meta.get("save", "")))
+
+
+@dataclass
+class Save:
+    """One save's stage files found in a directory: `files` the one read per stage (the
+    `stage-<k>` one if there are two), `paths` all of them."""
+
+    key: Key
+    files: dict[int, Path] = field(default_factory=dict)
+    metas: dict[int, dict[str, Any]] = field(default_factory=dict)
+    paths: list[Path] = field(default_factory=list)
+    mtime: float = 0.0  # its newest file's
+
+    @property
+    def stages(self) -> int:
+        return self.key[1]
+
+    @property
+    def step(self) -> int:
+        return self.key[2]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.files) == self.stages
+
+    def order(self) -> tuple[int, float]:
+        return (self.step, self.mtime)
+
+
+def _meta(path: Path) -> dict[str, Any] | None:
+    """The header of a stage file; None if `path` is no flowmesh pipelined stage (an OSError
+    reading it is raised)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("flowmesh")
+        meta = json.loads(raw) if raw else {}
+    except OSError:
+        raise
+    except Exception:  # not safetensors, or a header that is not JSON
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return None
+    stage, stages, step = meta.get("stage"), meta.get("stages"), meta.get("step")
+    if not all(type(v) is int for v in (stage, stages, step)) or not 0 <= stage < stages:
+        return None
+    if step < 0 or not isinstance(meta.get("save", ""), str):
+        return None
+    return meta
+
+
+def scan(directory: Path) -> tuple[list[Save], list[str]]:
+    """The saves whose stage files are in `directory`, and the names of the files there named
+    as stage files that are not."""
+    saves: dict[Key, Save] = {}
+    odd: list[str] = []
+    for path in sorted(directory.glob(f"{PREFIX}*{SUFFIX}")):
+        try:
+            meta = _meta(path)
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue  # set aside or removed by a save under way: seen under its new name
+        if meta is None:
+            odd.append(path.name)
+            continue
+        key = key_of(meta)
+        save = saves.setdefault(key, Save(key))
+        k = meta["stage"]
+        if k not in save.files or path == stage_file(directory, k):
+            save.files[k], save.metas[k] = path, meta
+        save.paths.append(path)
+        save.mtime = max(save.mtime, mtime)
+    return list(saves.values()), odd
+
+
+def newest(directory: str | os.PathLike[str]) -> Save:
+    """The complete save a resume reads: of the highest step, of one step the one written
+    last."""
+    d = Path(directory)
+    try:
+        saves, odd = scan(d)
+    except OSError as exc:
+        raise io_error(exc, str(d)) from None
+    complete = [s for s in saves if s.complete]
+    if not complete:
+        if not saves and not odd:
+            hint = ""
+            if (d / "job.json").exists():  # `gpu_worker.train_checkpoint`'s
+                hint = ": it is a memory-flow job's checkpoint, resume it with pipeline=1"
+            raise bad_request(f"{d} holds no pipelined checkpoint (no {PREFIX}K{SUFFIX}){hint}")
+        found = [
+            f"step {s.step} of {s.stages} stages has stages {sorted(s.files)} only"
+            for s in sorted(saves, key=Save.order)
+        ]
+        if odd:
+            found.append(f"{len(odd)} files are not pipelined stages ({', '.join(odd[:3])})")
+        raise bad_request(
+            f"{d} holds no complete pipelined checkpoint (a save cut short or failed on some "
+            f"stage): {'; '.join(found)}"
+        )
+    best = max(complete, key=Save.order)
+    later = [s for s in saves if not s.complete and s.order() > best.order()]
+    if later:
+        log.warning(
+            "%s: reading the save of step %d; later saves are incomplete (steps %s)",
+            d, best.step, sorted({s.step for s in later}),
+        )  # fmt: skip
+    return best
+
+
+def _sync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the renames too
+    finally:
+        os.close(fd)
+
+
+def _set_aside(directory: Path, stage: int, key: Key) -> None:
+    """Move `stage`'s file in place aside if it is of another save than `key`'s."""
+    plain = stage_file(directory, stage)
+    try:
+        meta = _meta(plain)
+        if meta is not None and key_of(meta) != key:
+            os.replace(plain, aside_file(directory, meta))
+    except FileNotFoundError:
+        pass  # none, or removed meanwhile by another stage's complete save
+    # Not a stage (or of this save's key): replaced, as a save always replaced it.
+
+
+def _prune(directory: Path, key: Key) -> None:
+    """Once the save of `key` is complete, remove the files of every other save but an
+    incomplete one of a later step."""
+    saves, _ = scan(directory)
+    mine = next((s for s in saves if s.key == key), None)
+    if mine is None or not mine.complete:
+        return
+    for s in saves:
+        if s is not mine and not s.complete and s.step > mine.step:
+            continue
+        keep = set(mine.files.values()) if s is mine else set()
+        for path in s.paths:
+            if path in keep:
+                continue
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                if s.complete and s.order() > mine.order():
+                    raise FlowmeshError(
+                        Code.IO_ERROR,
+                        f"{directory}: the save of step {mine.step} is complete, but a resume "
+                        f"would read the save of step {s.step} there, whose {path.name} could "
+                        f"not be removed: {os.strerror(exc.errno) if exc.errno else exc}",
+                    ) from None
+                log.warning("%s: an older save's file stays: %s", path, exc)
 
 
 def save_stage(
-    stage: PipeStage, directory: str | os.PathLike[str], step: int, rng: RngState | None
+    stage: PipeStage,
+    directory: str | os.PathLike[str],
+    step: int,
+    rng: RngState | None,
+    save_id: str = "",
 ) -> Path:
-    """Write `stage`'s part of the job's checkpoint at `step` (`rng`: the job's, from stage 0)."""
+    """Write `stage`'s part of the job's save at `step` (`rng`: the job's, from stage 0;
+    `save_id`: the save's, the same on every stage, where the coordinator gives one); once the
+    save is complete, remove the older saves' files."""
+    if save_id and not SAVE_ID.fullmatch(save_id):
+        raise bad_request("a save's id is 1 to 64 letters, digits, '-' or '_'")
     out = Path(directory)
     tensors: dict[str, torch.Tensor] = {}
     for name, info in stage.tensors.items():
@@ -57,91 +261,81 @@ def save_stage(
         tensors["rng/cpu"] = rng[0]
         if rng[1] is not None:
             tensors["rng/cuda"] = rng[1]
-    meta = json.dumps(
-        {
-            "format": FORMAT,
-            "job": stage.job,
-            "stage": stage.stage,
-            "stages": len(stage.ranges),
-            "step": step,
-            "config": stage.config.to_dict(),
-        }
-    )
+    meta = {
+        "format": FORMAT,
+        "job": stage.job,
+        "stage": stage.stage,
+        "stages": len(stage.ranges),
+        "step": step,
+        "save": save_id,
+        "config": stage.config.to_dict(),
+    }
+    text = json.dumps(meta)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tmp = _write_new(out, lambda f: _write_safetensors(f, tensors, meta))
-        os.replace(tmp, stage_file(out, stage.stage))
+        tmp = _write_new(out, lambda f: _write_safetensors(f, tensors, text))
+        try:
+            _set_aside(out, stage.stage, key_of(meta))
+            os.replace(tmp, stage_file(out, stage.stage))
+        finally:
+            tmp.unlink(missing_ok=True)  # put in place already, unless that failed
+        _sync(out)
+        _prune(out, key_of(meta))
     except OSError as exc:
         raise io_error(exc, str(out)) from None
     return out
 
 
-def _meta(path: Path) -> dict[str, Any]:
-    with safe_open(str(path), "pt") as f:
-        raw = (f.metadata() or {}).get("flowmesh")
-    meta = json.loads(raw) if raw else {}
-    if meta.get("format") != FORMAT:
-        raise bad_request(f"{path} is not a stage of a pipelined flowmesh checkpoint")
-    return meta
-
-
 def read_pipe_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint's step, stage count and configuration (from stage 0's file), its files
-    checked to be of one save."""
-    d = Path(directory)
-    try:
-        files = sorted(d.glob(f"{PREFIX}*.safetensors"))
-        if not files:
-            hint = ""
-            if (d / "job.json").exists():  # `gpu_worker.train_checkpoint`'s
-                hint = ": it is a memory-flow job's checkpoint, resume it with pipeline=1"
-            raise bad_request(
-                f"{d} holds no pipelined checkpoint (no {PREFIX}K.safetensors){hint}"
-            )
-        metas = [_meta(f) for f in files]
-    except OSError as exc:
-        raise io_error(exc, str(d)) from None
-    stages = {m["stages"] for m in metas}
-    steps = {m["step"] for m in metas}
-    if len(stages) != 1 or len(steps) != 1 or len(metas) != next(iter(stages)):
-        raise FlowmeshError(
-            Code.BAD_REQUEST,
-            f"{d}: its stage files are not of one save (stages {sorted(stages)}, steps "
-            f"{sorted(steps)}, {len(metas)} files)",
-        )
-    return next(m for m in metas if m["stage"] == 0)
+    """The header of stage 0's file of the save a resume reads (`newest`): its step, stage
+    count and configuration."""
+    return dict(newest(directory).metas[0])
 
 
 def config_of(meta: dict[str, Any]) -> TrainConfig:
     return TrainConfig.from_dict(meta["config"])
 
 
-def load_stage(stage: PipeStage, directory: str | os.PathLike[str]) -> tuple[int, RngState]:
-    """Set `stage`'s tensors and optimizer state from the checkpoint in `directory`, whatever
-    cut it was saved under; its step and the job's RNG state."""
-    d = Path(directory)
-    meta = read_pipe_meta(d)
-    wanted = set(stage.tensors)
-    owned = {i.name: i for i in stage.owned}
+def _read(
+    save: Save, wanted: set[str], owned: set[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], list[torch.Tensor | None]]:
+    """From `save`'s files: the `wanted` tensors, the optimizer state of the `owned`
+    parameters, and the job's RNG state."""
     found: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
     rng: list[torch.Tensor | None] = [None, None]
-    try:
-        for k in range(meta["stages"]):
-            with safe_open(str(stage_file(d, k)), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if key in wanted and key not in found:
-                        found[key] = f.get_tensor(key)
-                    elif key.startswith("optimizer/"):
-                        _, name, slot = key.split("/", 2)
-                        if name in owned:
-                            states.setdefault(name, {})[slot] = f.get_tensor(key)
-                    elif key == "rng/cpu":
-                        rng[0] = f.get_tensor(key)
-                    elif key == "rng/cuda":
-                        rng[1] = f.get_tensor(key)
-    except OSError as exc:
-        raise io_error(exc, str(d)) from None
+    for k in range(save.stages):
+        with safe_open(str(save.files[k]), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key in wanted and key not in found:
+                    found[key] = f.get_tensor(key)
+                elif key.startswith("optimizer/"):
+                    _, name, slot = key.split("/", 2)
+                    if name in owned:
+                        states.setdefault(name, {})[slot] = f.get_tensor(key)
+                elif key == "rng/cpu":
+                    rng[0] = f.get_tensor(key)
+                elif key == "rng/cuda":
+                    rng[1] = f.get_tensor(key)
+    return found, states, rng
+
+
+def load_stage(stage: PipeStage, directory: str | os.PathLike[str]) -> tuple[int, RngState]:
+    """Set `stage`'s tensors and optimizer state from the save in `directory` a resume reads
+    (`newest`), whatever cut it was saved under; its step and the job's RNG state."""
+    d = Path(directory)
+    wanted = set(stage.tensors)
+    owned = {i.name: i for i in stage.owned}
+    for tries_left in (2, 1, 0):
+        save = newest(d)
+        try:
+            found, states, rng = _read(save, wanted, set(owned))
+            break
+        except FileNotFoundError as exc:  # a save under way set a file aside: look again
+            if not tries_left:
+                raise io_error(exc, str(d)) from None
+        except OSError as exc:
+            raise io_error(exc, str(d)) from None
     missing = sorted(wanted - set(found))
     if missing:
         raise bad_request(f"{d}: the checkpoint lacks tensors {missing[:5]} of this model")
@@ -164,7 +358,7 @@ def load_stage(stage: PipeStage, directory: str | os.PathLike[str]) -> tuple[int
                 }
         opt.load_state_dict({"state": by_index, "param_groups": saved["param_groups"]})
     cpu = rng[0].to(torch.uint8)
-    return int(meta["step"]), (cpu, rng[1].to(torch.uint8) if rng[1] is not None else None)
+    return save.step, (cpu, rng[1].to(torch.uint8) if rng[1] is not None else None)
 
 
 def owned_by(stage: PipeStage, params: list[Any]) -> list[Any]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -157,8 +158,10 @@ def _deadline_s(timeout_ms: int | None) -> float:
     return timeout_ms / 1000 if timeout_ms else STEP_TIMEOUT_S
 
 
-def save_to(stage: PipeStage, path: str, step: int, rng: RngState | None) -> None:
-    save_stage(stage, path, step, rng)
+def save_to(
+    stage: PipeStage, path: str, step: int, rng: RngState | None, save_id: str = ""
+) -> None:
+    save_stage(stage, path, step, rng, save_id)
 
 
 class PipeRunner:
@@ -171,7 +174,7 @@ class PipeRunner:
         send: Callable[[int, p.PipeHop], None],
         answer: Callable[[p.Message], None],
         step_count: int = 0,
-        save: Callable[[PipeStage, str, int, RngState | None], None] | None = None,
+        save: Callable[[PipeStage, str, int, RngState | None, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batch: int | None = None,
     ) -> None:
@@ -317,8 +320,11 @@ class PipeRunner:
             if item[0] == "save":
                 _, ref, path, timeout_ms = item
                 self._saving = _Save(ref, path, self.clock() + _deadline_s(timeout_ms))
+                # One id for the save's files on every stage: a resume never takes two saves'
+                # files for one (`gpu_worker.pipe_checkpoint`).
+                save_id = secrets.token_hex(8)
                 for s in range(self.n):
-                    self._hop(s, "save", ref, path=path)
+                    self._hop(s, "save", ref, path=path, save_id=save_id)
                 return
             _, msg, inputs, targets = item
             if self.broken is not None:
@@ -464,7 +470,7 @@ class PipeRunner:
         if hop.kind == "save":  # between steps: the coordinator sends it when all are done
             try:
                 rng = self.rng if self.coordinator else None
-                self._save(self.stage, hop.path, self.step_count, rng)
+                self._save(self.stage, hop.path, self.step_count, rng, hop.save_id)
                 self._hop(0, "saved", hop.seq)
             except Exception as exc:
                 err = _failure(exc)

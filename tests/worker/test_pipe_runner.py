@@ -338,7 +338,10 @@ def test_an_evaluation_or_a_save_whose_hop_is_lost_fails_at_its_deadline(tmp_pat
     r0.on_hop(hop)
     saved = bus.answers[5:]
     assert [(type(a).__name__, a.id) for a in saved] == [("TrainSaved", 61)], saved
-    assert read_pipe_meta(path)["step"] == 3
+    meta = read_pipe_meta(path)
+    assert meta["step"] == 3
+    # Every stage's file carries the id the coordinator drew for the save (pipe_checkpoint).
+    assert len(meta["save"]) == 16 and int(meta["save"], 16) >= 0
 
 
 def test_an_evaluation_over_the_jobs_batch_runs_in_micro_batches_of_a_steps_rows() -> None:
