@@ -76,10 +76,12 @@ def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     assert any(k.startswith("optimizer/") for k in want)  # the updates made optimizer state
     for k, t in want.items():
+        # bit-exact: tensors written to a file and read back, pure data movement
         assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
 
 
 def same_rng(got: RngState, want: RngState) -> None:
+    # bit-exact: the RNG state's bytes written to a file and read back, pure data movement
     assert torch.equal(got[0], want[0]) and got[1] is None and want[1] is None
 
 
