@@ -51,10 +51,12 @@ keeps the sequences of every Generate call (one per prompt):
   fail WORKER_LOST. A stage found not resident under a decode (its KV went with it) starts
   its sequences again the same way (its prefills run again, through a Load);
   an iteration that hangs, fails on the worker or returns a malformed answer fails the calls in
-  it (the other groups' calls run on), but for TOO_BIG, which names its longest sequence (that
-  one's KV could never fit a stage's share): only that call fails, the others run again (the
-  broker knows no block size to refuse it at the door); a call past its timeout is answered
-  TIMEOUT. Whatever happens, every call gets one answer (but one whose client is gone).
+  it (the other groups' calls run on: a hang gives up the replica, whose other sequences start
+  again from their tokens as those of a lost replica do), but for TOO_BIG, which names its
+  longest sequence (that one's KV could never fit a stage's share): only that call fails, the
+  others run again (the broker knows no block size to refuse it at the door); a call past its
+  timeout is answered TIMEOUT. Whatever happens, every call gets one answer (but one whose
+  client is gone).
 """
 
 from __future__ import annotations
@@ -1030,30 +1032,78 @@ class GenerationRoom:
         gm = self.by_model.get(model.name)
         if gm is None:
             return
-        for s in gm.waiting:
-            if s.parked_rep is rep:  # its parked KV went with the worker, on one stage at least
-                self._unpark(s, skip=lost)
-        for g in [g for g in gm.reps if g.rep is rep]:
-            # Every group of it: their KV was on the same workers.
-            gm.reps.remove(g)
-            running = g.running()
-            for k in g.groups:
-                k.batch, k.ahead, k.deferred, k.running = None, None, None, []
-            self._free(gm, rep, running, skip=lost)
-            again = [s for s in running if s.finish is None]
-            for s in reversed(again):
-                s.rep, s.group, s.prefilled = None, None, False
-                gm.waiting.appendleft(s)
-            gm.restarts += len(again)
-            if again:
-                log.info(
-                    "model=%s worker=%s lost: %d sequences start again elsewhere",
-                    model.name, lost, len(again),
-                )  # fmt: skip
+        again = self._leave(gm, rep, skip=lost)
+        if again:
+            log.info(
+                "model=%s worker=%s lost: %d sequences start again elsewhere",
+                model.name, lost, again,
+            )  # fmt: skip
         if not model.replicas:
             reason = f"worker {lost} was lost and {model.name!r} has no live replica left"
             for call in {id(s.call): s.call for s in gm.waiting}.values():
                 self._fail_call(call, Code.WORKER_LOST, reason)
+
+    def replica_given_up(self, batch: Batch, code: str, reason: str, now: float) -> None:
+        """A run of `batch.replica` hung (`ServingRouter.run_hung`) and the replica was given
+        up, its worker still heartbeating. The calls of the iteration that hung (`batch`, when
+        it is one of a group's) fail with `code`; the sequences of the replica's other groups,
+        running or idle, start again from their tokens as those of a lost replica do
+        (`replica_lost`): their KV there is gone or untrusted, freed on every worker still
+        here. With no live replica left, their calls fail WORKER_LOST."""
+        gm = self.by_model.get(batch.model)
+        rep = batch.replica
+        if gm is None or not (
+            any(g.rep is rep for g in gm.reps) or any(s.parked_rep is rep for s in gm.waiting)
+        ):
+            return  # nothing of it there (given up already: a late run of it hung too)
+        owner = self._owner(batch)
+        hung = {id(s.call): s.call for s in batch.gen.seqs} if owner is not None else {}
+        for g in [g for g in gm.reps if g.rep is rep]:
+            for k in g.groups:
+                if k.deferred is not None:  # an earlier failure waiting for this follower
+                    it, why_code, why = k.deferred
+                    k.batch, k.ahead, k.deferred = None, None, None
+                    self._failed(gm, g, k, it, why_code, why, now)
+        again = self._leave(gm, rep, failing=frozenset(hung))
+        for call in hung.values():
+            self._fail_call(call, code, reason)
+        if again:
+            log.info(
+                "model=%s replica given up (a run hung on worker %s): %d sequences start again",
+                batch.model, batch.worker, again,
+            )  # fmt: skip
+        model = self.models.get(batch.model)
+        if model is gm.model and not model.replicas:
+            why = (
+                f"a run hung on worker {batch.worker} and {batch.model!r} has no live replica left"
+            )
+            for call in {id(s.call): s.call for s in gm.waiting}.values():
+                self._fail_call(call, Code.WORKER_LOST, why)
+
+    def _leave(
+        self, gm: GenModel, rep: Replica, *, skip: str = "", failing: frozenset[int] = frozenset()
+    ) -> int:
+        """Every sequence of `rep` leaves it (every group's: their KV was on the same
+        workers), freed on its workers but `skip`, parked copies there too; the live ones,
+        but those of the calls in `failing` (by id), start again from their tokens at the
+        head of the queue. How many start again."""
+        for s in gm.waiting:
+            if s.parked_rep is rep:  # its parked KV went with the replica, on a stage at least
+                self._unpark(s, skip=skip)
+        restarted = 0
+        for g in [g for g in gm.reps if g.rep is rep]:
+            gm.reps.remove(g)
+            running = g.running()
+            for k in g.groups:
+                k.batch, k.ahead, k.deferred, k.running = None, None, None, []
+            self._free(gm, rep, running, skip=skip)
+            again = [s for s in running if s.finish is None and id(s.call) not in failing]
+            for s in reversed(again):
+                s.rep, s.group, s.prefilled = None, None, False
+                gm.waiting.appendleft(s)
+            gm.restarts += len(again)
+            restarted += len(again)
+        return restarted
 
     # ================================================================== ending
 

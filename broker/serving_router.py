@@ -108,6 +108,8 @@ class GenSink(Protocol):
 
     def iteration_failed(self, batch: Batch, code: str, reason: str, now: float) -> None: ...
 
+    def replica_given_up(self, batch: Batch, code: str, reason: str, now: float) -> None: ...
+
 
 class ServingRouter:
     def __init__(self, ctx: Context, registry: ReplicaKeeper) -> None:
@@ -1063,7 +1065,9 @@ class ServingRouter:
         """A stage did not answer a run by its deadline while its worker still heartbeats.
 
         Its requests are answered, its counts released, and the replica is given up and
-        re-created, away from that worker where another can hold the stage.
+        re-created, away from that worker where another can hold the stage. A generation
+        iteration's calls fail; the replica's other sequences start again elsewhere
+        (`GenSink.replica_given_up`).
         """
         self._leave_stage(batch, now)
         self._cancel_direct(batch)
@@ -1076,11 +1080,13 @@ class ServingRouter:
         log.warning("run hung run=%d %s", batch.run_id, reason)
         for r in batch.requests:
             self.ctx.answer_error(r, Code.TIMEOUT, reason)
-        if batch.gen is not None and self.gen is not None:
-            self.gen.iteration_failed(batch, str(Code.TIMEOUT), reason, now)
         model = self.models.get(batch.model)
         if model is not None:
             self.registry.give_up_replica(model, batch.replica, batch.worker, reason)
+        if self.gen is not None:
+            # The calls of a generation iteration that hung fail; the sequences of the
+            # replica's other groups start again elsewhere (their runs are runs of their own).
+            self.gen.replica_given_up(batch, str(Code.TIMEOUT), reason, now)
 
     def fail_over(self, model: Model, rep: Replica, lost: str, now: float) -> None:
         """Requests in flight on a lost replica: run once more elsewhere, or WORKER_LOST."""

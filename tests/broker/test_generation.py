@@ -953,6 +953,59 @@ def test_an_iteration_that_hangs_fails_its_calls(lm_dir: Path, files: LmFiles) -
     assert g.figures() == (0, 0, 0, 1)
 
 
+def test_a_hung_iteration_fails_its_calls_and_the_other_groups_start_again_elsewhere(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, run_timeout_s=5.0, replicas=2)
+    w2, w3 = g.workers[2:]
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))  # group 1 of the first replica
+    ((a, *_),) = steps(run)
+    other = run_of(g.generate(2, [[1, 6]], max_tokens=5, addr=CLIENT_B), g.w0)  # group 2
+    ((b, *_),) = steps(other)
+    # Group 2's iterations go on; group 1's never leaves stage 0 (w0 still beats).
+    for t, new in ((1.5, 20), (3.0, 21), (4.5, 22)):
+        g.h.now = t
+        for w in [*g.workers, b"part"]:
+            g.h.backend(w, p.Heartbeat())
+        other = run_of(g.step(other, [new]), g.w0)
+    assert steps(other) == [(b, 4, 1, 3)]
+    out = g.tick(5.0)
+    reason = "worker w0 did not finish stage 0 of 'lm' within 5 s; its replica is being re-created"
+    # Only group 1's call fails; group 2's sequence starts again on the other replica from
+    # its tokens (its KV on the given-up replica freed where its workers are still here).
+    assert [o for o in out if isinstance(o[2], p.FreeSeqs | p.Error | p.Generated)] == [
+        *freed(a, b),
+        (CLIENT, CLIENT_A, p.Error(id=1, code=str(Code.TIMEOUT), reason=reason)),
+    ]
+    again = g.first([o for o in out if isinstance(o[2], p.Load | p.Run)], on=(w2, w3))
+    assert steps(again) == [(b, 0, 5, 3)] and ids_of(again) == [1, 6, 20, 21, 22]
+    # Late answers from the given-up replica change nothing.
+    late = p.RunResult(id=run.id, model="lm", stage=0, tensors=[{"h": ref(2, 8)}])
+    assert [o for o in g.keep(g.h.backend(g.w0, late)) if o[0] == CLIENT] == []
+    late = p.RunResult(id=other.id, model="lm", stage=0, tensors=[{"h": ref(1, 8)}])
+    assert [o for o in g.keep(g.h.backend(g.w0, late)) if o[0] == CLIENT] == []
+    # Group 2's call ends with the tokens it would have had on its first replica.
+    again = run_of(g.step(again, [23], on=(w2, w3)), w2)
+    assert steps(again) == [(b, 5, 1, 4)]
+    assert g.step(again, [24], on=(w2, w3)) == [
+        (BACKEND, w2, p.FreeSeqs(model="lm", stage=0, seqs=[b])),
+        (BACKEND, w3, p.FreeSeqs(model="lm", stage=1, seqs=[b])),
+        (
+            CLIENT,
+            CLIENT_B,
+            p.Generated(
+                id=2,
+                outputs=[
+                    out_of([20, 21, 22, 23, 24], "length", 2, 1500.0, [1500.0, 1500.0, 500.0, 0.0])
+                ],
+            ),
+        ),
+    ]
+    g.answered_once()
+    row = g.core.status(g.h.now).models[0]
+    assert (row.running_seqs, row.waiting_seqs, row.restarts) == (0, 0, 1)
+
+
 @pytest.mark.parametrize(
     ("tensors", "why"),
     [
