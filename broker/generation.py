@@ -74,6 +74,7 @@ from broker.context import Context, fail
 from broker.lm_files import LEARNED_POSITIONS, LmFiles, not_generative
 from broker.serving_router import ServingRouter
 from broker.state import Batch, Model, ModelState, Replica
+from broker.training_router import train_bytes_of
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from flowmesh.value import ArrivalRate
@@ -984,17 +985,14 @@ class GenerationRoom:
             gm.waiting.appendleft(s)
 
     def _beside(self, gm: GenModel, g: GenRep) -> list[str]:
-        """The other models resident on `g`'s workers: what may hold the KV room a sequence of
-        `gm` found missing with nothing else of its model running."""
-        return sorted(
-            {
-                key[0]
-                for w in g.rep.workers
-                if (peer := self.peers.get(w)) is not None
-                for key in peer.resident
-                if key[0] != gm.model.name
-            }
-        )
+        """The other models resident on `g`'s workers, and the training on those that train
+        (its tasks borrow serving's free memory, and give it back once a placement claims it:
+        `gpu_worker.memory`): what may hold the KV room a sequence of `gm` found missing with
+        nothing else of its model running."""
+        peers = [peer for w in g.rep.workers if (peer := self.peers.get(w)) is not None]
+        models = {key[0] for peer in peers for key in peer.resident if key[0] != gm.model.name}
+        training = [f"training on {peer.name}" for peer in peers if train_bytes_of(peer) > 0]
+        return sorted(models) + training
 
     def _too_big_alone(self, gm: GenModel, s: Seq, reason: str) -> None:
         """`s` found no KV room with nothing else of its model running and nothing but its

@@ -109,6 +109,10 @@ FORWARD_WINDOW = 16
 # one is computing or queued just before it, so this only bounds a wait that something else
 # went wrong in (the follower then fails instead of holding its lane).
 FOLLOW_WAIT_S = 120.0
+# How long KV placement that found training's borrowed ranges in the way keeps claiming them
+# back (training admits nothing meanwhile) for the broker's next try; a placement that
+# succeeds stops the claim at once.
+KV_CLAIM_S = 5.0
 
 
 @dataclass(eq=False)
@@ -349,6 +353,8 @@ class Executor:
         self._lock = threading.Lock()
         self._waiting: deque[StageKey] = deque()  # loads waiting for training's ranges, in order
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A claim of training's borrowed ranges for KV blocks (`_claim_for_kv`), and its end.
+        self._kv_claim: asyncio.TimerHandle | None = None
         self.memory.wake_serving.append(self._wake)
         # Copy lanes: a load goes to the lane with the fewest bytes queued, all of a stage's
         # copies on one lane (its blocks' markers stay in order).
@@ -1109,12 +1115,38 @@ class Executor:
             except OutOfSpace as exc:
                 if not victims:
                     self.counters["kv_refused"] += 1
+                    if self.memory.lent:
+                        # Training borrowed serving's free ranges: claimed back, as a stage
+                        # load claims them, for the broker's next try (the run cannot wait
+                        # here: it is placed on the loop, and answers NO_SPACE at once).
+                        lent = self.memory.lent
+                        self._claim_for_kv()
+                        raise FlowmeshError(
+                            Code.NO_SPACE,
+                            f"{where}: cannot place {new} KV blocks while training holds "
+                            f"{lent} bytes of serving's memory; claimed back: {exc}",
+                        ) from None
                     raise FlowmeshError(
                         Code.NO_SPACE, f"{where}: cannot place {new} KV blocks: {exc}"
                     ) from None
                 self._evict_for(victims.pop(0))
+        self._unclaim_for_kv()
         grown, restores = kv.grow(gen.seqs, placed)
         return grown, placed, restores
+
+    def _claim_for_kv(self) -> None:
+        """Claim training's borrowed ranges back (`DeviceMemory.claim`) for KV_CLAIM_S, or
+        until a placement succeeds; one claim at a time."""
+        if self._kv_claim is not None:
+            return
+        self.memory.claim()
+        self._kv_claim = asyncio.get_running_loop().call_later(KV_CLAIM_S, self._unclaim_for_kv)
+
+    def _unclaim_for_kv(self) -> None:
+        handle, self._kv_claim = self._kv_claim, None
+        if handle is not None:
+            handle.cancel()
+            self.memory.unclaim()
 
     def free_seqs(self, key: StageKey, seqs: list[int]) -> int:
         """Drop the KV of `seqs` on stage `key` (those held or parked); their ranges' next
@@ -1401,6 +1433,7 @@ class Executor:
     def close(self) -> None:
         for pool in (self._compute, *self._copies, self._waiter):
             pool.shutdown(wait=False, cancel_futures=True)
+        self._unclaim_for_kv()  # training beside it admits again
         # Off the memory, which may outlive this executor: a new list, not this one changed
         # (another thread may be calling its listeners).
         self.memory.wake_serving = [f for f in self.memory.wake_serving if f != self._wake]

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from broker.core import BACKEND, CLIENT
@@ -821,6 +822,26 @@ def test_a_lone_decode_out_of_memory_beside_another_model_is_parked_and_waits(
     _both_parked(g, a)
     run = run_of(g.tick(KV_RETRY_S), g.w0)
     assert steps(run) == [(a, 2, 1, 1)]
+
+
+def test_a_prefill_alone_on_a_worker_that_trains_waits_for_room(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    """A worker that trains lends serving's free memory to its training tasks and takes it back
+    once a placement claims it (`gpu_worker.memory`): a lone prefill refused there waits and
+    tries again, never too_big."""
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
+    ((a, *_),) = steps(run)
+    peer = g.core.peers["w1"]
+    peer.info = msgspec.structs.replace(peer.info, train_bytes=1 << 20)
+    assert no_space(g, g.stage0(run), g.w1) == freed(a)
+    assert g.finals(1) == []
+    assert "training on w1" in g.core.generation.by_model["lm"].room_wait
+    run = run_of(g.tick(KV_RETRY_S), g.w0)
+    assert steps(run) == [(a, 0, 3, 0)]
+    run = run_of(g.step(run, [10]), g.w0)  # room given back: it runs on
+    assert steps(run) == [(a, 3, 1, 1)]
 
 
 def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> None:
