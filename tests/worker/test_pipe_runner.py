@@ -191,6 +191,25 @@ def test_a_checkpoint_resumes_the_same_run_cut_another_way(
             close(got[n], t, f"tensor {n}")
 
 
+def equals_plain_eval(
+    ev: p.TrainEvalResult,
+    kind: str,
+    cfg: TrainConfig,
+    trained: list[tuple[Any, torch.Tensor]],
+    held_x: torch.Tensor,
+    held_y: torch.Tensor,
+) -> None:
+    """`ev`'s loss and accuracy are those of the plain model trained on `trained`, in eval mode."""
+    reference = build(kind)
+    plain_step_loop(reference, cfg, trained)
+    reference.eval()
+    with torch.no_grad():
+        out = reference(held_x)
+        want = torch.nn.functional.cross_entropy(out, held_y)
+    close(ev.loss, float(want), "the evaluation's loss")
+    assert ev.metrics["accuracy"] == int((out.argmax(-1) == held_y).sum()) / len(held_y)
+
+
 def test_an_evaluation_equals_plain_eval_and_changes_nothing() -> None:
     """Between steps, an evaluation of a model with dropout, BatchNorm and a running scale: its
     loss and accuracy are the plain model's in eval mode at that point, and the steps after it
@@ -209,14 +228,7 @@ def test_an_evaluation_equals_plain_eval_and_changes_nothing() -> None:
     ev = bus.answers[3]
     assert isinstance(ev, p.TrainEvalResult) and ev.id == 70 and ev.step == 3
 
-    reference = build("mixed")
-    plain_step_loop(reference, cfg, data[:3])
-    reference.eval()
-    with torch.no_grad():
-        out = reference(held_x)
-        want = torch.nn.functional.cross_entropy(out, held_y)
-    close(ev.loss, float(want), "the evaluation's loss")
-    assert ev.metrics["accuracy"] == int((out.argmax(-1) == held_y).sum()) / len(held_y)
+    equals_plain_eval(ev, "mixed", cfg, data[:3], held_x, held_y)
     steps = [a.loss for a in bus.answers if isinstance(a, p.TrainStepResult)]
     close(steps, plain_step_loop(build("mixed"), cfg, data), "the steps around it")
 
@@ -368,11 +380,4 @@ def test_an_evaluation_over_the_jobs_batch_runs_in_micro_batches_of_a_steps_rows
     ev = bus.answers[-1]
     assert isinstance(ev, p.TrainEvalResult) and ev.id == 70
     assert seen and max(seen) == 4 and sum(seen) == 2 * 40, seen  # both stages, every row
-    reference = build("mlp")
-    plain_step_loop(reference, cfg, data)
-    reference.eval()
-    with torch.no_grad():
-        out = reference(held_x)
-        want = torch.nn.functional.cross_entropy(out, held_y)
-    close(ev.loss, float(want), "the evaluation's loss")
-    assert ev.metrics["accuracy"] == int((out.argmax(-1) == held_y).sum()) / len(held_y)
+    equals_plain_eval(ev, "mlp", cfg, data, held_x, held_y)
