@@ -34,6 +34,8 @@ import logging
 import math
 import os
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,20 +126,29 @@ def read_cert(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None, dict[s
 
 def _create(directory: Path, name: str, role: str) -> Path:
     """NAME.key and NAME.key_secret, both carrying (name, role) as metadata (pyzmq writes it
-    in the secret file only); the secret file's path."""
-    public_file, secret_file = create_certificates(
-        directory, name, metadata={"name": name, "role": role}
-    )
-    os.chmod(secret_file, 0o600)
-    public, _, _ = read_cert(secret_file)
-    text = Path(public_file).read_text(encoding="utf-8")
-    head, sep, tail = text.partition("metadata\n")
-    assert sep, f"{public_file}: unexpected certificate layout"
-    meta = f'    name = "{name}"\n    role = "{role}"\n'
-    Path(public_file).write_text(head + sep + meta + tail, encoding="utf-8")
-    if read_cert(public_file)[0] != public:
-        raise FlowmeshError(Code.INTERNAL, f"{public_file} does not match {secret_file}")
-    return Path(secret_file)
+    in the secret file only); the secret file's path. Both are made in a directory of their own
+    beside DIR and renamed in, the public file last: a broker reading DIR meanwhile (`KeyRing`)
+    never sees a public file without its role, which it would skip."""
+    staging = Path(tempfile.mkdtemp(prefix=".new-key-", dir=directory))
+    try:
+        public_file, secret_file = (
+            Path(f)
+            for f in create_certificates(staging, name, metadata={"name": name, "role": role})
+        )
+        os.chmod(secret_file, 0o600)
+        public, _, _ = read_cert(secret_file)
+        text = public_file.read_text(encoding="utf-8")
+        head, sep, tail = text.partition("metadata\n")
+        assert sep, f"{public_file}: unexpected certificate layout"
+        meta = f'    name = "{name}"\n    role = "{role}"\n'
+        public_file.write_text(head + sep + meta + tail, encoding="utf-8")
+        if read_cert(public_file)[0] != public:
+            raise FlowmeshError(Code.INTERNAL, f"{public_file} does not match {secret_file}")
+        os.replace(secret_file, directory / secret_file.name)
+        os.replace(public_file, directory / public_file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory / secret_file.name
 
 
 def init_keys(directory: str | os.PathLike[str]) -> Path:
@@ -373,17 +384,21 @@ class KeyRing:
         self.secret = secret
         self.by_key: dict[bytes, Identity] = {}
         self.by_name: dict[str, Identity] = {}
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[Any, ...] | None = None
         self.refresh()
 
     def refresh(self) -> None:
-        st = self.dir.stat()
-        stamp = (st.st_mtime_ns, st.st_ino)
+        # Each key file's name, size and time, not the directory's time alone: a file changed
+        # in place leaves that as it was, and two made within one tick of its clock share it.
+        # (os.listdir raises for a directory gone or unreadable: the keys loaded are kept.)
+        paths = [self.dir / n for n in sorted(os.listdir(self.dir)) if n.endswith(".key")]
+        stamp = tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ino) for p in paths
+                      if (st := _stat(p)) is not None)  # fmt: skip
         if stamp == self._stamp:
             return
         self._stamp = stamp
         by_key: dict[bytes, Identity] = {}
-        for path in sorted(self.dir.glob("*.key")):
+        for path in paths:
             if path.stem == BROKER:
                 continue
             try:
@@ -409,6 +424,13 @@ class KeyRing:
 
     def identity(self, name: str | None) -> Identity | None:
         return self.by_name.get(name) if name else None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:  # removed since it was listed
+        return None
 
 
 class MeshAuthenticator(AsyncioAuthenticator):
