@@ -40,9 +40,10 @@ OPTIONS = Options(
             "--body-timeout",
             FLOAT,
             BODY_TIMEOUT_S,
-            f"seconds a request's body may take to arrive ({BODY_TIMEOUT_S:g}): 408 past it, "
-            "so that a client sending slowly, or not at all, does not hold its request open; "
-            "and an event stream's client to take each event (cut off past it)",
+            f"seconds a request's head, then its body, may take to arrive ({BODY_TIMEOUT_S:g}): "
+            "408 past it, so that a client sending slowly, or not at all, does not hold its "
+            "connection open; and an event stream's client to take each event (cut off past "
+            "it)",
         ),
         Option(
             "--api-keys",
@@ -126,6 +127,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.guard import find_api_keys
+    from gateway.http_protocol import bounded_head_protocol
 
     try:
         api_keys = find_api_keys(args.api_keys, args.keys or os.environ.get("FLOWMESH_KEYS"))
@@ -160,7 +162,7 @@ def serve(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile,
         # What "auto" picks here (uvloop and httptools are dependencies), said outright.
         loop="uvloop",
-        http="httptools",
+        http=bounded_head_protocol(args.max_header, args.body_timeout),
         # The access log's lines are INFO: below that level none is written, and without it
         # uvicorn skips building each request's.
         access_log=_access_logged(args.log_level),

@@ -8,7 +8,8 @@ exception that passes it is the server's last-resort 500):
   again when it changes, so a key added or removed counts from the next request on.
 - Without one: loopback callers only (403 for any other), unless `insecure_open`.
 - Headers over `max_header` bytes in all are refused with 431, before anything else is read
-  of them (the HTTP parser's own limit is its own: uvicorn's h11 has one, httptools none).
+  of them (a head far over it, or slow to come, is refused before it reaches the app:
+  `gateway.http_protocol`).
 - A body over `max_body` bytes is refused with 413: from its Content-Length before any of it is
   read, else as soon as the bytes read pass it (the routes read whole bodies anyway, so the
   guard reads it for them and hands it on in one piece). A body not all there `body_timeout`

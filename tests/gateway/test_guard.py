@@ -10,7 +10,7 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -140,6 +140,61 @@ def test_headers_over_max_header_are_refused_with_431(small: str) -> None:
     assert chat.status_code == 431 and chat.json()["error"]["code"] == "too_large"
     fine = httpx.get(f"{small}/v2/health/live", headers={"X-Padding": "x" * 1500}, timeout=30)
     assert fine.status_code == 200
+
+
+def _answer_to(url: str, sent: bytes, more: Iterable[bytes] = ()) -> bytes:
+    """What the gateway at `url` answers a raw connection that sends `sent`, then each of
+    `more` for as long as the gateway reads, until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(sent)
+        try:
+            for chunk in more:
+                sock.sendall(chunk)
+        except OSError:  # the gateway closed the connection while sent to: its answer is read
+            pass
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+def test_a_head_that_does_not_end_is_refused_with_431_as_it_comes(small: str) -> None:
+    # One header that never ends (a parser buffering it for as long as it comes would hold
+    # the 4 MiB, and read on): the bound is the headers' 2 KiB and the request line's 8 KiB.
+    never_ends = (b"y" * 65536 for _ in range(64))
+    answer = _answer_to(small, b"GET /v2/health/live HTTP/1.1\r\nX-Padding: ", never_ends)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"connection: close" in answer.lower()
+    # A request line as long: the same.
+    answer = _answer_to(small, b"GET /v2/health/live?" + b"q" * 12000)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    # A head under the bound that comes in many small pieces is let in.
+    head = b"GET /v2/health/live HTTP/1.1\r\nConnection: close\r\nX-Padding: " + b"z" * 1500
+    pieces = (head[i : i + 100] for i in range(100, len(head), 100))
+    answer = _answer_to(small, head[:100], [*pieces, b"\r\n\r\n"])
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n"])
+def test_a_head_that_does_not_arrive_in_time_is_answered_408(small: str, sent: bytes) -> None:
+    # Nothing at all, or a head with no end: the connection is answered and closed past
+    # --body-timeout, not held (uvicorn's own timer runs only between requests).
+    answer = _answer_to(small, sent)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    # On a kept-alive connection, the next request's head is timed from its first byte.
+    host, port = small.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while not first.endswith(b"}"):  # the whole answer, its JSON body last
+            first += sock.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
 
 def test_unknown_paths_and_methods_answer_in_each_protocols_body(small: str) -> None:

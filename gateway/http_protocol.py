@@ -1,0 +1,114 @@
+"""The gateway's HTTP/1.1 connections: uvicorn's httptools protocol with a bound on each
+request's head, in bytes and in time.
+
+httptools buffers a request line and headers for as long as they come, with no limit and no
+clock (uvicorn's keep-alive timer runs only between requests): one caller could hold the
+gateway's memory with a header that never ends, or its connections with heads that never
+finish, before the app (and `gateway.guard.Guard`'s 431 and 408) sees anything. Here a head
+over `max_head` bytes is answered 431 and one not complete `head_timeout` seconds after its
+connection opened, or after its first byte on a kept-alive one, 408; the connection is closed
+either way. The bound sits above the guard's own header limit, so that a request a little over
+it still gets the guard's answer in its protocol's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# Bytes of a request line the head bound allows above the headers' own limit.
+REQUEST_LINE = 8 * 2**10
+
+
+def bounded_head_protocol(max_header: int, head_timeout: float) -> type[HttpToolsProtocol]:
+    """uvicorn's `http` protocol class for the gateway: heads of at most `max_header` bytes of
+    headers (plus `REQUEST_LINE` for the request line) arriving within `head_timeout` s."""
+    return type(
+        "BoundedHeadProtocol",
+        (BoundedHeadProtocol,),
+        {"max_head": max_header + REQUEST_LINE, "head_timeout": head_timeout},
+    )
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    max_head: int
+    head_timeout: float
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._ended_in_chunk = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._ended_in_chunk = False
+        super().data_received(data)
+        if self._head_timer is None or self.transport.is_closing():
+            return
+        # A chunk in which a request ended may hold the next one's start after it: its bytes
+        # are not all the new head's, so it is not counted (a chunk is at most the loop's read
+        # size, so what the bound lets through stays bounded).
+        if not self._ended_in_chunk:
+            self._head_bytes += len(data)
+        if self._head_bytes > self.max_head:
+            self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request head too large")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._ended_in_chunk = True
+        super().on_message_complete()
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _too_slow(self) -> None:
+        self._head_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head behind a request still answering: no answer of its own can go
+            # out before that one's, so the connection is only closed.
+            self.transport.close()
+            return
+        self._refuse(http.HTTPStatus.REQUEST_TIMEOUT, "request head not received in time")
+
+    def _refuse(self, status: http.HTTPStatus, why: str) -> None:
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        body = why.encode("ascii")
+        self.transport.write(
+            b"".join(
+                [
+                    f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode("ascii"),
+                    b"content-type: text/plain; charset=utf-8\r\n",
+                    f"content-length: {len(body)}\r\n".encode("ascii"),
+                    b"connection: close\r\n\r\n",
+                    body,
+                ]
+            )
+        )
+        self.transport.close()
