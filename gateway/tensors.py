@@ -3,6 +3,7 @@ tensor data extension, shapes and sizes checked before anything is forwarded."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -109,6 +110,9 @@ def from_json(item: Any, where: str) -> tuple[str, torch.Tensor]:
         raise bad(
             f"input {name!r}: shape {list(shape)} takes {count} {V2_BY_TORCH[dtype]}, got {got}"
         )
+    if count and raw.dtype.kind in "iuf" and _holds_bool(item["data"], raw.ndim):
+        # numpy reads true as 1 beside other numbers; a bool is not a number to v2.
+        raise bad(f"input {name!r}: {V2_BY_TORCH[dtype]} data holds true or false")
     if raw.dtype.kind in "iu" and dtype in _KINDS and dtype is not torch.bool:
         info = torch.iinfo(dtype)
         if count and (raw.min() < info.min or raw.max() > info.max):
@@ -116,10 +120,28 @@ def from_json(item: Any, where: str) -> tuple[str, torch.Tensor]:
     raw = raw.reshape(shape)
     numpy_dtype = _NUMPY.get(dtype)
     if numpy_dtype is None:  # bfloat16 has no numpy dtype: cast by torch
-        return name, torch.from_numpy(raw.copy()).to(dtype)
+        tensor = torch.from_numpy(raw.copy()).to(dtype)
+        if count and dtype.is_floating_point and bool(torch.isinf(tensor).any()):
+            raise bad(f"input {name!r}: a value out of {V2_BY_TORCH[dtype]}'s range")
+        return name, tensor
     # One numpy cast (a copy, so that the tensor owns its memory), not torch's copy and cast:
     # each torch op costs microseconds of dispatch, more than a small tensor's whole data.
-    return name, torch.from_numpy(raw.astype(numpy_dtype))
+    with np.errstate(over="ignore"):  # an overflow is refused just below, not warned of
+        cast = raw.astype(numpy_dtype)
+    # JSON has no infinity, so an infinite value is a finite one the datatype cannot hold.
+    if count and cast.dtype.kind == "f" and not np.isfinite(cast).all():
+        raise bad(f"input {name!r}: a value out of {V2_BY_TORCH[dtype]}'s range")
+    return name, torch.from_numpy(cast)
+
+
+def _holds_bool(data: Any, depth: int) -> bool:
+    """Whether JSON `data`, lists nested `depth` deep (0: one value), holds a bool."""
+    if depth == 0:
+        return isinstance(data, bool)
+    items = data
+    for _ in range(depth - 1):
+        items = itertools.chain.from_iterable(items)
+    return bool in map(type, items)
 
 
 def from_bytes(

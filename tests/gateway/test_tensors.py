@@ -47,6 +47,13 @@ def test_nested_json_data_takes_the_shape_too() -> None:
         ({"name": "x", "datatype": "INT32", "shape": [1], "data": [1.5]}, "takes 1 INT32"),
         ({"name": "x", "datatype": "BOOL", "shape": [1], "data": [1]}, "takes 1 BOOL"),
         ({"name": "x", "datatype": "INT8", "shape": [1], "data": [300]}, "range"),
+        # true beside numbers, which numpy would read as 1, flat, nested and alone
+        ({"name": "x", "datatype": "FP32", "shape": [2], "data": [0.5, True]}, "true or false"),
+        ({"name": "x", "datatype": "INT64", "shape": [1, 2], "data": [[1, False]]}, "or false"),
+        # finite numbers a float datatype cannot hold (they would be cast to infinity)
+        ({"name": "x", "datatype": "FP16", "shape": [2], "data": [1.0, 70000.0]}, "range"),
+        ({"name": "x", "datatype": "BF16", "shape": [1], "data": [1e39]}, "range"),
+        ({"name": "x", "datatype": "FP32", "shape": [1], "data": [-1e39]}, "range"),
         ({"name": "x", "datatype": "FP32", "shape": [1], "data": ["a"]}, "takes 1 FP32"),
         ({"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a"]}, "datatype 'BYTES'"),
         ({"name": "x", "datatype": "FP32", "shape": [-1], "data": [1.0]}, "shape"),
@@ -58,6 +65,15 @@ def test_json_refusals_are_bad_requests(item: object, match: str) -> None:
     with pytest.raises(FlowmeshError, match=match) as refused:
         from_json(item, "inputs[0]")
     assert refused.value.code == Code.BAD_REQUEST
+
+
+def test_json_numbers_at_a_datatypes_edges_are_taken() -> None:
+    fp16 = {"name": "x", "datatype": "FP16", "shape": [1, 3], "data": [[65504.0, -65504, 1]]}
+    # bit-exact: JSON numbers parsed, pure data movement
+    assert torch.equal(from_json(fp16, "inputs[0]")[1], torch.tensor([[65504.0, -65504, 1]]).half())
+    one = {"name": "x", "datatype": "FP32", "shape": [1], "data": 2}  # a lone number: shape [1]
+    # bit-exact: a JSON number parsed, pure data movement
+    assert torch.equal(from_json(one, "inputs[0]")[1], torch.tensor([2.0]))
 
 
 def test_binary_data_of_the_wrong_size_is_refused() -> None:
