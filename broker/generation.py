@@ -263,6 +263,12 @@ class GenerationRoom:
             return
         arrived = now if arrived is None else arrived
         files = self._files(model)
+        if msg.tokenizer and msg.tokenizer != files.digest:
+            raise fail(
+                Code.TOKENIZER_CHANGED,
+                f"{model.name!r} was deployed again with another tokenizer than the one the "
+                "prompts were encoded with; fetch it again",
+            )
         limit = self.max_context(model)
         if not msg.prompts:
             raise fail(Code.BAD_REQUEST, "generate needs at least one prompt")
@@ -382,6 +388,7 @@ class GenerationRoom:
                 max_context=self.max_context(model) or 0,
                 bos_token=files.bos_token,
                 eos_token=files.eos_token,
+                digest=files.digest,
             ),
         )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -58,6 +59,10 @@ class LmFiles:
     bos_token: str = ""
     eos_token: str = ""
     error: FlowmeshError | None = None
+    # What a client's codec is built from, hashed (`codec_digest`; "": no tokenizer): a client
+    # sends it with prompts it encoded, so that a model deployed again under the same name with
+    # another tokenizer refuses them rather than generate from ids that mean other words.
+    digest: str = ""
     # Why the tokenizer could not be read (its directory still generates from token ids).
     tokenizer_error: str = field(default="", compare=False)
 
@@ -140,7 +145,7 @@ def _read(hf: str) -> LmFiles:
         return _with(files, tokenizer_error=f"{type(exc).__name__}: {exc}")
     eos = tuple(getattr(tok, "eos_ids", ()) or ()) or files.eos_ids
     bos = getattr(tok, "bos_id", None)
-    return _with(
+    files = _with(
         files,
         tokenizer_json=getattr(tok, "tokenizer_json", None),
         chat_template=getattr(tok, "chat_template", "") or "",
@@ -150,6 +155,20 @@ def _read(hf: str) -> LmFiles:
         bos_id=files.bos_id if bos is None else bos,
         max_positions=files.max_positions or _int(getattr(tok, "max_position_embeddings", None)),
     )
+    return _with(files, digest=codec_digest(files)) if files.tokenizer_json is not None else files
+
+
+def codec_digest(files: LmFiles) -> str:
+    """A hash of everything a client's `TextCodec` is built from (`TokenizerReply`'s fields)."""
+    facts = [
+        files.tokenizer_json,
+        files.chat_template,
+        list(files.eos_ids),
+        files.bos_id,
+        files.bos_token,
+        files.eos_token,
+    ]
+    return hashlib.blake2b(json.dumps(facts).encode(), digest_size=16).hexdigest()
 
 
 def _with(files: LmFiles, **changes: Any) -> LmFiles:

@@ -86,6 +86,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
     Code.MODEL_EXISTS: ModelExists,
     Code.TOO_BIG: TooBig,
     Code.UNAVAILABLE: Unavailable,
+    Code.TOKENIZER_CHANGED: Unavailable,
     Code.OVERLOADED: Overloaded,
     Code.NO_SPACE: Overloaded,
     Code.TIMEOUT: Timeout,

@@ -295,6 +295,9 @@ class GenRun:
     """One Generate: started by `start`, its chunks read with `next_chunk` (a stream) or its
     results with `results` (a stream of its own when stop strings must be watched)."""
 
+    # Times a Generate refused TOKENIZER_CHANGED is encoded and sent again.
+    RESTARTS = 2
+
     def __init__(self, client: AsyncClient, ask: GenAsk, *, stream: bool) -> None:
         self.client = client
         self.ask = ask
@@ -307,6 +310,7 @@ class GenRun:
         self._ready: list[Chunk] = []
         self.generations: list[Generation] | None = None  # once the Generate is answered
         self.ended = False
+        self._restarts = 0
 
     async def start(self) -> None:
         ask, conn = self.ask, self.client.connection
@@ -332,6 +336,7 @@ class GenRun:
             # Stop strings are watched for in the text as it comes.
             stream=self.stream or bool(stops),
             timeout_ms=conn.timeout_ms(ask.timeout),
+            tokenizer=codec.digest if codec is not None else "",
         )
         self._task = asyncio.get_running_loop().create_task(
             conn.call(self.msg, ask.timeout, on_part=self._on_part)
@@ -363,6 +368,13 @@ class GenRun:
         while not self._parts.empty():
             items.append(self._parts.get_nowait())
         parts = [(c.index, list(c.ids), c.finish) for c in items if c is not None]
+        if None in items and not parts and self._tokenizer_changed():
+            # Refused at the door, before any token: encoded again with the model's new
+            # tokenizer and sent again.
+            self.client.codecs.forget(self.ask.model)
+            self._restarts += 1
+            await self.start()
+            return
         reply = self._reply() if None in items else None
         chunks = await self._text(parts) if parts else []
         if reply is not None:
@@ -382,6 +394,16 @@ class GenRun:
             self._tell_stop(stopped)
             for s in self.seqs:
                 s.stopped = False
+
+    def _tokenizer_changed(self) -> bool:
+        """Whether the Generate was refused for a tokenizer the model no longer has, and may
+        be sent again (at most `RESTARTS` times: a model deployed again and again meanwhile
+        fails the call)."""
+        assert self._task is not None and self._task.done()
+        if self._task.cancelled() or self._restarts >= self.RESTARTS:
+            return False
+        exc = self._task.exception()
+        return isinstance(exc, ClientError) and exc.code == Code.TOKENIZER_CHANGED
 
     def _reply(self) -> p.Generated:
         """The Generate's answer (its call has ended); its error raised."""

@@ -29,6 +29,9 @@ class Code(StrEnum):
     MODEL_ERROR = "model_error"  # the model's own code raised
     NO_SPACE = "no_space"  # a worker could not place a load (fragmentation)
     NOT_RESIDENT = "not_resident"
+    # A Generate's prompts were encoded with a tokenizer its model no longer has (deployed
+    # again under that name): the client fetches the new one and encodes again.
+    TOKENIZER_CHANGED = "tokenizer_changed"
     NOT_A_CHAIN = "not_a_chain"
     PLAN_ERROR = "plan_error"
     DEPLOY_FAILED = "deploy_failed"

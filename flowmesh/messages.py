@@ -266,6 +266,9 @@ class Generate(Message, tag="generate"):
     sampling: Sampling = field(default_factory=Sampling)
     stream: bool = False
     timeout_ms: int | None = None
+    # The `TokenizerReply.digest` of the codec the prompts were encoded (and the answer will be
+    # decoded) with; "": none used. Another than the model's now: refused TOKENIZER_CHANGED.
+    tokenizer: str = ""
 
 
 class GenChunk(Message, tag="gen_chunk"):
@@ -326,6 +329,7 @@ class TokenizerReply(Message, tag="tokenizer_reply"):
     max_context: Count = 0
     bos_token: str = ""
     eos_token: str = ""
+    digest: str = ""  # a hash of the fields above the codec is built from (Generate.tokenizer)
 
 
 # -- training jobs, client <-> broker; the broker sends the same types on to the job's worker

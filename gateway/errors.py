@@ -38,6 +38,7 @@ STATUS_BY_CODE: dict[str, int] = {
     Code.WORKER_LOST: 503,  # retried elsewhere by the broker when it can; a retry may succeed
     Code.NO_SPACE: 503,
     Code.NOT_RESIDENT: 503,
+    Code.TOKENIZER_CHANGED: 503,  # (the SDK asks again itself; left only if it changed twice)
     Code.TIMEOUT: 504,
 }
 

@@ -232,6 +232,7 @@ class TextCodec:
         bos_id: int | None = None,
         bos_token: str = "",
         eos_token: str = "",
+        digest: str = "",
     ) -> None:
         try:
             self.tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -244,6 +245,7 @@ class TextCodec:
         self.bos_token = bos_token or self._token(bos_id)
         self.eos_token = eos_token or self._token(self.eos_ids[0] if self.eos_ids else None)
         self._template: jinja2.Template | None = None
+        self.digest = digest  # the broker's name for what this was built from ("": unknown)
 
     @classmethod
     def from_files(cls, files: TokenizerFiles) -> TextCodec:
@@ -266,6 +268,7 @@ class TextCodec:
             bos_id=reply.bos_id,
             bos_token=reply.bos_token,
             eos_token=reply.eos_token,
+            digest=reply.digest,
         )
 
     def _token(self, token_id: int | None) -> str:

@@ -134,12 +134,37 @@ def test_tokenizer_info_answers_the_directorys_tokenizer(lm_dir: Path, files: Lm
                 max_context=64,
                 bos_token=BOS,
                 eos_token=EOS,
+                digest=files.digest,
             ),
         )
     ]
     assert json.loads(files.tokenizer_json or "") == json.loads(
         (lm_dir / "tokenizer.json").read_text()
     )
+
+
+def test_prompts_encoded_with_another_tokenizer_than_the_models_are_refused(
+    tmp_path: Path, lm_dir: Path, files: LmFiles
+) -> None:
+    # The same directory with another chat template: another codec, another digest.
+    other = tiny_lm_dir(tmp_path / "other", layers=1, hidden=8)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    assert len(files.digest) == 32 and read_lm_files(str(other)).digest != files.digest
+    assert read_lm_files(str(lm_dir)).digest == files.digest  # the same files: the same digest
+    g = Gen(lm_dir, files)
+    err = refused(g, p.Generate(id=2, model="lm", prompts=[[1, 2]], tokenizer="0" * 32))
+    assert (err.code, err.reason) == (
+        Code.TOKENIZER_CHANGED,
+        "'lm' was deployed again with another tokenizer than the one the prompts were encoded "
+        "with; fetch it again",
+    )
+    assert g.h.out() == []
+    # The model's own digest, or none (prompts of token ids), is taken.
+    same = p.Generate(id=3, model="lm", prompts=[[1]], tokenizer=files.digest)
+    assert only(g.client(same), p.Run)
+    assert only(g.generate(4, [[1]]), p.Run)
 
 
 def test_calls_before_the_files_are_read_wait_for_them(lm_dir: Path, files: LmFiles) -> None:

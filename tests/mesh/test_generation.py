@@ -7,6 +7,9 @@ refusals at the door, the demo's part, and an undeploy that lets a running strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,6 +149,41 @@ def test_chat_messages_go_through_the_chat_template(lm: tuple[LocalMesh, Path]) 
         out = c.generate("lm", messages=chat, max_tokens=6, ignore_eos=True)
     assert out.ids == expected[0]
     assert out.prompt_tokens == len(codec.encode_chat(chat))
+
+
+def test_a_client_follows_a_model_deployed_again_with_another_tokenizer(
+    lm: tuple[LocalMesh, Path],
+) -> None:
+    # The same weights with another chat template: another tokenizer to a client (the prompt
+    # of a chat is other tokens), as a new version of a model deployed under its old name.
+    mesh, model_dir = lm
+    other = shutil.copytree(model_dir, model_dir.parent / "other-template")  # (a data root)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}Question: {{ messages[-1]['content'] }}\nAnswer:"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = [{"role": "user", "content": "Hello! How are you today?"}]
+    asked = {"messages": chat, "max_tokens": 6, "ignore_eos": True}
+    with mesh.client() as long_lived, mesh.client() as operator:
+        operator.deploy("again", hf=str(model_dir), stages=1, replicas=1, max_seqs=2)
+        try:
+            before = long_lived.generate("again", **asked)  # its codec now kept
+            operator.undeploy("again")
+            operator.deploy("again", hf=str(other), stages=1, replicas=1, max_seqs=2)
+            with mesh.client() as fresh:
+                want = fresh.generate("again", **asked)
+            assert want.prompt_tokens != before.prompt_tokens  # (another prompt indeed)
+            # The long-lived client's kept codec is refused; it fetches the new one.
+            after = long_lived.generate("again", **asked)
+            assert (after.ids, after.text, after.prompt_tokens) == (
+                want.ids,
+                want.text,
+                want.prompt_tokens,
+            )
+            with long_lived.generate_stream("again", **asked) as stream:
+                assert [t for chunk in stream for t in chunk.ids] == want.ids
+        finally:
+            with contextlib.suppress(errors.ModelNotFound):
+                operator.undeploy("again")
 
 
 def test_a_stream_closed_early_stops_its_sequence(lm: tuple[LocalMesh, Path]) -> None:
