@@ -432,6 +432,7 @@ class ServingRouter:
             worker=rep.workers[0],
             started=now,
             separate=separate,
+            owner=model,
         )
         rep.inflight += 1
         model.batches += 1
@@ -490,6 +491,7 @@ class ServingRouter:
             worker=rep.workers[0],
             started=now,
             gen=iteration,
+            owner=model,
         )
         total = ids.shape[0]
         batch.parts = [[batch.run_id, total]]
@@ -867,7 +869,7 @@ class ServingRouter:
             return
         del self.batches[msg.id]
         self._leave_stage(batch, now)
-        model = self.models.get(batch.model)
+        model = self._model_of(batch)
         for k, v in seconds.items():
             batch.info[k] = batch.info.get(k, 0.0) + v
         if not last:
@@ -922,7 +924,7 @@ class ServingRouter:
         self._leave_stage(batch, now)
         batch.info["compute_s"] = batch.info.get("compute_s", 0.0) + msg.info.compute_s
         batch.info["wait_s"] = batch.info.get("wait_s", 0.0) + msg.info.wait_s
-        model = self.models.get(batch.model)
+        model = self._model_of(batch)
         live = model is not None and any(r is batch.replica for r in model.replicas)
         if not last and live:
             assert model is not None
@@ -1006,7 +1008,7 @@ class ServingRouter:
         self._leave_stage(batch, now)
         self._cancel_direct(batch, skip=worker)
         batch.replica.inflight -= 1
-        model = self.models.get(batch.model)
+        model = self._model_of(batch)
         live = [r for r in batch.requests if r.client is not None]
         if batch.gen is not None and self.gen is not None:
             if model is not None and code == Code.NOT_RESIDENT:
@@ -1031,6 +1033,13 @@ class ServingRouter:
             for r in live:
                 self.ctx.answer_error(r, code, reason)
         self.pump(now)
+
+    def _model_of(self, batch: Batch) -> Model | None:
+        """The model `batch` runs for; None once undeployed, even if deployed again under its
+        name since: the batch's requests were checked against the other's inputs, and its
+        stages are not the new one's."""
+        model = self.models.get(batch.model)
+        return model if model is batch.owner else None
 
     def _not_resident(self, batch: Batch, worker: str) -> None:
         """`worker` no longer holds `batch`'s stage: stop counting it resident there."""
@@ -1080,7 +1089,7 @@ class ServingRouter:
         log.warning("run hung run=%d %s", batch.run_id, reason)
         for r in batch.requests:
             self.ctx.answer_error(r, Code.TIMEOUT, reason)
-        model = self.models.get(batch.model)
+        model = self._model_of(batch)
         if model is not None:
             self.registry.give_up_replica(model, batch.replica, batch.worker, reason)
         if self.gen is not None:

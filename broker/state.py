@@ -134,6 +134,9 @@ class Batch:
     # instead of requests; its `parts`, fixed at its first stage, go with it to the next ones.
     gen: Any = None
     parts: list[list[int]] | None = None
+    # The deploy it runs for: a model deployed again under the same name since is another
+    # (`ServingRouter._model_of`), whose queue, figures and residencies are not this one's.
+    owner: Model | None = None
 
 
 @dataclass
