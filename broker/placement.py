@@ -13,6 +13,7 @@ so that a restarted broker can take it up (`broker.restore`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from broker.context import Context, fail
@@ -150,12 +151,15 @@ class Placement:
             if places:
                 self.persist(model)
 
-    def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None:
-        """A run hung on `worker`: drop the replica; `reconcile` re-creates it elsewhere when
-        another worker can hold the stage."""
+    def give_up_replica(
+        self, model: Model, rep: Replica, suspects: Sequence[str], reason: str
+    ) -> None:
+        """A run hung on one of `suspects` (the worker it waited for; every stage's, for a
+        direct run, which does not say where it is): drop the replica; `reconcile` re-creates
+        it away from them when other workers can hold the stages."""
         if rep not in model.replicas:
             return
-        model.avoid.add(worker)
+        model.avoid.update(suspects)
         model.replicas.remove(rep)
         self.drop_replica(model.name, rep)
         self.mark_availability(model, reason)

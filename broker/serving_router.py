@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from broker.context import Context, fail
@@ -91,7 +91,9 @@ class ReplicaKeeper(Protocol):
     """What the router needs from the registry (`broker.registry.Registry`): nothing else, so a
     test can stand in for it."""
 
-    def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None: ...
+    def give_up_replica(
+        self, model: Model, rep: Replica, suspects: Sequence[str], reason: str
+    ) -> None: ...
 
 
 class GenSink(Protocol):
@@ -1081,17 +1083,28 @@ class ServingRouter:
         self._leave_stage(batch, now)
         self._cancel_direct(batch)
         batch.replica.inflight -= 1
-        reason = (
-            f"worker {batch.worker} did not finish stage {batch.stage} of {batch.model!r} "
-            f"within {self.cfg.run_timeout_s:.0f} s; its replica is being re-created"
-        )
+        within = f"within {self.cfg.run_timeout_s:.0f} s; its replica is being re-created"
+        if batch.direct:
+            # Its stages hand activations to each other and only the last one answers: the
+            # broker cannot tell which of them hung.
+            suspects = list(dict.fromkeys(batch.replica.workers))
+            reason = (
+                f"the direct run of {batch.model!r} over workers {', '.join(suspects)} (stage "
+                f"to stage) did not finish {within}"
+            )
+        else:
+            suspects = [batch.worker]
+            reason = (
+                f"worker {batch.worker} did not finish stage {batch.stage} of {batch.model!r} "
+                + within
+            )
         self.totals["hung_runs"] += 1
         log.warning("run hung run=%d %s", batch.run_id, reason)
         for r in batch.requests:
             self.ctx.answer_error(r, Code.TIMEOUT, reason)
         model = self._model_of(batch)
         if model is not None:
-            self.registry.give_up_replica(model, batch.replica, batch.worker, reason)
+            self.registry.give_up_replica(model, batch.replica, suspects, reason)
         if self.gen is not None:
             # The calls of a generation iteration that hung fail; the sequences of the
             # replica's other groups start again elsewhere (their runs are runs of their own).

@@ -481,10 +481,10 @@ def test_a_replica_given_up_after_a_hung_run_is_recreated_away_from_that_worker(
     model = rig.deploy("m", [MIB], replicas=1)
     (rep,) = model.replicas
     assert rep.workers == ["w0"]
-    rig.reg.give_up_replica(model, rep, "w0", "hung")
+    rig.reg.give_up_replica(model, rep, ["w0"], "hung")
     assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0))]
     assert (model.avoid, model.state) == ({"w0"}, ModelState.UNAVAILABLE)
-    rig.reg.give_up_replica(model, rep, "w0", "hung")  # no longer one of its replicas
+    rig.reg.give_up_replica(model, rep, ["w0"], "hung")  # no longer one of its replicas
     assert rig.out() == []
     rig.reg.reconcile(6.0)
     full = model.spec
@@ -506,7 +506,7 @@ def test_a_replica_given_up_is_not_recreated_streamed_on_the_workers_left_truste
     rig.join("w1")
     model = rig.deploy("m", [MIB, MIB], replicas=1)
     (rep,) = model.replicas
-    rig.reg.give_up_replica(model, rep, rep.workers[0], "hung")
+    rig.reg.give_up_replica(model, rep, rep.workers[:1], "hung")
     rig.out()
     rig.reg.reconcile(6.0)
     (again,) = model.replicas
@@ -518,7 +518,7 @@ def test_a_failed_repair_waits_before_trying_again() -> None:
     rig.join("part")
     rig.join("w0")
     model = rig.deploy("m", [MIB], replicas=1)
-    rig.reg.give_up_replica(model, model.replicas[0], "w0", "hung")
+    rig.reg.give_up_replica(model, model.replicas[0], ["w0"], "hung")
     rig.reg.reconcile(1.0)  # only w0 can hold it: back there, rather than nowhere
     assert [m.TYPE for _, _, m in rig.out()] == ["drop_stage", "deploy_stage"]
     call = rig.ctx.calls.pop(4)

@@ -7,6 +7,7 @@ exact too: they come from the one counter in `Context`, which starts at 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -31,10 +32,12 @@ class Keeper:
     """Stands in for the registry: records the replicas given up."""
 
     def __init__(self) -> None:
-        self.given_up: list[tuple[str, list[str], str, str]] = []
+        self.given_up: list[tuple[str, list[str], list[str], str]] = []
 
-    def give_up_replica(self, model: Model, rep: Replica, worker: str, reason: str) -> None:
-        self.given_up.append((model.name, rep.workers, worker, reason))
+    def give_up_replica(
+        self, model: Model, rep: Replica, suspects: Sequence[str], reason: str
+    ) -> None:
+        self.given_up.append((model.name, rep.workers, list(suspects), reason))
         model.replicas.remove(rep)
 
 
@@ -411,6 +414,27 @@ def test_a_direct_batch_failing_at_a_middle_stage_is_cancelled_on_the_others() -
     assert [rig.ctx.peers[f"w{i}"].inflight_runs for i in range(3)] == [0, 0, 0]
 
 
+def test_a_direct_run_that_hangs_suspects_every_worker_of_its_replica() -> None:
+    # Its stages hand activations on among themselves and only the last answers: where it
+    # hung is not known, so it is not blamed on the last stage's worker (the healthy one when
+    # the first hangs), nor that one alone avoided when the replica is made again.
+    rig = direct_rig(run_timeout_s=10.0)
+    _, out = rig.infer("m", 1, 0.0)
+    assert [m.TYPE for _, _, m in out] == ["run"] * 3
+    rig.router.expire_running(60.0)
+    reason = (
+        "the direct run of 'm' over workers w0, w1, w2 (stage to stage) did not finish within "
+        "10 s; its replica is being re-created"
+    )
+    assert rig.ctx.drain() == [
+        (CLIENT, C1, p.Error(id=1, code="timeout", reason="not served within 60.0 s (running)")),
+        (BACKEND, b"w0", p.CancelRun(id=2)),
+        (BACKEND, b"w1", p.CancelRun(id=2)),
+        (BACKEND, b"w2", p.CancelRun(id=2)),
+    ]
+    assert rig.keeper.given_up == [("m", ["w0", "w1", "w2"], ["w0", "w1", "w2"], reason)]
+
+
 def test_without_peer_endpoints_or_with_direct_off_activations_are_relayed() -> None:
     rig = direct_rig(direct=False)
     _, out = rig.infer("m", 1, 0.0, rows=2)
@@ -484,7 +508,7 @@ def test_a_run_past_its_deadline_has_hung_its_replica_is_given_up() -> None:
         (CLIENT, C1, p.Error(id=1, code="timeout", reason="not served within 60.0 s (running)"))
     ]
     reason = "worker w0 did not finish stage 0 of 'm' within 10 s; its replica is being re-created"
-    assert rig.keeper.given_up == [("m", ["w0"], "w0", reason)]
+    assert rig.keeper.given_up == [("m", ["w0"], ["w0"], reason)]
     assert rig.router.batches == {} and rig.ctx.totals["hung_runs"] == 1
     assert rig.ctx.peers["w0"].inflight_runs == 0
 
