@@ -153,6 +153,11 @@ class Catalogue:
         self, model: Model, waiters: list[tuple[bytes, int]], now: float, *, drained: int, cut: int
     ) -> None:
         del self.models[model.name]
+        if model.deploy_client is not None:  # still planning or deploying: its deploy never ends
+            addr, ref = model.deploy_client
+            reason = f"{model.name!r} was undeployed while deploying"
+            self.ctx.to_client(addr, p.Error(id=ref, code=str(Code.MODEL_NOT_FOUND), reason=reason))
+            model.deploy_client = None
         for req in model.queue:
             self.ctx.answer_error(req, Code.MODEL_NOT_FOUND, f"{model.name!r} was undeployed")
         model.queue.clear()
@@ -258,14 +263,21 @@ class Catalogue:
             self.deploy_failed(model, code, reason)
 
     def stage_ready(self, peer: Peer, msg: p.StageReady, now: float) -> None:
+        if (
+            msg.id not in self.calls
+            and peer.role == "worker"
+            and not self._counts_on(peer, msg.model, msg.stage)
+        ):
+            # Its call was dropped (the deploy failed or timed out, the model was undeployed, a
+            # repair was given up) while the worker still prepared the stage: it holds it now,
+            # and would for good, counted nowhere. Refusing it would not free it.
+            self._drop_stage(peer, msg.model, msg.stage)
+            return
         call = self._pop_call(msg.id, "stage", peer)
         model = self.models.get(msg.model)
         rep: Replica = call.data["replica"]
         if model is None or rep not in model.replicas:
-            self.ctx.to_peer(
-                peer.name, p.DropStage(id=next(self.ctx.ids), model=msg.model, stage=msg.stage)
-            )
-            peer.hosted.pop((msg.model, msg.stage), None)
+            self._drop_stage(peer, msg.model, msg.stage)
             return
         if msg.nbytes > peer.budget:
             self.stage_failed(
@@ -361,13 +373,27 @@ class Catalogue:
 
     def _drop_calls(self, name: str) -> None:
         """Forget the plan and stage calls made for model `name` (undeployed, or its deploy
-        failed): their answers, if any come, are refused. A partitioner's plan is no longer
-        counted as in progress there (its count chooses the partitioner of the next plan)."""
+        failed): a plan's answer, if one comes, is refused; a stage's is answered with
+        DropStage (`stage_ready`), the worker holding it by then. A partitioner's plan is no
+        longer counted as in progress there (its count chooses the partitioner of the next
+        plan)."""
         for cid in [i for i, c in self.calls.items() if c.data.get("model") == name]:
             call = self.calls.pop(cid)
             peer = self.peers.get(call.peer) if call.kind == "plan" else None
             if peer is not None:  # (perhaps registered anew since: never below 0)
                 peer.inflight_plans = max(0, peer.inflight_plans - 1)
+
+    def _counts_on(self, peer: Peer, name: str, stage: int) -> bool:
+        """Whether live model `name` counts on `peer` for its stage `stage`, held or still being
+        prepared (`deploy_stage` counts it from the start): a StageReady nobody awaits (late,
+        repeated or forged) must not make the worker drop that one."""
+        return name in self.models and (name, stage) in peer.hosted
+
+    def _drop_stage(self, peer: Peer, name: str, stage: int) -> None:
+        """Tell `peer` to free a stage that no replica here runs."""
+        log.info("dropping stage model=%s stage=%d on %s (no replica)", name, stage, peer.name)
+        self.ctx.to_peer(peer.name, p.DropStage(id=next(self.ctx.ids), model=name, stage=stage))
+        peer.hosted.pop((name, stage), None)
 
     def _pop_call(self, cid: int, kind: str, peer: Peer) -> Call:
         """The pending call `cid`, only if it is a `kind` call sent to `peer` (nobody else may

@@ -41,6 +41,17 @@ def spec_of(name: str, **extra: Any) -> ModelSpec:
 INPUTS = {"x": TensorSpec("float32", (-1, 4))}
 
 
+def plan_job(cid: int, spec: ModelSpec, mem_cap: int = 100 * MIB) -> Outgoing:
+    request = p.PlanAsk(spec=spec, kind="stages", stages=None, mem_cap=mem_cap)
+    return (BACKEND, PART, p.PlanJob(id=cid, request=request))
+
+
+def deploy_stage(cid: int, addr: bytes, spec: ModelSpec, stage_bytes: list[int]) -> Outgoing:
+    """The DeployStage of stage 0 of `spec` planned as `typed_plan(stage_bytes)`."""
+    plan = typed_plan(stage_bytes)
+    return (BACKEND, addr, p.DeployStage(id=cid, model=spec.name, stage=0, spec=spec, plan=plan))
+
+
 class Rig:
     def __init__(self, **cfg: Any) -> None:
         self.ctx = Context(BrokerConfig(heartbeat_s=1.0, liveness=3, **cfg))
@@ -543,9 +554,133 @@ def test_a_stage_answered_for_a_replica_gone_meanwhile_is_dropped() -> None:
     rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=1), 0.2)
     assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0))]
     assert w0.hosted == {}
-    with pytest.raises(FlowmeshError) as info:  # answered once: a second answer is refused
-        rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=1), 0.3)
-    assert info.value.reason == "no pending stage call 2 for w0"
+    # Answered again: nothing here runs it, so it is dropped again (a worker drops a stage it
+    # no longer holds as nothing); nothing is counted.
+    rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=1), 0.3)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=4, model="m", stage=0))]
+    assert w0.hosted == {} and rig.ctx.calls == {}
+
+
+# ---------------------------------------------------------------- calls given up meanwhile
+# A worker prepares a stage on a thread: when the broker gives the call up meanwhile (the
+# deploy failed or timed out, the model was undeployed, a repair was given up), its StageReady
+# still comes, and the stage it names is held on the worker until the broker says to drop it.
+
+
+def test_a_stage_prepared_after_its_deploy_timed_out_is_dropped() -> None:
+    rig = Rig()
+    rig.join("part")
+    w0 = rig.join("w0")
+    spec = spec_of("m", replicas=1)
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec, timeout_ms=10_000), 0.0)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=typed_plan([MIB])), 0.1)
+    assert rig.out() == [plan_job(1, spec), deploy_stage(2, b"w0", spec, [MIB])]
+    rig.reg.deploy_overdue(rig.ctx.models["m"], 10.0)
+    assert rig.out() == [
+        (CLIENT, C, p.Error(id=5, code="timeout", reason="deploy did not finish in time")),
+        (BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0)),
+    ]
+    rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=12), 12.0)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=4, model="m", stage=0))]
+    assert rig.ctx.models == {} and rig.ctx.calls == {} and w0.hosted == {}
+    assert rig.events == []
+
+
+def test_a_stage_prepared_after_its_repair_was_given_up_is_dropped() -> None:
+    rig = Rig(repair_backoff_s=5.0)
+    rig.join("part")
+    w0 = rig.join("w0")
+    model = rig.deploy("m", [MIB], replicas=1)
+    rig.reg.give_up_replica(model, model.replicas[0], "w0", "hung")
+    rig.reg.reconcile(1.0)  # only w0 can hold it: back there
+    assert rig.out() == [
+        (BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0)),
+        deploy_stage(4, b"w0", model.spec, [MIB]),
+    ]
+    rig.reg.call_expired(rig.ctx.calls.pop(4), "timeout", None, 601.0)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=5, model="m", stage=0))]
+    assert model.replicas == []
+    rig.reg.stage_ready(w0, p.StageReady(4, "m", 0, nbytes=MIB, seconds=601), 602.0)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=6, model="m", stage=0))]
+    assert w0.hosted == {} and model.replicas == [] and rig.events == []
+
+
+def test_undeploying_a_model_still_planning_answers_its_deploy() -> None:
+    rig = Rig()
+    rig.join("part")
+    rig.join("w0")
+    spec = spec_of("m")
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec), 0.0)
+    assert rig.out() == [plan_job(1, spec)]
+    rig.reg.undeploy(b"other", p.Undeploy(id=6, model="m"), 1.0)
+    reason = "'m' was undeployed while deploying"
+    assert rig.out() == [
+        (CLIENT, C, p.Error(id=5, code="model_not_found", reason=reason)),
+        (CLIENT, b"other", p.Undeployed(id=6, model="m")),
+    ]
+    assert rig.ctx.models == {} and rig.ctx.calls == {} and rig.peer("part").inflight_plans == 0
+    with pytest.raises(FlowmeshError, match="no pending plan call 1 for part"):
+        rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=typed_plan([MIB])), 2.0)
+    assert rig.out() == []  # answered once
+
+
+def test_undeploying_a_deploying_model_answers_its_deploy_and_drops_its_late_stage() -> None:
+    rig = Rig()
+    rig.join("part")
+    w0 = rig.join("w0")
+    spec = spec_of("m", replicas=1)
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec), 0.0)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=typed_plan([MIB])), 0.1)
+    assert rig.out() == [plan_job(1, spec), deploy_stage(2, b"w0", spec, [MIB])]
+    rig.reg.undeploy(b"other", p.Undeploy(id=6, model="m"), 1.0)
+    reason = "'m' was undeployed while deploying"
+    assert rig.out() == [
+        (CLIENT, C, p.Error(id=5, code="model_not_found", reason=reason)),
+        (BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0)),
+        (CLIENT, b"other", p.Undeployed(id=6, model="m")),
+    ]
+    assert rig.events == [("change", 1.0)]
+    rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=2), 2.0)
+    assert rig.out() == [(BACKEND, b"w0", p.DropStage(id=4, model="m", stage=0))]
+    assert rig.ctx.models == {} and rig.ctx.calls == {} and w0.hosted == {}
+    assert rig.events == [("change", 1.0)]
+
+
+def test_a_stage_ready_nobody_awaits_never_drops_a_stage_a_live_model_counts_on() -> None:
+    rig = Rig()
+    rig.join("part")
+    w0 = rig.join("w0")
+    rig.join("w1")
+    spec = spec_of("m", replicas=1)
+    rig.reg.deploy(C, p.Deploy(id=5, spec=spec, timeout_ms=10_000), 0.0)
+    rig.reg.plan_reply(rig.peer("part"), p.PlanReply(id=1, plan=typed_plan([MIB])), 0.1)
+    rig.reg.deploy_overdue(rig.ctx.models["m"], 10.0)
+    assert rig.out() == [
+        plan_job(1, spec),
+        deploy_stage(2, b"w0", spec, [MIB]),
+        (CLIENT, C, p.Error(id=5, code="timeout", reason="deploy did not finish in time")),
+        (BACKEND, b"w0", p.DropStage(id=3, model="m", stage=0)),
+    ]
+    # Deployed again (its plan from the cache) onto the same worker before the first
+    # preparation's StageReady comes: that one must not drop the stage now being prepared.
+    rig.reg.deploy(C, p.Deploy(id=7, spec=spec), 11.0)
+    assert rig.out() == [deploy_stage(4, b"w0", spec, [MIB])]
+    with pytest.raises(FlowmeshError, match="no pending stage call 2 for w0"):
+        rig.reg.stage_ready(w0, p.StageReady(2, "m", 0, nbytes=MIB, seconds=12), 12.0)
+    assert rig.out() == [] and list(rig.ctx.calls) == [4] and w0.hosted == {("m", 0): MIB}
+    rig.reg.stage_ready(w0, p.StageReady(4, "m", 0, nbytes=MIB, seconds=2), 13.0)
+    model = rig.ctx.models["m"]
+    assert rig.out() == [(CLIENT, C, p.Deployed(id=7, model=model_status(model, rig.ctx.peers)))]
+    # Nor one naming that stage, now held; nor one from a peer that holds no stages.
+    with pytest.raises(FlowmeshError, match="no pending stage call 99 for w0"):
+        rig.reg.stage_ready(w0, p.StageReady(99, "m", 0, nbytes=MIB, seconds=1), 14.0)
+    with pytest.raises(FlowmeshError, match="no pending stage call 99 for part"):
+        rig.reg.stage_ready(rig.peer("part"), p.StageReady(99, "x", 0, nbytes=1, seconds=1), 14.0)
+    assert rig.out() == [] and w0.hosted == {("m", 0): MIB} and model.state is ModelState.READY
+    # The same stage answered by a worker that runs none of it: dropped there, and only there.
+    rig.reg.stage_ready(rig.peer("w1"), p.StageReady(99, "m", 0, nbytes=MIB, seconds=1), 15.0)
+    assert rig.out() == [(BACKEND, b"w1", p.DropStage(id=5, model="m", stage=0))]
+    assert w0.hosted == {("m", 0): MIB} and rig.peer("w1").hosted == {}
 
 
 # ====================================================================== checks on what peers say
