@@ -56,7 +56,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from client_sdk.errors import ClientError, Timeout, TooLarge, Unavailable, error_from
+from client_sdk.errors import BadRequest, ClientError, Timeout, TooLarge, Unavailable, error_from
 from flowmesh import protocol as p
 from flowmesh.auth import (
     CurveKeys,
@@ -189,13 +189,20 @@ class Connection:
         if self._sock is None:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            sock = connect_dealer(
-                self._ctx,
-                self.address,
-                limits=self.limits,
-                curve=self.curve,
-                monitor=handshake_events(link=True),
-            )
+            try:
+                sock = connect_dealer(
+                    self._ctx,
+                    self.address,
+                    limits=self.limits,
+                    curve=self.curve,
+                    monitor=handshake_events(link=True),
+                )
+            except zmq.ZMQError as exc:
+                raise BadRequest(
+                    Code.BAD_REQUEST,
+                    f"cannot connect to {self.address!r}: {exc.strerror} (a broker's address is "
+                    "tcp://HOST:PORT)",
+                ) from None
             loop = asyncio.get_running_loop()
             reader = loop.create_task(self._read(sock), name="flowmesh-client-reader")
             reader.add_done_callback(functools.partial(self._reader_done, sock))

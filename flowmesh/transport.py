@@ -131,7 +131,16 @@ def connect_dealer(
         sock.setsockopt(zmq.ROUTING_ID, identity.encode())
     if monitor:
         sock.get_monitor_socket(monitor)
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:
+        # (An address libzmq does not take.) Closed at once, its monitor first: a socket left
+        # open would hold its context's term, and the program's exit, for good.
+        if monitor:
+            sock.get_monitor_socket().close(linger=0)
+            sock.disable_monitor()
+        sock.close(linger=0)
+        raise
     return sock
 
 

@@ -77,6 +77,26 @@ async def test_the_blocking_client_fails_within_the_default_connect_timeout() ->
     assert_no_broker(info.value, address, CONNECT_TIMEOUT_S)
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:5555", "bogus", "tcp://"])
+async def test_an_address_zeromq_does_not_take_is_a_bad_request_and_the_client_closes(
+    address: str,
+) -> None:
+    # (`up --listen` takes HOST:PORT, `--broker` tcp://HOST:PORT: an easy slip.) The socket
+    # left open used to hold the client's close for good, and the call for its timeout.
+    def use() -> None:
+        client = Client(address, timeout=LONG)
+        try:
+            with pytest.raises(errors.BadRequest) as info:
+                client.status()
+            assert info.value.code == Code.BAD_REQUEST
+            assert info.value.reason.startswith(f"cannot connect to {address!r}: ")
+            assert info.value.reason.endswith("(a broker's address is tcp://HOST:PORT)")
+        finally:
+            client.close()
+
+    await asyncio.wait_for(asyncio.to_thread(use), BOUND)
+
+
 def test_a_broker_started_later_is_reached_and_the_clients_timeout_governs_status() -> None:
     """Two clients are made before the broker is up, and the first call of one fails: the
     connect timeout counts from each call, not from the client's creation, and a failed first
