@@ -33,8 +33,8 @@ OPTIONS = Options(
     options=(
         Option("--frontend", TEXT, "tcp://127.0.0.1:5555", "client endpoint"),
         Option("--backend", TEXT, "tcp://127.0.0.1:5556", "worker endpoint"),
-        Option("--heartbeat", FLOAT, 1.0, "seconds between heartbeats"),
-        Option("--liveness", INT, 3, "missed heartbeats before death"),
+        Option("--heartbeat", FLOAT, 1.0, "seconds between heartbeats", above=0),
+        Option("--liveness", INT, 3, "missed heartbeats before death", least=1),
         Option(
             "--allow",
             TEXT,
@@ -44,7 +44,7 @@ OPTIONS = Options(
             + ")",
             repeat=True,
         ),
-        Option("--max-queue", INT, 4096, "queued requests per model"),
+        Option("--max-queue", INT, 4096, "queued requests per model", least=1),
         Option(
             "--max-client-inflight",
             INT,
@@ -132,7 +132,7 @@ OPTIONS = Options(
             "goes (new calls refused meanwhile; 0: at once)",
         ),
         Option("--max-message", SIZE, "1GiB", "largest accepted message"),
-        Option("--replicas", INT, 2, "default replicas per model"),
+        Option("--replicas", INT, 2, "default replicas per model", least=1),
         Option(
             "--starvation",
             FLOAT,

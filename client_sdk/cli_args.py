@@ -88,6 +88,23 @@ def pipeline_arg(text: Any) -> int | str:
     return n
 
 
+def seconds_arg(text: str) -> float:
+    """argparse's type= for a number of seconds over 0 (a broker refuses 0: no peer could
+    register, and its loop would spin)."""
+    value = float(text)
+    if not value > 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"expected a number over 0, got {text!r}")
+    return value
+
+
+def count_arg(text: str) -> int:
+    """argparse's type= for a count of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
@@ -139,8 +156,10 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     p.add_argument(
         "--listen", default="127.0.0.1:5555", help="host:port for clients; workers join on port+1"
     )
-    p.add_argument("--heartbeat", type=float, default=1.0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument(
+        "--heartbeat", type=seconds_arg, default=1.0, help="seconds between heartbeats (1)"
+    )
+    p.add_argument("--threads", type=count_arg, default=None, help="torch threads per worker")
     p.add_argument(
         "--train-bytes",
         default=None,

@@ -147,13 +147,40 @@ class Option:
     default: Any = None
     help: str | None = None
     repeat: bool = False
+    # Bounds of a number's value, checked as it is read (a value the process's peers or the
+    # wire would refuse later stops it at start, in one line, rather than loop or spin).
+    least: float | None = None
+    above: float | None = None
+    most: float | None = None
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
+    def out_of_bounds(self, value: Any) -> str | None:
+        """Why `value` is outside the option's bounds; None: within them."""
+        # (Each test negated: NaN passes none of them.)
+        if self.least is not None and not value >= self.least:
+            return f"expected {self.kind.what} of at least {self.least:g}, got {value!r}"
+        if self.above is not None and not value > self.above:
+            return f"expected {self.kind.what} over {self.above:g}, got {value!r}"
+        if self.most is not None and not value <= self.most:
+            return f"expected {self.kind.what} of at most {self.most:g}, got {value!r}"
+        return None
+
+    def _flag_value(self, text: str) -> Any:
+        value = self.kind.flag(text)
+        why = self.out_of_bounds(value)
+        if why is not None:
+            raise argparse.ArgumentTypeError(why)
+        return value
+
     def add_to(self, ap: argparse.ArgumentParser, *, defaults: bool = True) -> None:
-        kw: dict[str, Any] = {"type": self.kind.flag, "help": self.help}
+        bounded = (self.least, self.above, self.most) != (None, None, None)
+        kw: dict[str, Any] = {
+            "type": self._flag_value if bounded else self.kind.flag,
+            "help": self.help,
+        }
         if self.kind is BOOL:
             kw = {"action": "store_true", "help": self.help}
         elif self.repeat:
@@ -163,13 +190,20 @@ class Option:
 
     def from_toml(self, value: Any) -> Any:
         if not self.repeat:
-            return self.kind.toml(value)
+            return self._toml_value(value)
         if not isinstance(value, list):
             raise ConfigError(f"expected an array of {self.kind.many}, got {_show(value)}")
         try:
-            return [self.kind.toml(v) for v in value]
+            return [self._toml_value(v) for v in value]
         except ConfigError as exc:
             raise ConfigError(f"in {_show(value)}: {exc}") from None
+
+    def _toml_value(self, value: Any) -> Any:
+        got = self.kind.toml(value)
+        why = self.out_of_bounds(got)
+        if why is not None:
+            raise ConfigError(why)
+        return got
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ OPTIONS = Options(
             "127.0.0.1",
             "address to bind (127.0.0.1; another needs API keys, or --insecure-open)",
         ),
-        Option("--port", INT, 8000, "port to bind (8000)"),
+        Option("--port", INT, 8000, "port to bind (8000)", least=0, most=65535),
         Option("--keys", TEXT, None, "client key file (default: FLOWMESH_KEYS)"),
-        Option("--timeout", FLOAT, 60.0, "seconds a call to the broker may take (60)"),
+        Option("--timeout", FLOAT, 60.0, "seconds a call to the broker may take (60)", above=0),
         Option(
             "--body-timeout",
             FLOAT,

@@ -66,8 +66,8 @@ OPTIONS = Options(
             "worker name, unique in the mesh (default host-device, e.g. gpu7-cuda0; a CPU "
             "stand-in without --keys adds its pid)",
         ),
-        Option("--compute-lanes", INT, 2, "concurrent runs"),
-        Option("--threads", INT, None, "torch CPU threads"),
+        Option("--compute-lanes", INT, 2, "concurrent runs", least=1, most=1024),
+        Option("--threads", INT, None, "torch CPU threads", least=1),
         CPUS,
         PEER_ALLOW,
         PEER_KEYS,

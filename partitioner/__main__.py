@@ -28,7 +28,7 @@ OPTIONS = Options(
     options=(
         Option("--broker", TEXT, "tcp://127.0.0.1:5556", "broker backend endpoint"),
         Option("--name", TEXT, None, "service name (default host-partitioner)"),
-        Option("--threads", INT, 2, "plans computed at once"),
+        Option("--threads", INT, 2, "plans computed at once", least=1),
         Option("--measure-device", TEXT, "cpu", "where to time blocks when asked"),
         PEER_ALLOW,
         PEER_KEYS,

@@ -105,6 +105,26 @@ def test_no_parser_takes_an_abbreviated_flag(capsys: pytest.CaptureFixture[str])
     assert err.startswith("usage: flowmesh up "), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--heartbeat", "0"], "argument --heartbeat: expected a number over 0, got '0'"),
+        (["--heartbeat", "nan"], "argument --heartbeat: expected a number over 0, got 'nan'"),
+        (["--threads", "0"], "argument --threads: expected an integer of at least 1, got '0'"),
+    ],
+)
+def test_up_refuses_values_its_mesh_could_never_run_with(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    # (--heartbeat 0 started a broker that spun a core while no peer could register, and up
+    # waited its whole ready timeout, deaf to Ctrl-C.)
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["up", "--cpu-workers", "1", *argv])
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+    assert build_parser().parse_args(["up", "--heartbeat", "0.5"]).heartbeat == 0.5
+
+
 def test_plan_and_train_take_any_torch_optimizer_by_name() -> None:
     for cmd in ("plan", "train"):
         p = next(p for p in subparsers(build_parser()) if p.prog == f"flowmesh {cmd}")

@@ -133,6 +133,43 @@ def test_flags_are_checked_by_the_same_types(capsys: pytest.CaptureFixture[str])
     assert "expected one of debug" in rejected(TEST, ["--log-level", "loud"], capsys)
 
 
+def test_values_a_service_could_never_run_with_stop_it_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A broker with heartbeats every 0 s spun a core while no peer could register (the wire
+    # takes only > 0); a worker with 0 compute lanes was refused registration for good.
+    by_section = services()
+    bounded = {
+        (section, o.flag)
+        for section, options in by_section.items()
+        for o in options.options
+        if (o.least, o.above, o.most) != (None, None, None)
+    }
+    assert {
+        ("broker", "--heartbeat"),
+        ("broker", "--liveness"),
+        ("worker", "--compute-lanes"),
+        ("gateway", "--timeout"),
+    } <= bounded
+    for section, flag in sorted(bounded):
+        options = by_section[section]
+        (option,) = [o for o in options.options if o.flag == flag]
+        cases = [(option.least, -1, "of at least"), (option.above, 0, "over")]
+        cases.append((option.most, 1, "of at most"))
+        for bound, step, words in cases:
+            if bound is None:
+                continue
+            bad = option.kind.toml(bound + step)  # (an int stays one)
+            err = rejected(options, [flag, str(bad)], capsys)
+            assert f"argument {flag}: expected {option.kind.what} {words} " in err, err
+            cfg = write(tmp_path, f"[{section}]\n{option.dest} = {bad!r}\n")
+            err = rejected(options, ["--config", cfg], capsys)
+            assert f"[{section}] {option.dest}: expected {option.kind.what} {words} " in err
+            edge = bound if step else bound + 1  # the bound itself, or just over it
+            assert getattr(options.parse([flag, str(option.kind.toml(edge))]), option.dest) == edge
+    assert "over 0, got nan" in rejected(by_section["broker"], ["--heartbeat", "nan"], capsys)
+
+
 SAMPLES: dict[str, tuple[Any, str]] = {  # per kind: a TOML value, the same value as a flag
     TEXT.what: ("x:1", "x:1"),
     INT.what: (7, "7"),
