@@ -205,8 +205,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
     mesh = up_mesh(args, gpus)
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    # While the mesh starts, Ctrl-C or SIGTERM interrupts the start (which stops what it
+    # started); once it runs, they stop it (`run_up`).
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         dead = run_up(mesh, gpus, stop)
     except FlowmeshError as exc:
@@ -224,6 +230,8 @@ def run_up(mesh: Any, gpus: list[int], stop: threading.Event) -> list[str]:
     """Run the mesh until `stop` is set or one of its processes exits; the names of those that
     exited. Their logs are kept then (the mesh says where)."""
     with mesh:
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         kind = (
             f"{len(gpus)} GPU worker(s)"
             if gpus
