@@ -181,6 +181,46 @@ def busy(host: str, port: int) -> bool:
     return False
 
 
+def refuse_open_binds(args: argparse.Namespace, host: str, http_host: str | None) -> None:
+    """Stop `up` before anything starts when it would bind where other hosts reach it without
+    keys and without --insecure: the broker and the gateway would refuse to start, in their
+    logs, naming their own flags (`--insecure 1`, `--insecure-open`), not up's."""
+    from flowmesh.exposure import reachable_from_other_hosts
+    from gateway.guard import find_api_keys
+
+    if args.insecure:
+        return
+    if not args.keys and reachable_from_other_hosts(f"tcp://{host}:0"):
+        raise SystemExit(
+            f"flowmesh up: --listen {args.listen} is not a loopback address, and no --keys: "
+            "anyone who reaches it could deploy, train, register as a worker and read every "
+            "answer. Give --keys DIR (flowmesh keys init), listen on 127.0.0.1, or pass "
+            "--insecure to run without keys anyway"
+        )
+    if http_host is None or not reachable_from_other_hosts(f"tcp://{http_host}:0"):
+        return
+    table: dict[str, Any] = {}
+    if args.config:
+        from flowmesh.config import load_section
+        from gateway.__main__ import OPTIONS as GATEWAY
+
+        if load_section(args.config, "gateway"):
+            table = GATEWAY.read(args.config)
+    if table.get("insecure_open") or table.get("api_keys") or os.environ.get("FLOWMESH_API_KEYS"):
+        return  # (a key file named that is not there: the gateway says so as it starts)
+    try:
+        api_keys = find_api_keys(None, args.keys)
+    except FlowmeshError:
+        return  # (the gateway says why as it starts)
+    if api_keys is None:
+        raise SystemExit(
+            f"flowmesh up: the gateway's host {http_host} is not a loopback address, and there "
+            "are no API keys: anyone who reaches it could call the mesh. Add one (flowmesh keys "
+            "add NAME --role client --api --dir DIR, with --keys DIR), bind 127.0.0.1, or pass "
+            "--insecure to serve every caller"
+        )
+
+
 def port_in_use(host: str, port: int) -> str:
     return (
         f"flowmesh up: {host}:{port} is already in use: another 'flowmesh up' or broker is "
@@ -198,6 +238,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.config:
         check_config(args.config)
     http_port, http_host = gateway_port(args), gateway_host(args)
+    refuse_open_binds(args, host, http_host if http_port else None)
     if http_port and busy(http_host, http_port):
         raise SystemExit(
             f"flowmesh up: port {http_port} (--http-port) is already in use; choose another"

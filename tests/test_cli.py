@@ -17,6 +17,7 @@ from client_sdk.cli import build_parser, up_mesh
 from client_sdk.client import Client
 from flowmesh.reports import BrokerStatus, Totals
 from tests.support.cli import ROOT, flowmesh
+from tests.support.ports import free_port
 from tests.support.reports import broker_status, job_row, model_row, replica_row, worker_row
 
 
@@ -123,6 +124,32 @@ def test_up_refuses_values_its_mesh_could_never_run_with(
     assert refused.value.code == 2
     assert message in capsys.readouterr().err
     assert build_parser().parse_args(["up", "--heartbeat", "0.5"]).heartbeat == 0.5
+
+
+def test_up_refuses_open_binds_without_keys_in_its_own_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The broker and the gateway refused them too, but only once started, in their logs, and
+    # naming flags up does not take (--insecure 1, --insecure-open).
+    monkeypatch.delenv("FLOWMESH_API_KEYS", raising=False)
+    port = free_port()
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["up", "--cpu-workers", "1", "--listen", f"0.0.0.0:{port}"])
+    said = str(refused.value)
+    assert said.startswith(f"flowmesh up: --listen 0.0.0.0:{port} is not a loopback address")
+    assert said.endswith("or pass --insecure to run without keys anyway")
+    gateway = ["--listen", f"127.0.0.1:{port}", "--http-port", str(free_port())]
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["up", "--cpu-workers", "1", *gateway, "--http-host", "0.0.0.0"])
+    said = str(refused.value)
+    assert said.startswith("flowmesh up: the gateway's host 0.0.0.0 is not a loopback address")
+    assert said.endswith("or pass --insecure to serve every caller")
+    # With a key file in the config's [gateway] table, the gateway is keyed: not refused here.
+    args = build_parser().parse_args(["up", *gateway, "--http-host", "0.0.0.0"])
+    args.config = str(tmp_path / "flowmesh.toml")
+    Path(args.config).write_text(f'[gateway]\napi_keys = "{tmp_path / "api_keys.json"}"\n')
+    cli.refuse_open_binds(args, "127.0.0.1", "0.0.0.0")
+    cli.refuse_open_binds(build_parser().parse_args(["up", "--insecure"]), "0.0.0.0", "0.0.0.0")
 
 
 def test_plan_and_train_take_any_torch_optimizer_by_name() -> None:
