@@ -245,6 +245,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     gpus = [g["index"] for g in discover_gpus()] if not args.cpu_workers else []
     mesh = up_mesh(args, gpus)
+    for name, port in mesh.metrics_ports().items():
+        if busy("0.0.0.0", port):  # (where each process serves /metrics)
+            raise SystemExit(
+                f"flowmesh up: port {port} (the {name}'s /metrics: --metrics-port "
+                f"{args.metrics_port} and the ports after it, one per process) is already in "
+                "use; choose another --metrics-port"
+            )
     stop = threading.Event()
 
     def interrupt(*_: Any) -> None:

@@ -152,6 +152,25 @@ def test_up_refuses_open_binds_without_keys_in_its_own_words(
     cli.refuse_open_binds(build_parser().parse_args(["up", "--insecure"]), "0.0.0.0", "0.0.0.0")
 
 
+def test_up_names_the_metrics_port_in_use_not_the_listen_port() -> None:
+    # (It used to say that --listen's free port was in use, the broker's log having the cause.)
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        listen = f"127.0.0.1:{free_port()}"
+        # The partitioner's: the second of the ports from --metrics-port on.
+        argv = ["up", "--cpu-workers", "1", "--listen", listen, "--metrics-port", str(port - 1)]
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+    assert str(refused.value) == (
+        f"flowmesh up: port {port} (the partitioner's /metrics: --metrics-port {port - 1} and "
+        "the ports after it, one per process) is already in use; choose another --metrics-port"
+    )
+
+
 def test_plan_and_train_take_any_torch_optimizer_by_name() -> None:
     for cmd in ("plan", "train"):
         p = next(p for p in subparsers(build_parser()) if p.prog == f"flowmesh {cmd}")
