@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sqlite3
 
 from broker.core import BrokerConfig
 from broker.service import BrokerService
@@ -207,14 +208,19 @@ def main(argv: list[str] | None = None) -> None:
         state_dir=args.state_dir,
     )
     limits = Limits(max_message_bytes=parse_size(args.max_message))
-    service = BrokerService(
-        cfg,
-        args.frontend,
-        args.backend,
-        limits=limits,
-        ready_file=args.ready_file,
-        keys=args.keys,
-    )
+    try:
+        service = BrokerService(
+            cfg,
+            args.frontend,
+            args.backend,
+            limits=limits,
+            ready_file=args.ready_file,
+            keys=args.keys,
+        )
+    except (OSError, sqlite3.Error) as exc:
+        # The state directory: not one (a file), not writable, or another broker's.
+        where = f"--state-dir {args.state_dir}: " if args.state_dir else ""
+        raise SystemExit(f"python -m broker: {where}{exc}") from None
     # exits non-zero when a task failed
     run_process(
         metrics.serve_with_metrics(

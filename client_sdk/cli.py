@@ -162,6 +162,11 @@ def listen_ports(args: argparse.Namespace) -> tuple[str, list[int]]:
     """The host and the ports `flowmesh up` binds: clients' on --listen, workers' the next
     (none for port 0: the broker binds free ports, and `up` prints them)."""
     host, _, port = args.listen.rpartition(":")
+    if not (port or "5555").isdigit() or int(port or 5555) > 65534:
+        raise SystemExit(
+            f"flowmesh up: --listen {args.listen}: expected HOST:PORT (127.0.0.1:5555; port 0: "
+            "free ports; workers join on PORT+1)"
+        )
     first = int(port or 5555)
     return host or "127.0.0.1", [first, first + 1] if first else []
 
@@ -460,12 +465,14 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     from flowmesh.modelio.dtypes import torch_dtype
 
+    if args.output:
+        # Checked before the request runs, not once its answer is in hand.
+        out_dir = Path(args.output).resolve().parent
+        if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
+            raise SystemExit(f"flowmesh infer: --output {args.output}: no writable directory")
+    inputs: Any = _read_inputs(args.input) if args.input else None
     with connect(args) as c:
-        if args.input:
-            from safetensors.torch import load_file
-
-            inputs: Any = load_file(args.input)
-        else:
+        if inputs is None:
             st = c.status(timeout=args.timeout)
             model = next((m for m in st.models if m.name == args.name), None)
             if model is None:
@@ -491,6 +498,18 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
         save_file({k or "output": v.contiguous() for k, v in outs.items()}, args.output)
     return 0
+
+
+def _read_inputs(path: str) -> dict[str, Any]:
+    """The named tensors of the safetensors file `path`; a file that does not read stops the
+    command with one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise SystemExit(f"flowmesh infer: --input {path}: {exc}") from None
 
 
 def _token_ids(text: str) -> list[int]:

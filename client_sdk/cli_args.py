@@ -132,7 +132,7 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
         p.add_argument(
             "--broker", default=DEFAULT_ADDRESS, help="broker client endpoint (env FLOWMESH_BROKER)"
         )
-        p.add_argument("--timeout", type=float, default=60.0, help="seconds")
+        p.add_argument("--timeout", type=seconds_arg, default=60.0, help="seconds (60)")
         p.add_argument(
             "--keys",
             default=None,
@@ -373,8 +373,8 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     p = client_cmd("infer", "run one request (random inputs of the declared shape by default)")
     p.add_argument("name")
     p.add_argument("--input", help="safetensors file of named input tensors")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=16, help="size of free dimensions")
+    p.add_argument("--batch", type=count_arg, default=1, help="rows of random inputs (1)")
+    p.add_argument("--seq", type=count_arg, default=16, help="size of free dimensions (16)")
     p.add_argument("--output", help="write the outputs to this safetensors file")
     p.set_defaults(fn=commands["infer"])
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
@@ -168,6 +170,50 @@ def test_up_names_the_metrics_port_in_use_not_the_listen_port() -> None:
     assert str(refused.value) == (
         f"flowmesh up: port {port} (the partitioner's /metrics: --metrics-port {port - 1} and "
         "the ports after it, one per process) is already in use; choose another --metrics-port"
+    )
+
+
+def test_input_mistakes_stop_a_command_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each was a Python traceback (an --output one only after the request had run); none
+    # needs a broker to be found out.
+    nobody = ["--broker", "tcp://127.0.0.1:9"]
+    absent = tmp_path / "absent.safetensors"
+    garbled = tmp_path / "garbled.safetensors"
+    garbled.write_bytes(b"not safetensors")
+    for argv, said in [
+        (["infer", "m", "--input", str(absent)], f"flowmesh infer: --input {absent}: No such"),
+        (["infer", "m", "--input", str(garbled)], f"flowmesh infer: --input {garbled}: "),
+        (
+            ["infer", "m", "--output", str(tmp_path / "no" / "o.safetensors")],
+            f"flowmesh infer: --output {tmp_path / 'no' / 'o.safetensors'}: no writable directory",
+        ),
+        (["up", "--listen", "localhost"], "flowmesh up: --listen localhost: expected HOST:PORT"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            cli.main([*argv, *nobody] if argv[0] == "infer" else argv)
+        assert str(refused.value).startswith(said), refused.value
+    for argv, said in [
+        (["infer", "m", "--batch", "-2"], "argument --batch: expected an integer of at least 1"),
+        (["infer", "m", "--timeout", "0"], "argument --timeout: expected a number over 0"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            build_parser().parse_args(argv)
+        assert refused.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_broker_on_a_state_dir_it_cannot_use_stops_with_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    run = subprocess.run(
+        [sys.executable, "-m", "broker", "--state-dir", str(afile), "--frontend",
+         f"tcp://127.0.0.1:{free_port()}", "--backend", f"tcp://127.0.0.1:{free_port()}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip() == f"python -m broker: --state-dir {afile}: [Errno 17] File " + (
+        f"exists: '{afile}'"
     )
 
 
