@@ -34,7 +34,16 @@ from client_sdk.views import (
     table,
     watch_text,
 )
-from flowmesh.auth import KeyRing, add_api_key, add_key, init_keys
+from flowmesh.auth import (
+    API_KEYS,
+    KeyRing,
+    add_api_key,
+    add_key,
+    init_keys,
+    read_api_keys,
+    remove_api_key,
+    remove_key,
+)
 from flowmesh.errors import FlowmeshError
 from flowmesh.reports import BrokerStatus
 from flowmesh.units import parse_size
@@ -870,11 +879,7 @@ def cmd_keys_init(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    d = args.dir or os.environ.get("FLOWMESH_KEY_DIR")
-    if not d:
-        raise SystemExit(
-            "flowmesh keys add: --dir DIR (or FLOWMESH_KEY_DIR) names the key directory"
-        )
+    d = _key_dir(args, "add")
     if args.api:
         path, api_key = add_api_key(d, args.name, args.role)
         # The key is shown this once: only its hash is kept.
@@ -894,10 +899,40 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    ring = KeyRing(args.dir)
-    rows = [[i.name, i.role] for i in sorted(ring.by_key.values(), key=lambda i: i.name)]
-    print(table(rows, ["name", "role"]))
+    d = Path(args.dir)
+    rows = []
+    if (d / "broker.key").exists():
+        ring = KeyRing(args.dir)
+        rows += [[i.name, i.role, "curve"] for i in ring.by_key.values()]
+    if (d / API_KEYS).exists():
+        rows += [[i.name, i.role, "api"] for i in read_api_keys(d / API_KEYS).values()]
+    if not rows and not (d / "broker.key").exists():
+        raise SystemExit(
+            f"flowmesh keys list: {d} holds no keys (no broker.key, no {API_KEYS}): see "
+            "'flowmesh keys init' and 'flowmesh keys add'"
+        )
+    print(table(sorted(rows), ["name", "role", "kind"]))
     return 0
+
+
+def cmd_keys_remove(args: argparse.Namespace) -> int:
+    d = _key_dir(args, "remove")
+    if args.api:
+        path = remove_api_key(d, args.name)
+        print(f"API key {args.name!r} removed from {path}: gateways on it refuse it from now on")
+    else:
+        path = remove_key(d, args.name)
+        print(f"key {args.name!r} removed ({path}): a broker on {d} refuses it from now on")
+    return 0
+
+
+def _key_dir(args: argparse.Namespace, cmd: str) -> str:
+    d = args.dir or os.environ.get("FLOWMESH_KEY_DIR")
+    if not d:
+        raise SystemExit(
+            f"flowmesh keys {cmd}: --dir DIR (or FLOWMESH_KEY_DIR) names the key directory"
+        )
+    return str(d)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -922,6 +957,7 @@ COMMANDS: dict[str, cli_args.Command] = {
     "keys add": cmd_keys_add,
     "keys init": cmd_keys_init,
     "keys list": cmd_keys_list,
+    "keys remove": cmd_keys_remove,
     "plan": cmd_plan,
     "status": cmd_status,
     "sweep": cmd_sweep,

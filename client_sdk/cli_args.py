@@ -270,9 +270,14 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
         "printed once on stdout, instead of a CURVE key pair",
     )
     k.set_defaults(fn=commands["keys add"])
-    k = add(keys_sub, "list", "the keys a key directory allows")
+    k = add(keys_sub, "list", "the keys a key directory allows (CURVE keys and API keys)")
     k.add_argument("dir")
     k.set_defaults(fn=commands["keys list"])
+    k = add(keys_sub, "remove", "revoke a key: a running broker or gateway refuses it at once")
+    k.add_argument("name")
+    k.add_argument("--dir", default=None, help="the key directory (env FLOWMESH_KEY_DIR)")
+    k.add_argument("--api", action="store_true", help="an API key (DIR/api_keys.json)")
+    k.set_defaults(fn=commands["keys remove"])
 
     p = client_cmd("jobs", "show training jobs")
     p.add_argument("--json", action="store_true")

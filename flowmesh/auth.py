@@ -260,6 +260,23 @@ def add_api_key(directory: str | os.PathLike[str], name: str, role: str) -> tupl
         raise FlowmeshError(Code.BAD_REQUEST, f"{path} already holds an API key named {name!r}")
     secret = API_KEY_PREFIX + secrets.token_urlsafe(32)
     known[api_key_hash(secret)] = Identity(name, role)
+    _write_api_keys(path, known)
+    return path, secret
+
+
+def remove_api_key(directory: str | os.PathLike[str], name: str) -> Path:
+    """Revoke NAME's API key in DIR/api_keys.json (a gateway reading the file refuses it from
+    its next request on); the file."""
+    path = Path(directory) / API_KEYS
+    known = read_api_keys(path) if path.exists() else {}
+    kept = {h: i for h, i in known.items() if i.name != name}
+    if len(kept) == len(known):
+        raise FlowmeshError(Code.BAD_REQUEST, f"{path} holds no API key named {name!r}")
+    _write_api_keys(path, kept)
+    return path
+
+
+def _write_api_keys(path: Path, known: dict[str, Identity]) -> None:
     rows = [{"name": i.name, "role": i.role, "sha256": h} for h, i in known.items()]
     # Written whole then renamed, so that a gateway reading it never sees half a file.
     tmp = path.with_name(f".{API_KEYS}.{os.getpid()}")
@@ -267,7 +284,20 @@ def add_api_key(directory: str | os.PathLike[str], name: str, role: str) -> tupl
     with os.fdopen(fd, "w", encoding="utf-8") as out:
         json.dump({"keys": rows}, out, indent=1)
     os.replace(tmp, path)
-    return path, secret
+
+
+def remove_key(directory: str | os.PathLike[str], name: str) -> Path:
+    """Revoke NAME's CURVE key in DIR: its public file goes (a broker on DIR refuses the key
+    from then on, `KeyRing.refresh`), then its secret file if it is there; the public file."""
+    d = Path(directory)
+    public = d / f"{name}.key"
+    if name == BROKER or not name or "/" in name or name.startswith("."):
+        raise FlowmeshError(Code.BAD_REQUEST, f"bad key name {name!r} (the broker's stays)")
+    if not public.exists():
+        raise FlowmeshError(Code.BAD_REQUEST, f"{d} holds no key named {name!r}")
+    public.unlink()
+    (d / f"{name}.key_secret").unlink(missing_ok=True)
+    return public
 
 
 # ---------------------------------------------------------------------- sockets
