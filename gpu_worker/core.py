@@ -489,7 +489,9 @@ class WorkerCore:
             merged = {n: torch.cat([c[n] for c in chunks], dim=0) for n in names}
             parts = split_rows(merged, [r for _, r in msg.parts])
         except Exception as exc:
-            self._direct_failed(run, exc)
+            # (`finished` already let the run go, so `_direct_failed` would take it as
+            # answered: the error is its one answer.)
+            self._fail(msg.id, exc)
             return
         self._send(
             p.RunResult(

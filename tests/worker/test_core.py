@@ -436,6 +436,27 @@ def test_a_direct_run_fails_once_and_its_later_work_and_hops_are_dropped() -> No
     )
 
 
+def test_a_direct_run_whose_outputs_do_not_split_by_its_rows_is_answered_model_error() -> None:
+    # A stage that reduces over the batch (one row per micro-batch): the merged outputs cannot
+    # be cut into the parts' rows. The run, already let go as finished, used to go unanswered.
+    core = WorkerCore("w")
+    core.handle(last_stage_run(), 0.0)
+    core.on_peer(hop(0, torch.zeros(3, 4)), "", 1.0)
+    core.on_peer(hop(1, torch.zeros(2, 4)), "", 1.0)
+    c0, c1 = core.drain()
+    core.finished(c0, output({"y": torch.zeros(1, 2)}), 2.0)
+    core.finished(c1, output({"y": torch.zeros(1, 2)}), 3.0)
+    assert sent(core.drain()) == [
+        p.Error(
+            id=9,
+            code="model_error",
+            reason="output 'y' has shape (2, 2), not batch-first over 5 rows; deploy this model "
+            "with max_batch_size=1",
+        )
+    ]
+    assert core.direct.runs == {}
+
+
 def refused_peer(core: WorkerCore, msg: p.Message) -> tuple[str, str]:
     with pytest.raises(FlowmeshError) as err:
         core.on_peer(msg, "", 0.0)
