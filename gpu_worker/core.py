@@ -328,8 +328,9 @@ class WorkerCore:
         """A broker that did not know us (it restarted, or lost us) had our inventory with the
         registration, adopts what it knows and tells us to drop the rest (`DropStage`,
         `TrainClose`). What is still being prepared was asked for by the broker before: it is
-        dropped when ready."""
+        dropped when ready. Its direct runs it will neither wait for nor cancel."""
         self.epoch += 1
+        self.direct.reset()
 
     def tick(self, now: float) -> None:
         """Hops kept for runs not announced go when they are too old, whether or not more Hops

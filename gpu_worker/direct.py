@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,9 +75,10 @@ class DirectRuns:
         max_early_bytes: int = EARLY_BYTES,
     ) -> None:
         self.runs: dict[int, DirectRun] = {}
-        self._early: OrderedDict[int, _Early] = OrderedDict()  # oldest first
+        # By (run, ticket), oldest first; and what was lost by (run, ticket): a forged Hop,
+        # which cannot know the ticket, neither takes a real run's room nor fails it.
+        self._early: OrderedDict[tuple[int, int], _Early] = OrderedDict()
         self.early_bytes = 0
-        # By (run, ticket): a forged Hop, which cannot know the ticket, fails no real run.
         self._lost: OrderedDict[tuple[int, int], FlowmeshError] = OrderedDict()
         self._cancelled: deque[int] = deque(maxlen=REMEMBERED)
         self.max_early = max_early
@@ -93,10 +93,14 @@ class DirectRuns:
             raise FlowmeshError(Code.BAD_REQUEST, f"run {msg.id}: chunks must be >= 1")
         if msg.id in self.runs:
             raise FlowmeshError(Code.BAD_REQUEST, f"run {msg.id} was announced already")
-        entry = self._early.pop(msg.id, None)
+        entry = self._early.pop((msg.id, msg.ticket), None)
         early = entry.hops if entry is not None else []
         if entry is not None:
             self.early_bytes -= entry.nbytes
+        for key in [k for k in self._early if k[0] == msg.id]:  # other tickets': forged
+            forged = self._early.pop(key)
+            self.early_bytes -= forged.nbytes
+            self.counters["hops_dropped"] += len(forged.hops)
         lost = self._lost.pop((msg.id, msg.ticket), None)
         if lost is not None:
             self.counters["hops_dropped"] += len(early)
@@ -127,7 +131,8 @@ class DirectRuns:
         now = time.monotonic() if now is None else now
         self.expire(now)
         cost = hop_bytes(hop)
-        entry = self._early.get(hop.id)
+        key = (hop.id, hop.ticket)
+        entry = self._early.get(key)
         held = entry.nbytes if entry is not None else 0
         if held + cost > self.max_run_bytes:
             reason = (
@@ -135,7 +140,7 @@ class DirectRuns:
                 f"{held + cost} bytes, over the {self.max_run_bytes} bytes a run may keep waiting"
             )
             self.counters["hops_dropped"] += 1
-            self._drop(hop.id, FlowmeshError(Code.TOO_LARGE, reason), [hop.ticket])
+            self._drop(key, FlowmeshError(Code.TOO_LARGE, reason))
             raise FlowmeshError(Code.TOO_LARGE, reason)
         while True:
             if entry is None and len(self._early) >= self.max_early:
@@ -145,14 +150,14 @@ class DirectRuns:
             else:
                 break
             # The oldest other run's make room (this run's fit alone: max_run_bytes).
-            oldest = next(k for k in self._early if k != hop.id)
+            oldest = next(k for k in self._early if k != key)
             reason = (
-                f"run {oldest}: its activations that came before its Run were dropped to make "
+                f"run {oldest[0]}: its activations that came before its Run were dropped to make "
                 f"room for newer runs' (at most {bound} wait)"
             )
             self._drop(oldest, FlowmeshError(Code.OVERLOADED, reason))
         if entry is None:
-            entry = self._early[hop.id] = _Early(now)
+            entry = self._early[key] = _Early(now)
         entry.hops.append((hop, sender))
         entry.nbytes += cost
         self.early_bytes += cost
@@ -163,27 +168,35 @@ class DirectRuns:
         """Drop the early Hops of runs not announced within `early_ttl_s`: the worker calls it
         on its clock, so that they go even if no Hop comes after them."""
         while self._early:
-            run_id, entry = next(iter(self._early.items()))
+            key, entry = next(iter(self._early.items()))
             if entry.since + self.early_ttl_s >= now:
                 return
             reason = (
-                f"run {run_id}: its activations waited {now - entry.since:.1f} s for its Run, "
+                f"run {key[0]}: its activations waited {now - entry.since:.1f} s for its Run, "
                 f"over {self.early_ttl_s:.0f} s"
             )
-            self._drop(run_id, FlowmeshError(Code.TIMEOUT, reason))
+            self._drop(key, FlowmeshError(Code.TIMEOUT, reason))
 
-    def _drop(self, run_id: int, why: FlowmeshError, tickets: Iterable[int] = ()) -> None:
-        """Forget `run_id`'s early Hops; its Run, if it comes with one of their tickets (or
-        `tickets`), fails with `why`."""
-        entry = self._early.pop(run_id, None)
-        hops = entry.hops if entry is not None else []
+    def reset(self) -> None:
+        """Forget every run, early Hop and what was remembered of them: the broker that
+        announced them is gone (it restarted, or lost this worker), will neither wait for nor
+        cancel them, and a new one may number its runs afresh."""
+        self.runs.clear()
+        self._early.clear()
+        self.early_bytes = 0
+        self._lost.clear()
+        self._cancelled.clear()
+
+    def _drop(self, key: tuple[int, int], why: FlowmeshError) -> None:
+        """Forget the early Hops of run `key[0]` with ticket `key[1]`; its Run, if it comes
+        with that ticket, fails with `why`."""
+        entry = self._early.pop(key, None)
         if entry is not None:
             self.early_bytes -= entry.nbytes
-            self.counters["hops_dropped"] += len(hops)
-        for ticket in {*(h.ticket for h, _ in hops), *tickets}:
-            self._lost[(run_id, ticket)] = why
-            if len(self._lost) > REMEMBERED:
-                self._lost.popitem(last=False)
+            self.counters["hops_dropped"] += len(entry.hops)
+        self._lost[key] = why
+        if len(self._lost) > REMEMBERED:
+            self._lost.popitem(last=False)
 
     def _check(self, run: DirectRun, hop: p.Hop, sender: str) -> bool:
         ok = (

@@ -457,6 +457,21 @@ def test_a_direct_run_whose_outputs_do_not_split_by_its_rows_is_answered_model_e
     assert core.direct.runs == {}
 
 
+def test_a_broker_that_forgot_this_worker_takes_its_direct_runs_with_it() -> None:
+    # A restarted broker neither waits for nor cancels the runs it announced before (their
+    # outputs were held for good), and may number its runs from 1 again.
+    core = WorkerCore("w")
+    core.handle(last_stage_run(), 0.0)
+    core.on_peer(hop(0, torch.zeros(3, 4)), "", 1.0)
+    (c0,) = core.drain()
+    core.finished(c0, output({"y": torch.zeros(3, 2)}), 2.0)
+    assert core.direct.runs.keys() == {9}
+    core.registered_again()
+    assert core.direct.runs == {}
+    core.handle(last_stage_run(), 3.0)  # the same id, from the new broker: taken
+    assert core.direct.runs.keys() == {9} and core.drain() == []
+
+
 def refused_peer(core: WorkerCore, msg: p.Message) -> tuple[str, str]:
     with pytest.raises(FlowmeshError) as err:
         core.on_peer(msg, "", 0.0)

@@ -119,6 +119,19 @@ def test_a_forged_oversized_hop_fails_no_real_run() -> None:
     assert [h.chunk for h in early] == [1] and d.accept(hop(chunk=0)) is state
 
 
+def test_a_forged_hop_after_a_real_one_neither_takes_its_room_nor_fails_it() -> None:
+    # Its bytes used to count with the real Hops of that run id: over the bound together,
+    # the real ones were dropped and the real Run failed TOO_LARGE.
+    d = DirectRuns(max_run_bytes=2 * MIB, max_early_bytes=8 * MIB)
+    assert d.accept(big_hop(chunk=0), now=0.0) is None  # the real one, with the real ticket
+    assert d.accept(big_hop(ticket=1, chunk=1, nbytes=3 * MIB // 2), now=0.0) is None  # forged
+    assert d.early_bytes == 2 * (MIB + 1024 + 1) + MIB // 2
+    state, early = d.announce(run())
+    assert [(h.chunk, h.ticket) for h in early] == [(0, 99)]
+    assert d.early_bytes == 0 and d.counters["hops_dropped"] == 1  # the forged one, quietly
+    assert d.accept(hop(chunk=1)) is state
+
+
 def test_early_hops_of_all_runs_are_bounded_in_bytes_the_oldest_go_first() -> None:
     d = DirectRuns(max_run_bytes=2 * MIB, max_early_bytes=4 * MIB)
     for run_id in range(1, 7):
