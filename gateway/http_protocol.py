@@ -39,12 +39,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # When the head being read began (None: none is), and the timer on it: armed only once
+        # a chunk ends with the head still incomplete (a whole head in one chunk, the common
+        # case, costs no timer), or at the connection's start (a caller may send nothing).
+        self._head_since: float | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._ended_in_chunk = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._head_since = self.loop.time()
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -54,7 +59,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         self._ended_in_chunk = False
         super().data_received(data)
-        if self._head_timer is None or self.transport.is_closing():
+        if self._head_since is None or self.transport.is_closing():
             return
         # A chunk in which a request ended may hold the next one's start after it: its bytes
         # are not all the new head's, so it is not counted (a chunk is at most the loop's read
@@ -63,13 +68,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
         if self._head_bytes > self.max_head:
             self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request head too large")
+            return
+        self._arm()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
-        self._arm()
+        if self._head_since is None:
+            self._head_since = self.loop.time()
 
     def on_headers_complete(self) -> None:
+        self._head_since = None
         self._disarm()
         super().on_headers_complete()
 
@@ -78,8 +87,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def _arm(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout, self._too_slow)
+        if self._head_timer is None and self._head_since is not None:
+            deadline = self._head_since + self.head_timeout
+            self._head_timer = self.loop.call_at(deadline, self._too_slow)
 
     def _disarm(self) -> None:
         if self._head_timer is not None:
@@ -88,6 +98,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         self._head_timer = None
+        self._head_since = None
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined head behind a request still answering: no answer of its own can go
             # out before that one's, so the connection is only closed.
@@ -96,6 +107,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._refuse(http.HTTPStatus.REQUEST_TIMEOUT, "request head not received in time")
 
     def _refuse(self, status: http.HTTPStatus, why: str) -> None:
+        self._head_since = None
         self._disarm()
         if self.transport.is_closing():
             return
