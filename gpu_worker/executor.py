@@ -594,10 +594,12 @@ class Executor:
                     continue
                 self._waiting.popleft()
                 fut = st.loading
-                self.evict(st.key)
                 if fut is not None and not fut.done():
+                    # Before `evict`, which would fail it as evicted while loading instead.
                     where = f"{st.key[0]!r}/{st.key[1]}"
                     fut.set_exception(FlowmeshError(Code.NO_SPACE, f"cannot place {where}: {exc}"))
+                    fut.exception()  # retrieved: a run's implicit load may have no one awaiting it
+                self.evict(st.key)
                 continue
             self._waiting.popleft()
             st.waiting = False
@@ -633,9 +635,9 @@ class Executor:
                 await copied
                 await loop.run_in_executor(self._waiter, _wait_all, ready)
             except Exception as exc:  # a failed copy fails the load, not the worker
-                self._finish_load(st, generation, exc, t0)
+                self._finish_load(st, generation, exc, t0, ready, lane)
             else:
-                self._finish_load(st, generation, None, t0)
+                self._finish_load(st, generation, None, t0, ready, lane)
             finally:
                 self._queued[lane] -= st.host.nbytes
 
@@ -702,8 +704,22 @@ class Executor:
         st.blocks[i].load_state_dict(views, assign=True, strict=True)
 
     def _finish_load(
-        self, st: Stage, generation: int, exc: BaseException | None, t0: float
+        self,
+        st: Stage,
+        generation: int,
+        exc: BaseException | None,
+        t0: float,
+        ready: list[Any],
+        lane: int,
     ) -> None:
+        """Settle load `generation` once its copy on `lane` ended; `ready`: its blocks' markers."""
+        if exc is not None:
+            # Whatever the stage became since, the copy stopped part-way: markers it left unset
+            # would hold for ever the runs waiting on them and, had the stage been evicted
+            # meanwhile, the next owner of its ranges (`evict` orders it after them). The runs
+            # of this generation must fail (it is abandoned first), never compute on what the
+            # copy left in the bytes.
+            self._abandon(st, generation, ready, lane)
         fut = st.loading
         if fut is None or fut.done() or st.generation != generation:
             # Given up since (its future failed then): `st.loading`, if any, is a later load's,
@@ -711,10 +727,6 @@ class Executor:
             return
         if exc is not None:
             fut.set_exception(FlowmeshError(Code.INTERNAL, f"load failed: {exc}"))
-            # Runs sent during the load wait on its blocks' markers: the blocks never came, so
-            # the runs must fail (their generation is abandoned), not wait for ever, which would
-            # also keep serving busy and hold training's computes back on the CPU stand-in.
-            self._abandon(st)
             self.evict(st.key)
             return
         seconds = self.clock() - t0
@@ -726,15 +738,27 @@ class Executor:
             self.bandwidth = bw if not self.bandwidth else 0.8 * self.bandwidth + 0.2 * bw
         fut.set_result(LoadInfo(st.host.nbytes, seconds))
 
-    def _abandon(self, st: Stage) -> None:
-        """The stage's blocks will not come for this generation: wake the runs waiting on their
-        markers, which then find the generation abandoned."""
-        st.abandoned.add(st.generation)
+    def _abandon(
+        self,
+        st: Stage,
+        generation: int | None = None,
+        ready: list[Any] | None = None,
+        lane: int = 0,
+    ) -> None:
+        """The stage's blocks will not come for load `generation` (default: the current one,
+        whose markers are `st.ready`): wake the runs waiting on its markers `ready`, which then
+        find the generation abandoned. They are marked on copy lane `lane`: after whatever part
+        of the copy it issued, which may still be writing the bytes."""
+        if generation is None:
+            generation, ready = st.generation, st.ready
+        assert ready is not None
+        st.abandoned.add(generation)
         if len(st.abandoned) > 8:  # runs of older generations have long been answered
-            st.abandoned.discard(min(st.abandoned))
-        for m in st.ready:
+            # A stale load's copy fails after later ones were given up: its runs are waiting.
+            st.abandoned.discard(min(st.abandoned - {generation}))
+        for m in ready:
             if not m.done():
-                self._mark_copied(m)
+                self._mark_copied(m, lane)
 
     def evict(self, key: StageKey, park: bool = True) -> int:
         """Give the stage's device bytes back now; their next owner waits for its last users.
