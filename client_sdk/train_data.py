@@ -146,6 +146,7 @@ def next_byte_rows(
 def from_file(path: str, seq: int = 32) -> Dataset:
     """A .safetensors file with `inputs` (or `inputs/<name>`) and `targets`, rows on dim 0; any
     other file a text corpus for next-byte prediction in windows of `seq` (`text_windows`)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if Path(path).suffix != ".safetensors":
@@ -155,7 +156,10 @@ def from_file(path: str, seq: int = 32) -> Dataset:
             raise bad_request(f"{path}: {exc}") from None
         return text_windows(torch.tensor(list(raw), dtype=torch.int64), seq, path)
 
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as exc:  # missing, unreadable, or not safetensors
+        raise bad_request(f"{path}: {exc}") from None
     targets = tensors.pop("targets", None)
     if targets is None:
         raise bad_request(

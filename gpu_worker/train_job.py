@@ -565,14 +565,16 @@ class TrainingJob:
         if int(targets.shape[0]) != batch:
             raise bad_request(f"targets have {int(targets.shape[0])} rows for a batch of {batch}")
         n = self.config.accumulate
-        if self.batch is not None and batch > self.batch:
-            if not evaluating:
-                raise bad_request(
-                    f"a batch of {batch} is over the batch of {self.batch} job {self.name!r} "
-                    "was opened for (its memory was planned for that many rows): send at most "
-                    f"{self.batch}, or open a job for {batch}"
-                )
-            micro = max(1, self.batch // n)
+        over = self.batch is not None and batch > self.batch
+        if over and not evaluating:
+            raise bad_request(
+                f"a batch of {batch} is over the batch of {self.batch} job {self.name!r} "
+                "was opened for (its memory was planned for that many rows): send at most "
+                f"{self.batch}, or open a job for {batch}"
+            )
+        if evaluating and (over or batch % n):
+            # An evaluation takes any number of rows: in micro-batches of at most a step's.
+            micro = max(1, (self.batch or batch) // n)
             self._data[request] = (_split_rows(inputs, micro), list(targets.split(micro)))
             self._eval_rows[request] = batch
         elif batch % n:

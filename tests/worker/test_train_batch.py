@@ -74,16 +74,24 @@ def test_a_step_over_the_job_s_batch_is_refused_and_an_eval_over_it_is_cut_small
         )
         x, y = rows(83, seed=1)  # 21 micro-batches of 4 rows, the last of 3
         ev = trainer.evaluate("j", x, y).result(timeout=300)
+        # Under the batch and not a multiple of accumulate's 2: refused for a step, taken (in
+        # micro-batches of at most 4) for an evaluation, which used to be refused too.
+        small_x, small_y = rows(3, seed=2)
+        small = trainer.evaluate("j", small_x, small_y).result(timeout=300)
+        with pytest.raises(FlowmeshError, match="a batch of 3 does not split into 2 equal"):
+            trainer.submit("j", small_x, small_y).result(timeout=300)
         job = trainer.jobs["j"]
-        assert job.step_count == 3  # the refused step changed nothing
+        assert job.step_count == 3  # the refused steps changed nothing
     finally:
         svc.close()
     model = build_seeded(SPEC).eval()
     with torch.no_grad():  # the job's weights after its three steps, on the whole batch
         model.load_state_dict(job.state_dict())
-        logits = model(x)
+        logits, small_logits = model(x), model(small_x)
     torch.testing.assert_close(ev.loss, F.cross_entropy(logits, y).item(), rtol=1e-5, atol=1e-6)
     assert ev.metrics["accuracy"] == int((logits.argmax(-1) == y).sum()) / len(y)
+    want = F.cross_entropy(small_logits, small_y).item()
+    torch.testing.assert_close(small.loss, want, rtol=1e-5, atol=1e-6)
 
 
 # -- the process's memory ------------------------------------------------------------------
