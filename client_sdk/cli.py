@@ -369,6 +369,10 @@ def watch_status(args: argparse.Namespace, rounds: int | None = None) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     with connect(args) as c:
+        if args.close:
+            c.train_close(args.close, timeout=args.timeout)
+            print(f"training job {args.close!r} closed")
+            return 0
         jobs = c.jobs(timeout=args.timeout)
     if args.json:
         print(json.dumps(msgspec.to_builtins(jobs), indent=2))

@@ -279,8 +279,14 @@ def build_parser(commands: Mapping[str, Command], description: str) -> argparse.
     k.add_argument("--api", action="store_true", help="an API key (DIR/api_keys.json)")
     k.set_defaults(fn=commands["keys remove"])
 
-    p = client_cmd("jobs", "show training jobs")
+    p = client_cmd("jobs", "show training jobs (or close one)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--close",
+        metavar="NAME",
+        default=None,
+        help="close training job NAME (one its program left open: it holds memory and its name)",
+    )
     p.set_defaults(fn=commands["jobs"])
 
     p = client_cmd("status", "show workers, models and queues")

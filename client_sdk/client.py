@@ -462,6 +462,16 @@ class AsyncClient:
         assert isinstance(reply, p.TrainOpened)
         return AsyncJob(self, name, reply.job)
 
+    async def train_close(self, name: str, timeout: float | None = None) -> None:
+        """Close training job `name`, opened by any client (one whose program ended without
+        closing it holds its memory, and its name, until then, or until its `idle_close`):
+        steps still queued fail, its memory goes to the other jobs. `timeout`: the client's
+        when None."""
+        msg = p.TrainClose(
+            id=self.connection.next_id(), job=name, timeout_ms=self.connection.timeout_ms(timeout)
+        )
+        await self.connection.call(msg, timeout)
+
     async def jobs(self, timeout: float | None = None) -> list[p.JobRow]:
         """Every open training job, a `flowmesh.reports.JobRow` each (read by attribute):
         `.worker`, `.state`, `.step`, `.last_loss`, `.steps_per_s`, `.sub_models`, ...
@@ -639,6 +649,7 @@ class Client:
     status = _blocking(AsyncClient.status)
     plan = _blocking(AsyncClient.plan)
     train_open = _blocking(AsyncClient.train_open, wrap=Job)
+    train_close = _blocking(AsyncClient.train_close)
     jobs = _blocking(AsyncClient.jobs)
     # A sweep is many calls, each under its `timeout`: no deadline on the whole.
     sweep = _blocking(AsyncClient.sweep, deadline=False)

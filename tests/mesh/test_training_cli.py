@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from client_sdk import train_data
+from client_sdk import errors, train_data
 from client_sdk.mesh import LocalMesh
 from flowmesh.modelio.build import build_seeded
 from flowmesh.reference import train
@@ -81,3 +82,29 @@ def test_train_on_a_safetensors_file_then_a_bad_file(mesh: LocalMesh, tmp_path: 
     save_file({"inputs": x}, str(tmp_path / "bad.safetensors"))
     bad = flowmesh(mesh, *args[:-1], str(tmp_path / "bad.safetensors"))
     assert bad.returncode == 1 and "no 'targets' tensor" in bad.stderr, bad.stderr
+
+
+OPEN: dict[str, Any] = {"optimizer": {"name": "sgd", "lr": 0.1}, "batch_size": BATCH}
+
+
+def test_a_job_its_program_left_open_is_closed_by_name(mesh: LocalMesh) -> None:
+    # A program that raised before its close: the job held its memory and its name, and no
+    # public call could close it (only idle_close, if it was opened with one).
+    with mesh.client() as c:
+        c.train_open("left-open", "flowmesh.examples:mlp", kwargs=MLP, **OPEN)
+    with mesh.client() as c:
+        assert [j.name for j in c.jobs()] == ["left-open"]
+    cmd = ["jobs", "--close", "left-open", "--broker", mesh.frontend]
+    run = subprocess.run(
+        [sys.executable, "-m", "client_sdk.cli", *cmd],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip() == "training job 'left-open' closed"
+    with mesh.client() as c:
+        assert c.jobs() == []
+        # Its name is free again; a job closed already is answered closed (a close in a
+        # finally hides nothing), a name never opened is refused, naming it.
+        c.train_open("left-open", "flowmesh.examples:mlp", kwargs=MLP, **OPEN).close()
+        c.train_close("left-open")
+        with pytest.raises(errors.ModelNotFound, match="never-opened"):
+            c.train_close("never-opened")
