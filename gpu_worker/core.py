@@ -457,12 +457,12 @@ class WorkerCore:
             self._direct_chunk(run, msg.chunk, msg.tensors)
 
     def _direct_chunk(self, run: DirectRun, chunk: int, tensors: dict[str, Any]) -> None:
-        if run.msg.id in self.direct.runs:  # else given up (failed, or cancelled by the broker)
+        if self.direct.live(run):  # else given up (failed, or cancelled by the broker)
             self.out.append(RunChunk(run, chunk, tensors))
 
     def _chunk_done(self, work: RunChunk, out: RunOutput) -> None:
         run, msg = work.run, work.run.msg
-        if msg.id not in self.direct.runs:
+        if not self.direct.live(run):
             return
         run.compute_s += out.compute_s
         run.wait_s += out.wait_s
@@ -505,8 +505,8 @@ class WorkerCore:
         )
 
     def _direct_failed(self, run: DirectRun, exc: BaseException) -> None:
-        if run.msg.id not in self.direct.runs:
-            return  # failed once already: one answer per run
+        if not self.direct.live(run):
+            return  # failed once already (one answer per run), or a forgotten broker's
         self.direct.cancel(run.msg.id)
         self._fail(run.msg.id, exc)
 

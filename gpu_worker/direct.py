@@ -211,17 +211,22 @@ class DirectRuns:
             run.seen.add(hop.chunk)
         return ok
 
+    def live(self, run: DirectRun) -> bool:
+        """Whether `run` is still kept: not finished, failed or cancelled, nor forgotten with its
+        broker (`reset`). By identity: a new broker may have announced a run of the same id."""
+        return self.runs.get(run.msg.id) is run
+
     def finished(self, run: DirectRun) -> bool:
         """One more chunk computed: True once all of them are (the run is forgotten)."""
         run.done += 1
         if run.done < run.msg.chunks:
             return False
-        self.runs.pop(run.msg.id, None)
+        if self.live(run):
+            del self.runs[run.msg.id]
         return True
 
     def cancel(self, run_id: int) -> None:
         self.runs.pop(run_id, None)
-        entry = self._early.pop(run_id, None)
-        if entry is not None:
-            self.early_bytes -= entry.nbytes
+        for key in [k for k in self._early if k[0] == run_id]:
+            self.early_bytes -= self._early.pop(key).nbytes
         self._cancelled.append(run_id)

@@ -466,10 +466,19 @@ def test_a_broker_that_forgot_this_worker_takes_its_direct_runs_with_it() -> Non
     (c0,) = core.drain()
     core.finished(c0, output({"y": torch.zeros(3, 2)}), 2.0)
     assert core.direct.runs.keys() == {9}
+    core.on_peer(hop(1, torch.zeros(2, 4)), "", 2.5)
+    (c1,) = core.drain()  # the old run's last chunk, still computing
     core.registered_again()
     assert core.direct.runs == {}
     core.handle(last_stage_run(), 3.0)  # the same id, from the new broker: taken
     assert core.direct.runs.keys() == {9} and core.drain() == []
+    new = core.direct.runs[9]
+    # The old run's chunk ends: it neither answers the new run's id with the old outputs nor
+    # takes the new run with it; failing, it fails nothing of the new one either.
+    core.finished(c1, output({"y": torch.zeros(2, 2)}), 4.0)
+    assert core.drain() == [] and core.direct.runs == {9: new}
+    core.finished(c1, FlowmeshError(Code.MODEL_ERROR, "old raised"), 5.0)
+    assert core.drain() == [] and core.direct.runs == {9: new}
 
 
 def refused_peer(core: WorkerCore, msg: p.Message) -> tuple[str, str]:

@@ -132,6 +132,16 @@ def test_a_forged_hop_after_a_real_one_neither_takes_its_room_nor_fails_it() -> 
     assert d.accept(hop(chunk=1)) is state
 
 
+def test_a_cancelled_runs_early_hops_go_at_once_whatever_their_ticket() -> None:
+    d = DirectRuns(max_run_bytes=2 * MIB, max_early_bytes=8 * MIB)
+    d.accept(big_hop(chunk=0), now=0.0)
+    d.accept(big_hop(ticket=1, chunk=1), now=0.0)
+    d.accept(big_hop(run_id=8), now=0.0)
+    d.cancel(7)
+    assert d.early_bytes == MIB + 1024 + 1  # run 8's alone
+    assert d.accept(big_hop(chunk=2), now=0.0) is None and d.early_bytes == MIB + 1024 + 1
+
+
 def test_early_hops_of_all_runs_are_bounded_in_bytes_the_oldest_go_first() -> None:
     d = DirectRuns(max_run_bytes=2 * MIB, max_early_bytes=4 * MIB)
     for run_id in range(1, 7):
