@@ -44,6 +44,7 @@ OPTIONS = Options(
             "408 past it, so that a client sending slowly, or not at all, does not hold its "
             "connection open; and an event stream's client to take each event (cut off past "
             "it)",
+            above=0,
         ),
         Option(
             "--api-keys",

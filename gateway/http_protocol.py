@@ -45,7 +45,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_since: float | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
-        self._ended_in_chunk = False
+        self._body_in_chunk = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -57,15 +57,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        self._ended_in_chunk = False
+        self._body_in_chunk = 0
         super().data_received(data)
         if self._head_since is None or self.transport.is_closing():
             return
-        # A chunk in which a request ended may hold the next one's start after it: its bytes
-        # are not all the new head's, so it is not counted (a chunk is at most the loop's read
-        # size, so what the bound lets through stays bounded).
-        if not self._ended_in_chunk:
-            self._head_bytes += len(data)
+        # Every byte of the chunk that is no request's body counts: the head being read, and
+        # any head that ended before it in the same chunk (so a head across chunks is always
+        # counted whole, however the chunks fall, and a legitimate one is far under the bound).
+        self._head_bytes += len(data) - self._body_in_chunk
         if self._head_bytes > self.max_head:
             self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request head too large")
             return
@@ -82,12 +81,26 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
 
-    def on_message_complete(self) -> None:
-        self._ended_in_chunk = True
-        super().on_message_complete()
+    def on_body(self, body: bytes) -> None:
+        self._body_in_chunk += len(body)
+        super().on_body(body)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._head_since is not None and not self._answering():
+            # A pipelined head that waited for the answers before it (uvicorn reads no more
+            # meanwhile): timed from now.
+            self._head_since = self.loop.time()
+            self._arm()
+
+    def _answering(self) -> bool:
+        """Whether a request before the head being read is still being answered."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _arm(self) -> None:
-        if self._head_timer is None and self._head_since is not None:
+        # Not while an earlier request is answered: uvicorn then stops reading a pipelined
+        # head, which could not be completed however quick its client.
+        if self._head_timer is None and self._head_since is not None and not self._answering():
             deadline = self._head_since + self.head_timeout
             self._head_timer = self.loop.call_at(deadline, self._too_slow)
 
@@ -98,18 +111,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         self._head_timer = None
-        self._head_since = None
-        if self.cycle is not None and not self.cycle.response_complete:
-            # A pipelined head behind a request still answering: no answer of its own can go
-            # out before that one's, so the connection is only closed.
-            self.transport.close()
-            return
         self._refuse(http.HTTPStatus.REQUEST_TIMEOUT, "request head not received in time")
 
     def _refuse(self, status: http.HTTPStatus, why: str) -> None:
         self._head_since = None
         self._disarm()
         if self.transport.is_closing():
+            return
+        if self._answering():
+            # No answer of its own can go out before the earlier request's, nor in its
+            # middle: the connection is only closed.
+            self.transport.close()
             return
         body = why.encode("ascii")
         self.transport.write(
