@@ -163,24 +163,28 @@ def test_a_client_follows_a_model_deployed_again_with_another_tokenizer(
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     chat = [{"role": "user", "content": "Hello! How are you today?"}]
     asked = {"messages": chat, "max_tokens": 6, "ignore_eos": True}
-    with mesh.client() as long_lived, mesh.client() as operator:
+    with mesh.client() as long_lived, mesh.client() as streams, mesh.client() as operator:
         operator.deploy("again", hf=str(model_dir), stages=1, replicas=1, max_seqs=2)
         try:
             before = long_lived.generate("again", **asked)  # its codec now kept
+            with streams.generate_stream("again", **asked) as stream:  # this one's too
+                assert [t for chunk in stream for t in chunk.ids] == before.ids
             operator.undeploy("again")
             operator.deploy("again", hf=str(other), stages=1, replicas=1, max_seqs=2)
             with mesh.client() as fresh:
                 want = fresh.generate("again", **asked)
             assert want.prompt_tokens != before.prompt_tokens  # (another prompt indeed)
-            # The long-lived client's kept codec is refused; it fetches the new one.
+            # Each long-lived client's kept codec is refused; it fetches the new one.
+            with streams.generate_stream("again", **asked) as stream:
+                chunks = list(stream)
+            assert [t for chunk in chunks for t in chunk.ids] == want.ids
+            assert "".join(chunk.text or "" for chunk in chunks) == want.text
             after = long_lived.generate("again", **asked)
             assert (after.ids, after.text, after.prompt_tokens) == (
                 want.ids,
                 want.text,
                 want.prompt_tokens,
             )
-            with long_lived.generate_stream("again", **asked) as stream:
-                assert [t for chunk in stream for t in chunk.ids] == want.ids
         finally:
             with contextlib.suppress(errors.ModelNotFound):
                 operator.undeploy("again")
