@@ -33,6 +33,14 @@ coordinator draws for each save (`save_stage(..., save_id=...)`) rules that out.
 
 A resume reads the tensors each new stage uses from whichever stage file holds them, by name,
 so a job may resume cut into another number of stages (after losing a worker, say).
+
+A stage saves where a memory-flow save would (`gpu_worker.train_checkpoint._check_target`, run
+by each stage before it writes): into a new or empty directory, or one holding flowmesh
+checkpoints alone, of either kind, never beside other files. A save complete removes a
+memory-flow checkpoint there too (its job.json first, with which it is no checkpoint), as a
+memory-flow save removes the stage files it was saved over once its own are in place; until
+then the older checkpoint is the one a resume reads. A directory holding a complete checkpoint
+of each kind (a removal cut short) is resumed neither way (`train_checkpoint.both_kinds`).
 """
 
 from __future__ import annotations
@@ -51,7 +59,14 @@ from safetensors import safe_open
 from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.roots import io_error
 from gpu_worker.pipe_stage import PipeStage
-from gpu_worker.train_checkpoint import _write_new, _write_safetensors
+from gpu_worker.train_checkpoint import (
+    _check_target,
+    _write_new,
+    _write_safetensors,
+    both_kinds,
+    memory_flow_step,
+    remove_memory_flow,
+)
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_job import RngState
 
@@ -129,6 +144,12 @@ def _meta(path: Path) -> dict[str, Any] | None:
     return meta
 
 
+def is_stage_file(path: Path) -> bool:
+    """Whether `path` is a stage file of a pipelined save, in place or set aside (an OSError
+    reading it is raised)."""
+    return path.name.startswith(PREFIX) and path.name.endswith(SUFFIX) and _meta(path) is not None
+
+
 def scan(directory: Path) -> tuple[list[Save], list[str]]:
     """The saves whose stage files are in `directory`, and the names of the files there named
     as stage files that are not."""
@@ -162,10 +183,11 @@ def newest(directory: str | os.PathLike[str]) -> Save:
     except OSError as exc:
         raise io_error(exc, str(d)) from None
     complete = [s for s in saves if s.complete]
+    flow = memory_flow_step(d)  # `gpu_worker.train_checkpoint`'s
     if not complete:
         if not saves and not odd:
             hint = ""
-            if (d / "job.json").exists():  # `gpu_worker.train_checkpoint`'s
+            if (d / "job.json").exists():
                 hint = ": it is a memory-flow job's checkpoint, resume it with pipeline=1"
             raise bad_request(f"{d} holds no pipelined checkpoint (no {PREFIX}K{SUFFIX}){hint}")
         found = [
@@ -174,11 +196,18 @@ def newest(directory: str | os.PathLike[str]) -> Save:
         ]
         if odd:
             found.append(f"{len(odd)} files are not pipelined stages ({', '.join(odd[:3])})")
+        if flow is not None:
+            found.append(
+                f"beside them a memory-flow job's checkpoint of step {flow}: resume it with "
+                "pipeline=1"
+            )
         raise bad_request(
             f"{d} holds no complete pipelined checkpoint (a save cut short or failed on some "
             f"stage): {'; '.join(found)}"
         )
     best = max(complete, key=Save.order)
+    if flow is not None:
+        raise both_kinds(str(d), flow, best.step, best.stages)
     later = [s for s in saves if not s.complete and s.order() > best.order()]
     if later:
         log.warning(
@@ -210,11 +239,22 @@ def _set_aside(directory: Path, stage: int, key: Key) -> None:
 
 def _prune(directory: Path, key: Key) -> None:
     """Once the save of `key` is complete, remove the files of every other save but an
-    incomplete one of a later step."""
+    incomplete one of a later step, and a memory-flow checkpoint's."""
     saves, _ = scan(directory)
     mine = next((s for s in saves if s.key == key), None)
     if mine is None or not mine.complete:
         return
+    try:
+        if remove_memory_flow(directory):
+            _sync(directory)
+    except OSError as exc:
+        raise FlowmeshError(
+            Code.IO_ERROR,
+            f"{directory}: the save of step {mine.step} is complete, but the memory-flow "
+            "checkpoint there could not be removed (its job.json: "
+            f"{os.strerror(exc.errno) if exc.errno else exc}); a resume refuses the directory "
+            "until it is",
+        ) from None
     for s in saves:
         if s is not mine and not s.complete and s.step > mine.step:
             continue
@@ -271,6 +311,7 @@ def save_stage(
         "config": stage.config.to_dict(),
     }
     text = json.dumps(meta)
+    _check_target(out, f"checkpoint {str(out)!r}")
     try:
         out.mkdir(parents=True, exist_ok=True)
         tmp = _write_new(out, lambda f: _write_safetensors(f, tensors, text))

@@ -15,20 +15,28 @@ A checkpoint is a directory holding
 
 Tensors are matched by name, not by sub-model, so a job may resume under another chunk plan.
 
-A save goes into a new directory (its parents made), an empty one, or one that holds a flowmesh
-checkpoint, whose two files it replaces; never into a directory holding anything else. It is
-atomic: both files are written in full beside the old ones and flushed to the disk, then put in
-place, the state file first. The state file's copy of the JSON is what a resume reads
-(`read_meta`), so a save cut short at any point leaves the old checkpoint or the new one, never
-a mix. A write that fails (a full disk) is an io_error naming the path, and leaves the old files
-as they were.
+A save goes into a new directory (its parents made), an empty one, or one that holds flowmesh
+checkpoints alone (`_check_target`, which a pipelined job's stages run too): one of this kind,
+whose two files it replaces, or a pipelined job's (`gpu_worker.pipe_checkpoint`: its stage files,
+set-aside ones too), whose files it removes once its own are in place; never into a directory
+holding anything else. It is atomic: both files are written in full beside the old ones and
+flushed to the disk, then put in place, the state file first. The state file's copy of the JSON
+is what a resume reads (`read_meta`), so a save cut short at any point leaves the old checkpoint
+or the new one, never a mix. A write that fails (a full disk) is an io_error naming the path,
+and leaves the old files as they were.
+
+A directory holding a complete checkpoint of each kind (a save of one kind over the other cut
+short before it removed the other's files, or one made before saves did) resumes neither way:
+which is newer is not known, so `read_meta` and a pipelined resume refuse it, naming both.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +49,8 @@ from flowmesh.modelio.dtypes import SAFETENSORS_DTYPES
 from flowmesh.roots import io_error, not_safetensors
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_layout import SubModel, TensorInfo
+
+log = logging.getLogger("gpu_worker.train_checkpoint")
 
 FORMAT = "flowmesh-training-checkpoint"
 VERSION = 1
@@ -78,16 +88,60 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _is_checkpoint(directory: Path) -> bool:
+def _ours_json(path: Path) -> bool:
+    """Whether `path` is a memory-flow checkpoint's job.json (FileNotFoundError if none)."""
     try:
-        meta = json.loads((directory / META_FILE).read_bytes())
-    except (OSError, ValueError):
+        meta = json.loads(path.read_bytes())
+    except ValueError:
         return False
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
+def _ours_state(path: Path) -> bool:
+    """Whether `path` is a memory-flow checkpoint's state file, by its header (one left
+    without its job.json by a pipelined save that removed them, cut short)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            raw = (f.metadata() or {}).get("flowmesh")
+        meta = json.loads(raw) if raw else None
+    except OSError:
+        raise
+    except Exception:  # not safetensors, or a header that is not JSON
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def memory_flow_step(directory: Path) -> int | None:
+    """The step of the memory-flow checkpoint in `directory` (its job.json's), None if none."""
+    try:
+        meta = json.loads((directory / META_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return None
+    step = meta.get("step")
+    return step if type(step) is int else -1
+
+
+def both_kinds(where: str, flow_step: int, pipe_step: int, stages: int) -> FlowmeshError:
+    """The refusal to resume a directory holding a complete checkpoint of each kind."""
+    return bad_request(
+        f"{where} holds two checkpoints: a memory-flow job's of step {flow_step} ({META_FILE}, "
+        f"{STATE_FILE}) and a pipelined job's of step {pipe_step} over {stages} stages "
+        "(stage-K.safetensors), left by a save of one kind over the other that did not finish "
+        "removing the other's files; which is newer is not known, so neither is resumed: "
+        "remove the files of the one not wanted, or save into the directory again"
+    )
+
+
 def _check_target(out: Path, where: str) -> None:
-    """Refuse to save over anything but a flowmesh checkpoint (or an empty directory)."""
+    """Refuse to save anywhere but into a new or empty directory, or one holding flowmesh
+    checkpoints alone: a memory-flow one's files, a pipelined one's stage files (set-aside ones
+    too: `gpu_worker.pipe_checkpoint`) and a save's temporaries. Both kinds' saves run it."""
+    from gpu_worker.pipe_checkpoint import is_stage_file
+
     try:
         names = [n for n in os.listdir(out) if not n.startswith(TMP_PREFIX)]
     except FileNotFoundError:
@@ -96,12 +150,100 @@ def _check_target(out: Path, where: str) -> None:
         raise FlowmeshError(Code.NOT_ALLOWED, f"{where} is a file, not a directory") from None
     except OSError as exc:
         raise io_error(exc, where) from None
-    if names and not _is_checkpoint(out):
+    ours_json: bool | None = None
+    for name in names:
+        path = out / name
+        try:
+            if not stat.S_ISREG(path.stat().st_mode):
+                ours = False
+            elif name == META_FILE:
+                ours = ours_json = _ours_json(path)
+            elif name == STATE_FILE:
+                if ours_json is None and META_FILE in names:
+                    try:
+                        ours_json = _ours_json(out / META_FILE)
+                    except FileNotFoundError:
+                        ours_json = False
+                ours = bool(ours_json) or _ours_state(path)
+            else:
+                ours = is_stage_file(path)
+        except FileNotFoundError:
+            continue  # removed or set aside meanwhile by a save of another stage
+        except OSError as exc:
+            raise io_error(exc, where) from None
+        if not ours:
+            raise FlowmeshError(
+                Code.NOT_ALLOWED,
+                f"{where} holds files that are not a flowmesh checkpoint; save into a new or "
+                "empty directory, or over a flowmesh checkpoint",
+            )
+
+
+def remove_memory_flow(directory: Path) -> bool:
+    """Remove the memory-flow checkpoint in `directory` (a pipelined save over it is complete):
+    its job.json first, with which it is no checkpoint, then its state file. Whether there was
+    one; an OSError removing the job.json is raised (a resume would find both kinds)."""
+    meta = directory / META_FILE
+    try:
+        ours = _ours_json(meta)
+    except FileNotFoundError:
+        ours = False
+    except OSError as exc:
+        log.warning("%s: not removed: %s", meta, exc)
+        return False
+    if ours:
+        meta.unlink(missing_ok=True)
+    state = directory / STATE_FILE
+    try:
+        if ours or _ours_state(state):
+            state.unlink()
+            return True
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # no checkpoint without its job.json; the next save replaces it
+        log.warning("%s: an older checkpoint's file stays: %s", state, exc)
+    return ours
+
+
+def _remove_pipelined(out: Path, where: str, step: int) -> None:
+    """Once a memory-flow save is in place in `out`, remove the files of the pipelined saves
+    there, set-aside ones too; an error if a complete one stays (a resume would refuse the
+    directory)."""
+    from gpu_worker.pipe_checkpoint import scan
+
+    failed: OSError | None = None
+    try:
+        saves, _ = scan(out)
+        for save in saves:
+            for path in save.paths:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    failed = failed or exc
+                    log.warning("%s: an older checkpoint's file stays: %s", path, exc)
+        if saves:
+            _sync_dir(out)
+        stays = any(s.complete for s in scan(out)[0])
+    except OSError as exc:
+        failed, stays = exc, True
+    if stays:
+        reason = "it is there still"
+        if failed is not None:
+            reason = os.strerror(failed.errno) if failed.errno else str(failed)
         raise FlowmeshError(
-            Code.NOT_ALLOWED,
-            f"{where} holds files that are not a flowmesh checkpoint; save into a new or "
-            "empty directory, or over a flowmesh checkpoint",
+            Code.IO_ERROR,
+            f"{where}: the save of step {step} is in place, but the pipelined checkpoint there "
+            f"could not be removed ({reason}); a resume refuses the directory until its "
+            "stage-*.safetensors files are removed",
         )
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the renames and removals too
+    finally:
+        os.close(fd)
 
 
 def _write_new(directory: Path, write: Callable[[BinaryIO], None]) -> Path:
@@ -197,16 +339,14 @@ def save_checkpoint(job: Checkpointed, path: str | os.PathLike[str]) -> Path:
         # The state file first: it carries the JSON that a resume reads (`read_meta`).
         os.replace(written[0], out / STATE_FILE)
         os.replace(written[1], out / META_FILE)
-        fd = os.open(out, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the renames too
-        finally:
-            os.close(fd)
+        _sync_dir(out)
     except OSError as exc:
         raise io_error(exc, where) from None
     finally:
         for tmp in written:
             tmp.unlink(missing_ok=True)  # put in place already, unless the save failed
+    # In place: a pipelined checkpoint it was saved over goes (until then it was the one read).
+    _remove_pipelined(out, where, job.step_count)
     return out
 
 
@@ -228,7 +368,25 @@ def _parse_meta(raw: str | bytes, where: str) -> dict[str, Any]:
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint's JSON (what a resuming `train_open` needs to rebuild the job): job.json
     marks the directory a flowmesh checkpoint; the state file's copy, put in place first by a
-    save, is the one returned (the same, unless a save was cut short between the two)."""
+    save, is the one returned (the same, unless a save was cut short between the two). Refused
+    where a complete pipelined checkpoint is beside it (`both_kinds`)."""
+    from gpu_worker.pipe_checkpoint import Save, scan
+
+    meta = _read_meta(path)
+    try:
+        saves, _ = scan(Path(path))
+    except OSError as exc:
+        raise io_error(exc, f"checkpoint {str(path)!r}") from None
+    complete = [s for s in saves if s.complete]
+    if complete:
+        best = max(complete, key=Save.order)
+        step = meta.get("step")
+        shown = step if type(step) is int else -1
+        raise both_kinds(f"checkpoint {str(path)!r}", shown, best.step, best.stages)
+    return meta
+
+
+def _read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     from safetensors import safe_open
 
     where = f"checkpoint {str(path)!r}"

@@ -3,8 +3,11 @@ process and real files: each stage's worker writes its part with no commit betwe
 job resumed cut into fewer stages saves over its checkpoint, a save that fails on one stage
 after another put its file in place leaves the last complete save to resume from, and two
 saves' files never mix; a directory settles to one file per stage once a save is complete, and
-one the writer before per-save keys left reads its complete save. What a resume reads equals
-what was saved bit for bit (tensors, optimizer state, RNG state)."""
+one the writer before per-save keys left reads its complete save. A save of either kind (a
+pipelined one, or a memory-flow one of the same model through the training executor) goes only
+where flowmesh checkpoints are, and replaces one of the other kind once complete; a directory
+holding a complete checkpoint of each kind resumes neither way. What a resume reads equals what
+was saved bit for bit (tensors, optimizer state, RNG state)."""
 
 from __future__ import annotations
 
@@ -21,16 +24,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flowmesh.errors import Code, FlowmeshError
-from gpu_worker import pipe_checkpoint
+from gpu_worker import pipe_checkpoint, train_checkpoint
+from gpu_worker.device import CpuStandIn
 from gpu_worker.pipe_checkpoint import load_stage, read_pipe_meta, save_stage
 from gpu_worker.pipe_stage import job_rng, step_in_process
+from gpu_worker.train_checkpoint import META_FILE, STATE_FILE, load_checkpoint, read_meta
 from gpu_worker.train_config import TrainConfig
-from gpu_worker.train_job import RngState
+from gpu_worker.train_executor import TrainingExecutor
+from gpu_worker.train_job import RngState, TrainingJob
 from tests.support.torch_threads import one_thread  # noqa: F401 (fixture)
-from tests.support.train_cases import Data, data_for, pipe_stages
+from tests.support.train_cases import Data, blocks_of, build, data_for, even_ranges, pipe_stages
 
 CFG = TrainConfig({"name": "adam", "lr": 0.01}, accumulate=2, seed=21)
 SETTLED = ["stage-0.safetensors", "stage-1.safetensors"]
+FLOW = [META_FILE, STATE_FILE]
 
 
 class Job:
@@ -267,4 +274,276 @@ def test_a_stage_ending_an_older_save_late_keeps_the_later_save_under_way(tmp_pa
     assert names(ck) == SETTLED
     back = Job("mlp", 2)
     back.resume(ck)
+    same(back.state(), two.state())
+
+
+# -- the two kinds of checkpoint in one directory ----------------------------------------------
+
+
+def flow_job(name: str = "flow") -> TrainingJob:
+    """The pipelined jobs' model on one worker by memory flow, in two sub-models."""
+    blocks = blocks_of("mlp", build("mlp"))
+    return TrainingJob(name, blocks, even_ranges(len(blocks), 2), CFG, CpuStandIn(1 << 20))
+
+
+def flow_save(path: Path, data: Data) -> dict[str, torch.Tensor]:
+    """A memory-flow job trained on `data` and saved into `path` (through the training
+    executor, as its worker does); its tensors as saved (copies). A refused save raises."""
+    job = flow_job()
+    with TrainingExecutor(job.device) as ex:
+        ex.open(job)
+        for x, y in data:
+            ex.submit(job.name, x, y).result(timeout=60)
+        ex.save(job.name, path).result(timeout=60)
+        return {n: i.home.clone() for n, i in job.tensors.items()}
+
+
+def flow_resume(path: Path, want: dict[str, torch.Tensor]) -> int:
+    """A fresh memory-flow job resumed from `path` (its tensors held equal to `want`): its
+    step."""
+    job = flow_job("again")
+    step = load_checkpoint(job, path)
+    for n, info in job.tensors.items():
+        # bit-exact: a checkpoint's tensors written to a file and read back (data movement)
+        assert torch.equal(info.home, want[n]), n
+    return step
+
+
+def files(path: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+def test_a_pipelined_save_over_a_memory_flow_checkpoint_replaces_it_once_complete(
+    tmp_path: Path,
+) -> None:
+    """A memory-flow save at step 5, then a pipelined one at step 2 into the same directory:
+    while only stage 0 has written, the memory-flow checkpoint is the one a resume reads; once
+    the save is complete its files go, and the directory resumes the step-2 save alone."""
+    ck = tmp_path / "ck"
+    data = data_for("mlp", steps=5)
+    at_5 = flow_save(ck, data)
+    assert names(ck) == FLOW
+    two = Job("mlp", 2)
+    two.train(data[:2])
+    two.save(ck, 0)
+    assert names(ck) == [META_FILE, "stage-0.safetensors", STATE_FILE]
+    assert read_meta(ck)["step"] == 5
+    assert flow_resume(ck, at_5) == 5
+    with pytest.raises(FlowmeshError) as err:
+        read_pipe_meta(ck)
+    assert err.value.reason == (
+        f"{ck} holds no complete pipelined checkpoint (a save cut short or failed on some "
+        "stage): step 2 of 2 stages has stages [0] only; beside them a memory-flow job's "
+        "checkpoint of step 5: resume it with pipeline=1"
+    )
+
+    two.save(ck, 1)
+    assert names(ck) == SETTLED
+    with pytest.raises(FlowmeshError, match="is a pipelined job's checkpoint: resume it"):
+        read_meta(ck)
+    for stages in (2, 3):
+        back = Job("mlp", stages)
+        back.resume(ck)
+        assert back.step == 2
+        same(back.state(), two.state())
+        same_rng(back.rng, two.rng)
+
+
+def test_a_memory_flow_save_over_a_pipelined_checkpoint_replaces_it_once_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipelined save at step 2, then one at step 4 cut short after stage 0 (its old file set
+    aside): a memory-flow save at step 5 into the directory that fails (a full disk) leaves it
+    as it was; the next one removes every stage file, set-aside ones too, and the directory
+    resumes the step-5 save alone."""
+    ck = tmp_path / "ck"
+    data = data_for("mlp", steps=5)
+    two = Job("mlp", 2)
+    two.train(data[:2])
+    two.save_all(ck)
+    at_2, rng_2 = two.state(), two.rng
+    two.train(data[2:4])
+    two.save(ck, 0)
+    before = files(ck)
+    assert list(before) == ["stage-0-of-2.step-2.safetensors", *SETTLED]
+
+    with monkeypatch.context() as m:
+        m.setattr(train_checkpoint, "_write_safetensors", _disk_full)
+        with pytest.raises(FlowmeshError) as err:
+            flow_save(ck, data)
+    assert err.value.code == Code.IO_ERROR and "No space left" in err.value.reason
+    assert files(ck) == before
+    back = Job("mlp", 2)
+    back.resume(ck)
+    assert back.step == 2
+    same(back.state(), at_2)
+    same_rng(back.rng, rng_2)
+
+    at_5 = flow_save(ck, data)
+    assert names(ck) == FLOW
+    assert read_meta(ck)["step"] == 5
+    assert flow_resume(ck, at_5) == 5
+    with pytest.raises(FlowmeshError) as err:
+        read_pipe_meta(ck)
+    assert err.value.reason == (
+        f"{ck} holds no pipelined checkpoint (no stage-K.safetensors): it is a memory-flow "
+        "job's checkpoint, resume it with pipeline=1"
+    )
+
+
+NOT_OURS = "holds files that are not a flowmesh checkpoint; save into a new or empty directory, "
+
+
+@pytest.mark.parametrize("beside", ["nothing", "memory-flow", "pipelined"])
+def test_a_save_of_either_kind_never_goes_beside_other_files(tmp_path: Path, beside: str) -> None:
+    """A user's notes.txt in the directory, alone or beside a checkpoint of either kind: a
+    pipelined save is refused as a memory-flow one is, and nothing there changes. So is one
+    into a file, or over a file named as a stage file that is none."""
+    ck = tmp_path / "ck"
+    data = data_for("mlp", steps=1)
+    if beside == "memory-flow":
+        flow_save(ck, data)
+    elif beside == "pipelined":
+        Job("mlp", 2).save_all(ck)
+    ck.mkdir(exist_ok=True)
+    (ck / "notes.txt").write_text("my notes")
+    before = files(ck)
+    two = Job("mlp", 2)
+    two.train(data)
+    for k in (0, 1):
+        with pytest.raises(FlowmeshError) as err:
+            two.save(ck, k)
+        assert (err.value.code, err.value.reason) == (
+            Code.NOT_ALLOWED,
+            f"checkpoint {str(ck)!r} {NOT_OURS}or over a flowmesh checkpoint",
+        )
+    with pytest.raises(FlowmeshError) as err:
+        flow_save(ck, data)
+    assert err.value.code == Code.NOT_ALLOWED and NOT_OURS in err.value.reason
+    assert files(ck) == before
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(FlowmeshError) as err:
+        two.save(tmp_path / "a-file", 0)
+    assert (err.value.code, err.value.reason) == (
+        Code.NOT_ALLOWED,
+        f"checkpoint {str(tmp_path / 'a-file')!r} is a file, not a directory",
+    )
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "stage-0.safetensors").write_bytes(b"someone's data")
+    with pytest.raises(FlowmeshError, match=NOT_OURS):
+        two.save(odd, 0)
+    assert files(odd) == {"stage-0.safetensors": b"someone's data"}
+
+
+def _both(where: str, flow: int, pipe: int) -> str:
+    return (
+        f"{where} holds two checkpoints: a memory-flow job's of step {flow} (job.json, "
+        f"state.safetensors) and a pipelined job's of step {pipe} over 2 stages "
+        "(stage-K.safetensors), left by a save of one kind over the other that did not finish "
+        "removing the other's files; which is newer is not known, so neither is resumed: remove "
+        "the files of the one not wanted, or save into the directory again"
+    )
+
+
+def _refused_both_ways(ck: Path, flow: int, pipe: int) -> None:
+    for resume in (read_meta, lambda d: load_checkpoint(flow_job(), d)):
+        with pytest.raises(FlowmeshError) as err:
+            resume(ck)
+        assert (err.value.code, err.value.reason) == (
+            Code.BAD_REQUEST, _both(f"checkpoint {str(ck)!r}", flow, pipe)
+        )  # fmt: skip
+    for resume in (read_pipe_meta, lambda d: Job("mlp", 2).resume(d)):
+        with pytest.raises(FlowmeshError) as err:
+            resume(ck)
+        assert (err.value.code, err.value.reason) == (Code.BAD_REQUEST, _both(str(ck), flow, pipe))
+
+
+@pytest.mark.parametrize("then", ["pipelined", "memory-flow"])
+def test_a_directory_holding_both_kinds_resumes_neither_until_a_save_replaces_them(
+    tmp_path: Path, then: str
+) -> None:
+    """A complete checkpoint of each kind in one directory (what a pipelined save over a
+    memory-flow one left before saves removed the other kind's files): neither the step-5
+    memory-flow one nor the step-2 pipelined one is resumed, either way; the next save of either
+    kind goes over both and the directory resumes it alone."""
+    flow, piped, ck = tmp_path / "flow", tmp_path / "piped", tmp_path / "ck"
+    data = data_for("mlp", steps=5)
+    flow_save(flow, data)
+    two = Job("mlp", 2)
+    two.train(data[:2])
+    two.save_all(piped)
+    ck.mkdir()
+    for f in [*flow.iterdir(), *piped.iterdir()]:
+        shutil.copy(f, ck / f.name)
+    assert names(ck) == [META_FILE, *SETTLED, STATE_FILE]
+    _refused_both_ways(ck, 5, 2)
+
+    if then == "pipelined":
+        two.train(data[2:3])
+        two.save_all(ck)
+        assert names(ck) == SETTLED
+        back = Job("mlp", 2)
+        back.resume(ck)
+        assert back.step == 3
+        same(back.state(), two.state())
+    else:
+        at_5 = flow_save(ck, data)
+        assert names(ck) == FLOW
+        assert flow_resume(ck, at_5) == 5
+
+
+def test_a_removal_of_the_other_kind_cut_short_is_an_error_and_resumes_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save of one kind over the other whose removal of the other's files fails (its
+    permissions): the save is in place, it says the older checkpoint stays, and the directory
+    is resumed neither way (never as the older save) until the next save removes it."""
+    ck = tmp_path / "ck"
+    data = data_for("mlp", steps=5)
+    two = Job("mlp", 2)
+    two.train(data[:2])
+    two.save_all(ck)
+    unlink = Path.unlink
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        if path.name in (META_FILE, *SETTLED):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        unlink(path, missing_ok=missing_ok)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "unlink", refused)
+        with pytest.raises(FlowmeshError) as err:
+            flow_save(ck, data)
+    assert (err.value.code, err.value.reason) == (
+        Code.IO_ERROR,
+        f"checkpoint {str(ck)!r}: the save of step 5 is in place, but the pipelined checkpoint "
+        "there could not be removed (Permission denied); a resume refuses the directory until "
+        "its stage-*.safetensors files are removed",
+    )
+    assert names(ck) == [META_FILE, *SETTLED, STATE_FILE]
+    _refused_both_ways(ck, 5, 2)
+    at_5 = flow_save(ck, data)  # the next save removes them
+    assert names(ck) == FLOW
+    assert flow_resume(ck, at_5) == 5
+
+    two.train(data[2:3])
+    two.save(ck, 0)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "unlink", refused)
+        with pytest.raises(FlowmeshError) as err:
+            two.save(ck, 1)
+    assert (err.value.code, err.value.reason) == (
+        Code.IO_ERROR,
+        f"{ck}: the save of step 3 is complete, but the memory-flow checkpoint there could not "
+        "be removed (its job.json: Permission denied); a resume refuses the directory until it "
+        "is",
+    )
+    _refused_both_ways(ck, 5, 3)
+    two.save_all(ck)
+    assert names(ck) == SETTLED
+    back = Job("mlp", 2)
+    back.resume(ck)
+    assert back.step == 3
     same(back.state(), two.state())
