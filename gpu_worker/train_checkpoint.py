@@ -147,7 +147,10 @@ def _check_target(out: Path, where: str) -> None:
     except FileNotFoundError:
         return
     except NotADirectoryError:
-        raise FlowmeshError(Code.NOT_ALLOWED, f"{where} is a file, not a directory") from None
+        # It, or a directory it would be made in, is a file: name the one that is.
+        first = next((d for d in (out, *out.parents) if d.exists()), out)
+        what = where if first == out else f"{where}: {str(first)!r}"
+        raise FlowmeshError(Code.NOT_ALLOWED, f"{what} is a file, not a directory") from None
     except OSError as exc:
         raise io_error(exc, where) from None
     ours_json: bool | None = None

@@ -429,6 +429,14 @@ def test_a_save_of_either_kind_never_goes_beside_other_files(tmp_path: Path, bes
         Code.NOT_ALLOWED,
         f"checkpoint {str(tmp_path / 'a-file')!r} is a file, not a directory",
     )
+    # Under a file: the file is named, not the directory that is not there.
+    under = tmp_path / "a-file" / "ck"
+    with pytest.raises(FlowmeshError) as err:
+        two.save(under, 0)
+    assert (err.value.code, err.value.reason) == (
+        Code.NOT_ALLOWED,
+        f"checkpoint {str(under)!r}: {str(tmp_path / 'a-file')!r} is a file, not a directory",
+    )
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "stage-0.safetensors").write_bytes(b"someone's data")
