@@ -148,7 +148,13 @@ def state_slots(
         q.grad = torch.full_like(q, 0.5)
         probes.append(q)
     options = {k: v for k, v in options_of(optimizer).items() if k not in IMPL_OPTIONS}
-    opt = _built(maker, optimizer, options, probes)
+    try:
+        opt = _built(maker, optimizer, options, probes)
+    except FlowmeshError:
+        # Refused on the probes: made once over the model's own parameters (nothing is
+        # stepped), so that a refusal names one of their shapes, not a probe's (2, 3, 5, ...).
+        _built(maker, optimizer, options, params)
+        raise
     try:
         opt.step()
     except (TypeError, ValueError, RuntimeError) as exc:

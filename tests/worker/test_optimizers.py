@@ -99,6 +99,8 @@ def test_a_users_optimizer_factory_from_the_allow_list_trains_as_plain_pytorch()
         ({"name": "sparseadam"}, Code.BAD_REQUEST, "sparse gradients"),
         ({"name": "adafactor"}, Code.BAD_REQUEST, "factored"),
         ({"name": "adamz"}, Code.BAD_REQUEST, "torch.optim has no such optimizer"),
+        # One of the model's own parameters' shapes named, not a probe's (its torch.Size([2])).
+        ({"name": "muon"}, Code.BAD_REQUEST, "parameter with size: torch.Size([16])"),
         ({"name": "sgd", "lr": 0.1, "momentun": 0.9}, Code.BAD_REQUEST, "momentun"),
         ({"factory": "os:system"}, Code.NOT_ALLOWED, "allow-list"),
         ({"factory": "tests.support.optimizers:nothing"}, Code.BAD_REQUEST, "not a callable"),
