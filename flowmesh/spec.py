@@ -159,6 +159,17 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad_request("slo_ms must be a positive number of milliseconds")
         if self.inputs is not None:
             msgspec.structs.force_setattr(self, "inputs", parse_inputs(self.inputs))
+            for name, t in self.inputs.items():
+                # A floating input meets the model's weights in their dtype: another of the
+                # deploy dtypes fails every request (a float32 input to a float16 Linear), and
+                # the meta run that profiles the model does not check dtypes, so it is refused
+                # here (float64, which a model casts itself if it takes it, is left alone).
+                if t.dtype in DTYPES and t.dtype != self.dtype:
+                    raise bad_request(
+                        f"input {name!r} is declared {t.dtype}, but the model is deployed in "
+                        f"{self.dtype}: declare its floating inputs {self.dtype} (a model's own "
+                        "flowmesh_inputs are taken in the deploy's dtype)"
+                    )
         if self.max_context is not None and not (
             isinstance(self.max_context, int) and 1 <= self.max_context <= 1 << 20
         ):

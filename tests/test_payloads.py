@@ -59,6 +59,12 @@ def test_well_formed_payloads_decode_to_their_types() -> None:
         ({**SPEC, "max_batch": 4}, "unknown field `max_batch` - at `$.spec`"),
         ({**SPEC, "weights": "w.safetensors"}, "either weights or seed"),
         ({**SPEC, "inputs": {"x": {"dtype": "complex", "shape": [1]}}}, "dtype 'complex'"),
+        # A float32 input to a float16 model: every request would fail (the meta run that
+        # profiles it does not check dtypes).
+        (
+            {**SPEC, "dtype": "float16", "inputs": {"x": {"dtype": "float32", "shape": [-1, 4]}}},
+            "input 'x' is declared float32, but the model is deployed in float16",
+        ),
         ({"name": "m"}, "factory None"),
         ("m", "Expected `object`, got `str` - at `$.spec`"),
     ],
