@@ -47,6 +47,7 @@ import torch
 from flowmesh.errors import Code, FlowmeshError, bad_request
 from flowmesh.modelio.dtypes import SAFETENSORS_DTYPES
 from flowmesh.roots import io_error, not_safetensors
+from gpu_worker.stage_files import Save, is_stage_file, scan
 from gpu_worker.train_config import TrainConfig
 from gpu_worker.train_layout import SubModel, TensorInfo
 
@@ -140,8 +141,6 @@ def _check_target(out: Path, where: str) -> None:
     """Refuse to save anywhere but into a new or empty directory, or one holding flowmesh
     checkpoints alone: a memory-flow one's files, a pipelined one's stage files (set-aside ones
     too: `gpu_worker.pipe_checkpoint`) and a save's temporaries. Both kinds' saves run it."""
-    from gpu_worker.pipe_checkpoint import is_stage_file
-
     try:
         names = [n for n in os.listdir(out) if not n.startswith(TMP_PREFIX)]
     except FileNotFoundError:
@@ -212,8 +211,6 @@ def _remove_pipelined(out: Path, where: str, step: int) -> None:
     """Once a memory-flow save is in place in `out`, remove the files of the pipelined saves
     there, set-aside ones too; an error if a complete one stays (a resume would refuse the
     directory)."""
-    from gpu_worker.pipe_checkpoint import scan
-
     failed: OSError | None = None
     try:
         saves, _ = scan(out)
@@ -373,8 +370,6 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     marks the directory a flowmesh checkpoint; the state file's copy, put in place first by a
     save, is the one returned (the same, unless a save was cut short between the two). Refused
     where a complete pipelined checkpoint is beside it (`both_kinds`)."""
-    from gpu_worker.pipe_checkpoint import Save, scan
-
     meta = _read_meta(path)
     try:
         saves, _ = scan(Path(path))
