@@ -1056,7 +1056,8 @@ def open_job(
     # Profiling, seeding and tracing touch process-wide state that running model code uses
     # (torch's default generator, torch.fx's patch of nn.Module.__call__; `model_code`).
     with building_model():
-        prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow)
+        # (A training forward may return a tuple: its loss takes the first tensor.)
+        prof = profile(spec, batch=micro, seq_len=seq_len, allow=allow, serving=False)
         if plan is None:
             assert target_bytes is not None
             states = state_count(config.optimizer, allow)

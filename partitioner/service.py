@@ -54,6 +54,9 @@ def plan_for(
         batch=batch,
         allow=allow,
         measure_device=measure_device if request.measure else None,
+        # A model served answers a tensor or a dict of them; one trained may return a tuple
+        # (its loss takes the first tensor).
+        serving=kind == "stages",
     )
     if kind == "stages":
         mem_cap = request.mem_cap

@@ -13,7 +13,9 @@ a skip connection spans several children, the cut moves past them and one block 
 
 from __future__ import annotations
 
+import builtins
 import itertools
+import operator
 import threading
 from typing import Any
 
@@ -141,7 +143,45 @@ def _tensor_kinds(
     return kinds
 
 
-def _cuts(order: list[fx.Node], kinds: dict[fx.Node, bool] | None) -> list[int]:
+# Methods and functions whose result is a tuple, a list or a Python value, never one tensor.
+_NOT_TENSOR_RESULTS = frozenset(
+    {
+        "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "hsplit", "vsplit",
+        "dsplit", "unsafe_chunk", "unsafe_split", "size", "dim", "numel", "tolist", "item",
+        "topk", "sort", "kthvalue", "mode", "aminmax", "frexp", "slogdet", "qr", "svd",
+        "meshgrid", "broadcast_tensors", "unique_consecutive", "lstsq",
+    }
+)  # fmt: skip
+_NOT_TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad"})
+
+
+def _may_not_be_tensor(model: nn.Module, node: fx.Node) -> bool:
+    """Without an example to run, whether `node`'s value is possibly not one tensor: a value
+    only unpacked (`p, q = child(x)`, `out[0]`), a call known to give a tuple or a Python value,
+    or a child of a kind that returns a tuple. Cutting there would hand a tuple between stages."""
+    users = list(node.users)
+    if users and all(
+        u.op == "call_function" and u.target in (operator.getitem, builtins.getattr) for u in users
+    ):
+        return True
+    target = node.target
+    if node.op == "call_method" and target in _NOT_TENSOR_RESULTS:
+        return True
+    if node.op == "call_function":
+        if target is builtins.getattr:
+            return len(node.args) > 1 and node.args[1] in _NOT_TENSOR_ATTRS
+        if getattr(target, "__name__", None) in _NOT_TENSOR_RESULTS:
+            return True
+        return target in (builtins.len, builtins.tuple, builtins.list, builtins.dict)
+    if node.op == "call_module":
+        child = model.get_submodule(str(target))
+        if isinstance(child, (nn.RNNBase, nn.MultiheadAttention)):
+            return True
+        return bool(getattr(child, "return_indices", False))  # max pooling with indices
+    return False
+
+
+def _cuts(model: nn.Module, order: list[fx.Node], kinds: dict[fx.Node, bool] | None) -> list[int]:
     """Positions k (cut after order[k]) where blocks end: the first point after a child call
     where one tensor is the only live value (and another child call follows)."""
     pos = {n: i for i, n in enumerate(order)}
@@ -177,6 +217,8 @@ def _cuts(order: list[fx.Node], kinds: dict[fx.Node, bool] | None) -> list[int]:
         (value,) = live
         if kinds is not None and not kinds.get(value, False):
             continue  # a tuple or a Python value cannot be a block's output
+        if kinds is None and _may_not_be_tensor(model, value):
+            continue  # nothing ran to say what it is: cut only where it is surely a tensor
         cuts.append(k)
         called_since_cut = False
     return cuts
@@ -247,7 +289,7 @@ def fx_chain(
     order = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     if not any(n.op == "call_module" for n in order):
         raise _not_a_chain(model, "its forward calls no submodules, so there is nothing to cut")
-    cuts = _cuts(order, kinds)
+    cuts = _cuts(model, order, kinds)
     if not cuts:
         raise _not_a_chain(
             model,

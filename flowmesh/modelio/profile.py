@@ -12,6 +12,7 @@ more memory than the largest block.
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -120,12 +121,55 @@ def _saved_and_output(
     return saved, out
 
 
+def _check_served_output(out: Any) -> None:
+    """Refuse a model output that serving cannot answer with: what
+    `gpu_worker.run_rows.named_outputs` accepts is a tensor, or a mapping holding tensors."""
+    if isinstance(out, torch.Tensor):
+        return
+    if isinstance(out, Mapping) and any(isinstance(v, torch.Tensor) for v in out.values()):
+        return
+    raise FlowmeshError(
+        Code.BAD_REQUEST,
+        f"the model returns a {type(out).__name__}"
+        f"{' holding no tensor' if isinstance(out, Mapping) else ''}; flowmesh serves models "
+        "returning a tensor or a dict of tensors",
+    )
+
+
+def _check_binds(model: nn.Module, inputs: Mapping[str, Any]) -> None:
+    """Refuse declared inputs that forward cannot take, the way `call_model` passes them (one
+    positionally, several by name)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read: nothing to check
+        return
+    try:
+        if len(inputs) == 1:
+            sig.bind(None)
+        else:
+            sig.bind(**{name: None for name in inputs})
+    except TypeError as exc:
+        declared = (
+            f"the declared input {next(iter(inputs))!r} (a single input is passed "
+            "positionally) does"
+            if len(inputs) == 1
+            else f"the declared inputs {list(inputs)} (passed by name) do"
+        )
+        raise FlowmeshError(
+            Code.BAD_REQUEST,
+            f"{declared} not fit {type(model).__name__}.forward({', '.join(sig.parameters)}): "
+            f"{exc}; declare the inputs forward takes",
+        ) from None
+
+
 def _activations(
     blocks: list[Block], example: Inputs, exclude: set[tuple[str, int]], batch: int
-) -> list[tuple[int, int, tuple[int, ...] | None]]:
-    """(out bytes/sample, saved bytes/sample, out shape) per block, on meta."""
+) -> tuple[list[tuple[int, int, tuple[int, ...] | None]], Any]:
+    """(out bytes/sample, saved bytes/sample, out shape) per block, on meta; and the last
+    block's output (the model's)."""
     out_rows = []
     x: Any = example
+    out: Any = None
     for i, block in enumerate(blocks):
         try:
             saved, out = _saved_and_output(block.module, x, exclude, train=True)
@@ -145,7 +189,7 @@ def _activations(
         out_rows.append((-(-out_bytes // batch), -(-saved.total // batch), shape))
         if i + 1 < len(blocks):
             x = _next_input(out, block.name)
-    return out_rows
+    return out_rows, out
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
@@ -267,6 +311,7 @@ def profile(
     measure_device: str | torch.device | None = None,
     allow: Iterable[str] = DEFAULT_ALLOW,
     repeats: int = 5,
+    serving: bool = True,
 ) -> ModelProfile:
     """Profile `spec`'s chain of blocks.
 
@@ -275,6 +320,11 @@ def profile(
     forward+backward (train mode) are timed there: the median of `repeats` runs after a warm-up,
     on random weights. A model that declares no inputs gets bytes only: activation fields are 0
     and nothing is timed (there is nothing to run it on).
+
+    With `serving` (the default), a model whose output serving cannot answer with (a tuple, say:
+    see `_check_served_output`) is refused here, at plan time, rather than on every request;
+    training, which takes the first tensor of a tuple, profiles with `serving=False`. Declared
+    inputs that forward cannot take are refused too, even for a model served uncut.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise FlowmeshError(Code.BAD_REQUEST, f"batch must be a positive integer, got {batch!r}")
@@ -294,13 +344,19 @@ def profile(
     if inputs is not None:
         example = make_inputs(inputs, batch, seq_len, "meta")
         try:
-            activations = _activations(blocks, example, _weight_storages(model), batch)
-        except FlowmeshError:
-            if blocks[0].uncut is None:
+            activations, out = _activations(blocks, example, _weight_storages(model), batch)
+        except FlowmeshError as exc:
+            if blocks[0].uncut is None or exc.code != Code.PLAN_ERROR:
                 raise
+            # Its one block is the model: inputs it cannot even be called with are the
+            # request's mistake, not the model's control flow.
+            _check_binds(model, example)
             # A model that could not be traced often cannot run on meta either (its values
             # steer it): its one block is served whole, so activation sizes stay unknown (0).
             activations = [(0, 0, None)]
+        else:
+            if serving:
+                _check_served_output(out)
         if measure_device is not None:
             device = torch.device(measure_device)
             if device.type == "meta":
@@ -351,8 +407,10 @@ def profile_for(
     seq_len: int,
     measure_device: Any,
     allow: Iterable[str],
+    serving: bool = True,
 ) -> ModelProfile:
-    """`given`, checked to be a profile of `spec`; without one, a fresh profile of `spec`."""
+    """`given`, checked to be a profile of `spec`; without one, a fresh profile of `spec`
+    (`serving`: see `profile`)."""
     if given is not None:
         if given.spec_digest != spec.digest():
             raise FlowmeshError(
@@ -360,7 +418,14 @@ def profile_for(
                 f"the profile is of model digest {given.spec_digest}, not {spec.digest()}",
             )
         return given
-    return profile(spec, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow)
+    return profile(
+        spec,
+        batch=batch,
+        seq_len=seq_len,
+        measure_device=measure_device,
+        allow=allow,
+        serving=serving,
+    )
 
 
 def make_chunk_plan(
@@ -376,6 +441,12 @@ def make_chunk_plan(
 ) -> Plan:
     """Profile `spec` at the job's batch size (unless `profile` is given) and plan its chunks."""
     prof = profile_for(
-        spec, profile, batch=batch, seq_len=seq_len, measure_device=measure_device, allow=allow
+        spec,
+        profile,
+        batch=batch,
+        seq_len=seq_len,
+        measure_device=measure_device,
+        allow=allow,
+        serving=False,
     )
     return chunk_plan(prof, target_bytes, optimizer, batch, state_count(optimizer, allow))
