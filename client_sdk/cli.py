@@ -122,18 +122,22 @@ def up_mesh(args: argparse.Namespace, gpus: list[int]) -> Any:
     )
 
 
+def gateway_table(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The config file's `[gateway]` table, read as the gateway reads it; None without one."""
+    if not args.config:
+        return None
+    from flowmesh.config import load_section
+    from gateway.__main__ import OPTIONS as GATEWAY
+
+    return GATEWAY.read(args.config) if load_section(args.config, "gateway") else None
+
+
 def gateway_host(args: argparse.Namespace) -> str:
     """The address the gateway `flowmesh up` runs binds: --http-host, else the config file's
     `[gateway]` host, else 127.0.0.1."""
     if args.http_host is not None:
         return str(args.http_host)
-    if args.config:
-        from flowmesh.config import load_section
-        from gateway.__main__ import OPTIONS as GATEWAY
-
-        if load_section(args.config, "gateway"):
-            return str(GATEWAY.read(args.config).get("host", "127.0.0.1"))
-    return "127.0.0.1"
+    return str((gateway_table(args) or {}).get("host", "127.0.0.1"))
 
 
 def gateway_port(args: argparse.Namespace) -> int:
@@ -141,14 +145,8 @@ def gateway_port(args: argparse.Namespace) -> int:
     `[gateway]` port if it has that table (8000 if the table names none); 0: no gateway."""
     if args.http_port is not None:
         return args.http_port
-    if not args.config:
-        return 0
-    from flowmesh.config import load_section
-    from gateway.__main__ import OPTIONS as GATEWAY
-
-    if not load_section(args.config, "gateway"):
-        return 0
-    return int(GATEWAY.read(args.config).get("port", 8000))
+    table = gateway_table(args)
+    return 0 if table is None else int(table.get("port", 8000))
 
 
 def check_config(path: str) -> None:
@@ -213,13 +211,7 @@ def refuse_open_binds(args: argparse.Namespace, host: str, http_host: str | None
         )
     if http_host is None or not reachable_from_other_hosts(f"tcp://{http_host}:0"):
         return
-    table: dict[str, Any] = {}
-    if args.config:
-        from flowmesh.config import load_section
-        from gateway.__main__ import OPTIONS as GATEWAY
-
-        if load_section(args.config, "gateway"):
-            table = GATEWAY.read(args.config)
+    table = gateway_table(args) or {}
     if table.get("insecure_open") or table.get("api_keys") or os.environ.get("FLOWMESH_API_KEYS"):
         return  # (a key file named that is not there: the gateway says so as it starts)
     try:

@@ -107,28 +107,9 @@ class Steered(nn.Module):
         return self.b(h)
 
 
-def tuple_mid() -> nn.Module:
-    return TupleMid()
-
-
-def chunk_mid() -> nn.Module:
-    return ChunkMid()
-
-
-def tuple_out() -> nn.Module:
-    return TupleOut()
-
-
-def dict_out() -> nn.Module:
-    return DictOut()
-
-
-def two_in() -> nn.Module:
-    return TwoIn()
-
-
-def steered() -> nn.Module:
-    return Steered()
+# The factories the specs name: each class builds its model.
+tuple_mid, chunk_mid, tuple_out = TupleMid, ChunkMid, TupleOut
+dict_out, two_in, steered = DictOut, TwoIn, Steered
 
 
 def spec(factory: str, **kw) -> ModelSpec:

@@ -132,6 +132,18 @@ def _disk_full(*_: Any) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def cut_short_after_stage_0(ck: Path, data: Data) -> tuple[Job, dict[str, torch.Tensor], RngState]:
+    """A two-stage job's save of step 2 complete in `ck`, then its save of step 4 written by
+    stage 0 alone (its older file set aside): the job, and its state and RNG at step 2."""
+    two = Job("mlp", 2)
+    two.train(data[:2])
+    two.save_all(ck)
+    at_2, rng_2 = two.state(), two.rng
+    two.train(data[2:4])
+    two.save(ck, 0)
+    return two, at_2, rng_2
+
+
 @pytest.mark.parametrize("failing", ["disk_full", "never_written"])
 def test_a_save_failing_on_one_stage_leaves_the_last_complete_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
@@ -142,12 +154,7 @@ def test_a_save_failing_on_one_stage_leaves_the_last_complete_save(
     the directory settles to it."""
     ck = tmp_path / "ck"
     data = data_for("mlp", steps=6)
-    two = Job("mlp", 2)
-    two.train(data[:2])
-    two.save_all(ck)
-    at_2, rng_2 = two.state(), two.rng
-    two.train(data[2:4])
-    two.save(ck, 0)
+    two, at_2, rng_2 = cut_short_after_stage_0(ck, data)
     if failing == "disk_full":
         with monkeypatch.context() as m:
             m.setattr(pipe_checkpoint, "_write_safetensors", _disk_full)
@@ -358,12 +365,7 @@ def test_a_memory_flow_save_over_a_pipelined_checkpoint_replaces_it_once_in_plac
     resumes the step-5 save alone."""
     ck = tmp_path / "ck"
     data = data_for("mlp", steps=5)
-    two = Job("mlp", 2)
-    two.train(data[:2])
-    two.save_all(ck)
-    at_2, rng_2 = two.state(), two.rng
-    two.train(data[2:4])
-    two.save(ck, 0)
+    _, at_2, rng_2 = cut_short_after_stage_0(ck, data)
     before = files(ck)
     assert list(before) == ["stage-0-of-2.step-2.safetensors", *SETTLED]
 
