@@ -32,7 +32,10 @@ cmd=${1:-demo}
 case "$cmd" in
   demo) exec flowmesh demo "$@" ;;
   # Two pytest processes, each taking a whole file at a time (a module's mesh is started once);
-  # FLOWMESH_TEST_JOBS=0 runs the suite in this one.
-  test) ruff check . && exec python -m pytest -q -n "${FLOWMESH_TEST_JOBS:-2}" --dist loadfile "$@" ;;
+  # FLOWMESH_TEST_JOBS=0 runs the suite in this one. A crashed pytest process ends the run,
+  # naming its test: xdist 3.8 would start another that ran the same test again and, under
+  # --dist loadfile, could wait for ever at the end of the run (pytest-xdist issue 1378).
+  test) ruff check . && exec python -m pytest -q -n "${FLOWMESH_TEST_JOBS:-2}" --dist loadfile \
+    --max-worker-restart=0 "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args...]" >&2; exit 2 ;;
 esac
