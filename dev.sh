@@ -34,8 +34,10 @@ case "$cmd" in
   # Two pytest processes, each taking a whole file at a time (a module's mesh is started once);
   # FLOWMESH_TEST_JOBS=0 runs the suite in this one. A crashed pytest process ends the run,
   # naming its test: xdist 3.8 would start another that ran the same test again and, under
-  # --dist loadfile, could wait for ever at the end of the run (pytest-xdist issue 1378).
-  test) ruff check . && exec python -m pytest -q -n "${FLOWMESH_TEST_JOBS:-2}" --dist loadfile \
-    --max-worker-restart=0 "$@" ;;
+  # --dist loadfile, could wait for ever at the end of the run (pytest-xdist issue 1378). A run
+  # still going after 40 minutes (it takes under 10) is stopped with SIGABRT, on which every
+  # pytest process prints its threads' stacks (faulthandler), rather than waiting on CI's limit.
+  test) ruff check . && exec timeout -s ABRT -k 30 2400 python -m pytest -q \
+    -n "${FLOWMESH_TEST_JOBS:-2}" --dist loadfile --max-worker-restart=0 "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args...]" >&2; exit 2 ;;
 esac
