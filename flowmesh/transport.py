@@ -134,11 +134,14 @@ def connect_dealer(
     try:
         sock.connect(endpoint)
     except zmq.ZMQError:
-        # (An address libzmq does not take.) Closed at once, its monitor first: a socket left
-        # open would hold its context's term, and the program's exit, for good.
+        # (An address libzmq does not take.) Closed at once: a socket left open would hold its
+        # context's term, and the program's exit, for good. Its monitor is stopped before the
+        # monitor's PAIR is closed: stopping sends a last event to that PAIR, and a send to a PAIR
+        # whose peer is gone blocks for ever, holding the GIL (`flowmesh.auth.watch_handshakes`).
         if monitor:
-            sock.get_monitor_socket().close(linger=0)
+            events = sock.get_monitor_socket()
             sock.disable_monitor()
+            events.close(linger=0)
         sock.close(linger=0)
         raise
     return sock

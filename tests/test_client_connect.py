@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,6 +97,35 @@ async def test_an_address_zeromq_does_not_take_is_a_bad_request_and_the_client_c
             client.close()
 
     await asyncio.wait_for(asyncio.to_thread(use), BOUND)
+
+
+def test_a_refused_address_never_blocks_the_process_however_often_it_is_tried() -> None:
+    # The socket's monitor was once stopped after its PAIR reader was closed: stopping it sends a
+    # last event to that PAIR, which then blocks for ever, holding the GIL (so no timeout in the
+    # process could end it; CI hung silently). Most first tries hung; a child, so that a hang
+    # fails this test instead of stopping the suite.
+    code = (
+        "import zmq, zmq.asyncio\n"
+        "from flowmesh.auth import handshake_events\n"
+        "from flowmesh.transport import connect_dealer\n"
+        "ctx = zmq.asyncio.Context()\n"
+        "for address in ['tcp://', 'bogus', '127.0.0.1:5555'] * 100:\n"
+        "    try:\n"
+        "        connect_dealer(ctx, address, monitor=handshake_events(link=True))\n"
+        "    except zmq.ZMQError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise SystemExit(f'{address!r} was taken')\n"
+        "ctx.term()\n"
+        "print('300 refused')\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"300 refused connects did not end within {BOUND:.0f} s")
+    assert (done.returncode, done.stdout) == (0, "300 refused\n"), done.stderr
 
 
 def test_a_broker_started_later_is_reached_and_the_clients_timeout_governs_status() -> None:
