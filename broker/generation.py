@@ -8,7 +8,8 @@ keeps the sequences of every Generate call (one per prompt):
   deploy; a call that comes before the read is done waits for it), every prompt is non-empty,
   its ids inside the vocabulary, and prompt + max_tokens within the model's context
   (`spec.max_context`, else its config's `max_position_embeddings`; never past a learned table
-  of positions, `max_context`). Refusals name the numbers.
+  of positions, `max_context`); max_tokens None is the room the context leaves each prompt
+  (`Seq.max_new`). Refusals name the numbers.
 - **Waiting and running**: new sequences wait (FIFO; OVERLOADED only at the model's queue limit,
   as for requests); each live replica runs up to `spec.max_seqs` of them. A sequence stays on
   the replica it was prefilled on: its KV cache lives on that replica's workers. A replica
@@ -77,6 +78,7 @@ from broker.state import Batch, Model, ModelState, Replica
 from broker.training_router import train_bytes_of
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
+from flowmesh.messages import MAX_GEN_TOKENS
 from flowmesh.value import ArrivalRate
 
 log = logging.getLogger("broker.generation")
@@ -114,6 +116,7 @@ class Seq:
     index: int
     prompt: list[int]
     stops: frozenset[int]
+    max_new: int  # its new tokens at most: the call's max_tokens, or what its context leaves
     out: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each new token came
     rep: GenRep | None = None  # the replica it runs on (None: waiting)
@@ -273,6 +276,13 @@ class GenerationRoom:
         if not msg.prompts:
             raise fail(Code.BAD_REQUEST, "generate needs at least one prompt")
         max_tokens = msg.sampling.max_tokens
+        if max_tokens is None and limit is None:
+            raise fail(
+                Code.BAD_REQUEST,
+                f"{model.name!r} has no known context length (no max_context in its deploy, "
+                "no max_position_embeddings in its config): give max_tokens",
+            )
+        max_new: list[int] = []
         for i, prompt in enumerate(msg.prompts):
             if not prompt:
                 raise fail(Code.BAD_REQUEST, f"prompt {i} is empty: give at least one token id")
@@ -282,6 +292,16 @@ class GenerationRoom:
                     f"prompt {i} holds token id {max(prompt)}, outside the vocabulary of "
                     f"{model.name!r} ({files.vocab_size} ids)",
                 )
+            if max_tokens is None:
+                assert limit is not None
+                if len(prompt) >= limit:
+                    raise fail(
+                        Code.BAD_REQUEST,
+                        f"prompt {i} has {len(prompt)} tokens: the max_context of "
+                        f"{model.name!r} ({limit}) leaves no room for a new one",
+                    )
+                max_new.append(min(limit - len(prompt), MAX_GEN_TOKENS))
+                continue
             if limit is not None and len(prompt) + max_tokens > limit:
                 raise fail(
                     Code.BAD_REQUEST,
@@ -289,6 +309,7 @@ class GenerationRoom:
                     f"{len(prompt) + max_tokens} is over the max_context of {model.name!r} "
                     f"({limit})",
                 )
+            max_new.append(max_tokens)
         # (A replica on its way, being repaired, is not live yet: the call waits for it.)
         if model.replicas and all(r.streamed for r in model.replicas):
             raise fail(
@@ -319,7 +340,7 @@ class GenerationRoom:
         eos = frozenset() if msg.sampling.ignore_eos else frozenset(files.eos_ids)
         stops = eos | frozenset(msg.sampling.stop_ids)
         for i, prompt in enumerate(msg.prompts):
-            call.seqs.append(Seq(next(self.ctx.ids), call, i, list(prompt), stops))
+            call.seqs.append(Seq(next(self.ctx.ids), call, i, list(prompt), stops, max_new[i]))
         gm.calls[(addr, msg.id)] = call
         self.calls[(addr, msg.id)] = call
         gm.waiting.extend(call.seqs)
@@ -691,7 +712,7 @@ class GenerationRoom:
         it: Iteration = pred.gen
         steps, seqs = [], []
         for s, step in zip(it.seqs, it.step.seqs, strict=True):
-            if s.finish is not None or step.drawn + 1 >= s.call.sampling.max_tokens:
+            if s.finish is not None or step.drawn + 1 >= s.max_new:
                 continue
             steps.append(
                 p.SeqStep(
@@ -791,7 +812,7 @@ class GenerationRoom:
             drawn += 1
             if tok in s.stops:
                 s.finish = "stop"
-            elif len(s.out) >= s.call.sampling.max_tokens:
+            elif len(s.out) >= s.max_new:
                 s.finish = "length"
             if s.call.stream:
                 chunk = p.GenChunk(id=s.call.client_id, index=s.index, ids=[tok], finish=s.finish)
@@ -1023,10 +1044,10 @@ class GenerationRoom:
 
     @staticmethod
     def _too_big(gm: GenModel, s: Seq, reason: str, *, alone: bool) -> str:
-        n = len(s.prompt) + s.call.sampling.max_tokens
+        n = len(s.prompt) + s.max_new
         where = "even alone" if alone else "beside the other running sequences"
         return (
-            f"a sequence of {len(s.prompt)} prompt tokens + {s.call.sampling.max_tokens} new "
+            f"a sequence of {len(s.prompt)} prompt tokens + {s.max_new} new "
             f"({n}) does not fit the KV memory of {gm.model.name!r}'s stages {where}: {reason}"
         )
 

@@ -250,7 +250,7 @@ class AsyncClient:
         *,
         ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         messages: Sequence[Any] | None = None,
-        max_tokens: int = 16,
+        max_tokens: int | None = 16,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -273,7 +273,8 @@ class AsyncClient:
         probability reaches `top_p`, from a generator seeded with `seed` (None: an unseeded
         one). A sequence ends ("stop") at the model's end-of-sequence ids (unless
         `ignore_eos`), at one of `stop_ids`, or at a `stop` string (its text ends before it),
-        else ("length") after `max_tokens`. `timeout`: for the whole call (the client's when
+        else ("length") after `max_tokens` (None: once prompt and new tokens fill the model's
+        context, as OpenAI's chat does). `timeout`: for the whole call (the client's when
         None)."""
         return await generate_async(self, _gen_ask(locals()))
 
@@ -284,7 +285,7 @@ class AsyncClient:
         *,
         ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         messages: Sequence[Any] | None = None,
-        max_tokens: int = 16,
+        max_tokens: int | None = 16,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,

@@ -244,10 +244,11 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """How a sequence picks its next tokens: the most likely one at temperature 0; otherwise a
     draw from softmax(logits / temperature) cut to the `top_k` most likely (0: no cut) and then
     to the smallest set whose probability reaches `top_p`, from a generator seeded with `seed`
-    (None: an unseeded one). A sequence ends at `max_tokens` new tokens ("length"), or on the
+    (None: an unseeded one). A sequence ends at `max_tokens` new tokens ("length"; None: once
+    prompt and new tokens fill the model's context), or on the
     model's end-of-sequence ids or one of `stop_ids` ("stop"), the stopping token kept."""
 
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_GEN_TOKENS)] = 16
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_GEN_TOKENS)] | None = 16
     temperature: Annotated[float, Meta(ge=0, le=1000)] = 0.0
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0

@@ -4,6 +4,7 @@ their `GenStep`s, `GenChunk`, `Generated`, `FreeSeqs`, errors with their codes a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,42 @@ def test_the_specs_max_context_wins_over_the_config(lm_dir: Path, files: LmFiles
     out = g.client(p.TokenizerInfo(id=4, model="lm"))
     assert [m.max_context for m in only(out, p.TokenizerReply)] == [16]
     assert only(g.generate(5, [[1] * 10], max_tokens=6), p.Run)
+
+
+def test_max_tokens_none_fills_each_prompts_context(lm_dir: Path, files: LmFiles) -> None:
+    # As OpenAI's chat without max_tokens: each sequence runs until prompt + new tokens fill the
+    # context (12 here), so prompts of 10 and 9 tokens get 2 and 3 new ones.
+    g = Gen(lm_dir, files, max_context=12, gen_groups=1)
+    run = g.first(g.generate(5, [[1] * 10, [1] * 9], max_tokens=None))
+    (a, *_), (b, *_) = steps(run)
+    run = run_of(g.step(run, [11, 21]), g.w0)
+    out = g.step(run, [12, 22])
+    assert [o for o in out if o[2] in [f[2] for f in freed(a)]] == freed(a)
+    run = run_of(out, g.w0)
+    assert [s for s, *_ in steps(run)] == [b]  # the first ended at its context's end
+    g.step(run, [23])
+    ((generated,),) = [[m for m in g.finals(5)]]
+    assert isinstance(generated, p.Generated)
+    got = [(o.ids, o.finish, o.prompt_tokens) for o in generated.outputs]
+    assert got == [([11, 12], "length", 10), ([21, 22, 23], "length", 9)]
+    g.answered_once()
+    # A prompt that fills the context leaves no room; nor does a model of no known context.
+    err = refused(
+        g, p.Generate(id=6, model="lm", prompts=[[1] * 12], sampling=p.Sampling(max_tokens=None))
+    )
+    assert (err.code, err.reason) == (
+        Code.BAD_REQUEST,
+        "prompt 0 has 12 tokens: the max_context of 'lm' (12) leaves no room for a new one",
+    )
+    unknown = Gen(lm_dir, dataclasses.replace(files, max_positions=None))
+    err = refused(
+        unknown, p.Generate(id=7, model="lm", prompts=[[1]], sampling=p.Sampling(max_tokens=None))
+    )
+    assert (err.code, err.reason) == (
+        Code.BAD_REQUEST,
+        "'lm' has no known context length (no max_context in its deploy, no "
+        "max_position_embeddings in its config): give max_tokens",
+    )
 
 
 def test_a_model_not_from_a_directory_does_not_generate(lm_dir: Path, files: LmFiles) -> None:
