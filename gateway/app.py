@@ -100,6 +100,6 @@ def create_app(
         metrics=metrics,
         # The routers' own routes: the app's wraps them in FastAPI's included-router objects.
         routes=[*openai_api.router.routes, *kserve.router.routes],
-        fast=[kserve.FastInfer()],
+        fast=kserve.fast_routes(),
     )
     return app

@@ -1,10 +1,13 @@
-"""The KServe v2 / Open Inference Protocol: health, model metadata and readiness, and infer with
-JSON tensors or the binary tensor data extension (`Inference-Header-Content-Length`), and the
-model repository extension's `load` / `unload` as deploy / undeploy (operator keys only)."""
+"""The KServe v2 / Open Inference Protocol: server metadata, health, model metadata and readiness,
+and infer with JSON tensors or the binary tensor data extension (`Inference-Header-Content-Length`),
+and the model repository extension: its index, and `load` / `unload` as deploy / undeploy
+(operator keys only). A model has one version, "1": each model route is served under
+`/v2/models/{model}/versions/1` as well, as the protocol defines it."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -17,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from client_sdk import errors
 from client_sdk.client import AsyncClient
+from flowmesh import __version__
 from flowmesh import protocol as p
 from flowmesh.errors import Code, FlowmeshError
 from gateway.disconnect import GONE, ClientGone, unless_gone_on
@@ -30,6 +34,12 @@ HEADER_LENGTH = "inference-header-content-length"
 PLATFORM = "flowmesh"
 # What a model's single unnamed output (the SDK's plain tensor) is called on the wire.
 OUTPUT = "output0"
+# A model's one version: flowmesh keeps one model per name (deployed again, it replaces it).
+VERSION = "1"
+# The protocol's extensions served here, by the names Triton gives them in its server metadata
+# (those its clients look for): the binary tensor data extension, and the model repository's
+# index, load and unload.
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
 # Seconds a readiness probe waits for the broker: probes come often and want a quick "no".
 READY_TIMEOUT_S = 2.0
 
@@ -43,6 +53,21 @@ async def _row(client: AsyncClient, model: str) -> p.ModelRow:
         if row.name == model:
             return row
     raise errors.ModelNotFound(Code.MODEL_NOT_FOUND, f"no model {model!r} is deployed")
+
+
+@router.get("")
+async def server_metadata() -> dict[str, Any]:
+    """The server's name, version and the extensions it serves."""
+    return {"name": PLATFORM, "version": __version__, "extensions": EXTENSIONS}
+
+
+def _check_version(model: str, version: str | None) -> None:
+    """Refuse (404) a version of `model` other than its one (None: the route named none)."""
+    if version not in (None, VERSION):
+        raise FlowmeshError(
+            Code.MODEL_NOT_FOUND,
+            f"no version {version!r} of model {model!r}: flowmesh serves one, {VERSION!r}",
+        )
 
 
 @router.get("/health/live")
@@ -64,8 +89,18 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/models/{model}")
 async def metadata(request: Request, model: str) -> dict[str, Any]:
+    return await _metadata(client_of(request), model)
+
+
+@router.get("/models/{model}/versions/{version}")
+async def version_metadata(request: Request, model: str, version: str) -> dict[str, Any]:
+    _check_version(model, version)
+    return await _metadata(client_of(request), model)
+
+
+async def _metadata(client: AsyncClient, model: str) -> dict[str, Any]:
     """Its inputs from the model's declared inputs (-1: a free dimension, as in v2)."""
-    row = await _row(client_of(request), model)
+    row = await _row(client, model)
     inputs = [
         {
             "name": name,
@@ -75,12 +110,28 @@ async def metadata(request: Request, model: str) -> dict[str, Any]:
         for name, spec in row.inputs.items()
     ]
     # Outputs are not declared to flowmesh: v2 lets a server leave them out.
-    return {"name": model, "versions": ["1"], "platform": PLATFORM, "inputs": inputs, "outputs": []}
+    return {
+        "name": model,
+        "versions": [VERSION],
+        "platform": PLATFORM,
+        "inputs": inputs,
+        "outputs": [],
+    }
 
 
 @router.get("/models/{model}/ready")
 async def model_ready(request: Request, model: str) -> JSONResponse:
-    row = await _row(client_of(request), model)
+    return await _ready(client_of(request), model)
+
+
+@router.get("/models/{model}/versions/{version}/ready")
+async def version_ready(request: Request, model: str, version: str) -> JSONResponse:
+    _check_version(model, version)
+    return await _ready(client_of(request), model)
+
+
+async def _ready(client: AsyncClient, model: str) -> JSONResponse:
+    row = await _row(client, model)
     up = row.state == "ready"
     return JSONResponse({"name": model, "ready": up}, status_code=200 if up else 503)
 
@@ -93,14 +144,22 @@ def _parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
         if length is None or length > len(body):
             raise bad(f"{HEADER_LENGTH} {header_length!r} is not a length within the body")
         split = length
-    try:
-        # msgspec's decoder: several times json's on the numbers of a tensor's data.
-        head = msgspec.json.decode(memoryview(body)[:split])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"the request is not JSON: {exc}") from None
+    # msgspec's decoder: several times json's on the numbers of a tensor's data.
+    head = _json(memoryview(body)[:split], msgspec.json.decode, "the request")
     if not isinstance(head, dict) or not isinstance(head.get("inputs"), list) or not head["inputs"]:
         raise bad("the request needs a non-empty list of inputs")
     return head, memoryview(body)[split:]
+
+
+def _json(text: Any, decode: Callable[[Any], Any], what: str) -> Any:
+    """`text` read by `decode` (a JSON decoder); 400 naming `what` if it is not JSON, or nests
+    deeper than the decoder's recursion goes (a few KB of `[`)."""
+    try:
+        return decode(text)
+    except RecursionError:
+        raise bad(f"{what} is JSON nested too deeply to be read") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"{what} is not JSON: {exc}") from None
 
 
 def _byte_count(text: str) -> int | None:
@@ -184,19 +243,26 @@ def _wanted(
 
 
 async def _infer(
-    state: State, model: str, body: bytes, header_length: str | None, receive: Receive
+    state: State,
+    params: dict[str, str],
+    body: bytes,
+    header_length: str | None,
+    receive: Receive,
 ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    """The answer to an infer request for `model` (the body and raw headers of a 200), for
-    both ways in (`infer`, `FastInfer`); errors raised as FlowmeshError (ClientGone: the
-    client left). `state`: the app's (its client looked up only once the request reads
-    well); `receive`: the request's, its body read already (for the disconnect)."""
+    """The answer to an infer request (the body and raw headers of a 200), for both ways in
+    (`infer`, `FastInfer`); errors raised as FlowmeshError (ClientGone: the client left).
+    `state`: the app's (its client looked up only once the request reads well); `params`: the
+    route's (the model, and the version if the path names one); `receive`: the request's, its
+    body read already (for the disconnect)."""
+    model = params["model"]
+    _check_version(model, params.get("version"))
     head, rest = _parse(body, header_length)
     tensors = _inputs(head, rest)
     default, asked = _asked(head)
     client: AsyncClient = state.client
     answer = await unless_gone_on(receive, client.infer(model, tensors))
     outputs = {OUTPUT: answer} if isinstance(answer, torch.Tensor) else dict(answer)
-    reply: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
+    reply: dict[str, Any] = {"model_name": model, "model_version": VERSION, "outputs": []}
     if "id" in head:
         reply["id"] = head["id"]
     blobs = []
@@ -231,7 +297,7 @@ async def infer(request: Request) -> Response:
     mounted under a root path)."""
     body, headers = await _infer(
         request.app.state,
-        request.path_params["model"],
+        request.path_params,
         await request.body(),
         request.headers.get(HEADER_LENGTH),
         request.receive,
@@ -241,19 +307,27 @@ async def infer(request: Request) -> Response:
     return answer
 
 
-router.add_route(f"{router.prefix}/models/{{model}}/infer", infer, methods=["POST"])
-INFER_ROUTE = router.routes[-1]
-assert isinstance(INFER_ROUTE, Route)
+def _infer_route(path: str) -> Route:
+    router.add_route(f"{router.prefix}{path}", infer, methods=["POST"])
+    route = router.routes[-1]
+    assert isinstance(route, Route)
+    return route
+
+
+INFER_ROUTE = _infer_route("/models/{model}/infer")
+VERSION_INFER_ROUTE = _infer_route("/models/{model}/versions/{version}/infer")
 
 
 class FastInfer:
-    """The infer route as a bare ASGI handler, called by the guard once it let the request in
-    and read its body: no routing, no FastAPI or Starlette layers, Request or Response (on a
-    small infer, they were about half the gateway's CPU). The same answers as `infer`, errors
-    included (in the bodies and statuses of the app's exception handlers); any other exception
-    is raised, as from `infer`, to the server's last-resort 500."""
+    """An infer route (`INFER_ROUTE`, `VERSION_INFER_ROUTE`) as a bare ASGI handler, called by
+    the guard once it let the request in and read its body: no routing, no FastAPI or
+    Starlette layers, Request or Response (on a small infer, they were about half the
+    gateway's CPU). The same answers as `infer`, errors included (in the bodies and statuses
+    of the app's exception handlers); any other exception is raised, as from `infer`, to the
+    server's last-resort 500."""
 
-    route = INFER_ROUTE
+    def __init__(self, route: Route) -> None:
+        self.route = route
 
     def match(self, scope: Scope) -> dict[str, str] | None:
         """The path parameters of a request for this route (None: another route's). Only
@@ -271,7 +345,7 @@ class FastInfer:
                 break
         try:
             content, headers = await _infer(
-                scope["app"].state, scope["path_params"]["model"], body, header_length, receive
+                scope["app"].state, scope["path_params"], body, header_length, receive
             )
         except FlowmeshError as exc:
             await error_response(scope["path"], exc.code, exc.reason)(scope, receive, send)
@@ -284,6 +358,12 @@ class FastInfer:
 
 
 _HEADER_LENGTH = HEADER_LENGTH.encode()
+
+
+def fast_routes() -> list[FastInfer]:
+    """The routes the guard serves itself: infer, the unversioned first (the one most
+    clients ask: a request for it is matched at the first try)."""
+    return [FastInfer(INFER_ROUTE), FastInfer(VERSION_INFER_ROUTE)]
 
 
 # The repository extension's `load` parameters that make a deploy: AsyncClient.deploy's own
@@ -326,10 +406,7 @@ def _deploy_spec(body: bytes) -> dict[str, Any]:
     them."""
     if not body.strip():
         return {}
-    try:
-        head = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"the request is not JSON: {exc}") from None
+    head = _json(body, json.loads, "the request")
     params = head.get("parameters") if isinstance(head, dict) else None
     if params is None:
         return {}
@@ -338,10 +415,7 @@ def _deploy_spec(body: bytes) -> dict[str, Any]:
     params = dict(params)
     config = params.pop("config", None)
     if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError as exc:
-            raise bad(f"parameters.config is not JSON: {exc}") from None
+        config = _json(config, json.loads, "parameters.config")
     if config is not None:
         if not isinstance(config, dict):
             raise bad("parameters.config must be an object (or a JSON string of one)")
@@ -354,6 +428,37 @@ def _deploy_spec(body: bytes) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise bad(f"parameters.{key} must be {' or '.join(k.__name__ for k in kinds)}")
     return params
+
+
+# A model's state (its status row's) as the repository extension's index names it.
+_INDEX_STATE = {
+    "ready": "READY",
+    "planning": "LOADING",
+    "deploying": "LOADING",
+    "draining": "UNLOADING",
+    "unavailable": "UNAVAILABLE",
+}
+
+
+@router.post("/repository/index")
+async def repository_index(request: Request) -> list[dict[str, str]]:
+    """The deployed models, each at its one version, with its state (`{"ready": true}` in the
+    body: the ready ones only)."""
+    body = await request.body()
+    head = _json(body, json.loads, "the request") if body.strip() else {}
+    ready_only = head.get("ready", False) if isinstance(head, dict) else None
+    if not isinstance(ready_only, bool):
+        raise bad("the request must be an object whose ready, if given, is true or false")
+    index = [
+        {
+            "name": row.name,
+            "version": VERSION,
+            "state": _INDEX_STATE.get(row.state, row.state.upper()),
+            "reason": "",
+        }
+        for row in (await client_of(request).status()).models
+    ]
+    return [entry for entry in index if entry["state"] == "READY" or not ready_only]
 
 
 @router.post("/repository/models/{model}/load")

@@ -1,9 +1,15 @@
-"""The OpenAI API for language models: /v1/models, /v1/completions and /v1/chat/completions,
-blocking or streamed as server-sent events in OpenAI's chunk format, ending `data: [DONE]`.
+"""The OpenAI API for language models: /v1/models (and /v1/models/{model}), /v1/completions and
+/v1/chat/completions, blocking or streamed as server-sent events in OpenAI's chunk format, ending
+`data: [DONE]`.
 
-Defaults are OpenAI's (`temperature` 1, `top_p` 1, `max_tokens` 16), so that a client that
-names none gets what it would elsewhere; a request for what flowmesh does not do (n > 1,
-echo, logprobs, penalties) is refused with 400 rather than answered as if done.
+Defaults are OpenAI's (`temperature` 1, `top_p` 1; `max_tokens` 16 for a completion, none for
+a chat, whose answer runs until it stops or fills the model's context), so that a client that
+names none gets what it would elsewhere. Values are checked strictly, as OpenAI checks them
+("5" is no number, "yes" no boolean). A request for what flowmesh does not do (n > 1, echo,
+suffix, best_of, logprobs, top_logprobs, penalties, logit_bias, a response_format other than
+text, tools and function calls, audio) is refused with 400 naming the parameter, rather than
+answered as if done; fields that change nothing of the answer (`user`, `metadata`, `store`,
+...) are ignored.
 """
 
 from __future__ import annotations
@@ -18,20 +24,40 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from client_sdk.client import AsyncClient
 from client_sdk.generation import AsyncGenStream, Chunk, Generation
-from flowmesh.errors import FlowmeshError
+from flowmesh import protocol as p
+from flowmesh.errors import Code, FlowmeshError
 from gateway.disconnect import unless_gone
-from gateway.errors import openai_body
+from gateway.errors import ParamError, openai_body
 from gateway.guard import MODEL
 from gateway.sse import DONE, EventStream, event
-from gateway.tensors import bad
 
 router = APIRouter(prefix="/v1")
 
+# New tokens of a completion that names no max_tokens: OpenAI's default (its chat has none).
+COMPLETION_TOKENS = 16
+# The most stop sequences a request may give: OpenAI's limit.
+MAX_STOPS = 4
+# A tool choice that asks for no call: the only ones flowmesh, which calls no tool, honours.
+NO_CALL = (None, "none", "auto")
+LOGPROBS = "log probabilities are not supported"
+# Message roles of function calling's history: a call's result, which no chat template here
+# writes as the model was trained to read it.
+TOOL_ROLES = ("tool", "function")
 
-class _Sampling(BaseModel):
-    # Fields OpenAI's clients send that this API does not name are ignored, as OpenAI does.
-    model_config = ConfigDict(extra="ignore")
 
+class _Strict(BaseModel):
+    # Strict, as OpenAI is: "5" is no max_tokens nor "yes" a stream (a float still takes an
+    # integer: temperature 0). Fields this schema does not name are ignored: those OpenAI's
+    # clients send that change nothing of the answer (user, metadata, store, service_tier).
+    # Those that would change it are named, to be refused unless they ask for nothing.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -42,23 +68,59 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
+    # Not done here (`_unsupported`): refused unless they ask for nothing.
     n: int = 1
-    logprobs: Any = None
+    logprobs: bool | int | None = None  # chat's a bool, completions' a count (0 asks too)
+    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # tools' forerunners, with function_call
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
-    def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise bad("n: only 1 choice per prompt is supported")
-        if self.logprobs not in (None, False):
-            raise bad("logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise bad("presence_penalty and frequency_penalty are not supported")
+    def check(self) -> None:
+        """Refuse (400, naming the parameter) what the schema alone does not: values past
+        OpenAI's limits, and what flowmesh does not do (`_unsupported`)."""
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            raise ParamError(
+                "stop", f"stop: at most {MAX_STOPS} sequences are taken, {len(self.stop)} given"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options: only taken with stream: true")
+        for param, asked, why in self._unsupported():
+            if asked:
+                raise ParamError(param, f"{param}: {why}")
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        """(parameter, whether it asks for something flowmesh does not do, why refused)."""
+        text = self.response_format is None or self.response_format.get("type") == "text"
+        return [
+            ("n", self.n != 1, "only 1 choice per prompt is supported"),
+            # Any count, 0 too (the chosen tokens' own), asks for them; False (== 0) does not.
+            ("logprobs", self.logprobs is not None and self.logprobs is not False, LOGPROBS),
+            ("top_logprobs", self.top_logprobs not in (None, 0), LOGPROBS),
+            ("presence_penalty", bool(self.presence_penalty), "penalties are not supported"),
+            ("frequency_penalty", bool(self.frequency_penalty), "penalties are not supported"),
+            ("logit_bias", bool(self.logit_bias), "biasing tokens is not supported"),
+            ("response_format", not text, 'only {"type": "text"} is supported'),
+            ("tools", bool(self.tools), "tools (function calling) are not supported"),
+            ("tool_choice", self.tool_choice not in NO_CALL, "no tool is ever called"),
+            ("functions", bool(self.functions), "function calling is not supported"),
+            ("function_call", self.function_call not in NO_CALL, "no function is ever called"),
+            ("modalities", self.modalities not in (None, ["text"]), "only text is generated"),
+            ("audio", self.audio is not None, "only text is generated"),
+        ]
 
     def sdk_args(self, max_tokens: int | None) -> dict[str, Any]:
+        """The SDK's sampling arguments (`max_tokens` None: until the context is full)."""
         return {
-            "max_tokens": max_tokens or 16,
+            "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": max(self.top_k or 0, 0),
@@ -68,7 +130,7 @@ class _Sampling(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
@@ -78,12 +140,22 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        return [
+            *super()._unsupported(),
+            ("echo", self.echo, "echoing the prompt is not supported"),
+            ("suffix", bool(self.suffix), "a suffix is not supported"),
+            ("best_of", (self.best_of or 1) > 1, "only 1 choice per prompt is supported"),
+        ]
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
+class ChatMessage(_Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # Function calling's, in a chat's history: refused (`_chat`), not dropped, since the model
+    # would otherwise answer another conversation than the one sent.
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
 
 class ChatRequest(_Sampling):
@@ -110,7 +182,7 @@ def _prompt_args(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[
     if isinstance(prompt, str):
         return {"prompt": [prompt]}
     if not prompt:
-        raise bad("prompt: an empty list")
+        raise ParamError("prompt", "prompt: an empty list")
     if all(isinstance(x, str) for x in prompt):
         return {"prompt": list(prompt)}
     if all(isinstance(x, int) for x in prompt):
@@ -118,14 +190,37 @@ def _prompt_args(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[
     return {"ids": [list(x) for x in prompt]}  # the schema let through only lists of ids
 
 
-def _text(content: str | list[dict[str, Any]] | None) -> str:
+def _chat(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The chat for the model's template: each message's role and text. Function calling's
+    history (a call, its result) is refused: dropped, the model would answer another chat."""
+    chat = []
+    for k, message in enumerate(messages):
+        where = f"messages.[{k}]"
+        if message.role in TOOL_ROLES:
+            raise ParamError(
+                f"{where}.role",
+                f"{where}.role: {message.role!r} messages (a call's result) are not supported",
+            )
+        for field in ("tool_calls", "function_call"):
+            if getattr(message, field):
+                raise ParamError(
+                    f"{where}.{field}", f"{where}.{field}: function calling is not supported"
+                )
+        chat.append({"role": message.role, "content": _text(message.content, where)})
+    return chat
+
+
+def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     """A message's content: a string, or OpenAI's list of parts (text parts only)."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad(f"message content part of type {part.get('type')!r}: only text is supported")
+            raise ParamError(
+                f"{where}.content",
+                f"{where}.content: a part of type {part.get('type')!r}: only text is supported",
+            )
         parts.append(part["text"])
     return "".join(parts)
 
@@ -134,26 +229,45 @@ def _head(kind: str, model: str) -> dict[str, Any]:
     return {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
 
 
+def _generates(row: p.ModelRow) -> bool:
+    """Whether a deployed model is a language model: one from a Hugging Face directory. A
+    factory's takes tensors only (the broker refuses it generation: "not a language model")."""
+    return row.factory is None
+
+
+def _model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "flowmesh"}
+
+
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The deployed models, in OpenAI's list."""
+    """The deployed language models, in OpenAI's list: the others take no /v1 call."""
     status = await client_of(request).status()
     now = int(time.time())
-    data = [
-        {"id": row.name, "object": "model", "created": now, "owned_by": "flowmesh"}
-        for row in status.models
-    ]
+    data = [_model_object(row.name, now) for row in status.models if _generates(row)]
     return {"object": "list", "data": data}
+
+
+@router.get("/models/{model}")
+async def model(request: Request, model: str) -> dict[str, Any]:
+    """One of them (the `openai` client's `models.retrieve`): 404 for any other name."""
+    row = next((r for r in (await client_of(request).status()).models if r.name == model), None)
+    if row is None:
+        raise FlowmeshError(Code.MODEL_NOT_FOUND, f"no model {model!r} is deployed")
+    if not _generates(row):
+        raise FlowmeshError(
+            Code.MODEL_NOT_FOUND,
+            f"{model!r} is not a language model: its tensors are served under /v2/models/{model}",
+        )
+    return _model_object(model, int(time.time()))
 
 
 @router.post("/completions", response_model=None)
 async def completions(request: Request, body: CompletionRequest) -> dict[str, Any] | EventStream:
     request.scope[MODEL] = body.model
-    body.refuse_unsupported()
-    if body.echo or body.suffix or (body.best_of or 1) > 1:
-        raise bad("echo, suffix and best_of are not supported")
+    body.check()
+    args = {**_prompt_args(body.prompt), **body.sdk_args(body.max_tokens or COMPLETION_TOKENS)}
     client = client_of(request)
-    args = {**_prompt_args(body.prompt), **body.sdk_args(body.max_tokens)}
     head = {**_head("cmpl", body.model), "object": "text_completion"}
     if body.stream:
         return await _stream(request, body, args, head, chat=False)
@@ -169,10 +283,13 @@ async def completions(request: Request, body: CompletionRequest) -> dict[str, An
 @router.post("/chat/completions", response_model=None)
 async def chat(request: Request, body: ChatRequest) -> dict[str, Any] | EventStream:
     request.scope[MODEL] = body.model
-    body.refuse_unsupported()
+    body.check()
+    args = {
+        "messages": [_chat(body.messages)],
+        # Neither given: no cap but the model's context, as OpenAI's chat has none.
+        **body.sdk_args(body.max_completion_tokens or body.max_tokens),
+    }
     client = client_of(request)
-    messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-    args = {"messages": [messages], **body.sdk_args(body.max_completion_tokens or body.max_tokens)}
     head = {**_head("chatcmpl", body.model), "object": "chat.completion"}
     if body.stream:
         return await _stream(request, body, args, head, chat=True)

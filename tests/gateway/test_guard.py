@@ -203,7 +203,7 @@ def test_unknown_paths_and_methods_answer_in_each_protocols_body(small: str) -> 
     api = openai.OpenAI(base_url=f"{small}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as lost:
         api.embeddings.create(model="lm", input="hi")  # a route flowmesh does not serve
-    assert lost.value.type == "invalid_request_error"
+    assert lost.value.type == "invalid_request_error" and lost.value.code == "not_found"
     assert "Not Found: POST /v1/embeddings" in lost.value.message
     v2 = triton.InferenceServerClient(small.removeprefix("http://"))
     with pytest.raises(InferenceServerException) as absent:

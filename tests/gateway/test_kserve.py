@@ -1,6 +1,7 @@
 """The KServe v2 / Open Inference Protocol through a real gateway in front of a real mesh, spoken
-by `tritonclient.http`: health and readiness, a model's metadata from its declared inputs, and
-infer equal to the SDK's, with JSON tensors and with the binary tensor data extension."""
+by `tritonclient.http`: the server's metadata, health and readiness, a model's metadata from its
+declared inputs, and infer equal to the SDK's, with JSON tensors and with the binary tensor data
+extension; each model route under the model's one version too."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+import flowmesh
 from client_sdk.mesh import LocalMesh
 from flowmesh.auth import add_api_key
 from flowmesh.testing import assert_forward_close
+from gateway import kserve
 from tests.support.mesh import FAST, roots_at
 
 pytestmark = pytest.mark.slow
@@ -47,12 +50,24 @@ def v2(served: tuple[LocalMesh, str]) -> triton.InferenceServerClient:
 
 
 def test_health_readiness_and_metadata(v2: triton.InferenceServerClient) -> None:
+    assert v2.get_server_metadata() == {
+        "name": "flowmesh",
+        "version": flowmesh.__version__,
+        "extensions": ["binary_tensor_data", "model_repository"],
+    }
     assert v2.is_server_live() and v2.is_server_ready()
     assert v2.is_model_ready("mlp")
     assert not v2.is_model_ready("nope")
     meta = v2.get_model_metadata("mlp")
-    assert meta["name"] == "mlp"
+    assert meta["name"] == "mlp" and meta["versions"] == ["1"]
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, WIDTH]}]
+    # The version the metadata names is the model; any other is none of its.
+    assert v2.is_model_ready("mlp", model_version="1")
+    assert v2.get_model_metadata("mlp", model_version="1") == meta
+    assert not v2.is_model_ready("mlp", model_version="2")
+    with pytest.raises(InferenceServerException) as lost:
+        v2.get_model_metadata("mlp", model_version="2")
+    assert lost.value.status() == "404" and "version '2'" in lost.value.message()
 
 
 def test_without_a_broker_live_but_not_ready(
@@ -83,6 +98,25 @@ def test_infer_equals_the_sdk(
     # Two forwards of the same rows (each may be batched with other calls): close, not bits.
     assert_forward_close(torch.from_numpy(got.copy()), expected)
     assert answer.get_response()["id"] == "r1"
+    # Its version named: the same model; another version, none.
+    versioned = v2.infer("mlp", [given], model_version="1", outputs=[asked])
+    assert versioned.get_response()["model_version"] == "1"
+    assert_forward_close(torch.from_numpy(versioned.as_numpy("output0").copy()), expected)
+    with pytest.raises(InferenceServerException) as lost:
+        v2.infer("mlp", [given], model_version="2")
+    assert lost.value.status() == "404" and "version '2'" in lost.value.message()
+
+
+def test_the_versioned_infer_route_is_served_by_the_door_as_the_plain_one() -> None:
+    """Both infer routes take the guard's fast path (`FastInfer`), past the app's layers."""
+    matched = {
+        path: [route.match({"method": "POST", "path": path}) for route in kserve.fast_routes()]
+        for path in ("/v2/models/mlp/infer", "/v2/models/mlp/versions/1/infer")
+    }
+    assert matched == {
+        "/v2/models/mlp/infer": [{"model": "mlp"}, None],  # matched at the first try
+        "/v2/models/mlp/versions/1/infer": [None, {"model": "mlp", "version": "1"}],
+    }
 
 
 def test_refusals_answer_v2_statuses(
@@ -187,6 +221,8 @@ def test_infer_refusals_at_the_door_and_in_the_body(
         (body(parameters=[1]), {}, "parameters must be an object"),
         (body(outputs=5), {}, "outputs must be a list"),
         (body(outputs=[{"name": "output0", "parameters": {"binary_data": "yes"}}]), {}, "true"),
+        # Nested past the JSON decoder's recursion: a 500 once (RecursionError), 2 KB of it.
+        (b'{"inputs": ' + b"[" * 1000 + b"]" * 1000 + b"}", {}, "nested too deeply"),
     ]
     with served[0].client() as c:
         before = next(m for m in c.status().models if m.name == "mlp")

@@ -1,11 +1,13 @@
 """The OpenAI API through a real gateway in front of a real mesh, spoken by the official `openai`
-client: completions and chat equal the SDK's `generate` for the same request, streams join to
-the blocking answer, refusals come back with OpenAI's statuses and error body, and a client that
-goes away mid-stream, before a blocking answer or before its stream's first token, stops its
-sequence on the broker. A second gateway in front of the same mesh has API keys: only their
-bearers get in, each key holds at most its streams, and /metrics counts what was answered. Last,
-a model's tokenizer: fetched once for every request that waits on it, whichever of them leaves,
-and asked for again when a model refused one may have been deployed anew."""
+client: the language models listed (not the tensor ones), completions and chat equal the SDK's
+`generate` for the same request (a chat without max_tokens runs to its context's end), streams
+join to the blocking answer, refusals come back with OpenAI's statuses and error body (what
+flowmesh does not do, or a value of the wrong type, named in its `param`), and a client that goes
+away mid-stream, before a blocking answer or before its stream's first token, stops its sequence
+on the broker. A second gateway in front of the same mesh has API keys: only their bearers get
+in, each key holds at most its streams, and /metrics counts what was answered. Last, a model's
+tokenizer: fetched once for every request that waits on it, whichever of them leaves, and asked
+for again when a model refused one may have been deployed anew."""
 
 from __future__ import annotations
 
@@ -39,7 +41,9 @@ PROMPT = "The quick brown fox"
 # Tokens a stream is asked for, and its model's context room for them: many more than are made
 # while a disconnect reaches the broker, however loaded the machine.
 ENOUGH = 240
+CONTEXT = 256  # the model's context: prompt and new tokens
 CHAT = [{"role": "user", "content": "Hello! How are you today?"}]
+ONE = {"model": "lm", "prompt": PROMPT, "max_tokens": 2}  # a short completion
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +52,12 @@ def served(
     start_gateway: Callable[..., AbstractContextManager[str]],
 ) -> Iterator[tuple[LocalMesh, str]]:
     root = tmp_path_factory.mktemp("gateway-lm")
-    model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=256)
+    model_dir = tiny_lm_dir(root / "tiny-llama", "llama", seed=5, max_positions=CONTEXT)
     with LocalMesh(cpu_workers=2, memory_budget="8MiB", **roots_at(root), **FAST) as mesh:
         with mesh.client() as c:
             c.deploy("lm", hf=str(model_dir), stages=2, replicas=1, max_seqs=4)
+            # A tensor model beside it, which /v1 does not serve.
+            c.deploy("mlp", "flowmesh.examples:mlp", kwargs={"width": 8, "depth": 1}, seed=1)
         with start_gateway(mesh.frontend) as url:
             yield mesh, url
 
@@ -61,8 +67,14 @@ def api(served: tuple[LocalMesh, str]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served[1]}/v1", api_key="unused", max_retries=0)
 
 
-def test_models_lists_the_deployed(api: openai.OpenAI) -> None:
-    assert [m.id for m in api.models.list()] == ["lm"]
+def test_models_lists_and_retrieves_the_language_models(api: openai.OpenAI) -> None:
+    assert [m.id for m in api.models.list()] == ["lm"]  # not "mlp": /v1 would refuse it
+    got = api.models.retrieve("lm")
+    assert (got.id, got.object, got.owned_by) == ("lm", "model", "flowmesh")
+    for name in ("mlp", "nope"):
+        with pytest.raises(openai.NotFoundError) as lost:
+            api.models.retrieve(name)
+        assert lost.value.code == "model_not_found" and repr(name) in lost.value.message
 
 
 def test_completions_equal_the_sdk_and_stream_to_the_same(
@@ -161,6 +173,30 @@ def test_chat_equals_the_sdk_through_the_chat_template(
     assert chunks[-1].choices[0].finish_reason == sdk.finish_reason
 
 
+def test_a_chat_without_max_tokens_runs_until_it_stops_or_fills_the_context(
+    served: tuple[LocalMesh, str], api: openai.OpenAI
+) -> None:
+    """OpenAI's chat has no default cap: without max_tokens the answer is the SDK's with
+    max_tokens=None, which ends at an end-of-sequence token or once the context (256) is full;
+    a completion keeps OpenAI's default of 16."""
+    mesh, _ = served
+    with mesh.client() as c:
+        sdk = c.generate("lm", messages=CHAT, max_tokens=None, temperature=0.0)
+        sdk16 = c.generate("lm", PROMPT, max_tokens=16, temperature=0.0)
+    assert sdk.finish_reason == "stop" or sdk.prompt_tokens + sdk.completion_tokens == CONTEXT
+    got = api.chat.completions.create(model="lm", messages=CHAT, temperature=0)  # type: ignore[arg-type]
+    assert got.usage is not None
+    assert (got.choices[0].message.content, got.choices[0].finish_reason) == (
+        sdk.text,
+        sdk.finish_reason,
+    )
+    assert got.usage.completion_tokens == sdk.completion_tokens > 16
+    completion = api.completions.create(model="lm", prompt=PROMPT, temperature=0)
+    assert completion.choices[0].text == sdk16.text
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == sdk16.completion_tokens
+
+
 def test_refusals_answer_openai_statuses_and_bodies(
     served: tuple[LocalMesh, str], api: openai.OpenAI
 ) -> None:
@@ -192,6 +228,70 @@ def test_refusals_answer_openai_statuses_and_bodies(
     # A body that is not JSON at all: OpenAI's error body too.
     answer = httpx.post(f"{served[1]}/v1/completions", content=b"{", timeout=10)
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_what_flowmesh_does_not_do_is_refused_naming_the_parameter(api: openai.OpenAI) -> None:
+    """Answered as if done, each of these would be a wrong answer: refused with 400 instead,
+    OpenAI's body naming the parameter; the same parameters asking for nothing are taken."""
+    chat = {"model": "lm", "messages": CHAT, "max_tokens": 2}
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": call}]
+    told = [*CHAT, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # a call's result
+    refused: list[tuple[str, Callable[[], object]]] = [
+        ("logit_bias", lambda: api.completions.create(**ONE, logit_bias={"65": -100})),
+        ("logprobs", lambda: api.completions.create(**ONE, logprobs=0)),  # 0 asks too
+        ("top_logprobs", lambda: api.chat.completions.create(**chat, top_logprobs=3)),
+        ("tools", lambda: api.chat.completions.create(**chat, tools=[tool])),
+        ("tool_choice", lambda: api.chat.completions.create(**chat, tool_choice="required")),
+        (
+            "response_format",
+            lambda: api.chat.completions.create(**chat, response_format={"type": "json_object"}),
+        ),
+        (
+            "messages.[1].tool_calls",
+            lambda: api.chat.completions.create(**{**chat, "messages": history}),
+        ),
+        ("messages.[1].role", lambda: api.chat.completions.create(**{**chat, "messages": told})),
+    ]
+    for param, ask in refused:
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask()
+        assert bad.value.param == param and bad.value.code == "bad_request", param
+    # Asking for nothing (and what changes nothing of the answer): taken.
+    nothing = {
+        "logit_bias": {},
+        "logprobs": False,
+        "top_logprobs": 0,
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "user": "u",
+        "metadata": {"k": "v"},
+        "store": False,
+    }
+    assert api.chat.completions.create(**chat, **nothing).choices[0].finish_reason
+
+
+def test_values_of_the_wrong_type_or_past_openais_limits_are_refused_naming_them(
+    served: tuple[LocalMesh, str],
+) -> None:
+    url = f"{served[1]}/v1"
+    cases = [
+        ("completions", {"max_tokens": "5"}, "max_tokens"),  # no number, as "1" is no token
+        ("completions", {"stream": "yes"}, "stream"),
+        ("completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI takes 4
+        ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("chat/completions", {"messages": [{"role": 1, "content": "hi"}]}, "messages.[0].role"),
+    ]
+    for route, fields, param in cases:
+        body = {**ONE, "messages": CHAT, **fields}
+        answer = httpx.post(f"{url}/{route}", json=body, timeout=30)
+        assert answer.status_code == 400, (fields, answer.text)
+        error = answer.json()["error"]
+        assert error["param"] == param and param in error["message"], error
+    # A float parameter still takes an integer.
+    answer = httpx.post(f"{url}/completions", json={**ONE, "temperature": 0}, timeout=30)
+    assert answer.status_code == 200, answer.text
 
 
 async def settled(row: Callable[[], Awaitable[tuple[int, int]]]) -> tuple[int, int]:

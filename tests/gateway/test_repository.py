@@ -1,6 +1,7 @@
 """The KServe v2 model repository extension through a real gateway with API keys in front of a
-real mesh: `load` deploys from a flowmesh deploy spec and `unload` undeploys, for operator keys
-only (a client key is refused with 403 and changes nothing)."""
+real mesh: its index lists the deployed models; `load` deploys from a flowmesh deploy spec and
+`unload` undeploys, for operator keys only (a client key is refused with 403 and changes
+nothing)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ def test_an_operator_key_loads_then_unloads(served: tuple[LocalMesh, str, dict[s
     assert v2.is_model_ready("m", headers=headers)
     with mesh.client() as c:
         assert [m.name for m in c.status().models] == ["m"]
+    index = [{"name": "m", "version": "1", "state": "READY", "reason": ""}]
+    assert v2.get_model_repository_index(headers=headers) == index
+    ready = httpx.post(
+        f"{url}/v2/repository/index", json={"ready": True}, headers=headers, timeout=60
+    )
+    assert ready.json() == index
     # Loaded again without a spec: already there, nothing to do.
     again = httpx.post(f"{url}/v2/repository/models/m/load", headers=headers, timeout=60)
     assert again.status_code == 200, again.text
@@ -73,17 +80,26 @@ def test_an_operator_key_loads_then_unloads(served: tuple[LocalMesh, str, dict[s
     ready = httpx.get(f"{url}/v2/models/m/ready", headers=headers, timeout=60)
     assert ready.status_code == 404, ready.text
     assert not v2.is_model_ready("m", headers=headers)
+    assert v2.get_model_repository_index(headers=headers) == []
 
 
 def test_a_load_without_a_spec_or_with_a_wrong_one_is_a_400(
     served: tuple[LocalMesh, str, dict[str, str]],
 ) -> None:
     _, url, keys = served
-    for body in ({}, {"parameters": {"factory": 3}}, {"parameters": {"layers": 2}}):
+    deep = "[" * 3000 + "]" * 3000  # past the JSON decoder's recursion: a 500 once
+    for body in (
+        "{}",
+        json.dumps({"parameters": {"factory": 3}}),
+        json.dumps({"parameters": {"layers": 2}}),
+        '{"parameters": {"kwargs": ' + deep + "}}",
+        json.dumps({"parameters": {"config": deep}}),
+    ):
         answer = httpx.post(
             f"{url}/v2/repository/models/other/load",
-            json=body,
+            content=body,
             headers=bearer(keys["operator"]),
             timeout=60,
         )
-        assert answer.status_code == 400, (body, answer.text)
+        assert answer.status_code == 400, (body[:60], answer.text)
+        assert answer.headers["content-type"] == "application/json"

@@ -96,7 +96,7 @@ def test_up_hands_its_config_to_the_processes_and_keeps_the_logs_in_log_dir(
 
 
 def test_up_with_http_port_runs_the_gateway_as_one_of_its_processes(tmp_path: Path) -> None:
-    """`flowmesh up --http-port`: the gateway answers readiness and lists a deployed model, reads
+    """`flowmesh up --http-port`: the gateway answers readiness and shows a deployed model, reads
     its `[gateway]` table of the config file, logs beside the others and stops with them."""
     import httpx
 
@@ -137,9 +137,9 @@ def test_up_with_http_port_runs_the_gateway_as_one_of_its_processes(tmp_path: Pa
         assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 200
         with Client(frontend.group(1), timeout=120, keys=False) as c:
             c.deploy("mlp", "flowmesh.examples:mlp", kwargs={"width": 8, "depth": 2}, seed=1)
-        models = httpx.get(f"{url}/v1/models", timeout=30)
-        assert models.status_code == 200, models.text
-        assert [m["id"] for m in models.json()["data"]] == ["mlp"]
+        model = httpx.get(f"{url}/v2/models/mlp", timeout=30)
+        assert model.status_code == 200, model.text
+        assert model.json()["name"] == "mlp"
         big = httpx.post(f"{url}/v2/models/mlp/infer", content=b"x" * 2000, timeout=30)
         assert big.status_code == 413, big.text
         up.send_signal(signal.SIGINT)
