@@ -5,6 +5,7 @@ the worker core's direct runs share this)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -115,7 +116,16 @@ def gen_input(
             raise FlowmeshError(
                 Code.BAD_REQUEST, f"{where}: token ids must be 1-D, got shape {tuple(x.shape)}"
             )
-        limits.check({name: x})
+        # Positions are each sequence's own (the broker keeps them within the model's table):
+        # the packed run is as long as all its sequences' new tokens together.
+        replace(limits, positions=None).check({name: x})
+        for s in gen.seqs:
+            if limits.positions is not None and s.start + s.count > limits.positions:
+                raise FlowmeshError(
+                    Code.BAD_REQUEST,
+                    f"{where}: sequence {s.seq} would take {s.start + s.count} positions, the "
+                    f"model takes at most {limits.positions}",
+                )
     elif x.dim() != 2:
         raise FlowmeshError(
             Code.BAD_REQUEST, f"{where}: hidden states must be 2-D, got shape {tuple(x.shape)}"

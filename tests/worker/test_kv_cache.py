@@ -143,3 +143,23 @@ async def test_kv_past_the_models_share_is_refused_no_space_changing_nothing(lla
         await _iteration(ex, "lm", [_prefill(500, 127)], torch.tensor(long))
     assert err.value.code in (Code.TOO_BIG, Code.NO_SPACE)
     ex.close()
+
+
+async def test_a_learned_position_table_bounds_each_sequence_not_the_packed_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # GPT-2's 128 positions: two prompts of 70 in one iteration are 140 packed tokens, each
+    # within the table. The packed length was once checked as one sequence's, failing every
+    # call of such an iteration.
+    model = tiny_lm("gpt2")
+    ex = await _executor(saved_spec(model, tmp_path / "gpt2", "lm", kv_share=0.5), 8 * MIB)
+    a, b = prompts([70, 70])
+    tokens = await _iteration(ex, "lm", [_prefill(0, 70), _prefill(1, 70)], torch.tensor(a + b))
+    assert tokens.tolist() == [hf_greedy(model, a, 1)[0][0], hf_greedy(model, b, 1)[0][0]]
+    # A sequence of its own past the table is refused, named.
+    with pytest.raises(FlowmeshError) as err:
+        step = SeqStep(seq=0, start=70, count=59, sampling=Sampling())
+        await _iteration(ex, "lm", [step], torch.ones(59, dtype=torch.long))
+    assert (err.value.code, err.value.reason) == (
+        Code.BAD_REQUEST,
+        "'lm'/0: sequence 0 would take 129 positions, the model takes at most 128",
+    )
+    ex.close()
