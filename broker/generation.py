@@ -631,8 +631,13 @@ class GenerationRoom:
             gm.waiting.extendleft(reversed(later))
         ready = [k for k in idle if k.running or any(j is k for _, j in admit)]
         if not ready:
-            if not g.busy() and not g.running():
-                gm.reps.remove(g)  # nothing on it: free for other models' stages
+            # Nothing on it: free for other models' stages, but while its `solo` verdict has
+            # sequences waiting to act on it (for their parked KV's answers, or for room): a
+            # GenRep made again would not know it and take them all at once again, the very
+            # iteration refused, resent as soon as they may join (a livelock).
+            pending = g.solo and bool(gm.waiting) and not g.rep.draining
+            if not g.busy() and not g.running() and not pending:
+                gm.reps.remove(g)
             return
         for n, k in enumerate(ready):
             # Each group's iteration is a run of its own on the replica's workers: it may

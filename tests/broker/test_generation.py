@@ -1484,6 +1484,110 @@ def test_a_sequence_stopped_as_it_resumes_from_its_parked_kv_is_freed_once_that_
     g.answered_once()
 
 
+def _park_answers(g: Gen, *seqs: int) -> Out:
+    """Each stage's worker says it parked `seqs`' KV (one answer to their one FreeSeqs with
+    park); what the last answer lets go out."""
+    out: Out = []
+    for stage, w in enumerate((g.w0, g.w1)):
+        answer = p.SeqsParked(model="lm", stage=stage, parked=list(seqs), dropped=[])
+        out += g.keep(g.h.backend(w, answer))
+    return out
+
+
+def _swaps_refused_together(g: Gen) -> tuple[int, int, p.Run]:
+    """a, b and c decode in one group; out of memory, c then b are preempted, each stage
+    parking their KV; a ends and b and c resume together from their KV, nothing else running
+    on the replica, and that iteration is refused: both are parked again (one FreeSeqs with
+    park), waiting for those answers. Returns b, c and the refused Run."""
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=3))
+    ((a, *_),) = steps(run)
+    assert g.generate(2, [[1, 6, 7], [1, 8]], max_tokens=4, addr=CLIENT_B) == []
+    run = run_of(g.step(run, [10]), g.w0)
+    (_, (b, *_), (c, *_)) = steps(run)
+    run = run_of(g.step(run, [11, 20, 30]), g.w0)
+    assert steps(run) == [(a, 3, 1, 2), (b, 3, 1, 1), (c, 2, 1, 1)]
+    out = no_space(g, run, g.w0)
+    run = run_of(out, g.w0)
+    assert out == [*parked(c), (BACKEND, g.w0, run)] and steps(run) == [(a, 3, 1, 2), (b, 3, 1, 1)]
+    out = no_space(g, run, g.w0)
+    run = run_of(out, g.w0)
+    assert out == [*parked(b), (BACKEND, g.w0, run)] and steps(run) == [(a, 3, 1, 2)]
+    assert _park_answers(g, c) == [] and _park_answers(g, b) == []
+    out = g.step(run, [12])
+    swapped = run_of(out, g.w0)
+    assert out == [
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10, 11, 12], "length", 2)])),
+        (BACKEND, g.w0, swapped),
+    ]
+    assert steps(swapped) == [(b, 3, 1, 1), (c, 2, 1, 1)] and ids_of(swapped) == [20, 30]
+    # Together they do not fit: parked again, nothing sent until their workers answer.
+    assert no_space(g, swapped, g.w0) == parked(b, c)
+    return b, c, swapped
+
+
+def test_resumed_sequences_refused_together_rejoin_one_at_a_time(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, gen_groups=1)
+    b, c, refused_run = _swaps_refused_together(g)
+    # Their workers parked them again: b alone resumes (the verdict on it), not the refused
+    # iteration again (that resent at once, answer after answer, was a livelock).
+    out = _park_answers(g, b, c)
+    run = run_of(out, g.w0)
+    assert out == [(BACKEND, g.w0, run)]
+    assert steps(run) == [(b, 3, 1, 1)] and steps(run) != steps(refused_run)
+    # b is back: c joins it, resumed from its own parked KV.
+    run = run_of(g.step(run, [21]), g.w0)
+    assert steps(run) == [(b, 4, 1, 2), (c, 2, 1, 1)]
+    run = run_of(g.step(run, [22, 31]), g.w0)
+    assert steps(run) == [(b, 5, 1, 3), (c, 3, 1, 2)]
+    out = g.step(run, [23, 32])
+    run = run_of(out, g.w0)
+    assert out == [*freed(b), (BACKEND, g.w0, run)] and steps(run) == [(c, 4, 1, 3)]
+    assert g.step(run, [33]) == [
+        *freed(c),
+        (
+            CLIENT,
+            CLIENT_B,
+            p.Generated(
+                id=2,
+                outputs=[
+                    out_of([20, 21, 22, 23], "length", 3),
+                    out_of([30, 31, 32, 33], "length", 2),
+                ],
+            ),
+        ),
+    ]
+    row = g.core.status(g.h.now).models[0]
+    assert (row.preemptions, row.swaps, row.recomputes) == (2, 2, 0)
+    assert g.core.generation.parked == {}
+    g.answered_once()
+
+
+def test_a_resumed_sequence_refused_alone_beside_another_model_waits_then_goes_alone(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    g = Gen(lm_dir, files, gen_groups=1)
+    _beside_ranker(g)
+    b, c, _ = _swaps_refused_together(g)
+    run = run_of(_park_answers(g, b, c), g.w0)
+    assert steps(run) == [(b, 3, 1, 1)]
+    # Alone and refused beside another model's stage: parked again, it waits for room; nothing
+    # is sent again before KV_RETRY_S has passed (nothing freed meanwhile) ...
+    assert no_space(g, run, g.w0) == parked(b)
+    assert _park_answers(g, b) == [] and g.tick(KV_RETRY_S / 2) == []
+    # ... and then b alone tries again, not b and c together.
+    run = run_of(g.tick(KV_RETRY_S), g.w0)
+    assert steps(run) == [(b, 3, 1, 1)]
+    run = run_of(g.step(run, [21]), g.w0)
+    assert steps(run) == [(b, 4, 1, 2), (c, 2, 1, 1)]
+    assert g.core.generation.by_model["lm"].room_wait == ""
+    g.client(p.StopGenerate(id=2), CLIENT_B)
+    g.step(run, [22, 31])
+    g.answered_once()
+
+
 def test_a_stopped_prefill_out_of_memory_is_no_verdict_on_the_call(
     lm_dir: Path, files: LmFiles
 ) -> None:
