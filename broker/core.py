@@ -412,6 +412,9 @@ class BrokerCore:
                 # so a client that reconnects comes under another address: nobody reads this
                 # call again. It stops as a StopGenerate would, its KV freed; only this call.
                 self.generation.client_gone(addr, msg.id, now)
+            elif exc.code == Code.UNAVAILABLE and isinstance(msg, p.Heartbeat):
+                # The probe of a client with blocking calls running: all of them, as above.
+                self.generation.clients_gone(addr, now)
             return  # the client's own timeout answers it
         if exc.code == Code.UNAVAILABLE:  # PeerGone
             self.peer_unreachable(addr, now)

@@ -89,6 +89,10 @@ PARK_WAIT_S = 1.0
 # How long a model whose lone sequence found no KV room beside other models waits before it
 # tries again when no sequence frees memory meanwhile (each try is one refused Run).
 KV_RETRY_S = 0.25
+# How often the client of a blocking (not streamed) call is sent a heartbeat while its call
+# runs: nothing else goes to it before the answer, and a client gone (its process killed)
+# would otherwise hold its sequences and their KV until they end (`client_gone`).
+CLIENT_PROBE_S = 2.0
 
 
 @dataclass(eq=False)
@@ -105,6 +109,7 @@ class Call:
     deadline: float
     seqs: list[Seq] = field(default_factory=list)
     answered: bool = False
+    probed: float = 0.0  # when its client was last sent a heartbeat (`probe_clients`)
 
 
 @dataclass(eq=False)
@@ -370,10 +375,10 @@ class GenerationRoom:
         self.pump(now)
 
     def client_gone(self, addr: bytes, client_id: int, now: float) -> None:
-        """A chunk of call `client_id` could not reach its client, gone: the call ends as
-        `stop` ends it (its sequences "stop", their KV freed, never under an iteration that
-        holds them), answered to nobody (nobody would read it); its client's other calls run
-        on. A late or unknown one changes nothing."""
+        """A chunk of call `client_id` (or a heartbeat) could not reach its client, gone: the
+        call ends as `stop` ends it (its sequences "stop", their KV freed, never under an
+        iteration that holds them), answered to nobody (nobody would read it); its client's
+        other calls run on. A late or unknown one changes nothing."""
         call = self.calls.get((addr, client_id))
         if call is None:
             return
@@ -513,7 +518,29 @@ class GenerationRoom:
                     f"({ended} of {len(call.seqs)} sequences ended)"
                     + (f"; waiting for {gm.room_wait}" if waited else ""),
                 )
+        self.probe_clients(now)
         self.pump(now)
+
+    def probe_clients(self, now: float) -> None:
+        """A heartbeat to each client with a blocking call running for CLIENT_PROBE_S since it
+        came or was last probed: one the ROUTER cannot deliver (the client is gone) stops its
+        calls (`clients_gone`). Streamed calls need none: their chunks tell."""
+        due = {
+            c.client
+            for c in self.calls.values()
+            if not c.stream and now - max(c.arrived, c.probed) >= CLIENT_PROBE_S
+        }
+        for call in self.calls.values():
+            if call.client in due:
+                call.probed = now
+        for addr in due:
+            self.ctx.to_client(addr, p.Heartbeat())
+
+    def clients_gone(self, addr: bytes, now: float) -> None:
+        """A heartbeat could not reach client `addr`: each of its calls ends as `client_gone`
+        ends one."""
+        for client, client_id in [k for k in self.calls if k[0] == addr]:
+            self.client_gone(client, client_id, now)
 
     def _timeout(self, msg: p.Generate | p.TokenizerInfo) -> float:
         ms = getattr(msg, "timeout_ms", None)

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from broker.core import BACKEND, CLIENT
-from broker.generation import KV_RETRY_S, PARK_WAIT_S
+from broker.generation import CLIENT_PROBE_S, KV_RETRY_S, PARK_WAIT_S
 from broker.lm_files import LmFiles, read_lm_files
 from broker.state import Phase, Residency
 from flowmesh import protocol as p
@@ -636,6 +636,40 @@ def test_a_stream_whose_client_is_gone_stops_and_frees_its_kv(lm_dir: Path, file
         (CLIENT, CLIENT_A, p.Generated(id=2, outputs=[out_of([20, 21, 22], "length", 2)])),
     ]
     assert g.finals(1) == [] and g.core.generation.calls == {} and g.core.ctx.outstanding == {}
+
+
+def test_a_blocking_calls_client_is_probed_and_its_calls_stop_once_it_is_gone(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    # Nothing goes to the client of a blocking call before its answer: a heartbeat every
+    # CLIENT_PROBE_S tells whether it is still there (a killed client's calls held their KV to
+    # their end). Its clients, not the workers: those beats are the core's own.
+    g = Gen(lm_dir, files, gen_groups=1)
+    run = g.first(g.generate(1, [[1, 5]], max_tokens=50))
+    ((a, *_),) = steps(run)
+    assert g.generate(2, [[1, 6]], max_tokens=50, addr=CLIENT_B) == []
+
+    def probed(now: float) -> list[bytes]:
+        g.h.now = now
+        g.core.tick(now)
+        out = g.h.out()
+        return [addr for dest, addr, m in out if dest == CLIENT and isinstance(m, p.Heartbeat)]
+
+    assert probed(CLIENT_PROBE_S - 0.1) == []
+    assert sorted(probed(CLIENT_PROBE_S)) == sorted([CLIENT_A, CLIENT_B])
+    assert probed(CLIENT_PROBE_S + 1) == []  # not again before another CLIENT_PROBE_S
+    # A's heartbeat finds it gone: its call stops, answered to nobody, its KV freed once the
+    # iteration holding it is back; B's runs on.
+    g.core.send_failed(CLIENT, CLIENT_A, p.Heartbeat(), PeerGone("peer is not connected"), 2.0)
+    assert g.keep(g.h.out()) == []
+    out = g.step(run, [10])
+    run = run_of(out, g.w0)
+    (b,) = [s for s, *_ in steps(run)]
+    assert b != a and [m for _, _, m in out if isinstance(m, p.FreeSeqs)] == [
+        m for _, _, m in freed(a)
+    ]
+    assert probed(2 * CLIENT_PROBE_S) == [CLIENT_B]
+    assert g.finals(1) == [] and list(g.core.generation.calls) == [(CLIENT_B, 2)]
 
 
 # ====================================================================== KV memory
