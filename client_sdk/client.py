@@ -266,7 +266,8 @@ class AsyncClient:
 
         The prompt, one of: `prompt`, text (or a list of texts), encoded with the model's
         tokenizer as the model's own would (its bos and such); `ids`, token ids (or a list of
-        lists); `messages`, a chat ([{"role": ..., "content": ...}, ...], or a list of chats)
+        lists; a numpy or torch integer array too, 1-D for one prompt, 2-D for a batch);
+        `messages`, a chat ([{"role": ..., "content": ...}, ...], or a list of chats)
         written with the model's chat template, ready for the assistant's answer.
         Up to `max_tokens` new tokens each: the most likely token at `temperature` 0, else a
         draw cut to the `top_k` most likely (0: no cut) and then to the smallest set whose

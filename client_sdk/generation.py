@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,79 @@ def _stops(stop: str | Sequence[str] | None) -> list[str]:
     return stops
 
 
+def _bad_ids(why: str) -> BadRequest:
+    return BadRequest(Code.BAD_REQUEST, f"generate: {why}")
+
+
+def _items(x: Any) -> list[Any] | None:
+    """`x`'s items when it is a sequence (a list or tuple, a numpy or torch array: its values
+    as Python's), None when it is one value (an int, a numpy or torch scalar, a string)."""
+    if hasattr(x, "tolist") and callable(x.tolist):  # numpy / torch, array.array
+        x = x.tolist()
+    if isinstance(x, str | bytes | bytearray | dict) or not isinstance(x, Iterable):
+        return None
+    return list(x)
+
+
+def _id(x: Any, where: str) -> int:
+    """Token id `x` (at `where`, named in the refusal) as a Python int: an int, a numpy or torch
+    integer scalar, anything with `__index__`; never a bool, a float or a sequence."""
+    if hasattr(x, "tolist") and callable(x.tolist):  # numpy / torch scalars: Python's
+        x = x.tolist()
+    if isinstance(x, bool):
+        raise _bad_ids(f"{where} is a bool ({x}), not a token id (ids are ints)")
+    if isinstance(x, float):
+        raise _bad_ids(f"{where} is a float ({x!r}), not a token id (ids are ints)")
+    if _items(x) is not None:
+        raise _bad_ids(
+            f"{where} is of type {type(x).__name__}: ids are one prompt (a sequence of ints) or a "
+            f"batch (a sequence of such sequences), nested no deeper"
+        )
+    try:
+        token = operator.index(x)
+    except TypeError:
+        raise _bad_ids(
+            f"{where} is of type {type(x).__name__}, not a token id (ids are ints)"
+        ) from None
+    if not 0 <= token < p.TOKEN_ID_LIMIT:
+        raise _bad_ids(f"token id {token} is outside 0..{p.TOKEN_ID_LIMIT - 1} ({where})")
+    return token
+
+
+def _ids(ids: Any) -> tuple[list[list[int]], bool]:
+    """`ids=` as the prompts' token ids, and whether it is a batch: a sequence of ints is one
+    prompt, a sequence of such sequences a batch (a numpy or torch integer array: 1-D, one
+    prompt; 2-D, a batch). BadRequest naming what else it holds: a bool, a float, a string,
+    deeper nesting, ids mixed with sequences."""
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None:  # an array: of ints, or refused as a whole
+        name = str(dtype).removeprefix("torch.")
+        if name.startswith(("bool", "float", "bfloat", "half", "double", "complex")):
+            raise _bad_ids(
+                f"ids is of type {type(ids).__name__} with dtype {name}: token ids are ints "
+                "(an integer array)"
+            )
+    top = _items(ids)
+    if top is None:
+        raise _bad_ids(
+            f"ids is of type {type(ids).__name__}: it must be a sequence of token ids (one "
+            "prompt) or a sequence of such sequences (a batch)"
+        )
+    rows = [_items(x) for x in top]
+    batch = any(r is not None for r in rows)
+    if batch and not all(r is not None for r in rows):
+        first = next(i for i, r in enumerate(rows) if r is None)
+        raise _bad_ids(
+            f"ids mixes token ids and sequences of them (ids[{first}] is of type "
+            f"{type(top[first]).__name__}): give one prompt's ids, or a batch of such sequences"
+        )
+    if not batch:
+        return [[_id(x, f"ids[{j}]") for j, x in enumerate(top)]], False
+    return [
+        [_id(x, f"ids[{i}][{j}]") for j, x in enumerate(row or ())] for i, row in enumerate(rows)
+    ], True
+
+
 def _prompts(ask: GenAsk) -> tuple[str, list[Any], bool]:
     """What the prompts are ("text", "ids" or "chat"), one item per sequence, and whether the
     call is a batch (its result a list)."""
@@ -200,15 +274,7 @@ def _prompts(ask: GenAsk) -> tuple[str, list[Any], bool]:
         items, kind = list(ask.prompt) if batch else [ask.prompt], "text"
         ok = all(isinstance(t, str) for t in items)
     elif ask.ids is not None:
-        ids = list(ask.ids)
-        batch = bool(ids) and not isinstance(ids[0], int)
-        items, kind = [list(x) for x in ids] if batch else [ids], "ids"
-        ok = all(isinstance(i, int) for x in items for i in x)
-        bad = next((i for x in items for i in x if ok and not 0 <= i < p.TOKEN_ID_LIMIT), None)
-        if bad is not None:
-            raise BadRequest(
-                Code.BAD_REQUEST, f"generate: token id {bad} is outside 0..{p.TOKEN_ID_LIMIT - 1}"
-            )
+        (items, batch), kind, ok = _ids(ask.ids), "ids", True
     else:
         chats = list(ask.messages or [])
         batch = bool(chats) and not isinstance(chats[0], dict)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+import torch
+
 from client_sdk.errors import BadRequest
-from client_sdk.generation import Chunk, GenAsk, GenRun, _SeqText
+from client_sdk.generation import Chunk, GenAsk, GenRun, _prompts, _SeqText
 from flowmesh import protocol as p
 from flowmesh.errors import Code
 from flowmesh.modelio.tokenizer import TextCodec
@@ -139,3 +142,54 @@ def test_what_the_client_refuses_is_a_typed_bad_request() -> None:
         exc = _refusal(ask)
         assert isinstance(exc, BadRequest) and exc.code == Code.BAD_REQUEST, (ask, exc)
         assert words in exc.reason, (words, exc.reason)
+
+
+def test_ids_take_any_sequence_of_ints_numpy_and_torch_arrays_included() -> None:
+    """A tokenizer's output as it comes (`return_tensors="np"` or "pt"), or numpy ints in a list:
+    1-D is one prompt, 2-D a batch, every id a Python int (once a raw TypeError, or a
+    misleading BadRequest for 2-D)."""
+    one = [[1, 5, 6]]
+    cases = [
+        ([1, 5, 6], one, False),
+        ((1, 5, 6), one, False),
+        (range(1, 4), [[1, 2, 3]], False),
+        (np.array([1, 5, 6]), one, False),
+        (np.array([1, 5, 6], dtype=np.uint16), one, False),
+        (torch.tensor([1, 5, 6]), one, False),
+        (torch.tensor([1, 5, 6], dtype=torch.int32), one, False),
+        ([np.int64(1), np.int32(5), torch.tensor(6)], one, False),
+        (np.array([[1, 5, 6], [2, 3, 4]]), [[1, 5, 6], [2, 3, 4]], True),
+        (torch.tensor([[1, 5, 6]]), one, True),
+        ([np.array([1, 5, 6]), torch.tensor([2, 3])], [[1, 5, 6], [2, 3]], True),
+        ([[1, 5, 6], (2, 3)], [[1, 5, 6], [2, 3]], True),
+    ]
+    for ids, prompts, batch in cases:
+        kind, items, is_batch = _prompts(GenAsk("lm", ids=ids))
+        assert (kind, items, is_batch) == ("ids", prompts, batch), ids
+        assert all(type(i) is int for x in items for i in x), (ids, items)
+
+
+def test_ids_that_are_not_ints_are_refused_naming_what_is_wrong() -> None:
+    """Bools, floats, strings and deeper nesting: a BadRequest before anything is sent (a bool
+    once went to the broker, which refused it as a bad message)."""
+    cases = [
+        ([True, 5], "ids[0] is a bool (True)"),
+        ([1, np.bool_(False)], "ids[1] is a bool (False)"),
+        ([[1, 2], [3, True]], "ids[1][1] is a bool (True)"),
+        ([1, 2.0], "ids[1] is a float (2.0)"),
+        (np.array([1.0, 2.0]), "ids is of type ndarray with dtype float64"),
+        (torch.tensor([[1.0]]), "ids is of type Tensor with dtype float32"),
+        (torch.tensor([True, False]), "ids is of type Tensor with dtype bool"),
+        ([[[1, 2]]], "ids[0][0] is of type list: ids are one prompt"),
+        (np.zeros((1, 2, 3), dtype=np.int64), "ids[0][0] is of type list"),
+        ([1, [2, 3]], "ids mixes token ids and sequences of them (ids[0] is of type int)"),
+        ("1 5 6", "ids is of type str"),
+        (7, "ids is of type int"),
+        ([1, None], "ids[1] is of type NoneType, not a token id"),
+        ([1, "5"], "ids[1] is of type str, not a token id"),
+        ([[1, -5]], "generate: token id -5 is outside 0.."),
+    ]
+    for ids, words in cases:
+        exc = _refusal(GenAsk("lm", ids=ids))
+        assert isinstance(exc, BadRequest) and exc.code == Code.BAD_REQUEST, (ids, exc)
+        assert exc.reason.startswith("generate: ") and words in exc.reason, (words, exc.reason)
