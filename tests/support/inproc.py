@@ -16,7 +16,8 @@ no child process (vLLM's in-process client idea).
 
 The real SDK runs on top unchanged: `client()` is a blocking `Client`, `async_client()` an
 `AsyncClient`, each over an `InProcConnection` (a `client_sdk.connection.Connection` whose
-`call` hands the frames to this loop instead of a socket). Callers may be on any thread or loop.
+`call` and `notify` hand the frames to this loop instead of a socket). Callers may be on any
+thread or loop.
 
 What needs real processes (transport, faults, restarts, keys, the CLI) stays in tests/mesh/.
 """
@@ -283,8 +284,9 @@ class InProcPartitioner(_Peer):
 
 class InProcConnection(Connection):
     """A `Connection` to an `InProcMesh`: the same calls, ids, limits checks and answers
-    (`Connection._dispatch`), with the frames handed to the mesh's loop instead of a socket.
-    Use it from one event loop (any thread's)."""
+    (`Connection._dispatch`), with the frames handed to the mesh's loop instead of a socket;
+    the messages the broker does not answer (`notify`: StopGenerate) too. Use it from one
+    event loop (any thread's)."""
 
     def __init__(self, mesh: InProcMesh, *, timeout: float, limits: p.Limits = p.DEFAULT_LIMITS):
         super().__init__(mesh.frontend, timeout=timeout, limits=limits)
@@ -293,6 +295,7 @@ class InProcConnection(Connection):
         self.contacted = True
         self.broker_limits = mesh.limits  # what its Welcome states
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     def deliver(self, frames: list[bytes]) -> None:
         """An answer from the broker (on the mesh's loop): read on the caller's."""
@@ -307,6 +310,7 @@ class InProcConnection(Connection):
         on_part: Callable[[p.Message], None] | None = None,
     ) -> p.Message:
         loop = self._loop = asyncio.get_running_loop()
+        self._closed = False  # a call after close connects again, as `Connection.call` does
         frames, nbytes = self._encode(msg)
         ref: int = msg.id  # type: ignore[attr-defined]
         pending = PendingCall(loop.create_future(), nbytes, msg.TYPE, on_part=on_part)
@@ -315,7 +319,23 @@ class InProcConnection(Connection):
         self.mesh.post(self.mesh.from_client, self, sent)
         return await self._answer(pending, ref, self.seconds(timeout))
 
+    def notify(self, msg: p.Message) -> bool:
+        """A message the broker does not answer (StopGenerate), to the broker's frontend after
+        the calls already on their way, as `Connection.notify` sends it on the socket: encoded
+        and checked against the limits alike; False once closed or when the mesh has stopped
+        (no connection)."""
+        if self._closed:
+            return False
+        try:
+            frames, _ = self._encode(msg)
+        except ClientError as exc:
+            log.warning("could not send %s: %s", msg.TYPE, exc.reason)
+            return False
+        sent = [bytes(memoryview(f).cast("B")) for f in frames]
+        return self.mesh.post(self.mesh.from_client, self, sent)
+
     async def close(self) -> None:
+        self._closed = True
         self.mesh.post(self.mesh.clients.pop, self.addr, None)
         self._fail_pending(ClientError(Code.UNAVAILABLE, "client closed"))
 
