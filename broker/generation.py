@@ -981,7 +981,7 @@ class GenerationRoom:
                 if freed:
                     return
                 if not self._beside(gm, g):
-                    self._too_big_alone(gm, s, reason)
+                    self._too_big_alone(gm, s, reason, now)
                     return
                 # Other models hold the room: it waits for theirs to free (`_wait_for_room`).
             k.running.remove(s)
@@ -998,7 +998,7 @@ class GenerationRoom:
         alone = len(prefills) == 1 and not others and not beside and live and not freed
         # (A prefill stopped while it ran says nothing of whether it fits: no verdict.)
         if alone and not self._beside(gm, g):
-            self._too_big_alone(gm, prefills[0], reason)
+            self._too_big_alone(gm, prefills[0], reason, now)
             return
         # The prefills wait again (their blocks freed on every stage; a resumed one's KV parked
         # again); the decodes run on. What that frees is only what this try took: no model
@@ -1054,9 +1054,21 @@ class GenerationRoom:
         training = [f"training on {peer.name}" for peer in peers if train_bytes_of(peer) > 0]
         return sorted(models) + training
 
-    def _too_big_alone(self, gm: GenModel, s: Seq, reason: str) -> None:
+    def _too_big_alone(self, gm: GenModel, s: Seq, reason: str, now: float) -> None:
         """`s` found no KV room with nothing else of its model running and nothing but its
-        model resident on its workers: it could never fit."""
+        model resident on its workers: it could never fit. One whose call set no max_tokens
+        (None: until the context is full) and that has new tokens ends there instead, "length":
+        the KV memory of its replica is as far as its context goes."""
+        if s.call.sampling.max_tokens is None and s.out:
+            log.info("model=%s seq=%d ends after %d tokens, its KV memory full: %s",
+                     gm.model.name, s.id, len(s.out), reason)  # fmt: skip
+            s.finish = "length"
+            if s.call.stream:
+                chunk = p.GenChunk(id=s.call.client_id, index=s.index, ids=[], finish="length")
+                self.ctx.to_client(s.call.client, chunk)
+            self._drop(s)
+            self._maybe_done(s.call, now)
+            return
         self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
 
     def _wait_for_room(self, gm: GenModel, g: GenRep, s: Seq, reason: str, now: float) -> None:

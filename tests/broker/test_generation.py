@@ -940,6 +940,23 @@ def test_a_prefill_alone_on_a_worker_that_trains_waits_for_room(
     assert steps(run) == [(a, 3, 1, 1)]
 
 
+def test_a_sequence_with_no_max_tokens_ends_length_where_its_kv_memory_ends(
+    lm_dir: Path, files: LmFiles
+) -> None:
+    # max_tokens None (OpenAI's chat without one) runs to the context's end; a replica whose KV
+    # memory ends first ends it there, "length", with the tokens it has, not TOO_BIG.
+    g = Gen(lm_dir, files)
+    run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=None, stream=True))
+    ((a, *_),) = steps(run)
+    run = run_of(g.step(run, [10]), g.w0)
+    assert no_space(g, g.stage0(run), g.w1) == [
+        (CLIENT, CLIENT_A, p.GenChunk(id=1, index=0, ids=[], finish="length")),
+        *freed(a),
+        (CLIENT, CLIENT_A, p.Generated(id=1, outputs=[out_of([10], "length", 3)])),
+    ]
+    g.answered_once()
+
+
 def test_a_prefill_that_fails_alone_is_too_big(lm_dir: Path, files: LmFiles) -> None:
     g = Gen(lm_dir, files)
     run = g.first(g.generate(1, [[1, 5, 6]], max_tokens=4))
