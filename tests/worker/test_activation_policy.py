@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import gc
 import math
+import threading
 import weakref
 from typing import Any
 
@@ -216,8 +218,14 @@ def test_a_failed_step_and_a_closed_job_give_their_stashes_room_back(policy: str
     with pytest.raises(FlowmeshError, match="loss is nan"):
         ex.step("mlp", torch.full_like(x, math.nan), y)
     assert room.kept_bytes > 0 and room.used == 0, room.stats()
+    # The close comes before any of these steps can end: the driver (one thread, taking its
+    # events in order) is held while they are sent and the close is queued behind them; a step
+    # ends only on events its lanes post later. (Sent unheld, a step could end first.)
+    held = threading.Event()
+    ex._post(lambda: held.wait(60))
     sent = [ex.submit("mlp", x, y) for x, y in more]
-    ex.close_job("mlp")
+    ex._post(functools.partial(ex._close_job, "mlp"))
+    held.set()
     for future in sent:
         with pytest.raises(FlowmeshError, match="was closed"):
             future.result(timeout=60)
