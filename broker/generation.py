@@ -89,9 +89,10 @@ PARK_WAIT_S = 1.0
 # How long a model whose lone sequence found no KV room beside other models waits before it
 # tries again when no sequence frees memory meanwhile (each try is one refused Run).
 KV_RETRY_S = 0.25
-# How often the client of a blocking (not streamed) call is sent a heartbeat while its call
-# runs: nothing else goes to it before the answer, and a client gone (its process killed)
-# would otherwise hold its sequences and their KV until they end (`client_gone`).
+# How often the client of a call is sent a heartbeat while the call runs: nothing goes to the
+# client of a blocking call before its answer, nor to a streamed one's while it waits in the
+# queue, and a client gone (its process killed) would otherwise hold its sequences and their KV
+# until they end (`client_gone`).
 CLIENT_PROBE_S = 2.0
 
 
@@ -522,14 +523,11 @@ class GenerationRoom:
         self.pump(now)
 
     def probe_clients(self, now: float) -> None:
-        """A heartbeat to each client with a blocking call running for CLIENT_PROBE_S since it
-        came or was last probed: one the ROUTER cannot deliver (the client is gone) stops its
-        calls (`clients_gone`). Streamed calls need none: their chunks tell."""
-        due = {
-            c.client
-            for c in self.calls.values()
-            if not c.stream and now - max(c.arrived, c.probed) >= CLIENT_PROBE_S
-        }
+        """A heartbeat to each client with a call running for CLIENT_PROBE_S since it came or
+        was last probed (checked at each tick): one the ROUTER cannot deliver (the client is
+        gone) stops its calls (`clients_gone`), as an undeliverable chunk stops a stream."""
+        calls = self.calls.values()
+        due = {c.client for c in calls if now - max(c.arrived, c.probed) >= CLIENT_PROBE_S}
         for call in self.calls.values():
             if call.client in due:
                 call.probed = now

@@ -638,16 +638,18 @@ def test_a_stream_whose_client_is_gone_stops_and_frees_its_kv(lm_dir: Path, file
     assert g.finals(1) == [] and g.core.generation.calls == {} and g.core.ctx.outstanding == {}
 
 
-def test_a_blocking_calls_client_is_probed_and_its_calls_stop_once_it_is_gone(
+def test_a_calls_client_is_probed_and_its_calls_stop_once_it_is_gone(
     lm_dir: Path, files: LmFiles
 ) -> None:
-    # Nothing goes to the client of a blocking call before its answer: a heartbeat every
-    # CLIENT_PROBE_S tells whether it is still there (a killed client's calls held their KV to
-    # their end). Its clients, not the workers: those beats are the core's own.
+    # Nothing goes to the client of a blocking call before its answer (nor of a streamed one
+    # waiting in the queue): a heartbeat every CLIENT_PROBE_S tells whether it is still there
+    # (a killed client's calls held their KV to their end). Clients, not the workers: those
+    # beats are the core's own.
     g = Gen(lm_dir, files, gen_groups=1)
     run = g.first(g.generate(1, [[1, 5]], max_tokens=50))
     ((a, *_),) = steps(run)
-    assert g.generate(2, [[1, 6]], max_tokens=50, addr=CLIENT_B) == []
+    # B's is streamed, but waits in the queue: no chunk would tell either.
+    assert g.generate(2, [[1, 6]], max_tokens=50, addr=CLIENT_B, stream=True) == []
 
     def probed(now: float) -> list[bytes]:
         g.h.now = now
