@@ -365,13 +365,7 @@ class GenerationRoom:
         wanted = range(len(call.seqs)) if msg.indexes is None else msg.indexes
         for i in wanted:
             if i < len(call.seqs) and call.seqs[i].finish is None:
-                seq = call.seqs[i]
-                seq.finish = "stop"
-                if call.stream:
-                    self.ctx.to_client(
-                        call.client, p.GenChunk(id=call.client_id, index=i, ids=[], finish="stop")
-                    )
-                self._drop(seq)
+                self._end(call.seqs[i], "stop")
         self._maybe_done(call, now)
         self.pump(now)
 
@@ -1060,11 +1054,7 @@ class GenerationRoom:
         if s.call.sampling.max_tokens is None and s.out:
             log.info("model=%s seq=%d ends after %d tokens, its KV memory full: %s",
                      gm.model.name, s.id, len(s.out), reason)  # fmt: skip
-            s.finish = "length"
-            if s.call.stream:
-                chunk = p.GenChunk(id=s.call.client_id, index=s.index, ids=[], finish="length")
-                self.ctx.to_client(s.call.client, chunk)
-            self._drop(s)
+            self._end(s, "length")
             self._maybe_done(s.call, now)
             return
         self._fail_call(s.call, Code.TOO_BIG, self._too_big(gm, s, reason, alone=True))
@@ -1174,6 +1164,15 @@ class GenerationRoom:
         return restarted
 
     # ================================================================== ending
+
+    def _end(self, s: Seq, finish: str) -> None:
+        """End `s` between its tokens (`finish`, told in a last empty chunk to a stream) and
+        drop it; its call is answered by `_maybe_done` once all of its sequences ended."""
+        s.finish = finish
+        if s.call.stream:
+            chunk = p.GenChunk(id=s.call.client_id, index=s.index, ids=[], finish=finish)
+            self.ctx.to_client(s.call.client, chunk)
+        self._drop(s)
 
     def _drop(self, s: Seq) -> None:
         """Take an ended sequence out of the model's tables; free its KV (parked copies too)
