@@ -615,10 +615,8 @@ class Connection:
         sock = self._sock
         if sock is None or not self._known:
             return False
-        try:
-            frames, _ = self._encode(msg)
-        except ClientError as exc:
-            log.warning("could not send %s: %s", msg.TYPE, exc.reason)
+        frames = self._encode_notice(msg)
+        if frames is None:
             return False
         if self._outbox is not None and self._outbox_sock is sock:
             self._outbox.append((0, frames))  # behind this loop turn's calls (no call id is 0)
@@ -629,6 +627,15 @@ class Connection:
             log.info("could not send %s to %s: %s", msg.TYPE, self.address, exc)
             return False
         return True
+
+    def _encode_notice(self, msg: p.Message) -> list[Any] | None:
+        """`notify`'s frames for `msg`, checked against the limits; None (logged) if over."""
+        try:
+            frames, _ = self._encode(msg)
+        except ClientError as exc:
+            log.warning("could not send %s: %s", msg.TYPE, exc.reason)
+            return None
+        return frames
 
     def _no_contact(self, ref: int, wait: float) -> None:
         """Call `ref`'s connect timeout: if it still waits for the first contact with a broker

@@ -315,8 +315,7 @@ class InProcConnection(Connection):
         ref: int = msg.id  # type: ignore[attr-defined]
         pending = PendingCall(loop.create_future(), nbytes, msg.TYPE, on_part=on_part)
         self._pending[ref] = pending
-        sent = [bytes(memoryview(f).cast("B")) for f in frames]  # as a socket copies them
-        self.mesh.post(self.mesh.from_client, self, sent)
+        self.mesh.post(self.mesh.from_client, self, _copied(frames))
         return await self._answer(pending, ref, self.seconds(timeout))
 
     def notify(self, msg: p.Message) -> bool:
@@ -326,13 +325,8 @@ class InProcConnection(Connection):
         (no connection)."""
         if self._closed:
             return False
-        try:
-            frames, _ = self._encode(msg)
-        except ClientError as exc:
-            log.warning("could not send %s: %s", msg.TYPE, exc.reason)
-            return False
-        sent = [bytes(memoryview(f).cast("B")) for f in frames]
-        return self.mesh.post(self.mesh.from_client, self, sent)
+        frames = self._encode_notice(msg)
+        return frames is not None and self.mesh.post(self.mesh.from_client, self, _copied(frames))
 
     async def close(self) -> None:
         self._closed = True
@@ -609,3 +603,8 @@ def inproc_mesh(
     options = {k: v() if callable(v) else v for k, v in options.items()}
     with InProcMesh(**options) as m:
         yield m
+
+
+def _copied(frames: list[Any]) -> list[bytes]:
+    """The frames as bytes of their own, as a socket copies them."""
+    return [bytes(memoryview(f).cast("B")) for f in frames]
